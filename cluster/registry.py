@@ -1,0 +1,62 @@
+"""Model registry: a model name -> its LM adapter, codec adapter and defaults.
+
+Engines, deployments and the CLI resolve `ModelConfig.name` here; unknown names raise an
+error listing the valid ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from cluster.config import ModelConfig
+from cluster.errors import InvalidArgumentError
+from detok_stage.codecs.base import CodecAdapter
+from llm_stage.models.base import LMAdapter
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    name: str
+    description: str
+    build_lm: Callable[[ModelConfig], LMAdapter]
+    build_codec: Callable[[ModelConfig, str], CodecAdapter]
+    needs_checkpoint: bool
+
+
+def _orpheus_lm(config: ModelConfig) -> LMAdapter:
+    from llm_stage.models.orpheus import OrpheusAdapter
+
+    return OrpheusAdapter.build(config)
+
+
+def _snac(config: ModelConfig, device: str) -> CodecAdapter:
+    from detok_stage.codecs.snac_codec import SnacCodec
+
+    return SnacCodec.build(config, device)
+
+
+REGISTRY: dict[str, ModelEntry] = {
+    "orpheus-tiny": ModelEntry(
+        "orpheus-tiny", "Orpheus layout, small random-weight Llama + small SNAC (built in code)",
+        _orpheus_lm, _snac, needs_checkpoint=False,
+    ),
+    "orpheus": ModelEntry(
+        "orpheus", "Orpheus 3B (Llama-3.2-3B HF checkpoint) + SNAC 24 kHz, from local directories",
+        _orpheus_lm, _snac, needs_checkpoint=True,
+    ),
+}  # fmt: skip
+
+
+def get_entry(name: str) -> ModelEntry:
+    if name not in REGISTRY:
+        raise InvalidArgumentError("model", f"unknown model {name!r}; valid models: {', '.join(sorted(REGISTRY))}")
+    return REGISTRY[name]
+
+
+def check_model_config(config: ModelConfig) -> ModelEntry:
+    """Resolve the entry and check that checkpoint-backed models name their directories."""
+    entry = get_entry(config.name)
+    if entry.needs_checkpoint and (config.checkpoint_dir is None or config.codec_dir is None):
+        raise InvalidArgumentError("model.checkpoint_dir", f"{config.name} loads weights from local directories")
+    return entry

@@ -1,0 +1,1 @@
+"""Detokenizer stage: batched codec decoding of token chunks from many requests."""

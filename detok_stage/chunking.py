@@ -1,0 +1,87 @@
+"""Chunk schedules and the per-request chunker that cuts a frame stream into TokenChunks.
+
+A chunk keeps frames [s, e) and carries `left_context_frames` before and `right_context_frames`
+after (clipped at the stream's edges), so a cold detokenizer decodes it on its own. Used on the
+LLM side (in-process pipeline and LLMStage) to decide when a chunk is ready.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cluster.config import DetokConfig
+from cluster.types import TokenChunk
+
+
+@dataclass(frozen=True)
+class ChunkSchedule:
+    first_chunk_frames: int
+    chunk_frames: int
+    left_context_frames: int
+    right_context_frames: int
+
+    @classmethod
+    def from_config(cls, config: DetokConfig) -> ChunkSchedule:
+        if config.schedule == "reference":  # Orpheus' own: 4-frame window, keep its 2nd frame
+            return cls(first_chunk_frames=1, chunk_frames=1, left_context_frames=1, right_context_frames=2)
+        return cls(
+            config.first_chunk_frames, config.chunk_frames, config.left_context_frames, config.right_context_frames
+        )
+
+    def chunk_size(self, seq: int) -> int:
+        return self.first_chunk_frames if seq == 0 else self.chunk_frames
+
+    @property
+    def decode_factor(self) -> float:
+        """Steady-state frames decoded per frame emitted."""
+        return (self.left_context_frames + self.chunk_frames + self.right_context_frames) / self.chunk_frames
+
+
+class Chunker:
+    """Accumulates one request's frames and emits ready TokenChunks in seq order."""
+
+    def __init__(self, req_id: str, schedule: ChunkSchedule) -> None:
+        self.req_id = req_id
+        self.schedule = schedule
+        self._frames: list[list[int]] = []
+        self._base = 0  # absolute index of self._frames[0]; older frames are dropped
+        self._emitted = 0  # frames already covered by chunks
+        self._seq = 0
+        self.is_finished = False
+
+    @property
+    def num_frames(self) -> int:
+        return self._base + len(self._frames)
+
+    def push(self, frames: list[list[int]]) -> list[TokenChunk]:
+        self._frames.extend(frames)
+        chunks = []
+        while True:
+            end = self._emitted + self.schedule.chunk_size(self._seq)
+            if self.num_frames < end + self.schedule.right_context_frames:
+                return chunks
+            chunks.append(self._cut(end, is_final=False))
+
+    def finish(self) -> list[TokenChunk]:
+        """Flush the remaining frames (right context clipped at the end); the last chunk is final."""
+        chunks = []
+        while self.num_frames - self._emitted > self.schedule.chunk_size(self._seq):
+            chunks.append(self._cut(self._emitted + self.schedule.chunk_size(self._seq), is_final=False))
+        chunks.append(self._cut(self.num_frames, is_final=True))
+        self.is_finished = True
+        return chunks
+
+    def _cut(self, end: int, is_final: bool) -> TokenChunk:
+        start = self._emitted
+        window_start = max(0, start - self.schedule.left_context_frames)
+        window_end = min(self.num_frames, end + self.schedule.right_context_frames)
+        frames = self._frames[window_start - self._base : window_end - self._base]
+        chunk = TokenChunk(self.req_id, self._seq, frames, window_start, start, end, is_final)
+        self._emitted, self._seq = end, self._seq + 1
+        self._trim()
+        return chunk
+
+    def _trim(self) -> None:
+        keep_from = max(self._base, self._emitted - self.schedule.left_context_frames)
+        del self._frames[: keep_from - self._base]
+        self._base = keep_from

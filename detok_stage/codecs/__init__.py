@@ -1,0 +1,1 @@
+"""Codec adapters: the detokenizer side of each model family."""

@@ -1,0 +1,35 @@
+"""The codec-adapter contract the detokenizer engine drives.
+
+An adapter knows its frame layout (codes per frame, samples per frame, sample rate), validates
+codes, and decodes a batch of equal-length frame windows to float audio in one forward.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class CodecAdapter(ABC):
+    codes_per_frame: int
+    samples_per_frame: int
+    sample_rate_hz: int
+    codebook_size: int
+
+    @abstractmethod
+    def decode(self, frames: torch.Tensor) -> torch.Tensor:
+        """frames [B, n, codes_per_frame] (long) -> audio [B, n * samples_per_frame] float in [-1, 1]."""
+
+    def check_frames(self, frames: list[list[int]]) -> str | None:
+        """Return a description of the first invalid frame, or None when all decode."""
+        for index, frame in enumerate(frames):
+            if len(frame) != self.codes_per_frame:
+                return f"frame {index} has {len(frame)} codes, expected {self.codes_per_frame}"
+            if any(code < 0 or code >= self.codebook_size for code in frame):
+                return f"frame {index} has a code outside [0, {self.codebook_size})"
+        return None
+
+    @property
+    def frame_duration_s(self) -> float:
+        return self.samples_per_frame / self.sample_rate_hz

@@ -1,0 +1,122 @@
+"""Detokenizer engine: decodes ready TokenChunks from many requests in batched forwards.
+
+`submit` queues a chunk (validated), `step` decodes up to `max_batch_chunks` of them (windows of
+equal length share one forward), crops each to its kept frames and returns PCM16 AudioChunks
+in per-request seq order; `release` drops a request's state. Usable in-process without Ray.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from cluster.config import DetokConfig
+from cluster.errors import InvalidArgumentError
+from cluster.types import AudioChunk, TokenChunk
+from detok_stage.codecs.base import CodecAdapter
+
+
+def to_pcm16(audio: torch.Tensor) -> bytes:
+    """float [-1, 1] -> little-endian int16 bytes (clipped)."""
+    return (audio.clamp(-1.0, 1.0) * 32767.0).round().to(torch.int16).numpy().astype("<i2").tobytes()
+
+
+@dataclass
+class _RequestState:
+    next_seq: int = 0  # next seq to hand out, so a request's audio leaves in order
+    done: dict[int, AudioChunk] = field(default_factory=dict)
+
+
+@dataclass
+class _Pending:
+    chunk: TokenChunk
+    submitted_s: float
+
+
+class DetokEngine:
+    def __init__(self, codec: CodecAdapter, config: DetokConfig) -> None:
+        self.codec = codec
+        self.config = config
+        self._queue: list[_Pending] = []
+        self._states: dict[str, _RequestState] = defaultdict(_RequestState)
+        self.num_decoded_frames = 0  # frames through the codec, context included
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._queue)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._states)
+
+    def submit(self, chunk: TokenChunk) -> None:
+        problem = self.codec.check_frames(chunk.frames)
+        if problem is not None:
+            raise InvalidArgumentError("frames", f"request {chunk.req_id} chunk {chunk.seq}: {problem}")
+        self._states[chunk.req_id]  # noqa: B018  (creates the state)
+        self._queue.append(_Pending(chunk, time.monotonic()))
+
+    def release(self, req_id: str) -> None:
+        self._states.pop(req_id, None)
+        self._queue = [p for p in self._queue if p.chunk.req_id != req_id]
+
+    def step(self) -> list[AudioChunk]:
+        batch = self._select()
+        if not batch:
+            return []
+        decoded = self._decode(batch)
+        return self._release_in_order(decoded)
+
+    def _select(self) -> list[TokenChunk]:
+        self._queue.sort(key=lambda p: p.submitted_s)
+        picked, self._queue = self._queue[: self.config.max_batch_chunks], self._queue[self.config.max_batch_chunks :]
+        return [p.chunk for p in picked]
+
+    def _decode(self, chunks: list[TokenChunk]) -> list[AudioChunk]:
+        by_len: dict[int, list[TokenChunk]] = defaultdict(list)
+        for chunk in chunks:
+            if chunk.keep_end > chunk.keep_start:
+                by_len[chunk.num_frames].append(chunk)
+        audio: dict[tuple[str, int], torch.Tensor] = {}
+        for group in by_len.values():
+            frames = torch.tensor([c.frames for c in group], dtype=torch.long)  # [G, n, K]
+            for chunk, wave in zip(group, self.codec.decode(frames), strict=True):
+                audio[(chunk.req_id, chunk.seq)] = self._keep(chunk, wave)
+            self.num_decoded_frames += frames.shape[0] * frames.shape[1]
+        empty = torch.zeros(0)
+        return [self._audio_chunk(c, audio.get((c.req_id, c.seq), empty)) for c in chunks]
+
+    def _keep(self, chunk: TokenChunk, wave: torch.Tensor) -> torch.Tensor:
+        spf = self.codec.samples_per_frame
+        start = (chunk.keep_start - chunk.window_start) * spf
+        return wave[start : start + (chunk.keep_end - chunk.keep_start) * spf]
+
+    def _audio_chunk(self, chunk: TokenChunk, wave: torch.Tensor) -> AudioChunk:
+        return AudioChunk(
+            chunk.req_id, chunk.seq, to_pcm16(wave), self.codec.sample_rate_hz, chunk.is_final,
+            {"detok_done_s": time.time()},
+        )  # fmt: skip
+
+    def _release_in_order(self, decoded: list[AudioChunk]) -> list[AudioChunk]:
+        ready = []
+        for audio in decoded:
+            state = self._states.get(audio.req_id)
+            if state is None:  # released while decoding
+                continue
+            state.done[audio.seq] = audio
+            while state.next_seq in state.done:
+                out = state.done.pop(state.next_seq)
+                state.next_seq += 1
+                ready.append(out)
+                if out.is_final:
+                    self._states.pop(audio.req_id, None)
+                    break
+        return ready
+
+
+def pcm16_to_float(pcm: bytes) -> np.ndarray:
+    return np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32767.0

@@ -1,0 +1,1 @@
+"""LLM stage: continuous-batching engine (scheduler, KV slots, runner, sampler, model adapters)."""

@@ -1,0 +1,40 @@
+"""KV tensors for the slot cache, allocated once at start-up.
+
+Shape per layer: [num_slots + 1, kv_heads, max_seq_len, head_dim]; the extra last row is a
+scratch slot that padded tokens write into. Used by `llm_stage.models.llama.LlamaBackbone`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class SlotKVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        num_kv_heads: int,
+        max_seq_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        shape = (num_layers, num_slots + 1, num_kv_heads, max_seq_len, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.scratch_slot = num_slots
+        self.max_seq_len = max_seq_len
+
+    @property
+    def num_bytes(self) -> int:
+        return self.keys.numel() * self.keys.element_size() * 2
+
+    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """slots/positions: [N]; k/v: [N, kv_heads, head_dim]."""
+        self.keys[layer, slots, :, positions] = k
+        self.values[layer, slots, :, positions] = v
+
+    def read(self, layer: int, slots: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the first `length` positions of each slot: [B, kv_heads, length, head_dim]."""
+        return self.keys[layer, slots, :, :length], self.values[layer, slots, :, :length]

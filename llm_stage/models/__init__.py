@@ -1,0 +1,1 @@
+"""LM adapters: one per model family (prompt framing, backbone, logits head, stop ids)."""

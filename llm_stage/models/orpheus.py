@@ -1,0 +1,133 @@
+"""Orpheus family LM side: Llama backbone, Orpheus prompt framing and voices, SNAC token layout.
+
+A frame is 7 tokens over 3 SNAC levels; token id = 128266 + (k % 7) * 4096 + code. Sampling is
+restricted per frame slot: slot k % 7 may only emit its own 4096-code range, plus end-of-speech
+(128258) at frame boundaries, so every frame decodes. The logits head computes only those
+candidate columns (a contiguous slice of lm_head), which is the hot-path saving on 157k vocabs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from cluster.config import ModelConfig
+from cluster.types import SamplingParams
+from llm_stage.models.base import FrameBuilder, LMAdapter
+from llm_stage.models.llama import LlamaBackbone
+from llm_stage.models.tokenizers import ByteTokenizer, HFTokenizer, TextTokenizer
+from llm_stage.request import Request
+
+AUDIO_TOKEN_BASE = 128266
+CODES_PER_SLOT = 4096
+TOKENS_PER_FRAME = 7
+END_OF_SPEECH = 128258
+START_OF_HUMAN = 128259
+END_OF_TEXT = 128009
+END_OF_HUMAN = 128260
+START_OF_AI = 128261
+START_OF_SPEECH = 128257
+VOCAB_SIZE = 156940
+VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
+
+
+def tiny_llama_config(max_positions: int = 4096) -> LlamaConfig:
+    """The orpheus-tiny backbone: Orpheus vocab and layout, small Llama body."""
+    return LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        tie_word_embeddings=True,
+        bos_token_id=128000,
+        eos_token_id=END_OF_SPEECH,
+    )
+
+
+def build_llama(config: ModelConfig, preset: LlamaConfig) -> LlamaForCausalLM:
+    """Load a local HF checkpoint, or build the preset with random weights from `config.seed`."""
+    dtype = getattr(torch, config.dtype)
+    if config.checkpoint_dir is not None:
+        model = LlamaForCausalLM.from_pretrained(str(config.checkpoint_dir), dtype=dtype, local_files_only=True)
+    else:
+        torch.manual_seed(config.seed)
+        model = LlamaForCausalLM(preset).to(dtype)
+    return model.to(config.device).eval()
+
+
+def slot_of(num_generated: int) -> int:
+    return num_generated % TOKENS_PER_FRAME
+
+
+def code_of(token_id: int, slot: int) -> int:
+    return token_id - AUDIO_TOKEN_BASE - slot * CODES_PER_SLOT
+
+
+class OrpheusFrameBuilder(FrameBuilder):
+    def __init__(self) -> None:
+        self._codes: list[int] = []
+
+    def push(self, token_id: int) -> list[list[int]]:
+        self._codes.append(code_of(token_id, len(self._codes)))
+        if len(self._codes) < TOKENS_PER_FRAME:
+            return []
+        frame, self._codes = self._codes, []
+        return [frame]
+
+
+class OrpheusAdapter(LMAdapter):
+    family = "orpheus"
+    voices = VOICES
+    default_voice = "tara"
+    eos_token_ids = frozenset({END_OF_SPEECH})
+    default_sampling = SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.3, max_tokens=1200)
+
+    def __init__(self, backbone: LlamaBackbone, tokenizer: TextTokenizer) -> None:
+        super().__init__(backbone)
+        self.tokenizer = tokenizer
+
+    @classmethod
+    def build(cls, config: ModelConfig) -> OrpheusAdapter:
+        model = build_llama(config, tiny_llama_config())
+        tokenizer = HFTokenizer(Path(config.checkpoint_dir)) if config.checkpoint_dir else ByteTokenizer()
+        return cls(LlamaBackbone(model), tokenizer)
+
+    def format_prompt(self, text: str, voice: str | None) -> list[int]:
+        body = self.tokenizer.encode(f"{voice}: {text}" if voice else text)
+        return [START_OF_HUMAN, *body, END_OF_TEXT, END_OF_HUMAN, START_OF_AI, START_OF_SPEECH]
+
+    def logits(self, hidden: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row: the 4096 codes of its frame slot, plus an end-of-speech column (-inf off-boundary)."""
+        weight = self.backbone.lm_head_weight
+        out = torch.empty(hidden.shape[0], CODES_PER_SLOT + 1, dtype=torch.float32, device=hidden.device)
+        cand = torch.empty(out.shape, dtype=torch.long, device=hidden.device)
+        slots = torch.tensor([slot_of(len(r.output_ids)) for r in reqs])
+        for slot in slots.unique().tolist():
+            rows = torch.nonzero(slots == slot).flatten().to(hidden.device)
+            start = AUDIO_TOKEN_BASE + slot * CODES_PER_SLOT
+            out[rows, :CODES_PER_SLOT] = (hidden[rows] @ weight[start : start + CODES_PER_SLOT].T).float()
+            cand[rows, :CODES_PER_SLOT] = torch.arange(start, start + CODES_PER_SLOT, device=hidden.device)
+        out[:, CODES_PER_SLOT] = (hidden @ weight[END_OF_SPEECH]).float()
+        cand[:, CODES_PER_SLOT] = END_OF_SPEECH
+        may_stop = torch.tensor([len(r.output_ids) > 0 and slot_of(len(r.output_ids)) == 0 for r in reqs])
+        out[~may_stop.to(hidden.device), CODES_PER_SLOT] = float("-inf")
+        return out, cand
+
+    def new_frame_builder(self) -> OrpheusFrameBuilder:
+        return OrpheusFrameBuilder()
+
+
+def allowed_token_ids(num_generated: int) -> list[int]:
+    """The ids a request may emit after `num_generated` tokens (reference for tests and baselines)."""
+    slot = slot_of(num_generated)
+    start = AUDIO_TOKEN_BASE + slot * CODES_PER_SLOT
+    ids = list(range(start, start + CODES_PER_SLOT))
+    if num_generated > 0 and slot == 0:
+        ids.append(END_OF_SPEECH)
+    return ids

@@ -1,0 +1,35 @@
+"""Text tokenizers: a checkpoint's own (transformers AutoTokenizer from a local dir) or the
+built-in byte tokenizer used by the random-weight presets (no files, no downloads)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+
+class TextTokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes -> ids `offset + byte`, preceded by `bos_id`."""
+
+    def __init__(self, offset: int = 1000, bos_id: int | None = 128000) -> None:
+        self.offset = offset
+        self.bos_id = bos_id
+
+    def encode(self, text: str) -> list[int]:
+        ids = [self.offset + b for b in text.encode("utf-8")]
+        return ids if self.bos_id is None else [self.bos_id, *ids]
+
+
+class HFTokenizer:
+    """A tokenizer loaded from a local checkpoint directory; never touches the hub."""
+
+    def __init__(self, directory: Path) -> None:
+        from transformers import AutoTokenizer
+
+        self._tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok(text).input_ids)

@@ -1,0 +1,65 @@
+"""Request lifecycle inside the LLM engine: a status enum and the per-request record.
+
+Created by `LLMEngine.add_request`, mutated only by the scheduler's `update` / `cancel`.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from cluster.types import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued, no KV slot yet
+    PREFILLING = "prefilling"  # has a slot, prompt partly in the cache
+    DECODING = "decoding"  # prompt cached, generating one token per step
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # an end-of-speech / EOS id was sampled
+    LENGTH = "length"  # max_tokens or the context was reached
+    CANCELLED = "cancelled"
+
+
+@dataclass
+class Request:
+    req_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    arrival_s: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    slot: int | None = None
+    num_cached: int = 0  # tokens whose K/V are in the cache
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    # Playback clock fed by the router (streaming-aware scheduling).
+    first_audio_s: float | None = None
+    audio_sent_s: float = 0.0
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_prompt_left(self) -> int:
+        return max(0, self.prompt_len - self.num_cached)
+
+    @property
+    def is_done(self) -> bool:
+        return self.status in (RequestStatus.FINISHED, RequestStatus.CANCELLED)
+
+    def token_at(self, index: int) -> int:
+        """Token at absolute position `index` of prompt + output."""
+        if index < self.prompt_len:
+            return self.prompt_ids[index]
+        return self.output_ids[index - self.prompt_len]
+
+    def history(self, window: int) -> list[int]:
+        """The last `window` tokens of prompt + output (all when window == 0)."""
+        tokens = self.prompt_ids + self.output_ids
+        return tokens if window == 0 else tokens[-window:]

@@ -1,0 +1,78 @@
+"""Per-request sampling over a batch of logits rows.
+
+Each row has its own temperature, top-k, top-p, min-p, windowed repetition penalty and
+optional seed. Rows may cover a candidate subset of the vocabulary (`cand_ids`); the
+result is always a vocabulary id. Called by the LLM engine after the model forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cluster.types import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    history: list[int]  # token ids the repetition penalty looks at
+    generator: torch.Generator | None
+
+
+def apply_repetition_penalty(logits: torch.Tensor, cand_ids: torch.Tensor | None, rows: list[SamplingRow]) -> None:
+    """In place: logit / p when positive, logit * p when negative, for ids seen in the row's history."""
+    for b, row in enumerate(rows):
+        penalty = row.params.repetition_penalty
+        if penalty == 1.0 or not row.history:
+            continue
+        seen = torch.tensor(sorted(set(row.history)), dtype=torch.long)
+        if cand_ids is None:
+            cols = seen[seen < logits.shape[1]]
+        else:
+            cols = torch.nonzero(torch.isin(cand_ids[b], seen)).flatten()
+        vals = logits[b, cols]
+        logits[b, cols] = torch.where(vals > 0, vals / penalty, vals * penalty)
+
+
+def _filter_sorted(sorted_logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Top-k, then top-p, then min-p on logits sorted descending per row; returns masked logits."""
+    width = sorted_logits.shape[1]
+    ranks = torch.arange(width).unsqueeze(0)
+    top_k = torch.tensor([r.params.top_k or width for r in rows]).unsqueeze(1)
+    masked = sorted_logits.masked_fill(ranks >= top_k, float("-inf"))
+    probs = masked.softmax(dim=-1)
+    top_p = torch.tensor([r.params.top_p for r in rows]).unsqueeze(1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    masked = masked.masked_fill(mass_before > top_p, float("-inf"))
+    probs = masked.softmax(dim=-1)
+    min_p = torch.tensor([r.params.min_p for r in rows]).unsqueeze(1)
+    return masked.masked_fill(probs < min_p * probs[:, :1], float("-inf"))
+
+
+def _draw(probs: torch.Tensor, rows: list[SamplingRow], default: torch.Generator) -> torch.Tensor:
+    picks = [torch.multinomial(probs[b], 1, generator=row.generator or default) for b, row in enumerate(rows)]
+    return torch.cat(picks)
+
+
+def sample(
+    logits: torch.Tensor,  # [B, C] float
+    cand_ids: torch.Tensor | None,  # [B, C] vocab id of each column, or None for the full vocab
+    rows: list[SamplingRow],
+    default_generator: torch.Generator,
+) -> list[int]:
+    logits = logits.float().clone()
+    apply_repetition_penalty(logits, cand_ids, rows)
+    picked = logits.argmax(dim=-1)  # [B]
+    random_rows = [b for b, r in enumerate(rows) if not r.params.is_greedy]
+    if random_rows:
+        sub_rows = [rows[b] for b in random_rows]
+        temps = torch.tensor([r.params.temperature for r in sub_rows]).unsqueeze(1)
+        sorted_logits, order = (logits[random_rows] / temps).sort(dim=-1, descending=True)
+        probs = _filter_sorted(sorted_logits, sub_rows).softmax(dim=-1)
+        choice = _draw(probs, sub_rows, default_generator)
+        picked[random_rows] = order.gather(1, choice.unsqueeze(1)).squeeze(1)
+    if cand_ids is not None:
+        picked = cand_ids.gather(1, picked.unsqueeze(1)).squeeze(1)
+    return picked.tolist()

@@ -1,0 +1,1 @@
+"""Router: admission, dispatch policy, ingress servicers (gRPC, HTTP) and audio framing."""

@@ -1,0 +1,62 @@
+"""`voxray synthesize` end to end in-process, and registry / config errors."""
+
+from __future__ import annotations
+
+import wave
+
+import pydantic
+import pytest
+
+from cluster.cli import main
+from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from cluster.errors import InvalidArgumentError
+from cluster.pipeline import InProcessPipeline
+from cluster.registry import check_model_config, get_entry
+
+
+@pytest.mark.parametrize("schedule", ["wide", "reference"])
+def test_synthesize_writes_wav_matching_token_count(tmp_path, schedule):
+    out = tmp_path / "out.wav"
+    code = main(
+        ["synthesize", "--text", "Hello from VoxRay.", "--max-tokens", "70", "--schedule", schedule, "-o", str(out)]
+    )
+    assert code == 0
+    with wave.open(str(out)) as wav:
+        assert (wav.getnchannels(), wav.getsampwidth(), wav.getframerate()) == (1, 2, 24000)
+        assert wav.getnframes() == 70 // 7 * 2048
+
+
+def test_pipeline_streams_many_requests_in_seq_order():
+    pipeline = InProcessPipeline(
+        EngineConfig(cache=CacheConfig(num_slots=4, max_seq_len=512), scheduler=SchedulerConfig(max_batch_size=4))
+    )
+    for i in range(4):
+        pipeline.submit(f"r{i}", f"request number {i}", "zoe", {"max_tokens": 7 * (3 + 4 * i), "seed": i})
+    seqs: dict[str, list[int]] = {}
+    samples: dict[str, int] = {}
+    for chunk in pipeline.stream():
+        seqs.setdefault(chunk.req_id, []).append(chunk.seq)
+        samples[chunk.req_id] = samples.get(chunk.req_id, 0) + chunk.num_samples
+    for i in range(4):
+        assert seqs[f"r{i}"] == list(range(len(seqs[f"r{i}"])))
+        assert samples[f"r{i}"] == (3 + 4 * i) * 2048
+
+
+def test_unknown_model_lists_valid_names():
+    with pytest.raises(InvalidArgumentError) as err:
+        get_entry("nope")
+    assert err.value.field == "model" and "orpheus-tiny" in str(err.value)
+    assert main(["synthesize", "--model", "nope", "--text", "x"]) == 2
+
+
+def test_checkpoint_models_need_directories():
+    with pytest.raises(InvalidArgumentError) as err:
+        check_model_config(ModelConfig(name="orpheus"))
+    assert err.value.field == "model.checkpoint_dir"
+
+
+def test_config_rejects_unknown_fields_and_bad_values():
+    with pytest.raises(pydantic.ValidationError):
+        EngineConfig.model_validate({"cache": {"num_slot": 3}})
+    with pytest.raises(pydantic.ValidationError):
+        EngineConfig(cache=CacheConfig(num_slots=2), scheduler=SchedulerConfig(max_batch_size=8))

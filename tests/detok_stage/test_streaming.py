@@ -1,0 +1,130 @@
+"""Streamed audio vs offline decoding, for both chunk schedules, with many requests batched."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from cluster.config import DetokConfig, ModelConfig
+from cluster.errors import InvalidArgumentError
+from cluster.types import TokenChunk
+from detok_stage.chunking import Chunker, ChunkSchedule
+from detok_stage.codecs.snac_codec import SnacCodec
+from detok_stage.engine import DetokEngine, pcm16_to_float
+
+SPF = 2048
+
+
+@functools.cache
+def codec() -> SnacCodec:
+    return SnacCodec.build(ModelConfig())
+
+
+def stream(config: DetokConfig, streams: dict[str, torch.Tensor], push_sizes=(1, 3, 2)) -> dict[str, torch.Tensor]:
+    """Feed each stream's frames a few at a time through Chunkers into one DetokEngine."""
+    engine = DetokEngine(codec(), config)
+    chunkers = {rid: Chunker(rid, ChunkSchedule.from_config(config)) for rid in streams}
+    cursor = dict.fromkeys(streams, 0)
+    audio: dict[str, list[bytes]] = {rid: [] for rid in streams}
+    finals = set()
+    for tick in range(10_000):
+        for rid, frames in streams.items():
+            if rid not in chunkers:
+                continue
+            size = push_sizes[tick % len(push_sizes)]
+            new = frames[cursor[rid] : cursor[rid] + size].tolist()
+            cursor[rid] += size
+            chunks = chunkers[rid].push(new)
+            if cursor[rid] >= len(frames):
+                chunks += chunkers.pop(rid).finish()
+            for chunk in chunks:
+                engine.submit(chunk)
+        for out in engine.step():
+            audio[out.req_id].append(out.pcm16)
+            if out.is_final:
+                finals.add(out.req_id)
+        if not chunkers and not engine.has_work:
+            break
+    assert finals == set(streams)
+    return {rid: torch.from_numpy(pcm16_to_float(b"".join(parts))) for rid, parts in audio.items()}
+
+
+def random_streams(lengths: list[int]) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    return {f"r{i}": torch.randint(0, 4096, (n, 7), generator=gen) for i, n in enumerate(lengths)}
+
+
+def quantized(wave: torch.Tensor) -> torch.Tensor:
+    return (wave.clamp(-1, 1) * 32767).round() / 32767
+
+
+def test_wide_schedule_equals_full_offline_decode():
+    """With context >= SNAC's receptive field (3 frames each side), chunked decoding is exact."""
+    streams = random_streams([1, 5, 23, 40])
+    got = stream(DetokConfig(schedule="wide", first_chunk_frames=2, chunk_frames=8), streams)
+    for rid, frames in streams.items():
+        offline = codec().decode(frames.unsqueeze(0))[0]
+        assert got[rid].shape[0] == len(frames) * SPF
+        torch.testing.assert_close(got[rid], quantized(offline), atol=2e-4, rtol=0)
+
+
+def test_reference_schedule_equals_offline_decode_of_its_windows():
+    """Orpheus' semantics: each frame is decoded in a 4-frame window (1 left, 2 right) and kept."""
+    streams = random_streams([2, 9, 17])
+    got = stream(DetokConfig(schedule="reference"), streams)
+    for rid, frames in streams.items():
+        n = len(frames)
+        expected = []
+        for j in range(n):
+            lo, hi = max(0, j - 1), min(n, j + 3)
+            window = codec().decode(frames[lo:hi].unsqueeze(0))[0]
+            expected.append(window[(j - lo) * SPF : (j - lo + 1) * SPF])
+        assert got[rid].shape[0] == n * SPF
+        torch.testing.assert_close(got[rid], quantized(torch.cat(expected)), atol=2e-4, rtol=0)
+
+
+def test_wide_schedule_decodes_fewer_frames_than_reference():
+    frames = random_streams([40])["r0"].tolist()
+    decoded = {}
+    for schedule in ("reference", "wide"):
+        config = DetokConfig(schedule=schedule)
+        engine = DetokEngine(codec(), config)
+        chunker = Chunker("r", ChunkSchedule.from_config(config))
+        for chunk in chunker.push(frames) + chunker.finish():
+            engine.submit(chunk)
+        while engine.has_work:
+            engine.step()
+        decoded[schedule] = engine.num_decoded_frames
+    assert decoded["reference"] > 3 * 40 and decoded["wide"] < 2 * 40
+
+
+def test_bad_codes_rejected_with_field():
+    engine = DetokEngine(codec(), DetokConfig())
+    with pytest.raises(InvalidArgumentError) as err:
+        engine.submit(TokenChunk("r", 0, [[0, 1, 2, 3, 4, 5, 4096]], 0, 0, 1, True))
+    assert err.value.field == "frames"
+    with pytest.raises(InvalidArgumentError):
+        engine.submit(TokenChunk("r", 0, [[0, 1, 2]], 0, 0, 1, True))
+
+
+def test_chunker_first_chunk_small_then_steady():
+    chunker = Chunker(
+        "r", ChunkSchedule(first_chunk_frames=2, chunk_frames=4, left_context_frames=1, right_context_frames=1)
+    )
+    chunks = chunker.push([[0] * 7] * 12)
+    assert [(c.keep_start, c.keep_end, c.window_start, c.num_frames) for c in chunks] == [
+        (0, 2, 0, 3),
+        (2, 6, 1, 6),
+        (6, 10, 5, 6),
+    ]
+    final = chunker.finish()
+    assert [(c.keep_start, c.keep_end, c.window_start, c.is_final) for c in final] == [(10, 12, 9, True)]
+
+
+def test_release_drops_pending_chunks():
+    engine = DetokEngine(codec(), DetokConfig())
+    engine.submit(TokenChunk("gone", 0, [[1] * 7] * 3, 0, 0, 1, False))
+    engine.release("gone")
+    assert not engine.has_work and engine.num_requests == 0

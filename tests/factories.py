@@ -1,0 +1,71 @@
+"""Factories shared by tests: tiny random-weight models and engines built in code."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from cluster.config import CacheConfig, ModelConfig, SchedulerConfig
+from llm_stage.engine import LLMEngine
+from llm_stage.models.base import FrameBuilder, LMAdapter
+from llm_stage.models.llama import LlamaBackbone
+from llm_stage.models.orpheus import OrpheusAdapter
+
+
+def tiny_text_llama(seed: int = 0, vocab: int = 512) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )  # fmt: skip
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # larger weights than HF's init so greedy paths are not near-ties
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    return model
+
+
+class _NoFrames(FrameBuilder):
+    def push(self, token_id: int) -> list[list[int]]:
+        return []
+
+
+class TextLlamaAdapter(LMAdapter):
+    """Plain next-token LM over full-vocab logits, for parity and scheduler tests."""
+
+    family = "text-llama"
+
+    def format_prompt(self, text: str, voice: str | None) -> list[int]:
+        return [1, *(3 + (b % 500) for b in text.encode())]
+
+    def new_frame_builder(self) -> FrameBuilder:
+        return _NoFrames()
+
+
+def text_engine(model: LlamaForCausalLM, num_slots: int = 8, max_seq_len: int = 256, **sched) -> LLMEngine:
+    adapter = TextLlamaAdapter(LlamaBackbone(model))
+    adapter.eos_token_ids = frozenset()
+    defaults = {"max_batch_size": num_slots, "prefill_token_budget": 64}
+    return LLMEngine(
+        adapter, CacheConfig(num_slots=num_slots, max_seq_len=max_seq_len), SchedulerConfig(**{**defaults, **sched})
+    )
+
+
+_ORPHEUS: dict[int, OrpheusAdapter] = {}
+
+
+def orpheus_adapter(seed: int = 0) -> OrpheusAdapter:
+    """orpheus-tiny adapter, built once per seed per session (construction is the slow part)."""
+    if seed not in _ORPHEUS:
+        _ORPHEUS[seed] = OrpheusAdapter.build(ModelConfig(name="orpheus-tiny", seed=seed))
+    return _ORPHEUS[seed]
+
+
+def orpheus_engine(num_slots: int = 8, max_seq_len: int = 1024, seed: int = 0, **sched) -> LLMEngine:
+    defaults = {"max_batch_size": num_slots, "prefill_token_budget": 128}
+    return LLMEngine(
+        orpheus_adapter(seed), CacheConfig(num_slots=num_slots, max_seq_len=max_seq_len),
+        SchedulerConfig(**{**defaults, **sched}), seed=seed,
+    )  # fmt: skip

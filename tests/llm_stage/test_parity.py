@@ -1,0 +1,63 @@
+"""Greedy token-for-token parity of the batched engine with transformers' generate()."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from cluster.types import SamplingParams
+from llm_stage.models.orpheus import allowed_token_ids
+from tests.factories import orpheus_adapter, orpheus_engine, text_engine, tiny_text_llama
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+
+
+def hf_greedy(model, prompt: list[int], max_new: int, processors=None) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
+        logits_processor=processors, eos_token_id=None, pad_token_id=0,
+    )  # fmt: skip
+    return out[0, len(prompt) :].tolist()
+
+
+def test_greedy_parity_with_staggered_joins():
+    model = tiny_text_llama()
+    engine = text_engine(model, num_slots=6, prefill_token_budget=16)
+    prompts = {f"r{i}": [1] + [3 + (7 * i + j) % 400 for j in range(5 + 9 * i)] for i in range(5)}
+    join_at_step = {"r0": 0, "r1": 0, "r2": 3, "r3": 7, "r4": 12}
+    got: dict[str, list[int]] = {k: [] for k in prompts}
+    step = 0
+    while step < 200 and (engine.has_work or any(s >= step for s in join_at_step.values())):
+        for req_id, at in join_at_step.items():
+            if at == step:
+                engine.add_prompt(req_id, prompts[req_id], GREEDY)
+        for out in engine.step():
+            got[out.req_id].extend(out.new_token_ids)
+        step += 1
+    for req_id, prompt in prompts.items():
+        assert got[req_id] == hf_greedy(model, prompt, GREEDY.max_tokens), req_id
+
+
+class OrpheusSlotMask(LogitsProcessor):
+    def __init__(self, prompt_len: int) -> None:
+        self.prompt_len = prompt_len
+
+    def __call__(self, input_ids, scores):
+        allowed = allowed_token_ids(input_ids.shape[1] - self.prompt_len)
+        masked = torch.full_like(scores, float("-inf"))
+        masked[:, allowed] = scores[:, allowed]
+        return masked
+
+
+def test_orpheus_greedy_parity_with_frame_slot_mask():
+    engine = orpheus_engine(num_slots=4)
+    model_prompts = {f"o{i}": engine.adapter.encode_prompt("hello world " * (i + 1), "tara") for i in range(4)}
+    params = SamplingParams(temperature=0.0, max_tokens=21)
+    for req_id, prompt in model_prompts.items():
+        engine.add_prompt(req_id, prompt, params)
+    got = engine.run_to_completion()
+    model = orpheus_adapter().backbone.hf_model  # the very weights the engine runs
+    for req_id, prompt in model_prompts.items():
+        want = hf_greedy(model, prompt, 21, LogitsProcessorList([OrpheusSlotMask(len(prompt))]))
+        assert got[req_id] == want, req_id
