@@ -79,3 +79,69 @@ class EngineConfig(_Strict):
 def load_engine_config(path: Path) -> EngineConfig:
     """Read an EngineConfig from a YAML file."""
     return EngineConfig.model_validate(yaml.safe_load(Path(path).read_text()) or {})
+
+
+class StageDeploymentConfig(_Strict):
+    """Replica count / autoscaling and resources of one Serve deployment."""
+
+    num_replicas: int = Field(1, ge=1, le=1024, description="Replicas when autoscaling is off.")
+    autoscaling: bool = Field(False, description="Scale between min_replicas and max_replicas.")
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(1, ge=1)
+    target_ongoing_requests: float = Field(8.0, gt=0)
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0, description="1 per replica on GPU clusters (one accelerator each).")
+    max_ongoing_requests: int = Field(256, ge=1, description="Serve-level cap; admission is ours.")
+    resources: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources (node steering).")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> StageDeploymentConfig:
+        if self.autoscaling and self.min_replicas > self.max_replicas:
+            raise ValueError("min_replicas must be <= max_replicas")
+        return self
+
+
+class AdmissionConfig(_Strict):
+    """Router-side admission: admit, queue briefly, or reject with a retry hint."""
+
+    max_streams_per_replica: int = Field(16, ge=1, description="Active streams one LLM replica serves at once.")
+    max_queued_per_replica: int = Field(8, ge=0, description="Requests waiting for a slot on one LLM replica.")
+    default_ttfa_deadline_s: float = Field(5.0, gt=0, description="Deadline when the request names none.")
+    retry_after_s: float = Field(1.0, gt=0, description="Hint sent with RESOURCE_EXHAUSTED / 429.")
+    max_text_chars: int = Field(4000, ge=1)
+
+
+class TransportConfig(_Strict):
+    """How tensors (voice conditioning, prompt KV) cross between the stages' engine actors."""
+
+    tensor_transport: Literal["object_store", "gloo", "nccl"] = "object_store"
+
+
+class ServeConfig(_Strict):
+    """The whole cluster app: engines, the three deployments, admission, transport, ports."""
+
+    app_name: str = Field("voxray", pattern=r"^[a-z0-9][a-z0-9-]*$")
+    route_prefix: str = Field("/", pattern=r"^/")
+    http_host: str = "127.0.0.1"
+    http_port: int = Field(8000, ge=1, le=65535)
+    grpc_port: int = Field(9000, ge=1, le=65535)
+    engine: EngineConfig = EngineConfig(
+        model=ModelConfig(torch_threads=1), cache=CacheConfig(num_slots=16, max_seq_len=2048),
+        scheduler=SchedulerConfig(max_batch_size=16),
+    )  # fmt: skip
+    llm: StageDeploymentConfig = StageDeploymentConfig()
+    detok: StageDeploymentConfig = StageDeploymentConfig()
+    router: StageDeploymentConfig = StageDeploymentConfig(num_cpus=0.5, max_ongoing_requests=1024)
+    admission: AdmissionConfig = AdmissionConfig()
+    transport: TransportConfig = TransportConfig()
+
+    @model_validator(mode="after")
+    def _streams_fit_cache(self) -> ServeConfig:
+        if self.admission.max_streams_per_replica > self.engine.cache.num_slots:
+            raise ValueError("admission.max_streams_per_replica must be <= engine.cache.num_slots")
+        return self
+
+
+def load_serve_config(path: Path) -> ServeConfig:
+    """Read a ServeConfig from a YAML file (the file `voxray serve --config` takes)."""
+    return ServeConfig.model_validate(yaml.safe_load(Path(path).read_text()) or {})
