@@ -33,6 +33,7 @@ class LMAdapter(ABC):
     eos_token_ids: frozenset[int] = frozenset()
     default_sampling: SamplingParams = SamplingParams()
     max_text_chars: int = 4000
+    tokens_per_frame: int = 1  # engine steps per codec frame
 
     def __init__(self, backbone: LlamaBackbone) -> None:
         self.backbone = backbone

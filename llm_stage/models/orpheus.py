@@ -30,7 +30,7 @@ END_OF_HUMAN = 128260
 START_OF_AI = 128261
 START_OF_SPEECH = 128257
 VOCAB_SIZE = 156940
-VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
+VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")  # keep in sync with cluster.registry
 
 
 def tiny_llama_config(max_positions: int = 4096) -> LlamaConfig:
@@ -83,6 +83,7 @@ class OrpheusFrameBuilder(FrameBuilder):
 
 class OrpheusAdapter(LMAdapter):
     family = "orpheus"
+    tokens_per_frame = TOKENS_PER_FRAME
     voices = VOICES
     default_voice = "tara"
     eos_token_ids = frozenset({END_OF_SPEECH})
