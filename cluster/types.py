@@ -25,6 +25,9 @@ class SamplingParams(BaseModel):
     repetition_window: int = Field(0, ge=0, description="Last N tokens penalised; 0 = whole sequence.")
     max_tokens: int = Field(1200, ge=1, le=100_000)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    guidance_scale: float | None = Field(
+        None, ge=0.0, le=100.0, description="Classifier-free guidance scale (model's own formula); None = off."
+    )
 
     @property
     def is_greedy(self) -> bool:

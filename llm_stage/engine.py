@@ -2,7 +2,9 @@
 
 `add_request` validates and queues; each `step` is schedule -> run -> sample -> update and
 returns the new tokens and completed codec frames per request; `cancel` frees the KV slot.
-The LLMStage deployment and the in-process pipeline drive it.
+A step samples one id or K codebook ids per row; a request with `guidance_scale` runs with a
+hidden unconditional twin whose logits are merged in (CFG). The LLMStage deployment and the
+in-process pipeline drive it.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import torch
 from cluster.config import CacheConfig, SchedulerConfig
 from cluster.errors import InvalidArgumentError, from_validation_error
 from cluster.types import SamplingParams
+from llm_stage.cfg import merge_guidance
 from llm_stage.models.base import FrameBuilder, LMAdapter
-from llm_stage.request import FinishReason, Request
+from llm_stage.request import FinishReason, Request, Token
 from llm_stage.runner import ModelRunner
 from llm_stage.sampler import SamplingRow, sample
 from llm_stage.scheduler import DecodeOrder, Scheduler, fcfs_order
@@ -24,6 +27,8 @@ from llm_stage.scheduler import DecodeOrder, Scheduler, fcfs_order
 
 @dataclass
 class StepOutput:
+    """One request's result of one step; `new_token_ids` holds the step's id(s) (K for codebook models)."""
+
     req_id: str
     new_token_ids: list[int] = field(default_factory=list)
     new_frames: list[list[int]] = field(default_factory=list)
@@ -54,8 +59,8 @@ class LLMEngine:
     ) -> None:
         self.adapter = adapter
         self.cache_config = cache
-        self.scheduler = Scheduler(scheduler, cache, adapter.eos_token_ids, decode_order)
-        self.runner = ModelRunner(adapter.backbone, cache.num_slots, cache.max_seq_len)
+        self.scheduler = Scheduler(scheduler, cache, adapter.eos_token_ids, decode_order, adapter.is_stop)
+        self.runner = ModelRunner(adapter, cache.num_slots, cache.max_seq_len)
         self._generator = torch.Generator().manual_seed(seed)
         self._seeded: dict[str, torch.Generator] = {}
         self._frames: dict[str, FrameBuilder] = {}
@@ -69,22 +74,37 @@ class LLMEngine:
         self, req_id: str, text: str, voice: str | None = None, sampling: SamplingParams | dict | None = None
     ) -> Request:
         params = resolve_sampling(sampling, self.adapter.default_sampling)
-        return self.add_prompt(req_id, self.adapter.encode_prompt(text, voice), params)
+        prompt = self.adapter.encode_prompt(text, voice)
+        uncond = self.adapter.unconditional_prompt(text, voice) if params.guidance_scale is not None else None
+        return self.add_prompt(req_id, prompt, params, uncond)
 
-    def add_prompt(self, req_id: str, prompt_ids: list[int], sampling: SamplingParams) -> Request:
+    def add_prompt(
+        self, req_id: str, prompt_ids: list[Token], sampling: SamplingParams, uncond_prompt: list[Token] | None = None
+    ) -> Request:
+        """Queue a formatted prompt; a guided request (CFG) passes its twin's `uncond_prompt`."""
         if not req_id or req_id in self.requests:
             raise InvalidArgumentError("request_id", f"{req_id!r} is empty or already in use")
-        if len(prompt_ids) >= self.cache_config.max_seq_len:
-            raise InvalidArgumentError(
-                "text", f"prompt is {len(prompt_ids)} tokens; the context holds {self.cache_config.max_seq_len}"
-            )
+        self._check_fits(prompt_ids, uncond_prompt, sampling)
         req = Request(req_id, list(prompt_ids), sampling)
+        if uncond_prompt is not None:
+            req.twin = Request(f"{req_id}#uncond", list(uncond_prompt), sampling, req.arrival_s, is_twin=True)
         if sampling.seed is not None:
             self._seeded[req_id] = torch.Generator().manual_seed(sampling.seed)
         self._frames[req_id] = self.adapter.new_frame_builder()
         self.requests[req_id] = req
         self.scheduler.add(req)
         return req
+
+    def _check_fits(self, prompt: list[Token], uncond: list[Token] | None, sampling: SamplingParams) -> None:
+        longest = max(len(prompt), len(uncond or []))
+        if longest >= self.cache_config.max_seq_len:
+            raise InvalidArgumentError(
+                "text", f"prompt is {longest} tokens; the context holds {self.cache_config.max_seq_len}"
+            )
+        if (uncond is None) != (sampling.guidance_scale is None):
+            raise InvalidArgumentError("sampling.guidance_scale", "a guided request needs an unconditional prompt")
+        if uncond is not None and min(self.cache_config.num_slots, self.scheduler.config.max_batch_size) < 2:
+            raise InvalidArgumentError("sampling.guidance_scale", "CFG needs 2 KV slots and batch rows per request")
 
     def cancel(self, req_id: str) -> bool:
         req = self.scheduler.cancel(req_id)
@@ -96,28 +116,45 @@ class LLMEngine:
         if plan.is_empty:
             return []
         rows = plan.sampling_rows
-        sampled: list[int] = []
+        sampled: list[Token] = []
         if rows or plan.prefills:
             hidden = self.runner.execute(plan)
             if rows:
                 sampled = self._sample(hidden, rows)
+        visible = plan.sampled_requests
         finished = {r.req_id for r in self.scheduler.update(plan, sampled)}
-        outputs = [self._output(req, token, req.req_id in finished) for req, token in zip(rows, sampled, strict=True)]
+        outputs = [self._output(req, tok, req.req_id in finished) for req, tok in zip(visible, sampled, strict=True)]
         for req_id in finished:
             self._forget(req_id)
         return outputs
 
-    def _sample(self, hidden: torch.Tensor, rows: list[Request]) -> list[int]:
+    def _sample(self, hidden: torch.Tensor, rows: list[Request]) -> list[Token]:
+        """Logits of every row -> CFG merge (twins dropped) -> the adapter's sampling rules -> tokens."""
         logits, cand_ids = self.adapter.logits(hidden, rows)
-        sampling_rows = [
-            SamplingRow(r.sampling, r.history(r.sampling.repetition_window), self._seeded.get(r.req_id)) for r in rows
-        ]
-        return sample(logits, cand_ids, sampling_rows, self._generator)
+        logits, cand_ids = merge_guidance(logits, cand_ids, rows, self.adapter.guidance)
+        visible = [i for i, r in enumerate(rows) if not r.is_twin]
+        reqs = [rows[i] for i in visible]
+        return self.adapter.sample_tokens(hidden[visible], logits, cand_ids, reqs, self._draw)
 
-    def _output(self, req: Request, token: int, is_finished: bool) -> StepOutput:
+    def _draw(
+        self, logits: torch.Tensor, cand_ids: torch.Tensor | None, reqs: list[Request], codebooks: list[int]
+    ) -> list[int]:
+        rows = [self._sampling_row(r, k) for r, k in zip(reqs, codebooks, strict=True)]
+        return sample(logits, cand_ids, rows, self._generator)
+
+    def _sampling_row(self, req: Request, codebook: int) -> SamplingRow:
+        params = req.sampling
+        history: list = []
+        if params.repetition_penalty != 1.0:
+            history = req.history(params.repetition_window)
+            if self.adapter.num_codebooks > 1:  # per-codebook history over the generated frames
+                history = [t[codebook] for t in history if isinstance(t, tuple)]
+        return SamplingRow(params, history, self._seeded.get(req.req_id))
+
+    def _output(self, req: Request, token: Token, is_finished: bool) -> StepOutput:
         out = StepOutput(req.req_id, finished=is_finished, finish_reason=req.finish_reason if is_finished else None)
-        if token not in self.adapter.eos_token_ids:
-            out.new_token_ids.append(token)
+        if req.finish_reason is not FinishReason.STOP:
+            out.new_token_ids.extend([token] if isinstance(token, int) else token)
             out.new_frames = self._frames[req.req_id].push(token)
         return out
 

@@ -1,6 +1,8 @@
 """Request lifecycle inside the LLM engine: a status enum and the per-request record.
 
-Created by `LLMEngine.add_request`, mutated only by the scheduler's `update` / `cancel`.
+Created by `LLMEngine.add_request`, mutated only by the scheduler's `update` / `cancel` /
+`preempt`. A position holds a `Token`: one vocab id, or a tuple of ids (K codebooks, plus
+model-specific lanes). A guided (CFG) request owns a hidden unconditional `twin`.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import time
 from dataclasses import dataclass, field
 
 from cluster.types import SamplingParams
+
+Token = int | tuple[int, ...]
 
 
 class RequestStatus(enum.Enum):
@@ -26,17 +30,20 @@ class FinishReason(enum.Enum):
     CANCELLED = "cancelled"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: requests are compared by object, never by value
 class Request:
     req_id: str
-    prompt_ids: list[int]
+    prompt_ids: list[Token]
     sampling: SamplingParams
     arrival_s: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     slot: int | None = None
     num_cached: int = 0  # tokens whose K/V are in the cache
-    output_ids: list[int] = field(default_factory=list)
+    output_ids: list[Token] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    twin: Request | None = None  # the hidden unconditional row of a guided (CFG) request
+    is_twin: bool = False
+    num_preemptions: int = 0
     # Playback clock fed by the router (streaming-aware scheduling).
     first_audio_s: float | None = None
     audio_sent_s: float = 0.0
@@ -46,20 +53,31 @@ class Request:
         return len(self.prompt_ids)
 
     @property
+    def num_known(self) -> int:
+        """Prompt plus generated positions."""
+        return self.prompt_len + len(self.output_ids)
+
+    @property
     def num_prompt_left(self) -> int:
-        return max(0, self.prompt_len - self.num_cached)
+        """Known positions still to prefill (after a preemption, generated ones are re-prefilled too)."""
+        return max(0, self.num_known - self.num_cached)
+
+    @property
+    def unit(self) -> list[Request]:
+        """The rows scheduled together: the request, then its twin."""
+        return [self] if self.twin is None else [self, self.twin]
 
     @property
     def is_done(self) -> bool:
         return self.status in (RequestStatus.FINISHED, RequestStatus.CANCELLED)
 
-    def token_at(self, index: int) -> int:
+    def token_at(self, index: int) -> Token:
         """Token at absolute position `index` of prompt + output."""
         if index < self.prompt_len:
             return self.prompt_ids[index]
         return self.output_ids[index - self.prompt_len]
 
-    def history(self, window: int) -> list[int]:
+    def history(self, window: int) -> list[Token]:
         """The last `window` tokens of prompt + output (all when window == 0)."""
         tokens = self.prompt_ids + self.output_ids
         return tokens if window == 0 else tokens[-window:]

@@ -1,8 +1,10 @@
 """Continuous-batching scheduler (pure Python, no torch).
 
 Every step it picks the decode rows and the prompt chunks to prefill under a token budget,
-then `update` applies the sampled tokens: append, stop detection, slot release. The engine
-calls `schedule` -> runner -> `update`; tests drive it with hand-made token lists.
+then `update` applies the sampled tokens: append, stop detection, slot release. A guided
+(CFG) request and its hidden unconditional twin form one unit: admitted, prefilled, decoded
+(adjacent rows), preempted, cancelled and finished together, each row on its own KV slot.
+The engine calls `schedule` -> runner -> `update`; tests drive it with hand-made tokens.
 """
 
 from __future__ import annotations
@@ -12,14 +14,15 @@ from dataclasses import dataclass, field
 
 from cluster.config import CacheConfig, SchedulerConfig
 from llm_stage.kv_slots import SlotAllocator
-from llm_stage.request import FinishReason, Request, RequestStatus
+from llm_stage.request import FinishReason, Request, RequestStatus, Token
 
 DecodeOrder = Callable[[list[Request]], list[Request]]
+StopRule = Callable[[Request, Token], bool]
 
 
 @dataclass(frozen=True)
 class PrefillWork:
-    """Prompt tokens [start, start + num_tokens) of `req` go into the cache this step."""
+    """Known tokens [start, start + num_tokens) of `req` go into the cache this step."""
 
     req: Request
     start: int
@@ -27,7 +30,7 @@ class PrefillWork:
 
     @property
     def completes_prompt(self) -> bool:
-        return self.start + self.num_tokens >= self.req.prompt_len
+        return self.start + self.num_tokens >= self.req.num_known
 
 
 @dataclass
@@ -41,16 +44,37 @@ class StepPlan:
 
     @property
     def sampling_rows(self) -> list[Request]:
-        """Requests that get a new token this step, in row order: decodes then finished prefills."""
+        """Rows that get logits this step, in row order: decodes then finished prefills (twins included)."""
         return self.decodes + [w.req for w in self.prefills if w.completes_prompt]
+
+    @property
+    def sampled_requests(self) -> list[Request]:
+        """The rows a token is sampled for: `sampling_rows` without the hidden CFG twins."""
+        return [r for r in self.sampling_rows if not r.is_twin]
 
 
 def fcfs_order(requests: list[Request]) -> list[Request]:
     return sorted(requests, key=lambda r: r.arrival_s)
 
 
+def unit_prefill_sizes(req: Request, budget: int) -> list[int]:
+    """Tokens to prefill this step for each row of `req.unit`; a pair completes its prompts together.
+
+    Each row holds back its last prompt token until both fit in this step, so the pair starts
+    decoding in the same step (adjacent rows). When only the two held-back tokens remain they
+    go in even past the budget, so a budget of 1 cannot stall a pair.
+    """
+    if req.twin is None:
+        return [min(req.num_prompt_left, budget)]
+    lefts = [r.num_prompt_left for r in req.unit]
+    if sum(lefts) <= budget or lefts == [1, 1]:
+        return lefts
+    first = min(lefts[0] - 1, budget)
+    return [first, min(lefts[1] - 1, budget - first)]
+
+
 class Scheduler:
-    """Owns the waiting / running queues and the KV slots."""
+    """Owns the waiting / running queues and the KV slots. Twins are never listed on their own."""
 
     def __init__(
         self,
@@ -58,11 +82,13 @@ class Scheduler:
         cache: CacheConfig,
         eos_token_ids: Collection[int],
         decode_order: DecodeOrder = fcfs_order,
+        stop_rule: StopRule | None = None,
     ) -> None:
         self.config = config
         self.max_seq_len = cache.max_seq_len
         self.slots = SlotAllocator(cache.num_slots)
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.stop_rule = stop_rule or (lambda _req, token: token in self.eos_token_ids)
         self.decode_order = decode_order
         self.waiting: list[Request] = []
         self.running: dict[str, Request] = {}
@@ -72,39 +98,51 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add(self, req: Request) -> None:
+        if req.is_twin:
+            raise ValueError("a CFG twin is scheduled through its guided request")
         self.waiting.append(req)
 
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         decoding = [r for r in self.running.values() if r.status is RequestStatus.DECODING]
-        plan.decodes = self.decode_order(decoding)[: self.config.max_batch_size]
+        for req in self.decode_order(decoding):
+            if len(plan.decodes) + len(req.unit) > self.config.max_batch_size:
+                continue
+            plan.decodes.extend(req.unit)
+        self._schedule_prefills(plan)
+        return plan
+
+    def _schedule_prefills(self, plan: StepPlan) -> None:
         budget = self.config.prefill_token_budget
+        num_rows = len(plan.decodes)
         for req in self._prefill_candidates():
-            if budget <= 0 or len(plan.decodes) + len(plan.prefills) >= self.config.max_batch_size:
+            if budget <= 0 or num_rows + len(req.unit) > self.config.max_batch_size:
                 break
             if req.status is RequestStatus.WAITING and not self._admit(req):
                 break
-            num_tokens = min(req.num_prompt_left, budget)
-            plan.prefills.append(PrefillWork(req, req.num_cached, num_tokens))
-            budget -= num_tokens
-        return plan
+            for row, num_tokens in zip(req.unit, unit_prefill_sizes(req, budget), strict=True):
+                if num_tokens > 0:
+                    plan.prefills.append(PrefillWork(row, row.num_cached, num_tokens))
+                    budget -= num_tokens
+            num_rows += len(req.unit)
 
     def _prefill_candidates(self) -> list[Request]:
         partial = [r for r in self.running.values() if r.status is RequestStatus.PREFILLING]
         return fcfs_order(partial) + list(self.waiting)
 
     def _admit(self, req: Request) -> bool:
-        slot = self.slots.allocate()
-        if slot is None:
+        """Give every row of the unit its own KV slot, or admit nothing."""
+        if self.slots.num_free < len(req.unit):
             return False
         self.waiting.remove(req)
-        req.slot = slot
-        req.status = RequestStatus.PREFILLING
+        for row in req.unit:
+            row.slot = self.slots.allocate()
+            row.status = RequestStatus.PREFILLING
         self.running[req.req_id] = req
         return True
 
-    def update(self, plan: StepPlan, sampled: list[int]) -> list[Request]:
-        """Apply one step's sampled tokens (one per `plan.sampling_rows`); return finished requests."""
+    def update(self, plan: StepPlan, sampled: list[Token]) -> list[Request]:
+        """Apply one token per `plan.sampled_requests` (a twin gets its guided row's); return finished ones."""
         for work in plan.prefills:
             work.req.num_cached += work.num_tokens
             if work.completes_prompt:
@@ -112,24 +150,28 @@ class Scheduler:
         for req in plan.decodes:
             req.num_cached += 1
         finished = []
-        for req, token in zip(plan.sampling_rows, sampled, strict=True):
+        for req, token in zip(plan.sampled_requests, sampled, strict=True):
             if self._append(req, token):
                 finished.append(req)
         return finished
 
-    def _append(self, req: Request, token: int) -> bool:
-        if token in self.eos_token_ids:
+    def _append(self, req: Request, token: Token) -> bool:
+        if self.stop_rule(req, token):
             self._finish(req, FinishReason.STOP, RequestStatus.FINISHED)
             return True
-        req.output_ids.append(token)
-        out_of_room = req.num_cached >= self.max_seq_len
+        for row in req.unit:
+            row.output_ids.append(token)
+        out_of_room = any(row.num_known - 1 >= self.max_seq_len for row in req.unit)  # next input position
         if len(req.output_ids) >= req.sampling.max_tokens or out_of_room:
             self._finish(req, FinishReason.LENGTH, RequestStatus.FINISHED)
             return True
         return False
 
+    def _find(self, req_id: str) -> Request | None:
+        return self.running.get(req_id) or next((r for r in self.waiting if r.req_id == req_id), None)
+
     def cancel(self, req_id: str) -> Request | None:
-        req = self.running.get(req_id) or next((r for r in self.waiting if r.req_id == req_id), None)
+        req = self._find(req_id)
         if req is None:
             return None
         if req in self.waiting:
@@ -137,10 +179,27 @@ class Scheduler:
         self._finish(req, FinishReason.CANCELLED, RequestStatus.CANCELLED)
         return req
 
+    def preempt(self, req_id: str) -> bool:
+        """Free the unit's slots and requeue it at the front; its known tokens are re-prefilled later."""
+        req = self.running.pop(req_id, None)
+        if req is None:
+            return False
+        for row in req.unit:
+            self._free_slot(row)
+            row.num_cached = 0
+            row.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.waiting.insert(0, req)
+        return True
+
     def _finish(self, req: Request, reason: FinishReason, status: RequestStatus) -> None:
-        req.status = status
-        req.finish_reason = reason
         self.running.pop(req.req_id, None)
-        if req.slot is not None:
-            self.slots.free(req.slot)
-            req.slot = None
+        for row in req.unit:
+            row.status = status
+            row.finish_reason = reason
+            self._free_slot(row)
+
+    def _free_slot(self, row: Request) -> None:
+        if row.slot is not None:
+            self.slots.free(row.slot)
+            row.slot = None

@@ -6,10 +6,13 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from cluster.config import CacheConfig, ModelConfig, SchedulerConfig
+from cluster.types import SamplingParams
 from llm_stage.engine import LLMEngine
 from llm_stage.models.base import FrameBuilder, LMAdapter
 from llm_stage.models.llama import LlamaBackbone
 from llm_stage.models.orpheus import OrpheusAdapter
+from llm_stage.request import Request
+from llm_stage.scheduler import Scheduler
 
 
 def tiny_text_llama(seed: int = 0, vocab: int = 512) -> LlamaForCausalLM:
@@ -69,3 +72,25 @@ def orpheus_engine(num_slots: int = 8, max_seq_len: int = 1024, seed: int = 0, *
         orpheus_adapter(seed), CacheConfig(num_slots=num_slots, max_seq_len=max_seq_len),
         SchedulerConfig(**{**defaults, **sched}), seed=seed,
     )  # fmt: skip
+
+
+def fake_request(req_id: str, prompt_len: int, max_tokens: int = 50, twin_prompt_len: int | None = None) -> Request:
+    """A request over fake token ids; with `twin_prompt_len` it is a guided request with a CFG twin."""
+    params = SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, guidance_scale=None if twin_prompt_len is None else 3.0
+    )
+    req = Request(req_id, list(range(10, 10 + prompt_len)), params)
+    if twin_prompt_len is not None:
+        req.twin = Request(f"{req_id}#uncond", list(range(10, 10 + twin_prompt_len)), params, is_twin=True)
+    return req
+
+
+def fake_scheduler(num_slots: int = 4, max_batch_size: int = 4, budget: int = 64, max_seq_len: int = 256) -> Scheduler:
+    """A scheduler whose only stop id is EOS_FAKE."""
+    return Scheduler(
+        SchedulerConfig(max_batch_size=max_batch_size, prefill_token_budget=budget),
+        CacheConfig(num_slots=num_slots, max_seq_len=max_seq_len), [EOS_FAKE],
+    )  # fmt: skip
+
+
+EOS_FAKE = 2

@@ -1,0 +1,67 @@
+"""Classifier-free guidance: merge a guided row's logits with its unconditional twin's.
+
+The engine calls `merge_guidance` on a step's logits (twins on the row after their guided
+request) before the adapter's sampling rules; it returns only the visible rows. Formulas:
+Dia `cond + g * (cond - uncond)` (optionally top-k of the guided logits over cond);
+MusicGen / Bagpiper `uncond + g * (cond - uncond)`.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from llm_stage.request import Request
+
+
+class GuidanceFormula(enum.Enum):
+    DIA = "dia"  # cond + g * (cond - uncond); top-k of that, applied to cond
+    LINEAR = "linear"  # uncond + g * (cond - uncond)  (MusicGen, Bagpiper / OpusLM)
+
+
+def _scales(rows: list[Request], like: torch.Tensor) -> torch.Tensor:
+    values = [r.sampling.guidance_scale or 0.0 for r in rows]
+    return torch.tensor(values, dtype=like.dtype, device=like.device).view(-1, *([1] * (like.dim() - 1)))
+
+
+def _dia_top_k(cond: torch.Tensor, guided: torch.Tensor, rows: list[Request]) -> torch.Tensor:
+    """Per row with top_k > 0: cond logits kept only where `guided` is in its top-k."""
+    out = guided.clone()
+    for b, row in enumerate(rows):
+        k = row.sampling.top_k
+        if not k:
+            continue
+        top = guided[b].topk(min(k, guided.shape[-1]), dim=-1).indices
+        masked = torch.full_like(cond[b], float("-inf"))
+        out[b] = masked.scatter(-1, top, cond[b].gather(-1, top))
+    return out
+
+
+def guide(cond: torch.Tensor, uncond: torch.Tensor, rows: list[Request], formula: GuidanceFormula) -> torch.Tensor:
+    """cond / uncond [G, ...] float logits of G guided rows -> merged [G, ...]."""
+    scale = _scales(rows, cond)
+    if formula is GuidanceFormula.LINEAR:
+        return uncond + scale * (cond - uncond)
+    return _dia_top_k(cond, cond + scale * (cond - uncond), rows)
+
+
+def merge_guidance(
+    logits: torch.Tensor,  # [N, ...] every sampling row, twins right after their guided row
+    cand_ids: torch.Tensor | None,
+    rows: list[Request],
+    formula: GuidanceFormula | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Return logits (and candidate ids) of the visible rows, guided rows merged with their twins."""
+    guided = [i for i, r in enumerate(rows) if r.twin is not None]
+    visible = [i for i, r in enumerate(rows) if not r.is_twin]
+    if not guided:
+        return logits, cand_ids
+    if formula is None:
+        raise ValueError("a CFG row reached an adapter without a guidance formula")
+    logits = logits.float().clone()
+    twins = [i + 1 for i in guided]
+    if any(not rows[j].is_twin or rows[i].twin is not rows[j] for i, j in zip(guided, twins, strict=True)):
+        raise RuntimeError("CFG twin is not on the row after its guided request")
+    logits[guided] = guide(logits[guided], logits[twins], [rows[i] for i in guided], formula)
+    return logits[visible], None if cand_ids is None else cand_ids[visible]
