@@ -1,0 +1,156 @@
+"""Generate Ray Serve configs (`serve deploy` files, KubeRay `serveConfigV2`) from one ServeConfig.
+
+`python -m cluster.serve_yaml CONFIG.yaml` prints the Serve config; `--write` regenerates the committed
+files in `GENERATED` (deployments/serve_*.yaml and the k8s overlays' serveConfigV2 patches) and `--check`
+fails when they drift. tests/k8s validates the output with Ray's ServeDeploySchema.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from cluster.config import ServeConfig, StageDeploymentConfig, load_serve_config
+
+IMPORT_PATH = "deployments.app:app_builder"
+GRPC_SERVICER = "protos.voxray_pb2_grpc.add_SpeechServicer_to_server"
+PROXY_LOCATION = "EveryNode"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _stage_deployment(name: str, stage: StageDeploymentConfig) -> dict:
+    """One Serve deployment entry: replicas or autoscaling, concurrency cap, actor resources."""
+    actor_options: dict = {"num_cpus": stage.num_cpus, "num_gpus": stage.num_gpus}
+    if stage.resources:
+        actor_options["resources"] = dict(stage.resources)
+    entry: dict = {"name": name}
+    if stage.autoscaling:
+        entry["autoscaling_config"] = {
+            "min_replicas": stage.min_replicas,
+            "max_replicas": stage.max_replicas,
+            "target_ongoing_requests": stage.target_ongoing_requests,
+        }
+    else:
+        entry["num_replicas"] = stage.num_replicas
+    entry["max_ongoing_requests"] = stage.max_ongoing_requests
+    entry["ray_actor_options"] = actor_options
+    return entry
+
+
+def serve_schema_dict(config: ServeConfig) -> dict:
+    """The Serve multi-app config for `config` (what `ServeDeploySchema` and serveConfigV2 accept)."""
+    application = {
+        "name": config.app_name,
+        "route_prefix": config.route_prefix,
+        "import_path": IMPORT_PATH,
+        "args": config.model_dump(mode="json"),
+        "deployments": [
+            _stage_deployment("Router", config.router),
+            _stage_deployment("LLMStage", config.llm),
+            _stage_deployment("DetokStage", config.detok),
+        ],
+    }
+    return {
+        "proxy_location": PROXY_LOCATION,
+        "http_options": {"host": config.http_host, "port": config.http_port},
+        "grpc_options": {"port": config.grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]},
+        "applications": [application],
+    }
+
+
+class _LiteralDumper(yaml.SafeDumper):
+    """SafeDumper that writes multi-line strings as `|` blocks (readable serveConfigV2)."""
+
+
+def _str_representer(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_LiteralDumper.add_representer(str, _str_representer)
+
+
+def _dump(data: object) -> str:
+    return yaml.dump(data, Dumper=_LiteralDumper, sort_keys=False, default_flow_style=False, width=120)
+
+
+def render_serve_yaml(config: ServeConfig) -> str:
+    """The Serve config as YAML text (also the exact serveConfigV2 string in the k8s manifests)."""
+    return _dump(serve_schema_dict(config))
+
+
+def render_rayservice_patch(config: ServeConfig) -> str:
+    """A kustomize JSON6902 patch that sets a RayService's spec.serveConfigV2 to `render_serve_yaml`."""
+    return _dump([{"op": "add", "path": "/spec/serveConfigV2", "value": render_serve_yaml(config)}])
+
+
+@dataclass(frozen=True)
+class GeneratedFile:
+    """A committed file rendered from a ServeConfig YAML (paths relative to the repo root)."""
+
+    source: str
+    target: str
+    kind: str  # "serve" (Serve config file) or "rayservice-patch" (kustomize JSON6902 patch)
+
+
+GENERATED: tuple[GeneratedFile, ...] = (
+    GeneratedFile("deployments/configs/cpu.yaml", "deployments/serve_cpu.yaml", "serve"),
+    GeneratedFile("deployments/configs/gpu.yaml", "deployments/serve_gpu.yaml", "serve"),
+    GeneratedFile("deployments/configs/cpu.yaml", "k8s/overlays/dev-cpu/serve-config.patch.yaml", "rayservice-patch"),
+    GeneratedFile("deployments/configs/gpu.yaml", "k8s/overlays/prod-gpu/serve-config.patch.yaml", "rayservice-patch"),
+)
+
+
+def expected_text(item: GeneratedFile, root: Path = REPO_ROOT) -> str:
+    """What the committed file `item.target` must contain: a header naming its source, then the render."""
+    config = load_serve_config(root / item.source)
+    body = render_serve_yaml(config) if item.kind == "serve" else render_rayservice_patch(config)
+    header = f"# Generated from {item.source} by `python -m cluster.serve_yaml --write`; do not edit.\n"
+    return header + body
+
+
+def drifted_files(root: Path = REPO_ROOT) -> list[str]:
+    """Targets in GENERATED whose committed text differs from what the generator produces now."""
+    stale = []
+    for item in GENERATED:
+        path = root / item.target
+        if not path.exists() or path.read_text() != expected_text(item, root):
+            stale.append(item.target)
+    return stale
+
+
+def write_generated(root: Path = REPO_ROOT) -> list[str]:
+    """Rewrite every target in GENERATED; returns the paths written."""
+    for item in GENERATED:
+        (root / item.target).write_text(expected_text(item, root))
+    return [item.target for item in GENERATED]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: print one config's Serve YAML, or write / check the committed generated files."""
+    parser = argparse.ArgumentParser(prog="python -m cluster.serve_yaml", description=__doc__.splitlines()[0])
+    parser.add_argument("config", nargs="?", type=Path, help="ServeConfig YAML (what `voxray serve --config` takes)")
+    parser.add_argument("--rayservice-patch", action="store_true", help="print a serveConfigV2 JSON6902 patch")
+    parser.add_argument("--write", action="store_true", help="regenerate the committed files listed in GENERATED")
+    parser.add_argument("--check", action="store_true", help="exit 1 if a committed generated file drifted")
+    args = parser.parse_args(argv)
+    if args.write:
+        print("\n".join(f"wrote {path}" for path in write_generated()))
+        return 0
+    if args.check:
+        stale = drifted_files()
+        print("\n".join(f"stale: {path}" for path in stale) or "generated files are up to date")
+        return 1 if stale else 0
+    if args.config is None:
+        parser.error("give a CONFIG.yaml, --write or --check")
+    config = load_serve_config(args.config)
+    sys.stdout.write(render_rayservice_patch(config) if args.rayservice_patch else render_serve_yaml(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,243 @@
+"""The k8s/ manifests, rendered offline: schema-valid, one source of truth for Serve, GPU steering and ports."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+import ray
+import yaml
+
+from cluster.config import load_serve_config
+from cluster.serve_yaml import serve_schema_dict
+from tests.k8s import kustomize_lite
+from tests.k8s.crd_schema import crd_errors
+from tests.k8s.manifests import (
+    K8S_DIR,
+    OVERLAY_CONFIGS,
+    REPO_ROOT,
+    builtin_errors,
+    find,
+    manifest_errors,
+    pod_monitor_errors,
+    pod_templates,
+    quantity,
+    ray_container,
+    raycluster_from,
+    render,
+    standalone_manifests,
+    start_param_resources,
+    worker_groups,
+)
+from tests.k8s.serve_checks import parse_serve_config_v2, serve_config_errors
+
+OVERLAYS = sorted(OVERLAY_CONFIGS)
+GPU = "nvidia.com/gpu"
+
+
+def _rayservice(overlay: str) -> dict:
+    return find(render(f"overlays/{overlay}"), "RayService")
+
+
+def _serve(overlay: str) -> dict:
+    return parse_serve_config_v2(_rayservice(overlay)["spec"]["serveConfigV2"])
+
+
+@pytest.mark.parametrize("directory", ["base", "monitoring", *(f"overlays/{o}" for o in OVERLAYS)])
+def test_every_rendered_object_is_valid(directory: str) -> None:
+    for obj in render(directory):
+        assert manifest_errors(obj) == [], f"{directory}: {obj['kind']}/{obj['metadata']['name']}"
+
+
+@pytest.mark.parametrize("name_and_obj", standalone_manifests(), ids=lambda item: item[0])
+def test_standalone_manifests_are_valid(name_and_obj: tuple[str, dict]) -> None:
+    assert manifest_errors(name_and_obj[1]) == []
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_ray_cluster_config_is_a_valid_raycluster(overlay: str) -> None:
+    assert crd_errors(raycluster_from(_rayservice(overlay))) == []
+
+
+def test_overlays_emit_the_expected_objects() -> None:
+    kinds = {overlay: sorted(obj["kind"] for obj in render(f"overlays/{overlay}")) for overlay in OVERLAYS}
+    assert kinds == {"dev-cpu": ["RayService"], "prod-gpu": ["ConfigMap", "PodMonitor", "RayService"]}
+    assert {obj["metadata"]["namespace"] for obj in render("overlays/prod-gpu")} == {"voxray"}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_serve_config_v2_is_generated_from_the_serve_config(overlay: str) -> None:
+    serve = _serve(overlay)
+    assert serve_config_errors(serve) == []
+    assert serve == serve_schema_dict(load_serve_config(REPO_ROOT / OVERLAY_CONFIGS[overlay]))
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_ray_versions_agree(overlay: str) -> None:
+    assert _rayservice(overlay)["spec"]["rayClusterConfig"]["rayVersion"] == ray.__version__
+    assert f'"ray[serve]=={ray.__version__}"' in (REPO_ROOT / "pyproject.toml").read_text()
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_ray_pod_exposes_serve_grpc_and_metrics_ports(overlay: str) -> None:
+    serve = _serve(overlay)
+    expected = {"serve": serve["http_options"]["port"], "serve-grpc": serve["grpc_options"]["port"], "metrics": 8080}
+    for group, template in pod_templates(_rayservice(overlay)).items():
+        ports = {p["name"]: p["containerPort"] for p in ray_container(template)["ports"]}
+        assert expected.items() <= ports.items(), group
+        if group == "head":
+            assert ports["dashboard"] == 8265
+
+
+def test_prod_head_does_no_gpu_work() -> None:
+    head = _rayservice("prod-gpu")["spec"]["rayClusterConfig"]["headGroupSpec"]
+    assert head["rayStartParams"]["num-cpus"] == "0"
+    resources = ray_container(head["template"])["resources"]
+    assert GPU not in resources.get("limits", {}) and GPU not in resources.get("requests", {})
+    assert "tolerations" not in head["template"]["spec"]
+
+
+def test_prod_stages_are_steered_to_their_own_gpu_group() -> None:
+    groups = worker_groups(_rayservice("prod-gpu"))
+    assert set(groups) == {"llm-gpu", "detok-gpu"}
+    serve = _serve("prod-gpu")
+    for deployment in serve["applications"][0]["deployments"]:
+        custom = deployment["ray_actor_options"].get("resources", {})
+        if deployment["ray_actor_options"]["num_gpus"] == 0:
+            continue
+        assert custom, f"{deployment['name']} uses a GPU but names no worker group resource"
+        providers = [name for name, group in groups.items() if custom.items() <= start_param_resources(group).items()]
+        assert len(providers) == 1, f"{deployment['name']} must match exactly one group, got {providers}"
+        group = groups[providers[0]]
+        container = ray_container(group["template"])
+        gpus_per_pod = quantity(container["resources"]["limits"][GPU])
+        assert gpus_per_pod >= deployment["ray_actor_options"]["num_gpus"]
+        replicas_per_pod = min(start_param_resources(group)[k] / v for k, v in custom.items())
+        max_replicas = deployment["autoscaling_config"]["max_replicas"]
+        assert group["maxReplicas"] * replicas_per_pod >= max_replicas, f"{providers[0]} cannot host max_replicas"
+        assert group["template"]["spec"]["nodeSelector"], f"{providers[0]} has no node selector"
+
+
+def test_prod_models_come_read_only_from_the_pvc() -> None:
+    config = load_serve_config(REPO_ROOT / OVERLAY_CONFIGS["prod-gpu"])
+    (pvc_name,) = [
+        obj["metadata"]["name"] for _, obj in standalone_manifests() if obj["kind"] == "PersistentVolumeClaim"
+    ]
+    for group, template in pod_templates(_rayservice("prod-gpu")).items():
+        if group == "head":
+            continue
+        volumes = {v["name"]: v for v in template["spec"]["volumes"]}
+        (mount,) = [m for m in ray_container(template)["volumeMounts"] if m["mountPath"] == "/models"]
+        assert mount["readOnly"] is True
+        claim = volumes[mount["name"]]["persistentVolumeClaim"]
+        assert claim == {"claimName": pvc_name, "readOnly": True}
+        for path in (config.engine.model.checkpoint_dir, config.engine.model.codec_dir):
+            assert str(path).startswith(mount["mountPath"] + "/"), f"{path} is not on the models volume"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_pods_never_download_weights(overlay: str) -> None:
+    for group, template in pod_templates(_rayservice(overlay)).items():
+        spec = template["spec"]
+        assert "initContainers" not in spec, group
+        container = ray_container(template)
+        assert "command" not in container and "args" not in container, group
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["HF_HUB_OFFLINE"] == "1" and env["TRANSFORMERS_OFFLINE"] == "1", group
+
+
+def test_prod_gpu_workers_document_cross_node_nccl() -> None:
+    for group, template in pod_templates(_rayservice("prod-gpu")).items():
+        if group == "head":
+            continue
+        env = {e["name"]: e.get("value") for e in ray_container(template)["env"]}
+        assert {"NCCL_SOCKET_IFNAME", "NCCL_IB_DISABLE", "GLOO_SOCKET_IFNAME"} <= env.keys(), group
+    patch_text = (K8S_DIR / "overlays/prod-gpu/worker-groups.patch.yaml").read_text()
+    assert "NCCL_IB_HCA" in patch_text, "the RDMA alternative is documented next to the settings"
+
+
+def test_pod_monitor_scrapes_every_ray_pod() -> None:
+    objects = render("overlays/prod-gpu")
+    monitor = find(objects, "PodMonitor")
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    kuberay_labels = {"ray.io/is-ray-node": "yes"}  # set by KubeRay on every Ray pod
+    port = monitor["spec"]["podMetricsEndpoints"][0]["port"]
+    for group, template in pod_templates(find(objects, "RayService")).items():
+        labels = {**kuberay_labels, **template["metadata"]["labels"]}
+        assert selector.items() <= labels.items(), group
+        assert port in {p["name"] for p in ray_container(template)["ports"]}, group
+
+
+def test_dashboard_config_map_embeds_the_dashboard_file() -> None:
+    config_map = find(render("overlays/prod-gpu"), "ConfigMap")
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = (K8S_DIR / "monitoring/grafana-dashboard.json").read_text()
+    assert config_map["data"] == {"grafana-dashboard.json": dashboard}
+    assert len(dashboard.encode()) < 1024 * 1024, "ConfigMaps are limited to 1 MiB"
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (with its built-in kustomize) not installed")
+@pytest.mark.parametrize("directory", ["monitoring", *(f"overlays/{o}" for o in OVERLAYS)])
+def test_renderer_matches_kubectl_kustomize(directory: str) -> None:
+    result = subprocess.run(
+        ["kubectl", "kustomize", str(K8S_DIR / directory)], capture_output=True, text=True, timeout=60, check=True
+    )
+    key = lambda obj: (obj["kind"], obj["metadata"]["name"])  # noqa: E731
+    expected = sorted((doc for doc in yaml.safe_load_all(result.stdout) if doc), key=key)
+    assert sorted(render(directory), key=key) == expected
+
+
+# Negative tests: a typo anywhere fails validation.
+
+
+def test_typo_in_a_worker_group_field_fails() -> None:
+    rayservice = _rayservice("prod-gpu")
+    group = rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+    group["minReplica"] = group.pop("minReplicas")
+    errors = crd_errors(rayservice)
+    assert any("minReplica'" in e and "not allowed" in e for e in errors), errors
+    assert any("'minReplicas' is a required property" in e for e in errors), errors
+
+
+def test_typo_in_a_pod_template_fails() -> None:
+    rayservice = _rayservice("dev-cpu")
+    container = ray_container(rayservice["spec"]["rayClusterConfig"]["headGroupSpec"]["template"])
+    container["imagePullPolicyy"] = "Always"
+    assert any("imagePullPolicyy" in e for e in crd_errors(rayservice))
+
+
+def test_wrong_type_in_ray_start_params_fails() -> None:
+    rayservice = _rayservice("prod-gpu")
+    rayservice["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]["num-cpus"] = 0
+    assert any("rayStartParams.num-cpus" in e for e in crd_errors(rayservice))
+
+
+def test_duplicate_container_port_fails() -> None:
+    rayservice = _rayservice("dev-cpu")
+    container = ray_container(rayservice["spec"]["rayClusterConfig"]["headGroupSpec"]["template"])
+    container["ports"].append({"name": "serve-again", "containerPort": 8000})
+    assert any("duplicate entry" in e for e in crd_errors(rayservice))
+
+
+def test_typo_in_serve_config_v2_fails() -> None:
+    text = _rayservice("prod-gpu")["spec"]["serveConfigV2"].replace("max_ongoing_requests:", "max_ongoing_request:", 1)
+    assert serve_config_errors(parse_serve_config_v2(text)) != []
+
+
+def test_typo_in_a_builtin_kind_fails() -> None:
+    config_map = find(render("overlays/prod-gpu"), "ConfigMap")
+    config_map["dta"] = config_map.pop("data")
+    assert builtin_errors(config_map) != []
+
+
+def test_typo_in_the_pod_monitor_fails() -> None:
+    monitor = find(render("overlays/prod-gpu"), "PodMonitor")
+    monitor["spec"]["podMetricsEndpoints"][0]["intervall"] = "15s"
+    assert pod_monitor_errors(monitor) != []
+
+
+def test_renderer_refuses_kustomize_features_it_does_not_implement(tmp_path) -> None:
+    (tmp_path / "kustomization.yaml").write_text("resources: []\nnamePrefix: x-\n")
+    with pytest.raises(kustomize_lite.UnsupportedKustomizationError, match="namePrefix"):
+        kustomize_lite.render(tmp_path)
