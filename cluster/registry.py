@@ -48,6 +48,30 @@ REGISTRY: dict[str, ModelEntry] = {
 }  # fmt: skip
 
 
+def _parallel_heads_lm(config: ModelConfig) -> LMAdapter:
+    from llm_stage.models.bagpiper import ParallelHeadsAdapter
+
+    return ParallelHeadsAdapter.build(config)
+
+
+def _xcodec(config: ModelConfig, device: str) -> CodecAdapter:
+    from detok_stage.codecs.xcodec_codec import XcodecCodec
+
+    return XcodecCodec.build(config, device)
+
+
+REGISTRY.update({
+    "bagpiper-tiny": ModelEntry(
+        "bagpiper-tiny", "Parallel heads + delay pattern + CFG (Qwen3, 8 X-Codec streams), random tiny weights",
+        _parallel_heads_lm, _xcodec, needs_checkpoint=False,
+    ),
+    "bagpiper": ModelEntry(
+        "bagpiper", "Parallel-heads Qwen3 checkpoint (+ parallel_heads.*) and an HF X-Codec dir, local",
+        _parallel_heads_lm, _xcodec, needs_checkpoint=True,
+    ),
+})  # fmt: skip
+
+
 def get_entry(name: str) -> ModelEntry:
     if name not in REGISTRY:
         raise InvalidArgumentError("model", f"unknown model {name!r}; valid models: {', '.join(sorted(REGISTRY))}")

@@ -128,6 +128,7 @@ class LLMEngine:
             self._forget(req_id)
         return outputs
 
+    @torch.inference_mode()
     def _sample(self, hidden: torch.Tensor, rows: list[Request]) -> list[Token]:
         """Logits of every row -> CFG merge (twins dropped) -> the adapter's sampling rules -> tokens."""
         logits, cand_ids = self.adapter.logits(hidden, rows)
