@@ -36,6 +36,44 @@ def _synthesize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from cluster.config import ServeConfig, load_serve_config
+    from cluster.server import deploy
+
+    config = load_serve_config(args.config) if args.config else ServeConfig()
+    endpoints = deploy(config, address=args.address)
+    print(f"VoxRay serving {config.engine.model.name} (app {endpoints.app_name!r})")
+    print(f"  gRPC: {endpoints.grpc_target}  (metadata application={endpoints.app_name})")
+    print(f"  HTTP: {endpoints.http_url}/v1/audio/speech   health: {endpoints.http_url}/healthz")
+    print("Ctrl-C to stop.", flush=True)
+    if args.no_block:
+        return 0
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        return 0
+
+
+def _say(args: argparse.Namespace) -> int:
+    import grpc
+
+    from cluster.client import make_request, result_wav, synthesize
+
+    fmt = 0  # PCM16; the WAV is assembled here
+    request = make_request(args.text, voice=args.voice or "", format=fmt, sampling={"seed": args.seed})
+    try:
+        result = synthesize(args.target, args.app, request)
+    except grpc.RpcError as err:
+        print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
+    Path(args.output).write_bytes(result_wav(result))
+    audio_s = len(result.pcm16) / 2 / max(1, result.sample_rate_hz)
+    ttfa = result.ttfa_s
+    print(f"wrote {args.output}: {audio_s:.2f} s of audio; TTFA {ttfa * 1000:.0f} ms" if ttfa else "no audio")
+    return 0
+
+
 def _models(_: argparse.Namespace) -> int:
     for entry in REGISTRY.values():
         print(f"{entry.name:16s} {entry.description}")
@@ -56,6 +94,21 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--max-tokens", type=int, default=None)
     synth.add_argument("-o", "--output", type=Path, default=Path("out.wav"))
     synth.set_defaults(func=_synthesize)
+
+    serve_cmd = sub.add_parser("serve", help="start the cluster (embedded local Ray unless --address)")
+    serve_cmd.add_argument("--config", type=Path, help="ServeConfig YAML (default: embedded orpheus-tiny on CPU)")
+    serve_cmd.add_argument("--address", default=None, help="existing Ray cluster address, e.g. auto or ray://...")
+    serve_cmd.add_argument("--no-block", action="store_true", help="return after deploying")
+    serve_cmd.set_defaults(func=_serve)
+
+    say = sub.add_parser("say", help="gRPC client: synthesize TEXT on a running server and write a WAV")
+    say.add_argument("text")
+    say.add_argument("-o", "--output", type=Path, default=Path("say.wav"))
+    say.add_argument("--voice", default=None)
+    say.add_argument("--seed", type=int, default=0)
+    say.add_argument("--target", default="127.0.0.1:9000")
+    say.add_argument("--app", default="voxray")
+    say.set_defaults(func=_say)
 
     models = sub.add_parser("models", help="list registered models")
     models.set_defaults(func=_models)

@@ -89,7 +89,7 @@ class StageDeploymentConfig(_Strict):
     min_replicas: int = Field(1, ge=0)
     max_replicas: int = Field(1, ge=1)
     target_ongoing_requests: float = Field(8.0, gt=0)
-    num_cpus: float = Field(1.0, ge=0)
+    num_cpus: float = Field(0.5, ge=0, description="Logical CPUs per replica (fractions allowed).")
     num_gpus: float = Field(0.0, ge=0, description="1 per replica on GPU clusters (one accelerator each).")
     max_ongoing_requests: int = Field(256, ge=1, description="Serve-level cap; admission is ours.")
     resources: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources (node steering).")
@@ -131,7 +131,7 @@ class ServeConfig(_Strict):
     )  # fmt: skip
     llm: StageDeploymentConfig = StageDeploymentConfig()
     detok: StageDeploymentConfig = StageDeploymentConfig()
-    router: StageDeploymentConfig = StageDeploymentConfig(num_cpus=0.5, max_ongoing_requests=1024)
+    router: StageDeploymentConfig = StageDeploymentConfig(num_cpus=0.25, max_ongoing_requests=1024)
     admission: AdmissionConfig = AdmissionConfig()
     transport: TransportConfig = TransportConfig()
 

@@ -22,6 +22,9 @@ class ModelEntry:
     build_lm: Callable[[ModelConfig], LMAdapter]
     build_codec: Callable[[ModelConfig, str], CodecAdapter]
     needs_checkpoint: bool
+    voices: tuple[str, ...] = ()
+    default_voice: str | None = None
+    sample_rate_hz: int = 24000
 
 
 def _orpheus_lm(config: ModelConfig) -> LMAdapter:
@@ -36,14 +39,16 @@ def _snac(config: ModelConfig, device: str) -> CodecAdapter:
     return SnacCodec.build(config, device)
 
 
+_ORPHEUS_VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
+
 REGISTRY: dict[str, ModelEntry] = {
     "orpheus-tiny": ModelEntry(
         "orpheus-tiny", "Orpheus layout, small random-weight Llama + small SNAC (built in code)",
-        _orpheus_lm, _snac, needs_checkpoint=False,
+        _orpheus_lm, _snac, needs_checkpoint=False, voices=_ORPHEUS_VOICES, default_voice="tara",
     ),
     "orpheus": ModelEntry(
         "orpheus", "Orpheus 3B (Llama-3.2-3B HF checkpoint) + SNAC 24 kHz, from local directories",
-        _orpheus_lm, _snac, needs_checkpoint=True,
+        _orpheus_lm, _snac, needs_checkpoint=True, voices=_ORPHEUS_VOICES, default_voice="tara",
     ),
 }  # fmt: skip
 

@@ -38,9 +38,12 @@ class _Pending:
 
 
 class DetokEngine:
-    def __init__(self, codec: CodecAdapter, config: DetokConfig) -> None:
+    def __init__(self, codec: CodecAdapter, config: DetokConfig, in_order: bool = True) -> None:
+        """`in_order=False` returns every chunk as soon as it is decoded (the caller orders them,
+        as the router does when a request's chunks are spread over several detok replicas)."""
         self.codec = codec
         self.config = config
+        self.in_order = in_order
         self._queue: list[_Pending] = []
         self._states: dict[str, _RequestState] = defaultdict(_RequestState)
         self.num_decoded_frames = 0  # frames through the codec, context included
@@ -57,7 +60,8 @@ class DetokEngine:
         problem = self.codec.check_frames(chunk.frames)
         if problem is not None:
             raise InvalidArgumentError("frames", f"request {chunk.req_id} chunk {chunk.seq}: {problem}")
-        self._states[chunk.req_id]  # noqa: B018  (creates the state)
+        if self.in_order:
+            self._states[chunk.req_id]  # noqa: B018  (creates the state)
         self._queue.append(_Pending(chunk, time.monotonic()))
 
     def release(self, req_id: str) -> None:
@@ -69,7 +73,7 @@ class DetokEngine:
         if not batch:
             return []
         decoded = self._decode(batch)
-        return self._release_in_order(decoded)
+        return self._release_in_order(decoded) if self.in_order else decoded
 
     def _select(self) -> list[TokenChunk]:
         self._queue.sort(key=lambda p: p.submitted_s)

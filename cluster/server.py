@@ -1,0 +1,48 @@
+"""`voxray serve`: start (or join) Ray, start Serve with HTTP + gRPC proxies, deploy the app.
+
+With no address it starts an embedded local Ray; `--address` deploys onto an existing cluster.
+Used by the CLI and by the cluster tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ray
+from ray import serve
+from ray.serve.config import gRPCOptions
+
+from cluster.config import ServeConfig
+from deployments.app import GRPC_SERVICER, build_app
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    grpc_target: str
+    http_url: str
+    app_name: str
+
+
+def start_ray(address: str | None, num_cpus: int | None = None) -> None:
+    if ray.is_initialized():
+        return
+    if address:
+        ray.init(address=address)
+    else:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, configure_logging=False)
+
+
+def deploy(config: ServeConfig, address: str | None = None, num_cpus: int | None = None) -> Endpoints:
+    start_ray(address, num_cpus)
+    serve.start(
+        http_options={"host": config.http_host, "port": config.http_port},
+        grpc_options=gRPCOptions(port=config.grpc_port, grpc_servicer_functions=[GRPC_SERVICER]),
+    )
+    serve.run(build_app(config), name=config.app_name, route_prefix=config.route_prefix)
+    host = "127.0.0.1" if config.http_host in ("0.0.0.0", "127.0.0.1") else config.http_host
+    return Endpoints(f"{host}:{config.grpc_port}", f"http://{host}:{config.http_port}", config.app_name)
+
+
+def shutdown() -> None:
+    serve.shutdown()
+    ray.shutdown()

@@ -1,0 +1,1 @@
+"""Ray Serve deployments (thin shells around the engines) and the app builder."""

@@ -1,0 +1,51 @@
+"""App builder: one validated ServeConfig -> the Router, LLMStage and DetokStage deployments.
+
+`build_app(config)` is used by `voxray serve`; `app_builder(args)` is the Serve import path
+(`deployments.app:app_builder`) that Serve YAML / KubeRay `serveConfigV2` point at.
+"""
+
+from __future__ import annotations
+
+from ray import serve
+from ray.serve.config import AutoscalingConfig, RequestRouterConfig
+
+from cluster.config import ServeConfig, StageDeploymentConfig
+from deployments.detok_stage import DetokStage
+from deployments.llm_stage import LLMStage
+from router.ingress import Router
+
+GRPC_SERVICER = "protos.voxray_pb2_grpc.add_SpeechServicer_to_server"
+
+
+def deployment_options(stage: StageDeploymentConfig) -> dict:
+    """Serve deployment options for one stage (the same mapping the Serve YAML generator uses)."""
+    actor_options: dict = {"num_cpus": stage.num_cpus, "num_gpus": stage.num_gpus}
+    if stage.resources:
+        actor_options["resources"] = dict(stage.resources)
+    options: dict = {"max_ongoing_requests": stage.max_ongoing_requests, "ray_actor_options": actor_options}
+    if stage.autoscaling:
+        options["autoscaling_config"] = AutoscalingConfig(
+            min_replicas=stage.min_replicas,
+            max_replicas=stage.max_replicas,
+            target_ongoing_requests=stage.target_ongoing_requests,
+        )
+    else:
+        options["num_replicas"] = stage.num_replicas
+    return options
+
+
+def build_app(config: ServeConfig) -> serve.Application:
+    args = config.model_dump(mode="json")
+    detok = serve.deployment(DetokStage, name="DetokStage", **deployment_options(config.detok)).bind(args)
+    llm_router = RequestRouterConfig(
+        request_router_class="router.dispatch:PredictedTTFARouter", request_routing_stats_period_s=0.5
+    )
+    llm = serve.deployment(
+        LLMStage, name="LLMStage", request_router_config=llm_router, **deployment_options(config.llm)
+    ).bind(args, detok)
+    return serve.deployment(Router, name="Router", **deployment_options(config.router)).bind(args, llm)
+
+
+def app_builder(args: dict) -> serve.Application:
+    """Serve's application-builder entry point: `args` is a ServeConfig dump."""
+    return build_app(ServeConfig.model_validate(args or {}))

@@ -1,0 +1,85 @@
+"""DetokStage deployment: one detokenizer engine per replica (one accelerator).
+
+`decode` is called by LLMStage replicas once per TokenChunk; concurrent calls from many
+streams are batched into one codec forward by the engine thread. Chunks are self-describing,
+so any replica can decode any chunk (M:N routing); cancelling a call drops its chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from cluster.config import ServeConfig
+from cluster.pipeline import apply_torch_threads
+from cluster.registry import check_model_config
+from cluster.types import AudioChunk, TokenChunk
+from deployments.engine_loop import EngineLoop
+from detok_stage.engine import DetokEngine
+
+
+class DetokStage:
+    def __init__(self, config: dict) -> None:
+        self.config = ServeConfig.model_validate(config)
+        engine_cfg = self.config.engine
+        apply_torch_threads(engine_cfg.model.torch_threads)
+        codec = check_model_config(engine_cfg.model).build_codec(engine_cfg.model, engine_cfg.detok.device)
+        self.engine = DetokEngine(codec, engine_cfg.detok, in_order=False)
+        self.waiters: dict[tuple[str, int], asyncio.Future] = {}
+        self.num_decoded_chunks = 0
+        self.loop = EngineLoop(self._step, lambda: self.engine.has_work, self._fail_all, "detok-engine")
+        self.loop.start()
+
+    def _step(self) -> None:
+        for audio in self.engine.step():
+            self.num_decoded_chunks += 1
+            self._resolve((audio.req_id, audio.seq), audio)
+
+    def _resolve(self, key: tuple[str, int], value: AudioChunk | BaseException) -> None:
+        future = self.waiters.pop(key, None)
+        if future is None:
+            return
+        setter = future.set_exception if isinstance(value, BaseException) else future.set_result
+        future.get_loop().call_soon_threadsafe(lambda: None if future.done() else setter(value))
+
+    def _fail_all(self, err: BaseException) -> None:
+        for key in list(self.waiters):
+            self._resolve(key, RuntimeError(f"detokenizer failed: {err}"))
+
+    async def decode(self, chunk: TokenChunk) -> AudioChunk:
+        key = (chunk.req_id, chunk.seq)
+        future = asyncio.get_running_loop().create_future()
+        await asyncio.to_thread(self._submit, chunk, key, future)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            for other in await asyncio.to_thread(self._drop, chunk.req_id):
+                other.cancel()
+            raise
+
+    def _submit(self, chunk: TokenChunk, key: tuple[str, int], future: asyncio.Future) -> None:
+        with self.loop.lock:
+            self.engine.submit(chunk)
+            self.waiters[key] = future
+        self.loop.wake()
+
+    def _drop(self, req_id: str) -> list[asyncio.Future]:
+        """Forget every queued chunk of `req_id`; returns their futures for the event loop to cancel."""
+        with self.loop.lock:
+            self.engine.release(req_id)
+            return [self.waiters.pop(k) for k in [k for k in self.waiters if k[0] == req_id]]
+
+    def record_routing_stats(self) -> dict:
+        return {"queued_chunks": len(self.waiters), "step_s": self.loop.step_time_ema_s}
+
+    def stats(self) -> dict:
+        return {
+            "queued_chunks": len(self.waiters),
+            "engine_requests": self.engine.num_requests,
+            "engine_pending": self.engine.has_work,
+            "decoded_chunks": self.num_decoded_chunks,
+        }
+
+    def __del__(self) -> None:
+        loop = getattr(self, "loop", None)
+        if loop is not None:
+            loop.stop()

@@ -1,0 +1,65 @@
+"""A background thread that steps an engine while it has work, for the Serve replicas.
+
+Replicas are asyncio actors; the engine step is CPU/GPU-bound, so it runs here and hands
+results back to the event loop. Callers mutate the engine only while holding `lock`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
+
+
+class EngineLoop:
+    def __init__(
+        self,
+        step: Callable[[], None],
+        has_work: Callable[[], bool],
+        on_error: Callable[[BaseException], None],
+        name: str,
+        idle_wait_s: float = 0.05,
+    ) -> None:
+        self.lock = threading.Lock()
+        self._step = step
+        self._has_work = has_work
+        self._on_error = on_error
+        self._wake = threading.Event()
+        self._stopped = threading.Event()
+        self._idle_wait_s = idle_wait_s
+        self.step_time_ema_s = 0.0
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._wake.set()
+        self._thread.join(timeout=5)
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            with self.lock:
+                busy = self._has_work()
+                if busy:
+                    self._timed_step()
+            if not busy:
+                self._wake.wait(self._idle_wait_s)
+                self._wake.clear()
+
+    def _timed_step(self) -> None:
+        start = time.perf_counter()
+        try:
+            self._step()
+        except Exception as err:  # the engine is broken for its current requests: fail them, keep serving
+            logger.exception("engine step failed")
+            self._on_error(err)
+        elapsed = time.perf_counter() - start
+        self.step_time_ema_s = elapsed if self.step_time_ema_s == 0 else 0.9 * self.step_time_ema_s + 0.1 * elapsed

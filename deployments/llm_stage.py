@@ -1,0 +1,155 @@
+"""LLMStage deployment: one LLM engine per replica (one accelerator), streaming token chunks.
+
+`generate` admits or rejects a job, queues it in the engine and, for every ready TokenChunk,
+sends the chunk straight to a DetokStage replica and yields the audio's ObjectRef to the
+router (tokens never pass through the router). Cancelling the stream frees the KV slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from cluster.config import ServeConfig
+from cluster.errors import InvalidArgumentError
+from cluster.pipeline import LLMSide, apply_torch_threads
+from cluster.registry import check_model_config
+from cluster.types import TokenChunk
+from deployments.engine_loop import EngineLoop
+from detok_stage.chunking import ChunkSchedule
+from llm_stage.engine import LLMEngine, resolve_sampling
+from router.admission import Admission, ReplicaLoad, decide
+
+
+@dataclass
+class _Stream:
+    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    started_s: float = field(default_factory=time.monotonic)
+    is_done: bool = False
+
+
+class LLMStage:
+    def __init__(self, config: dict, detok_handle) -> None:
+        self.config = ServeConfig.model_validate(config)
+        engine_cfg = self.config.engine
+        apply_torch_threads(engine_cfg.model.torch_threads)
+        adapter = check_model_config(engine_cfg.model).build_lm(engine_cfg.model)
+        max_streams = self.config.admission.max_streams_per_replica
+        cache = engine_cfg.cache.model_copy(update={"num_slots": max_streams})
+        scheduler = engine_cfg.scheduler.model_copy(
+            update={"max_batch_size": min(max_streams, engine_cfg.scheduler.max_batch_size)}
+        )
+        engine = LLMEngine(adapter, cache, scheduler, seed=engine_cfg.model.seed)
+        self.schedule = ChunkSchedule.from_config(engine_cfg.detok)
+        self.side = LLMSide(engine, self.schedule)
+        self.detok = detok_handle
+        self.streams: dict[str, _Stream] = {}
+        self.avg_stream_s = 0.0
+        self.loop = EngineLoop(self._step, lambda: self.side.engine.has_work, self._fail_all, "llm-engine")
+        self.loop.start()
+
+    # ---- engine thread -------------------------------------------------------------------
+    def _step(self) -> None:
+        for chunk in self.side.step():
+            self._deliver(chunk.req_id, chunk)
+
+    def _deliver(self, req_id: str, item: TokenChunk | BaseException) -> None:
+        stream = self.streams.get(req_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _fail_all(self, err: BaseException) -> None:
+        for req_id in list(self.streams):
+            self.side.cancel(req_id)
+            self._deliver(req_id, err)
+
+    # ---- replica API ----------------------------------------------------------------------
+    def load(self) -> ReplicaLoad:
+        admission = self.config.admission
+        first_tokens = self.schedule.chunk_size(0) + self.schedule.right_context_frames
+        return ReplicaLoad(
+            num_active=len(self.streams),
+            max_streams=admission.max_streams_per_replica,
+            max_queued=admission.max_queued_per_replica,
+            step_s=self.loop.step_time_ema_s,
+            first_chunk_tokens=first_tokens * self.side.engine.adapter.tokens_per_frame,
+            avg_stream_s=self.avg_stream_s,
+        )
+
+    def record_routing_stats(self) -> dict:
+        return self.load().to_stats()
+
+    def stats(self) -> dict:
+        engine = self.side.engine
+        return {
+            **self.load().to_stats(),
+            "engine_requests": len(engine.requests),
+            "kv_slots_used": engine.scheduler.slots.num_used,
+            "kv_slots_total": engine.scheduler.slots.num_slots,
+        }
+
+    async def generate(self, job: dict) -> AsyncIterator[dict]:
+        """Yields {"kind": "admitted"|"rejected"|"invalid"|"audio", ...}; audio items carry an ObjectRef."""
+        req_id = job["req_id"]
+        verdict = decide(self.load(), job["ttfa_deadline_s"])
+        if verdict is Admission.REJECT:
+            yield {"kind": "rejected", "retry_after_s": self.config.admission.retry_after_s}
+            return
+        stream = _Stream(asyncio.Queue(), asyncio.get_running_loop())
+        self.streams[req_id] = stream
+        try:
+            try:
+                await asyncio.to_thread(self._add, job)
+            except InvalidArgumentError as err:
+                yield {"kind": "invalid", "field": err.field, "message": err.message}
+                return
+            yield {"kind": "admitted", "queued": verdict is Admission.QUEUE}
+            async for item in self._audio_refs(stream):
+                yield item
+        finally:
+            await self._close(req_id, stream)
+
+    async def _audio_refs(self, stream: _Stream) -> AsyncIterator[dict]:
+        pending = []
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise RuntimeError(f"LLM engine failed: {item}")
+                response = self.detok.decode.remote(item)
+                pending.append(response)
+                ref = await response._to_object_ref()
+                yield {"kind": "audio", "seq": item.seq, "ref": ref, "final": item.is_final}
+                if item.is_final:
+                    stream.is_done = True
+                    return
+        finally:
+            if not stream.is_done:
+                for response in pending:
+                    response.cancel()
+
+    def _add(self, job: dict) -> None:
+        with self.loop.lock:
+            params = resolve_sampling(job.get("sampling"), self.side.engine.adapter.default_sampling)
+            self.side.add(job["req_id"], job["text"], job.get("voice") or None, params)
+        self.loop.wake()
+
+    async def _close(self, req_id: str, stream: _Stream) -> None:
+        self.streams.pop(req_id, None)
+        lifetime = time.monotonic() - stream.started_s
+        if stream.is_done:
+            self.avg_stream_s = lifetime if not self.avg_stream_s else 0.8 * self.avg_stream_s + 0.2 * lifetime
+        else:
+            await asyncio.to_thread(self._cancel, req_id)
+
+    def _cancel(self, req_id: str) -> None:
+        with self.loop.lock:
+            self.side.cancel(req_id)
+
+    def __del__(self) -> None:
+        loop = getattr(self, "loop", None)
+        if loop is not None:
+            loop.stop()

@@ -1,0 +1,214 @@
+"""Router deployment: the ingress for gRPC (`voxray.Speech`) and HTTP (OpenAI `/v1/audio/speech`).
+
+It validates requests, dispatches them to an LLMStage replica (picked by `PredictedTTFARouter`),
+awaits each chunk's audio ObjectRef in seq order and streams it out, mapping admission results
+to RESOURCE_EXHAUSTED / 429 and bad input to INVALID_ARGUMENT / 400 naming the field.
+"""
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+
+from cluster.config import ServeConfig
+from cluster.errors import InvalidArgumentError
+from cluster.registry import get_entry
+from cluster.types import AudioChunk
+from protos import voxray_pb2
+from router.audio_format import streaming_wav_header
+from router.jobs import SynthesisJob, build_job, sampling_from_proto
+
+http_app = FastAPI(title="VoxRay")
+
+
+class AdmissionRejected(Exception):
+    def __init__(self, retry_after_s: float) -> None:
+        super().__init__(f"server at capacity; retry after {retry_after_s:.1f} s")
+        self.retry_after_s = retry_after_s
+
+
+@dataclass
+class SentChunk:
+    audio: AudioChunk
+    seq: int
+    ttfa_s: float | None
+    elapsed_s: float
+
+
+class RouterCore:
+    """Transport-independent part of the router: validation, dispatch, ordered streaming."""
+
+    def __init__(self, config: dict, llm_handle) -> None:
+        self.config = ServeConfig.model_validate(config)
+        self.entry = get_entry(self.config.engine.model.name)
+        self.llm = llm_handle.options(stream=True)
+
+    def job(self, **fields) -> SynthesisJob:
+        return build_job(self.entry, self.config.admission, **fields)
+
+    async def run(self, job: SynthesisJob) -> AsyncIterator[SentChunk]:
+        start = time.monotonic()
+        stream = self.llm.generate.remote(job.to_dict())
+        finished = False
+        try:
+            head = await stream.__anext__()
+            self._check_head(head)
+            first_audio_s = None
+            async for item in stream:
+                audio: AudioChunk = await item["ref"]
+                now = time.monotonic() - start
+                if first_audio_s is None and audio.pcm16:
+                    first_audio_s = now
+                finished = item["final"]
+                yield SentChunk(audio, item["seq"], first_audio_s, now)
+                if finished:
+                    return
+            raise RuntimeError("stream ended without a final chunk")
+        finally:
+            if not finished:
+                stream.cancel()
+
+    @staticmethod
+    def _check_head(head: dict) -> None:
+        if head["kind"] == "rejected":
+            raise AdmissionRejected(head["retry_after_s"])
+        if head["kind"] == "invalid":
+            raise InvalidArgumentError(head["field"], head["message"])
+
+
+def _to_proto(job: SynthesisJob, sent: SentChunk, header: bytes) -> voxray_pb2.AudioChunk:
+    audio = sent.audio
+    return voxray_pb2.AudioChunk(
+        request_id=job.req_id,
+        seq=sent.seq,
+        audio=header + audio.pcm16,
+        sample_rate_hz=audio.sample_rate_hz,
+        duration_s=audio.duration_s,
+        final=audio.is_final,
+        timings=voxray_pb2.ServerTimings(ttfa_s=sent.ttfa_s or 0.0, elapsed_s=sent.elapsed_s),
+    )
+
+
+async def _http_body(first: SentChunk, rest: AsyncIterator[SentChunk], header: bytes) -> AsyncIterator[bytes]:
+    yield header + first.audio.pcm16
+    async for sent in rest:
+        yield sent.audio.pcm16
+
+
+OPENAI_FORMATS = {"pcm": "pcm16", "wav": "wav"}
+
+
+async def _speech_fields(request: Request) -> dict:
+    content_type = request.headers.get("content-type", "").split(";")[0].strip()
+    if content_type != "application/json":
+        raise InvalidArgumentError("content-type", f"expected application/json, got {content_type or 'nothing'!r}")
+    try:
+        body = await request.json()
+    except ValueError:
+        raise InvalidArgumentError("body", "is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise InvalidArgumentError("body", "must be a JSON object")
+    unknown = set(body) - {"model", "input", "voice", "response_format", "stream", "speed", "sampling", "request_id"}
+    if unknown:
+        raise InvalidArgumentError(sorted(unknown)[0], "unknown field")
+    fmt = body.get("response_format", "wav")
+    if fmt not in OPENAI_FORMATS:
+        raise InvalidArgumentError("response_format", f"{fmt!r} is not served; use one of: pcm, wav")
+    if body.get("speed", 1.0) != 1.0:
+        raise InvalidArgumentError("speed", "only 1.0 is served")
+    text, sampling = body.get("input"), body.get("sampling") or {}
+    if not isinstance(text, str) or not isinstance(sampling, dict):
+        raise InvalidArgumentError("input" if not isinstance(text, str) else "sampling", "has the wrong type")
+    return {
+        "text": text, "model": str(body.get("model") or ""), "voice": str(body.get("voice") or ""),
+        "sampling": sampling, "output_format": OPENAI_FORMATS[fmt], "sample_rate_hz": 0, "ttfa_deadline_s": 0.0,
+        "req_id": str(body.get("request_id") or ""), "text_field": "input",
+    }  # fmt: skip
+
+
+def _http_error(status: int, message: str, param: str | None, headers: dict | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": "invalid_request_error", "param": param}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+class GrpcAbort(Exception):
+    """Raised after setting the status on the context; Serve then answers with that code."""
+
+
+def _abort(grpc_context, code: grpc.StatusCode, details: str, retry_after_s: float | None = None) -> None:
+    if grpc_context is not None:
+        grpc_context.set_code(code)
+        grpc_context.set_details(details)
+        if retry_after_s is not None:
+            grpc_context.set_trailing_metadata([("retry-after-s", f"{retry_after_s:.1f}")])
+    raise GrpcAbort(f"{code.name}: {details}")
+
+
+# Defined last: serve.ingress freezes the FastAPI app (and these methods) at class creation,
+# so every helper they use must already exist; no postponed annotations in this module.
+@serve.ingress(http_app)
+class Router:
+    """Serve ingress class (FastAPI routes + gRPC methods); deployed by `deployments.app`."""
+
+    def __init__(self, config: dict, llm_handle) -> None:
+        self.core = RouterCore(config, llm_handle)
+
+    # ---- gRPC -----------------------------------------------------------------------------
+    async def Synthesize(self, request: voxray_pb2.SynthesizeRequest, grpc_context=None):  # noqa: N802
+        try:
+            job = self.core.job(
+                text=request.text, model=request.model, voice=request.voice,
+                sampling=sampling_from_proto(request.sampling), sample_rate_hz=request.sample_rate_hz,
+                output_format="wav" if request.format == voxray_pb2.AUDIO_FORMAT_WAV else "pcm16",
+                ttfa_deadline_s=request.ttfa_deadline_s, req_id=request.request_id,
+            )  # fmt: skip
+            header = streaming_wav_header(self.core.entry.sample_rate_hz) if job.output_format == "wav" else b""
+            async for sent in self.core.run(job):
+                yield _to_proto(job, sent, header if sent.seq == 0 else b"")
+        except InvalidArgumentError as err:
+            _abort(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        except AdmissionRejected as err:
+            _abort(grpc_context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(err), err.retry_after_s)
+
+    async def ListModels(self, request: voxray_pb2.ListModelsRequest, grpc_context=None):  # noqa: N802
+        entry = self.core.entry
+        info = voxray_pb2.ModelInfo(name=entry.name, description=entry.description, sample_rate_hz=entry.sample_rate_hz)
+        return voxray_pb2.ListModelsResponse(models=[info])
+
+    async def ListVoices(self, request: voxray_pb2.ListVoicesRequest, grpc_context=None):  # noqa: N802
+        entry = self.core.entry
+        if request.model and request.model != entry.name:
+            _abort(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, f"model: unknown model {request.model!r}")
+        return voxray_pb2.ListVoicesResponse(voices=list(entry.voices), default_voice=entry.default_voice or "")
+
+    # ---- HTTP -----------------------------------------------------------------------------
+    @http_app.get("/healthz")
+    async def healthz(self) -> dict:
+        return {"status": "ok", "model": self.core.entry.name}
+
+    @http_app.get("/v1/models")
+    async def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.core.entry.name, "object": "model"}]}
+
+    @http_app.post("/v1/audio/speech")
+    async def speech(self, request: Request) -> Response:
+        try:
+            job = self.core.job(**await _speech_fields(request))
+            stream = self.core.run(job)
+            first = await stream.__anext__()  # admission and validation happen before any byte is sent
+        except InvalidArgumentError as err:
+            param = err.field
+            status = 415 if param == "content-type" else 400
+            return _http_error(status, str(err), param)
+        except AdmissionRejected as err:
+            headers = {"Retry-After": str(max(1, round(err.retry_after_s)))}
+            return _http_error(429, str(err), None, headers)
+        media = "audio/wav" if job.output_format == "wav" else "audio/pcm"
+        header = streaming_wav_header(self.core.entry.sample_rate_hz) if job.output_format == "wav" else b""
+        return StreamingResponse(
+            _http_body(first, stream, header), media_type=media, headers={"X-Request-Id": job.req_id}
+        )
