@@ -65,6 +65,18 @@ def _xcodec(config: ModelConfig, device: str) -> CodecAdapter:
     return XcodecCodec.build(config, device)
 
 
+def _csm_lm(config: ModelConfig) -> LMAdapter:
+    from llm_stage.models.csm import CsmAdapter
+
+    return CsmAdapter.build(config)
+
+
+def _mimi(config: ModelConfig, device: str) -> CodecAdapter:
+    from detok_stage.codecs.mimi_codec import MimiCodec
+
+    return MimiCodec.build(config, device)
+
+
 REGISTRY.update({
     "bagpiper-tiny": ModelEntry(
         "bagpiper-tiny", "Parallel heads + delay pattern + CFG (Qwen3, 8 X-Codec streams), random tiny weights",
@@ -73,6 +85,14 @@ REGISTRY.update({
     "bagpiper": ModelEntry(
         "bagpiper", "Parallel-heads Qwen3 checkpoint (+ parallel_heads.*) and an HF X-Codec dir, local",
         _parallel_heads_lm, _xcodec, needs_checkpoint=True,
+    ),
+    "csm-tiny": ModelEntry(
+        "csm-tiny", "CSM layout: Llama backbone + depth decoder over 8 codebooks, small Mimi, random tiny weights",
+        _csm_lm, _mimi, needs_checkpoint=False,
+    ),
+    "csm": ModelEntry(
+        "csm", "Sesame CSM-1B (HF CsmForConditionalGeneration dir) + Mimi (HF MimiModel dir), local",
+        _csm_lm, _mimi, needs_checkpoint=True,
     ),
 })  # fmt: skip
 

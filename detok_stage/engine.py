@@ -65,6 +65,7 @@ class DetokEngine:
         self._queue.append(_Pending(chunk, time.monotonic()))
 
     def release(self, req_id: str) -> None:
+        self.codec.release(req_id)
         self._states.pop(req_id, None)
         self._queue = [p for p in self._queue if p.chunk.req_id != req_id]
 
@@ -81,6 +82,9 @@ class DetokEngine:
         return [p.chunk for p in picked]
 
     def _decode(self, chunks: list[TokenChunk]) -> list[AudioChunk]:
+        if self.codec.is_stateful:  # per-request decoder caches: the codec crops to the kept frames itself
+            self.num_decoded_frames += sum(c.keep_end - c.keep_start for c in chunks)
+            return [self._audio_chunk(c, w) for c, w in zip(chunks, self.codec.decode_stream(chunks), strict=True)]
         by_len: dict[int, list[TokenChunk]] = defaultdict(list)
         for chunk in chunks:
             if chunk.keep_end > chunk.keep_start:

@@ -2,6 +2,7 @@
 
 An adapter knows its frame layout (codes per frame, samples per frame, sample rate), validates
 codes, and decodes a batch of equal-length frame windows to float audio in one forward.
+A stateful codec (`is_stateful`, e.g. Mimi) instead decodes chunks with per-request caches.
 """
 
 from __future__ import annotations
@@ -10,16 +11,27 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from cluster.types import TokenChunk
+
 
 class CodecAdapter(ABC):
     codes_per_frame: int
     samples_per_frame: int
     sample_rate_hz: int
     codebook_size: int
+    is_stateful: bool = False
 
     @abstractmethod
     def decode(self, frames: torch.Tensor) -> torch.Tensor:
         """frames [B, n, codes_per_frame] (long) -> audio [B, n * samples_per_frame] float in [-1, 1]."""
+
+    def decode_stream(self, chunks: list[TokenChunk]) -> list[torch.Tensor]:
+        """Stateful codecs: audio [keep frames * samples_per_frame] per chunk, chunks of a request in seq order."""
+        raise NotImplementedError(f"{type(self).__name__} decodes stateless windows")
+
+    def release(self, req_id: str) -> None:
+        """Drop a request's per-request decoder cache (stateful codecs; stateless ones hold none)."""
+        return None
 
     def check_frames(self, frames: list[list[int]]) -> str | None:
         """Return a description of the first invalid frame, or None when all decode."""

@@ -1,0 +1,107 @@
+"""Mimi detokenizer (transformers `MimiModel`) for the CSM family, streamed chunk by chunk.
+
+Mimi's decoder is causal: RVQ dequantize -> transposed-conv upsample (needs the previous
+latent frame) -> sliding-window transformer (KV cache carried across a request's chunks) ->
+SEANet convs (fed the last `conv_context_steps` transformer outputs again as left context).
+A chunk that finds no state (first chunk, or a replica that never saw the request) warms a
+fresh state on its left-context frames: exact from the stream start, approximate mid-stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache, MimiConfig, MimiModel
+
+from cluster.config import ModelConfig
+from cluster.types import TokenChunk
+from detok_stage.codecs.base import CodecAdapter
+
+
+@dataclass
+class MimiStreamState:
+    """Per request: where the stream is, and what the next chunk needs from the past."""
+
+    next_frame: int
+    cache: DynamicCache
+    prev_latent: torch.Tensor | None = None  # [1, C, 1] last dequantized frame (upsample context)
+    out_tail: torch.Tensor | None = None  # [1, C, S] last transformer outputs (SEANet context)
+
+
+def load_mimi(codec_dir: Path | None, seed: int, preset: dict | None) -> MimiModel:
+    if codec_dir is not None:
+        return MimiModel.from_pretrained(str(codec_dir), local_files_only=True).eval()
+    torch.manual_seed(seed)
+    return MimiModel(MimiConfig(**(preset or {}))).eval()
+
+
+class MimiCodec(CodecAdapter):
+    is_stateful = True
+
+    def __init__(self, model: MimiModel, device: str = "cpu", conv_context_steps: int = 8) -> None:
+        self.model = model.to(device)
+        self.device = device
+        self.decoder = model.decoder
+        cfg = model.config
+        self.codes_per_frame = cfg.num_quantizers
+        self.codebook_size = cfg.codebook_size
+        self.sample_rate_hz = cfg.sampling_rate
+        self.steps_per_frame = self.decoder.upsample.conv.stride[0] if self.decoder.upsample is not None else 1
+        self.samples_per_step = int(torch.tensor(cfg.upsampling_ratios).prod())
+        self.samples_per_frame = self.steps_per_frame * self.samples_per_step
+        self.conv_context_steps = conv_context_steps
+        self._states: dict[str, MimiStreamState] = {}
+
+    @classmethod
+    def build(cls, model_config: ModelConfig, device: str = "cpu", preset: dict | None = None) -> MimiCodec:
+        from llm_stage.models.csm import tiny_mimi_config
+
+        return cls(load_mimi(model_config.codec_dir, model_config.seed, preset or tiny_mimi_config(8)), device)
+
+    @torch.inference_mode()
+    def decode(self, frames: torch.Tensor) -> torch.Tensor:
+        """Offline: frames [B, n, K] -> audio [B, n * samples_per_frame]."""
+        audio = self.model.decode(frames.transpose(1, 2).to(self.device)).audio_values
+        return audio[:, 0, : frames.shape[1] * self.samples_per_frame].float().cpu()
+
+    @torch.inference_mode()
+    def decode_stream(self, chunks: list[TokenChunk]) -> list[torch.Tensor]:
+        """Audio of each chunk's kept frames, in list order (a request's chunks must come in seq order)."""
+        return [self._decode_chunk(chunk) for chunk in chunks]
+
+    def release(self, req_id: str) -> None:
+        self._states.pop(req_id, None)
+
+    def _decode_chunk(self, chunk: TokenChunk) -> torch.Tensor:
+        frames = torch.tensor(chunk.frames, dtype=torch.long, device=self.device)  # [n, K]
+        keep = frames[chunk.keep_start - chunk.window_start : chunk.keep_end - chunk.window_start]
+        state = self._states.get(chunk.req_id)
+        if state is None or state.next_frame != chunk.keep_start:
+            state = MimiStreamState(chunk.window_start, DynamicCache(config=self.decoder.config))
+            self._advance(state, frames[: chunk.keep_start - chunk.window_start])  # warm on the left context
+        audio = self._advance(state, keep)
+        if chunk.is_final:
+            self._states.pop(chunk.req_id, None)
+        else:
+            self._states[chunk.req_id] = state
+        return audio.float().cpu()
+
+    def _advance(self, state: MimiStreamState, frames: torch.Tensor) -> torch.Tensor:
+        """Push frames [n, K] through the decoder; returns their n * samples_per_frame samples."""
+        if frames.shape[0] == 0:
+            return torch.zeros(0)
+        latents = self.model.quantizer.decode(frames.T.unsqueeze(0))  # [1, C, n]
+        with_prev = latents if state.prev_latent is None else torch.cat([state.prev_latent, latents], dim=2)
+        steps = self.decoder.upsample(with_prev) if self.decoder.upsample is not None else with_prev
+        steps = steps[:, :, steps.shape[2] - frames.shape[0] * self.steps_per_frame :]  # drop the context frame
+        out = self.decoder.decoder_transformer(steps.transpose(1, 2), cache=state.cache, use_cache=True)
+        hidden = out.last_hidden_state.transpose(1, 2)  # [1, C, n * steps_per_frame]
+        tail = state.out_tail if state.out_tail is not None else hidden[:, :, :0]
+        audio = self.decoder.decoder_seanet(torch.cat([tail, hidden], dim=2))[0, 0]
+        state.prev_latent = latents[:, :, -1:]
+        joined = torch.cat([tail, hidden], dim=2)
+        state.out_tail = joined[:, :, joined.shape[2] - min(self.conv_context_steps, joined.shape[2]) :]
+        state.next_frame += frames.shape[0]
+        return audio[tail.shape[2] * self.samples_per_step :]
