@@ -33,11 +33,17 @@ def start_ray(address: str | None, num_cpus: int | None = None) -> None:
 
 
 def deploy(config: ServeConfig, address: str | None = None, num_cpus: int | None = None) -> Endpoints:
+    """Start Ray and Serve (proxies on the config's ports) and deploy the app."""
     start_ray(address, num_cpus)
     serve.start(
         http_options={"host": config.http_host, "port": config.http_port},
         grpc_options=gRPCOptions(port=config.grpc_port, grpc_servicer_functions=[GRPC_SERVICER]),
     )
+    return deploy_app(config)
+
+
+def deploy_app(config: ServeConfig) -> Endpoints:
+    """Deploy one more app onto a running Serve (its ports are the running proxies')."""
     serve.run(build_app(config), name=config.app_name, route_prefix=config.route_prefix)
     host = "127.0.0.1" if config.http_host in ("0.0.0.0", "127.0.0.1") else config.http_host
     return Endpoints(f"{host}:{config.grpc_port}", f"http://{host}:{config.http_port}", config.app_name)

@@ -64,6 +64,7 @@ class AudioChunk:
     sample_rate_hz: int
     is_final: bool
     timings: dict[str, float] = field(default_factory=dict)
+    detok_replica: str = ""  # set by the DetokStage deployment
 
     @property
     def num_samples(self) -> int:

@@ -13,7 +13,7 @@ from cluster.config import ServeConfig
 from cluster.pipeline import apply_torch_threads
 from cluster.registry import check_model_config
 from cluster.types import AudioChunk, TokenChunk
-from deployments.engine_loop import EngineLoop
+from deployments.engine_loop import EngineLoop, replica_tag
 from detok_stage.engine import DetokEngine
 
 
@@ -24,6 +24,7 @@ class DetokStage:
         apply_torch_threads(engine_cfg.model.torch_threads)
         codec = check_model_config(engine_cfg.model).build_codec(engine_cfg.model, engine_cfg.detok.device)
         self.engine = DetokEngine(codec, engine_cfg.detok, in_order=False)
+        self.replica_tag = replica_tag()
         self.waiters: dict[tuple[str, int], asyncio.Future] = {}
         self.num_decoded_chunks = 0
         self.loop = EngineLoop(self._step, lambda: self.engine.has_work, self._fail_all, "detok-engine")
@@ -50,7 +51,9 @@ class DetokStage:
         future = asyncio.get_running_loop().create_future()
         await asyncio.to_thread(self._submit, chunk, key, future)
         try:
-            return await future
+            audio = await future
+            audio.detok_replica = self.replica_tag
+            return audio
         except asyncio.CancelledError:
             for other in await asyncio.to_thread(self._drop, chunk.req_id):
                 other.cancel()

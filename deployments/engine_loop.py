@@ -14,6 +14,18 @@ from collections.abc import Callable
 logger = logging.getLogger(__name__)
 
 
+def replica_tag() -> str:
+    """`Deployment#replica` of the calling Serve replica ("" outside Serve)."""
+    from ray import serve
+    from ray.serve.exceptions import RayServeException
+
+    try:
+        context = serve.get_replica_context()
+    except RayServeException:  # not inside a replica (unit tests, in-process use)
+        return ""
+    return f"{context.deployment}#{context.replica_id.unique_id}"
+
+
 class EngineLoop:
     def __init__(
         self,

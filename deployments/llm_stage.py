@@ -1,8 +1,8 @@
 """LLMStage deployment: one LLM engine per replica (one accelerator), streaming token chunks.
 
 `generate` admits or rejects a job, queues it in the engine and, for every ready TokenChunk,
-sends the chunk straight to a DetokStage replica and yields the audio's ObjectRef to the
-router (tokens never pass through the router). Cancelling the stream frees the KV slot.
+sends the chunk straight to a DetokStage replica (tokens never pass through the router) and
+yields the decoded audio to the router in seq order. Cancelling the stream frees the KV slot.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from cluster.errors import InvalidArgumentError
 from cluster.pipeline import LLMSide, apply_torch_threads
 from cluster.registry import check_model_config
 from cluster.types import TokenChunk
-from deployments.engine_loop import EngineLoop
+from deployments.engine_loop import EngineLoop, replica_tag
 from detok_stage.chunking import ChunkSchedule
 from llm_stage.engine import LLMEngine, resolve_sampling
 from router.admission import Admission, ReplicaLoad, decide
@@ -29,6 +29,16 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     started_s: float = field(default_factory=time.monotonic)
     is_done: bool = False
+
+
+def _drain(queue: asyncio.Queue) -> list:
+    """Responses still queued (not yet awaited) when a stream ends early."""
+    items = []
+    while not queue.empty():
+        response, _ = queue.get_nowait()
+        if not isinstance(response, BaseException):
+            items.append(response)
+    return items
 
 
 class LLMStage:
@@ -46,6 +56,7 @@ class LLMStage:
         self.schedule = ChunkSchedule.from_config(engine_cfg.detok)
         self.side = LLMSide(engine, self.schedule)
         self.detok = detok_handle
+        self.replica_tag = replica_tag()
         self.streams: dict[str, _Stream] = {}
         self.avg_stream_s = 0.0
         self.loop = EngineLoop(self._step, lambda: self.side.engine.has_work, self._fail_all, "llm-engine")
@@ -92,7 +103,7 @@ class LLMStage:
         }
 
     async def generate(self, job: dict) -> AsyncIterator[dict]:
-        """Yields {"kind": "admitted"|"rejected"|"invalid"|"audio", ...}; audio items carry an ObjectRef."""
+        """Yields {"kind": "admitted"|"rejected"|"invalid"|"audio", ...}; audio items carry an AudioChunk."""
         req_id = job["req_id"]
         verdict = decide(self.load(), job["ttfa_deadline_s"])
         if verdict is Admission.REJECT:
@@ -106,30 +117,43 @@ class LLMStage:
             except InvalidArgumentError as err:
                 yield {"kind": "invalid", "field": err.field, "message": err.message}
                 return
-            yield {"kind": "admitted", "queued": verdict is Admission.QUEUE}
-            async for item in self._audio_refs(stream):
+            yield {"kind": "admitted", "queued": verdict is Admission.QUEUE, "llm_replica": self.replica_tag}
+            async for item in self._audio(stream):
                 yield item
         finally:
             await self._close(req_id, stream)
 
-    async def _audio_refs(self, stream: _Stream) -> AsyncIterator[dict]:
-        pending = []
+    async def _audio(self, stream: _Stream) -> AsyncIterator[dict]:
+        """Send each TokenChunk to a detok replica as soon as it is ready; yield the audio in seq order."""
+        decoding: asyncio.Queue = asyncio.Queue()
+        sender = asyncio.create_task(self._send_chunks(stream, decoding))
+        responses = []
         try:
             while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise RuntimeError(f"LLM engine failed: {item}")
-                response = self.detok.decode.remote(item)
-                pending.append(response)
-                ref = await response._to_object_ref()
-                yield {"kind": "audio", "seq": item.seq, "ref": ref, "final": item.is_final}
-                if item.is_final:
+                response, chunk = await decoding.get()
+                if isinstance(response, BaseException):
+                    raise RuntimeError(f"LLM engine failed: {response}")
+                responses.append(response)
+                audio = await response
+                yield {"kind": "audio", "seq": chunk.seq, "audio": audio, "final": chunk.is_final}
+                if chunk.is_final:
                     stream.is_done = True
                     return
         finally:
+            sender.cancel()
             if not stream.is_done:
-                for response in pending:
+                for response in responses + _drain(decoding):
                     response.cancel()
+
+    async def _send_chunks(self, stream: _Stream, decoding: asyncio.Queue) -> None:
+        while True:
+            item = await stream.queue.get()
+            if isinstance(item, BaseException):  # the consumer raises it: the stream fails, never hangs
+                decoding.put_nowait((item, None))
+                return
+            decoding.put_nowait((self.detok.decode.remote(item), item))
+            if item.is_final:
+                return
 
     def _add(self, job: dict) -> None:
         with self.loop.lock:

@@ -1,8 +1,10 @@
 """Data-parallel dispatch: a Serve RequestRouter that sends each request to the LLM replica
-with the lowest predicted TTFA.
+with the lowest predicted TTFA, and a per-process load board for early admission.
 
 Replicas publish a `ReplicaLoad` through `record_routing_stats`; between two stats refreshes
-this router counts the requests it has routed itself so a burst does not pile onto one replica.
+this router counts the requests it routed and saw complete, so a burst neither piles onto one
+replica nor waits for the next refresh. The Router ingress reads `estimated_loads` to reject
+at once when every replica is full (the LLMStage replica still makes the final decision).
 """
 
 from __future__ import annotations
@@ -13,34 +15,73 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from router.admission import ReplicaLoad, predict_ttfa_s
 
+_BOARDS: dict[str, PredictedTTFARouter] = {}  # app name -> the LLMStage router living in this process
+
+
+def estimated_loads(app_name: str) -> list[ReplicaLoad]:
+    """Current load estimate of every LLM replica of `app_name` known to this process ([] = unknown)."""
+    router = _BOARDS.get(app_name)
+    return router.estimated_loads() if router is not None else []
+
 
 class PredictedTTFARouter(RequestRouter):
     def initialize_state(self, **kwargs) -> None:
-        self._routed_since_stats: dict[ReplicaID, int] = defaultdict(int)
+        self._routed: dict[ReplicaID, int] = defaultdict(int)  # since that replica's last stats
+        self._completed: dict[ReplicaID, int] = defaultdict(int)
         self._last_stats: dict[ReplicaID, dict] = {}
+        self._replicas_seen: dict[ReplicaID, RunningReplica] = {}
+        self._choosing: dict[str, ReplicaID] = {}  # request -> replica it was ranked first on, not yet sent
 
     def _ensure_state(self) -> None:
-        if not hasattr(self, "_routed_since_stats"):
+        if not hasattr(self, "_routed"):
             self.initialize_state()
+            _BOARDS[self.app_name] = self
 
-    def _score(self, replica: RunningReplica) -> tuple[float, int]:
+    def _refresh(self, replica: RunningReplica) -> ReplicaLoad | None:
+        self._replicas_seen[replica.replica_id] = replica
         stats = replica.routing_stats or {}
         if stats != self._last_stats.get(replica.replica_id):
             self._last_stats[replica.replica_id] = stats
-            self._routed_since_stats[replica.replica_id] = 0
-        extra = self._routed_since_stats[replica.replica_id]
+            self._routed[replica.replica_id] = self._completed[replica.replica_id] = 0
         load = ReplicaLoad.from_stats(stats)
-        if load is None:  # no stats yet: spread by what we routed
-            return (float(extra), extra)
-        return (predict_ttfa_s(load, extra), load.num_active + extra)
+        if load is None:
+            return None
+        choosing = sum(1 for rid in self._choosing.values() if rid == replica.replica_id)
+        pending = self._routed[replica.replica_id] - self._completed[replica.replica_id] + choosing
+        return ReplicaLoad(**{**load.to_stats(), "num_active": max(0, load.num_active + pending)})
+
+    def _score(self, replica: RunningReplica) -> tuple[float, int]:
+        load = self._refresh(replica)
+        if load is None:  # no stats yet: spread by what we routed or are routing
+            routed = self._routed[replica.replica_id] + sum(
+                1 for r in self._choosing.values() if r == replica.replica_id
+            )
+            return (float(routed), routed)
+        return (predict_ttfa_s(load), load.num_active)
+
+    def estimated_loads(self) -> list[ReplicaLoad]:
+        loads = [self._refresh(r) for r in self._replicas_seen.values()]
+        return [load for load in loads if load is not None]
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
         self._ensure_state()
+        live = {r.replica_id for r in candidate_replicas}
+        self._replicas_seen = {rid: r for rid, r in self._replicas_seen.items() if rid in live}
+        key = pending_request.metadata.internal_request_id if pending_request is not None else None
+        if key is not None:
+            self._choosing.pop(key, None)  # a retry ranks afresh
         ranked = sorted(candidate_replicas, key=self._score)
+        if key is not None and ranked:
+            self._choosing[key] = ranked[0].replica_id
         return [[replica] for replica in ranked]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         self._ensure_state()
-        self._routed_since_stats[replica_id] += 1
+        self._choosing.pop(pending_request.metadata.internal_request_id, None)
+        self._routed[replica_id] += 1
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self._ensure_state()
+        self._completed[replica_id] += 1

@@ -20,6 +20,7 @@ from cluster.registry import get_entry
 from cluster.types import AudioChunk
 from protos import voxray_pb2
 from router.audio_format import streaming_wav_header
+from router.dispatch import estimated_loads
 from router.jobs import SynthesisJob, build_job, sampling_from_proto
 
 http_app = FastAPI(title="VoxRay")
@@ -37,6 +38,7 @@ class SentChunk:
     seq: int
     ttfa_s: float | None
     elapsed_s: float
+    llm_replica: str = ""
 
 
 class RouterCore:
@@ -46,11 +48,32 @@ class RouterCore:
         self.config = ServeConfig.model_validate(config)
         self.entry = get_entry(self.config.engine.model.name)
         self.llm = llm_handle.options(stream=True)
+        self.open_streams = 0
 
     def job(self, **fields) -> SynthesisJob:
         return build_job(self.entry, self.config.admission, **fields)
 
+    def check_capacity(self) -> None:
+        """Reject at once when the LLM replicas known here are full: by their reported load, or by
+        the streams this router has open itself (a burst arrives before any stats refresh)."""
+        loads = estimated_loads(self.config.app_name)
+        if not loads:
+            return
+        capacity = sum(load.max_streams + load.max_queued for load in loads)
+        active = max(self.open_streams, sum(load.num_active for load in loads))
+        if active >= capacity:
+            raise AdmissionRejected(self.config.admission.retry_after_s)
+
     async def run(self, job: SynthesisJob) -> AsyncIterator[SentChunk]:
+        self.check_capacity()
+        self.open_streams += 1
+        try:
+            async for sent in self._dispatch(job):
+                yield sent
+        finally:
+            self.open_streams -= 1
+
+    async def _dispatch(self, job: SynthesisJob) -> AsyncIterator[SentChunk]:
         start = time.monotonic()
         stream = self.llm.generate.remote(job.to_dict())
         finished = False
@@ -59,12 +82,12 @@ class RouterCore:
             self._check_head(head)
             first_audio_s = None
             async for item in stream:
-                audio: AudioChunk = await item["ref"]
+                audio: AudioChunk = item["audio"]
                 now = time.monotonic() - start
                 if first_audio_s is None and audio.pcm16:
                     first_audio_s = now
                 finished = item["final"]
-                yield SentChunk(audio, item["seq"], first_audio_s, now)
+                yield SentChunk(audio, item["seq"], first_audio_s, now, head.get("llm_replica", ""))
                 if finished:
                     return
             raise RuntimeError("stream ended without a final chunk")
@@ -90,6 +113,8 @@ def _to_proto(job: SynthesisJob, sent: SentChunk, header: bytes) -> voxray_pb2.A
         duration_s=audio.duration_s,
         final=audio.is_final,
         timings=voxray_pb2.ServerTimings(ttfa_s=sent.ttfa_s or 0.0, elapsed_s=sent.elapsed_s),
+        llm_replica=sent.llm_replica,
+        detok_replica=audio.detok_replica,
     )
 
 

@@ -1,0 +1,39 @@
+"""One real local Ray + Serve for the cluster tests, with two apps deployed once per session.
+
+`voxray` (1 LLM replica, tight admission: 2 streams + 1 queued) for admission, cancellation and
+bad input; `voxray-dp` (2 LLM replicas : 1 detok replica) for dispatch and concurrency.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.config import AdmissionConfig, ServeConfig, StageDeploymentConfig
+from tests.deployments.grpc_helpers import run_stream
+
+GRPC_PORT = 19000
+HTTP_PORT = 18000
+
+
+def small_config(**overrides) -> ServeConfig:
+    base = ServeConfig(grpc_port=GRPC_PORT, http_port=HTTP_PORT)
+    return base.model_copy(update=overrides)
+
+
+TIGHT = small_config(admission=AdmissionConfig(max_streams_per_replica=2, max_queued_per_replica=1))
+DATA_PARALLEL = small_config(
+    app_name="voxray-dp", route_prefix="/dp", llm=StageDeploymentConfig(num_replicas=2),
+    admission=AdmissionConfig(max_streams_per_replica=4, max_queued_per_replica=4, default_ttfa_deadline_s=60.0),
+)  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    from cluster.server import deploy, deploy_app, shutdown
+
+    endpoints = {"tight": deploy(TIGHT, num_cpus=4), "dp": deploy_app(DATA_PARALLEL)}
+    for ep in endpoints.values():  # warm the handles and Serve's gRPC error path (~2 s cold, once)
+        run_stream(ep.grpc_target, ep.app_name, "warm up", sampling={"max_tokens": 7})
+        run_stream(ep.grpc_target, ep.app_name, "")
+    yield endpoints
+    shutdown()

@@ -1,0 +1,160 @@
+"""The disaggregated cluster under a real local Ray + Serve (CPU): streams, dispatch, admission,
+cancellation and bad input over gRPC and HTTP."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+import pytest
+import requests
+from ray import serve
+
+from cluster.pipeline import InProcessPipeline
+from protos import voxray_pb2, voxray_pb2_grpc
+from tests.deployments.conftest import DATA_PARALLEL, TIGHT
+from tests.deployments.grpc_helpers import run_stream
+
+pytestmark = pytest.mark.slow
+SPF = 2048
+
+
+def in_process_audio(jobs: list[dict]) -> dict[str, bytes]:
+    pipeline = InProcessPipeline(DATA_PARALLEL.engine)
+    for job in jobs:
+        pipeline.submit(job["request_id"], job["text"], job["voice"], job["sampling"])
+    audio: dict[str, bytes] = {job["request_id"]: b"" for job in jobs}
+    for chunk in pipeline.stream():
+        audio[chunk.req_id] += chunk.pcm16
+    return audio
+
+
+def test_eight_concurrent_streams_match_in_process_and_use_both_llm_replicas(cluster):
+    ep = cluster["dp"]
+    jobs = [
+        {"request_id": f"dp-{i}", "text": f"stream number {i} " * (1 + i % 3), "voice": "leah",
+         "sampling": {"seed": 100 + i, "max_tokens": 7 * (3 + i)}}
+        for i in range(8)
+    ]  # fmt: skip
+    with ThreadPoolExecutor(8) as pool:
+        outcomes = list(pool.map(lambda job: run_stream(ep.grpc_target, ep.app_name, **job), jobs))
+    expected = in_process_audio(jobs)
+    replicas = set()
+    for job, outcome in zip(jobs, outcomes, strict=True):
+        assert outcome.code == grpc.StatusCode.OK, outcome.details
+        got = np.frombuffer(outcome.pcm16, dtype="<i2").astype(np.int32)
+        want = np.frombuffer(expected[job["request_id"]], dtype="<i2").astype(np.int32)
+        assert got.shape == want.shape == (job["sampling"]["max_tokens"] // 7 * SPF,)
+        assert np.abs(got - want).max() <= 2  # same tokens; float noise of batched decoding only
+        assert [c.seq for c in outcome.chunks] == list(range(len(outcome.chunks)))
+        assert outcome.chunks[-1].final and outcome.chunks[0].timings.ttfa_s > 0
+        replicas |= {c.llm_replica for c in outcome.chunks}
+    assert len(replicas) == 2
+
+
+def test_overload_rejects_excess_quickly_and_admitted_streams_complete(cluster):
+    ep = cluster["tight"]
+    with ThreadPoolExecutor(8) as pool:
+        outcomes = list(
+            pool.map(
+                lambda i: run_stream(
+                    ep.grpc_target, ep.app_name, f"overload {i}", sampling={"seed": i, "max_tokens": 140}
+                ),
+                range(8),
+            )
+        )
+    rejected = [o for o in outcomes if o.code == grpc.StatusCode.RESOURCE_EXHAUSTED]
+    admitted = [o for o in outcomes if o.code == grpc.StatusCode.OK]
+    limit = TIGHT.admission.max_streams_per_replica + TIGHT.admission.max_queued_per_replica
+    assert len(admitted) + len(rejected) == 8 and len(admitted) <= limit and len(rejected) >= 8 - limit
+    assert all(o.finished_after_s < 1.0 and "retry after" in o.details for o in rejected)
+    assert all(len(o.pcm16) == 20 * SPF * 2 and o.chunks[-1].final for o in admitted)
+
+
+def _idle(app: str) -> bool:
+    llm = serve.get_deployment_handle("LLMStage", app).stats.remote().result()
+    detok = serve.get_deployment_handle("DetokStage", app).stats.remote().result()
+    return llm["kv_slots_used"] == 0 and llm["engine_requests"] == 0 and detok["queued_chunks"] == 0
+
+
+def test_client_disconnect_frees_kv_slot_and_detok_state(cluster):
+    ep = cluster["tight"]
+    channel = grpc.insecure_channel(ep.grpc_target)
+    stub = voxray_pb2_grpc.SpeechStub(channel)
+    request = voxray_pb2.SynthesizeRequest(text="a long one", sampling=voxray_pb2.SamplingOptions(max_tokens=1400))
+    call = stub.Synthesize(request, metadata=(("application", ep.app_name),))
+    next(call)
+    llm = serve.get_deployment_handle("LLMStage", ep.app_name).stats.remote().result()
+    assert llm["kv_slots_used"] == 1
+    call.cancel()
+    channel.close()
+    cancelled_at = time.monotonic()
+    while not _idle(ep.app_name):
+        assert time.monotonic() - cancelled_at < 1.0, "KV slot / detok state still held 1 s after disconnect"
+        time.sleep(0.05)
+
+
+GRPC_BAD_INPUT = [
+    ({"text": ""}, "text"),
+    ({"text": "hi", "model": "nope"}, "model"),
+    ({"text": "hi", "voice": "nobody"}, "voice"),
+    ({"text": "hi", "sampling": {"temperature": -1.0}}, "sampling.temperature"),
+    ({"text": "hi", "sampling": {"top_p": 1.5}}, "sampling.top_p"),
+    ({"text": "x" * 5000}, "text"),
+    ({"text": "hi", "sample_rate_hz": 8000}, "sample_rate_hz"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "field"), GRPC_BAD_INPUT)
+def test_grpc_bad_input_is_invalid_argument_naming_field(cluster, kwargs, field):
+    ep = cluster["tight"]
+    outcome = run_stream(ep.grpc_target, ep.app_name, **kwargs)
+    assert outcome.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert outcome.details.startswith(f"{field}:")
+
+
+HTTP_BAD_INPUT = [
+    ({"json": {"input": ""}}, 400, "input"),
+    ({"json": {"input": "hi", "model": "nope"}}, 400, "model"),
+    ({"json": {"input": "hi", "voice": "nobody"}}, 400, "voice"),
+    ({"json": {"input": "hi", "response_format": "mp3"}}, 400, "response_format"),
+    ({"json": {"input": "hi", "sampling": {"top_k": -2}}}, 400, "sampling.top_k"),
+    ({"json": {"input": "x" * 5000}}, 400, "input"),
+    ({"json": {"input": "hi", "colour": "red"}}, 400, "colour"),
+    ({"data": "input=hi", "headers": {"content-type": "application/x-www-form-urlencoded"}}, 415, "content-type"),
+    ({"data": "{not json", "headers": {"content-type": "application/json"}}, 400, "body"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "status", "param"), HTTP_BAD_INPUT)
+def test_http_bad_input_is_4xx_naming_field(cluster, kwargs, status, param):
+    resp = requests.post(cluster["tight"].http_url + "/v1/audio/speech", timeout=30, **kwargs)
+    assert resp.status_code == status
+    assert resp.json()["error"]["param"] == param
+
+
+def test_server_keeps_serving_after_bad_input_http_and_grpc(cluster):
+    ep = cluster["tight"]
+    resp = requests.post(
+        ep.http_url + "/v1/audio/speech",
+        json={"input": "still here", "response_format": "wav", "sampling": {"max_tokens": 35, "seed": 3}},
+        timeout=120,
+    )
+    assert resp.status_code == 200 and resp.headers["content-type"] == "audio/wav"
+    assert resp.content[:4] == b"RIFF" and len(resp.content) == 44 + 5 * SPF * 2
+    outcome = run_stream(ep.grpc_target, ep.app_name, "and here", sampling={"max_tokens": 14})
+    assert outcome.code == grpc.StatusCode.OK and len(outcome.pcm16) == 2 * SPF * 2
+    assert requests.get(ep.http_url + "/healthz", timeout=10).json()["status"] == "ok"
+
+
+def test_list_models_and_voices(cluster):
+    ep = cluster["tight"]
+    with grpc.insecure_channel(ep.grpc_target) as channel:
+        stub = voxray_pb2_grpc.SpeechStub(channel)
+        meta = (("application", ep.app_name),)
+        models = stub.ListModels(voxray_pb2.ListModelsRequest(), metadata=meta)
+        voices = stub.ListVoices(voxray_pb2.ListVoicesRequest(), metadata=meta)
+    assert [m.name for m in models.models] == ["orpheus-tiny"] and models.models[0].sample_rate_hz == 24000
+    assert "tara" in voices.voices and voices.default_voice == "tara"
