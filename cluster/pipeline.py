@@ -6,7 +6,9 @@ step. The cluster runs the same pieces inside the LLMStage and DetokStage deploy
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import dataclasses
+import time
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -16,6 +18,8 @@ from cluster.types import AudioChunk, SamplingParams, TokenChunk
 from detok_stage.chunking import Chunker, ChunkSchedule
 from detok_stage.engine import DetokEngine
 from llm_stage.engine import LLMEngine, StepOutput
+from llm_stage.policy import buffered_s
+from llm_stage.request import Request
 
 
 def apply_torch_threads(num_threads: int) -> None:
@@ -25,11 +29,17 @@ def apply_torch_threads(num_threads: int) -> None:
 
 
 class LLMSide:
-    """LLM engine plus per-request chunkers: turns steps into ready TokenChunks."""
+    """LLM engine plus per-request chunkers: turns steps into ready TokenChunks.
 
-    def __init__(self, engine: LLMEngine, schedule: ChunkSchedule) -> None:
+    It also keeps each request's playback clock (`mark_audio_sent`), from which it stamps chunk
+    deadlines for the detokenizer, sizes adaptive chunks by slack, and tells the policy how many
+    steps each request needs until its next chunk.
+    """
+
+    def __init__(self, engine: LLMEngine, schedule: ChunkSchedule, clock: Callable[[], float] = time.monotonic) -> None:
         self.engine = engine
         self.schedule = schedule
+        self.clock = clock
         self.chunkers: dict[str, Chunker] = {}
 
     def add(self, req_id: str, text: str, voice: str | None, sampling: SamplingParams | dict | None) -> None:
@@ -40,18 +50,52 @@ class LLMSide:
         self.engine.cancel(req_id)
         self.chunkers.pop(req_id, None)
 
+    def mark_audio_sent(self, req_id: str, duration_s: float) -> None:
+        """The audio of one chunk left for the client: advance that request's playback clock."""
+        req = self.engine.requests.get(req_id)
+        if req is None or duration_s <= 0:
+            return
+        if req.first_audio_s is None:
+            req.first_audio_s = self.clock()
+        req.audio_sent_s += duration_s
+
     def step(self) -> list[TokenChunk]:
-        return [c for out in self.engine.step() for c in self._chunks(out)]
+        chunks = [c for out in self.engine.step() for c in self._chunks(out)]
+        self._update_next_chunk_steps()
+        return chunks
 
     def _chunks(self, out: StepOutput) -> list[TokenChunk]:
         chunker = self.chunkers.get(out.req_id)
         if chunker is None:
             return []
-        chunks = chunker.push(out.new_frames)
+        req = self.engine.requests.get(out.req_id)
+        chunks = chunker.push(out.new_frames, self._frame_budget(req))
         if out.finished:
             chunks += chunker.finish()
             del self.chunkers[out.req_id]
-        return chunks
+        deadline = self._deadline_wall_s(req)
+        return [dataclasses.replace(c, deadline_s=deadline) for c in chunks]
+
+    def _frame_budget(self, req: Request | None) -> int | None:
+        """Frames the client's buffer can wait for before the next chunk must be out (None = no limit)."""
+        if req is None or req.first_audio_s is None:
+            return None
+        timer = self.engine.timer
+        frame_cost_s = self.engine.adapter.tokens_per_frame * timer.step_s
+        return int((buffered_s(req, self.clock()) - timer.detok_s) / max(frame_cost_s, 1e-6))
+
+    def _deadline_wall_s(self, req: Request | None) -> float | None:
+        if req is None or req.first_audio_s is None:
+            return None
+        return time.time() + buffered_s(req, self.clock())
+
+    def _update_next_chunk_steps(self) -> None:
+        tokens_per_frame = self.engine.adapter.tokens_per_frame
+        for req_id, chunker in self.chunkers.items():
+            req = self.engine.requests.get(req_id)
+            if req is not None:
+                frames = chunker.frames_to_next_chunk(self._frame_budget(req))
+                req.tokens_to_next_chunk = frames * tokens_per_frame
 
 
 class InProcessPipeline:
@@ -63,7 +107,9 @@ class InProcessPipeline:
             LLMEngine(adapter, config.cache, config.scheduler, seed=config.model.seed),
             ChunkSchedule.from_config(config.detok),
         )
-        self.detok = DetokEngine(entry.build_codec(config.model, config.detok.device), config.detok)
+        codec = entry.build_codec(config.model, config.detok.device)
+        self.detok = DetokEngine(codec, config.detok, policy=config.scheduler.policy)
+        self.is_throughput = config.scheduler.policy == "throughput"
 
     @property
     def has_work(self) -> bool:
@@ -79,7 +125,23 @@ class InProcessPipeline:
     def step(self) -> list[AudioChunk]:
         for chunk in self.llm.step():
             self.detok.submit(chunk)
-        return self.detok.step()
+        if self._detok_waits():
+            return []
+        start = time.perf_counter()
+        audio = self.detok.step()
+        if audio:
+            self.llm.engine.timer.record_detok(time.perf_counter() - start)
+        for chunk in audio:
+            self.llm.mark_audio_sent(chunk.req_id, chunk.duration_s)
+        return audio
+
+    def _detok_waits(self) -> bool:
+        """Throughput mode decodes only full batches while the LLM is still producing."""
+        return (
+            self.is_throughput
+            and self.llm.engine.has_work
+            and self.detok.num_queued < self.detok.config.max_batch_chunks
+        )
 
     def stream(self) -> Iterator[AudioChunk]:
         while self.has_work:

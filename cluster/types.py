@@ -48,6 +48,7 @@ class TokenChunk:
     keep_start: int
     keep_end: int
     is_final: bool
+    deadline_s: float | None = None  # wall-clock time the client's buffer runs dry; None = startup (ASAP)
 
     @property
     def num_frames(self) -> int:

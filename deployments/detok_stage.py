@@ -23,7 +23,7 @@ class DetokStage:
         engine_cfg = self.config.engine
         apply_torch_threads(engine_cfg.model.torch_threads)
         codec = check_model_config(engine_cfg.model).build_codec(engine_cfg.model, engine_cfg.detok.device)
-        self.engine = DetokEngine(codec, engine_cfg.detok, in_order=False)
+        self.engine = DetokEngine(codec, engine_cfg.detok, in_order=False, policy=engine_cfg.scheduler.policy)
         self.replica_tag = replica_tag()
         self.waiters: dict[tuple[str, int], asyncio.Future] = {}
         self.num_decoded_chunks = 0

@@ -134,7 +134,10 @@ class LLMStage:
                 if isinstance(response, BaseException):
                     raise RuntimeError(f"LLM engine failed: {response}")
                 responses.append(response)
+                waited_s = time.perf_counter()
                 audio = await response
+                self.side.engine.timer.record_detok(time.perf_counter() - waited_s)
+                self.side.mark_audio_sent(chunk.req_id, audio.duration_s)
                 yield {"kind": "audio", "seq": chunk.seq, "audio": audio, "final": chunk.is_final}
                 if chunk.is_final:
                     stream.is_done = True

@@ -19,17 +19,24 @@ class ChunkSchedule:
     chunk_frames: int
     left_context_frames: int
     right_context_frames: int
+    adaptive: bool = False
 
     @classmethod
     def from_config(cls, config: DetokConfig) -> ChunkSchedule:
         if config.schedule == "reference":  # Orpheus' own: 4-frame window, keep its 2nd frame
             return cls(first_chunk_frames=1, chunk_frames=1, left_context_frames=1, right_context_frames=2)
         return cls(
-            config.first_chunk_frames, config.chunk_frames, config.left_context_frames, config.right_context_frames
-        )
+            config.first_chunk_frames, config.chunk_frames, config.left_context_frames, config.right_context_frames,
+            config.adaptive,
+        )  # fmt: skip
 
     def chunk_size(self, seq: int) -> int:
-        return self.first_chunk_frames if seq == 0 else self.chunk_frames
+        """Frames kept by chunk `seq`: small first, then steady; adaptive sizes double up to `chunk_frames`."""
+        if seq == 0:
+            return self.first_chunk_frames
+        if not self.adaptive:
+            return self.chunk_frames
+        return max(1, min(self.chunk_frames, self.first_chunk_frames << seq))
 
     @property
     def decode_factor(self) -> float:
@@ -53,11 +60,25 @@ class Chunker:
     def num_frames(self) -> int:
         return self._base + len(self._frames)
 
-    def push(self, frames: list[list[int]]) -> list[TokenChunk]:
+    def _next_size(self, frame_budget: int | None) -> int:
+        size = self.schedule.chunk_size(self._seq)
+        if frame_budget is not None and self.schedule.adaptive and self._seq > 0:
+            size = max(1, min(size, frame_budget))  # the client cannot wait for a bigger chunk
+        return size
+
+    def frames_to_next_chunk(self, frame_budget: int | None = None) -> int:
+        end = self._emitted + self._next_size(frame_budget) + self.schedule.right_context_frames
+        return max(0, end - self.num_frames)
+
+    def push(self, frames: list[list[int]], frame_budget: int | None = None) -> list[TokenChunk]:
+        """Add frames; cut every chunk whose kept frames and right context are known.
+
+        `frame_budget` caps an adaptive chunk at the frames the client's buffer can wait for.
+        """
         self._frames.extend(frames)
         chunks = []
         while True:
-            end = self._emitted + self.schedule.chunk_size(self._seq)
+            end = self._emitted + self._next_size(frame_budget)
             if self.num_frames < end + self.schedule.right_context_frames:
                 return chunks
             chunks.append(self._cut(end, is_final=False))

@@ -38,12 +38,14 @@ class _Pending:
 
 
 class DetokEngine:
-    def __init__(self, codec: CodecAdapter, config: DetokConfig, in_order: bool = True) -> None:
+    def __init__(self, codec: CodecAdapter, config: DetokConfig, in_order: bool = True, policy: str = "fcfs") -> None:
         """`in_order=False` returns every chunk as soon as it is decoded (the caller orders them,
-        as the router does when a request's chunks are spread over several detok replicas)."""
+        as the router does when a request's chunks are spread over several detok replicas).
+        `policy="streaming"` picks startup chunks first (FCFS), then by playback deadline (EDF)."""
         self.codec = codec
         self.config = config
         self.in_order = in_order
+        self.policy = policy
         self._queue: list[_Pending] = []
         self._states: dict[str, _RequestState] = defaultdict(_RequestState)
         self.num_decoded_frames = 0  # frames through the codec, context included
@@ -76,8 +78,18 @@ class DetokEngine:
         decoded = self._decode(batch)
         return self._release_in_order(decoded) if self.in_order else decoded
 
+    @property
+    def num_queued(self) -> int:
+        return len(self._queue)
+
+    def _priority(self, pending: _Pending) -> tuple:
+        if self.policy != "streaming":
+            return (pending.submitted_s,)
+        deadline = pending.chunk.deadline_s
+        return (0, pending.submitted_s) if deadline is None else (1, deadline, pending.submitted_s)
+
     def _select(self) -> list[TokenChunk]:
-        self._queue.sort(key=lambda p: p.submitted_s)
+        self._queue.sort(key=self._priority)
         picked, self._queue = self._queue[: self.config.max_batch_chunks], self._queue[self.config.max_batch_chunks :]
         return [p.chunk for p in picked]
 

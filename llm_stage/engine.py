@@ -9,6 +9,7 @@ in-process pipeline drive it.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import pydantic
@@ -19,10 +20,11 @@ from cluster.errors import InvalidArgumentError, from_validation_error
 from cluster.types import SamplingParams
 from llm_stage.cfg import merge_guidance
 from llm_stage.models.base import FrameBuilder, LMAdapter
+from llm_stage.policy import StepTimer, make_decode_order
 from llm_stage.request import FinishReason, Request, Token
 from llm_stage.runner import ModelRunner
 from llm_stage.sampler import SamplingRow, sample
-from llm_stage.scheduler import DecodeOrder, Scheduler, fcfs_order
+from llm_stage.scheduler import DecodeOrder, Scheduler, StepPlan
 
 
 @dataclass
@@ -55,16 +57,19 @@ class LLMEngine:
         cache: CacheConfig,
         scheduler: SchedulerConfig,
         seed: int = 0,
-        decode_order: DecodeOrder = fcfs_order,
+        decode_order: DecodeOrder | None = None,
     ) -> None:
         self.adapter = adapter
         self.cache_config = cache
-        self.scheduler = Scheduler(scheduler, cache, adapter.eos_token_ids, decode_order, adapter.is_stop)
+        self.timer = StepTimer()
+        order = decode_order or make_decode_order(scheduler, self.timer)
+        self.scheduler = Scheduler(scheduler, cache, adapter.eos_token_ids, order, adapter.is_stop)
         self.runner = ModelRunner(adapter, cache.num_slots, cache.max_seq_len)
         self._generator = torch.Generator().manual_seed(seed)
         self._seeded: dict[str, torch.Generator] = {}
         self._frames: dict[str, FrameBuilder] = {}
         self.requests: dict[str, Request] = {}
+        self.last_batch_size = 0
 
     @property
     def has_work(self) -> bool:
@@ -112,9 +117,16 @@ class LLMEngine:
         return req is not None
 
     def step(self) -> list[StepOutput]:
+        start = time.perf_counter()
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
+        self.last_batch_size = len(plan.decodes) + len(plan.prefills)
+        outputs = self._run(plan)
+        self.timer.record_step(time.perf_counter() - start)
+        return outputs
+
+    def _run(self, plan: StepPlan) -> list[StepOutput]:
         rows = plan.sampling_rows
         sampled: list[Token] = []
         if rows or plan.prefills:

@@ -128,3 +128,23 @@ def test_release_drops_pending_chunks():
     engine.submit(TokenChunk("gone", 0, [[1] * 7] * 3, 0, 0, 1, False))
     engine.release("gone")
     assert not engine.has_work and engine.num_requests == 0
+
+
+def test_adaptive_chunks_double_up_to_steady_size_and_respect_frame_budget():
+    schedule = ChunkSchedule(
+        first_chunk_frames=2, chunk_frames=8, left_context_frames=0, right_context_frames=0, adaptive=True
+    )
+    chunker = Chunker("r", schedule)
+    sizes = [c.keep_end - c.keep_start for c in chunker.push([[0] * 7] * 30)]
+    assert sizes == [2, 4, 8, 8, 8]
+    tight = Chunker("r", schedule)
+    sizes = [c.keep_end - c.keep_start for c in tight.push([[0] * 7] * 10, frame_budget=3)]
+    assert sizes == [2, 3, 3]  # the first chunk keeps its size; later ones wait for at most 3 frames
+
+
+def test_adaptive_wide_schedule_still_equals_offline_decode():
+    streams = random_streams([37])
+    config = DetokConfig(schedule="wide", first_chunk_frames=1, chunk_frames=16, adaptive=True)
+    got = stream(config, streams)
+    offline = codec().decode(streams["r0"].unsqueeze(0))[0]
+    torch.testing.assert_close(got["r0"], quantized(offline), atol=2e-4, rtol=0)

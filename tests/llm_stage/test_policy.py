@@ -1,0 +1,112 @@
+"""Streaming-aware policy on a fake clock, no model: scheduler rows and detokenizer order."""
+
+from __future__ import annotations
+
+import torch
+
+from cluster.config import CacheConfig, DetokConfig, SchedulerConfig
+from cluster.types import SamplingParams, TokenChunk
+from detok_stage.codecs.base import CodecAdapter
+from detok_stage.engine import DetokEngine
+from llm_stage.policy import StepTimer, StreamingOrder, make_decode_order
+from llm_stage.request import Request, RequestStatus
+from llm_stage.scheduler import Scheduler, fcfs_order
+
+
+class FakeClock:
+    def __init__(self, now_s: float = 100.0) -> None:
+        self.now_s = now_s
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def running(scheduler: Scheduler, req_id: str, arrival_s: float, first_audio_s=None, sent_s=0.0, next_tokens=7):
+    req = Request(req_id, [1, 2], SamplingParams(), arrival_s=arrival_s)
+    req.status, req.slot, req.num_cached = RequestStatus.DECODING, scheduler.slots.allocate(), 2
+    req.output_ids = [5]
+    req.first_audio_s, req.audio_sent_s, req.tokens_to_next_chunk = first_audio_s, sent_s, next_tokens
+    scheduler.running[req_id] = req
+    return req
+
+
+def streaming_scheduler(batch: int, clock: FakeClock, startup: int = 4) -> Scheduler:
+    timer = StepTimer(step_s=0.01, detok_s=0.05)
+    order = StreamingOrder(startup_concurrency=startup, timer=timer, clock=clock)
+    return Scheduler(SchedulerConfig(max_batch_size=batch), CacheConfig(num_slots=16), [0], order)
+
+
+def picked(scheduler: Scheduler) -> list[str]:
+    return [r.req_id for r in scheduler.schedule().decodes]
+
+
+def test_new_request_goes_ahead_of_comfortable_streams():
+    clock = FakeClock()
+    sched = streaming_scheduler(batch=2, clock=clock)
+    running(sched, "comfy-a", arrival_s=1, first_audio_s=95.0, sent_s=20.0)  # 15 s buffered
+    running(sched, "comfy-b", arrival_s=2, first_audio_s=95.0, sent_s=12.0)  # 7 s buffered
+    running(sched, "new", arrival_s=50)  # no audio yet
+    assert picked(sched) == ["new", "comfy-b"]
+
+
+def test_stream_about_to_underrun_goes_ahead_of_one_with_slack():
+    clock = FakeClock()
+    sched = streaming_scheduler(batch=1, clock=clock)
+    running(sched, "slack", arrival_s=1, first_audio_s=90.0, sent_s=20.0)  # 10 s buffered
+    running(sched, "tight", arrival_s=2, first_audio_s=90.0, sent_s=10.2)  # 0.2 s buffered
+    assert picked(sched) == ["tight"]
+    clock.now_s = 80.0  # both far ahead now: the one with less slack still first
+    assert picked(sched) == ["tight"]
+
+
+def test_urgent_streams_are_earliest_deadline_first():
+    clock = FakeClock()
+    sched = streaming_scheduler(batch=3, clock=clock)
+    running(sched, "later", arrival_s=1, first_audio_s=99.0, sent_s=1.3)  # deadline 100.3
+    running(sched, "sooner", arrival_s=2, first_audio_s=99.0, sent_s=1.1)  # deadline 100.1
+    running(sched, "fine", arrival_s=3, first_audio_s=90.0, sent_s=30.0)
+    assert picked(sched) == ["sooner", "later", "fine"]
+
+
+def test_startup_limit_keeps_running_streams_from_starving():
+    clock = FakeClock()
+    sched = streaming_scheduler(batch=3, clock=clock, startup=2)
+    running(sched, "urgent", arrival_s=1, first_audio_s=99.0, sent_s=1.2)
+    for i in range(5):
+        running(sched, f"new{i}", arrival_s=10 + i)
+    assert picked(sched) == ["new0", "new1", "urgent"]
+    fcfs = Scheduler(SchedulerConfig(max_batch_size=3), CacheConfig(num_slots=16), [0], fcfs_order)
+    fcfs.running = sched.running
+    assert "urgent" in picked(fcfs)  # arrived first, so FCFS keeps it too; the limit is what protects it
+
+
+def test_throughput_mode_fills_the_batch_ignoring_deadlines():
+    clock = FakeClock()
+    order = make_decode_order(SchedulerConfig(policy="throughput", max_batch_size=4), StepTimer())
+    sched = Scheduler(SchedulerConfig(policy="throughput", max_batch_size=4), CacheConfig(num_slots=16), [0], order)
+    for i in range(6):
+        running(sched, f"r{i}", arrival_s=i, first_audio_s=clock.now_s - 1, sent_s=100.0)
+    assert picked(sched) == ["r0", "r1", "r2", "r3"]
+
+
+class _ZeroCodec(CodecAdapter):
+    codes_per_frame, samples_per_frame, sample_rate_hz, codebook_size = 1, 4, 8, 16
+
+    def decode(self, frames: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(frames.shape[0], frames.shape[1] * self.samples_per_frame)
+
+
+def _three_chunks(policy: str) -> DetokEngine:
+    engine = DetokEngine(_ZeroCodec(), DetokConfig(max_batch_chunks=2), in_order=False, policy=policy)
+    engine.submit(TokenChunk("late", 3, [[1]], 3, 3, 4, False, deadline_s=50.0))
+    engine.submit(TokenChunk("soon", 5, [[1]], 5, 5, 6, False, deadline_s=10.0))
+    engine.submit(TokenChunk("new", 0, [[1]], 0, 0, 1, False, deadline_s=None))
+    return engine
+
+
+def test_detok_streaming_order_startup_then_earliest_deadline():
+    engine = _three_chunks("streaming")
+    assert {a.req_id for a in engine.step()} == {"new", "soon"}
+    assert [a.req_id for a in engine.step()] == ["late"]
+    fcfs = _three_chunks("fcfs")
+    assert {a.req_id for a in fcfs.step()} == {"late", "soon"}
