@@ -23,18 +23,22 @@ class Endpoints:
     app_name: str
 
 
-def start_ray(address: str | None, num_cpus: int | None = None) -> None:
+def start_ray(address: str | None, num_cpus: int | None = None, metrics_export_port: int | None = None) -> None:
+    """Join `address`, or start an embedded local Ray (Prometheus metrics on `metrics_export_port`)."""
     if ray.is_initialized():
         return
     if address:
         ray.init(address=address)
-    else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, configure_logging=False)
+        return
+    extra = {"_metrics_export_port": metrics_export_port} if metrics_export_port else {}
+    ray.init(num_cpus=num_cpus, include_dashboard=False, configure_logging=False, **extra)
 
 
-def deploy(config: ServeConfig, address: str | None = None, num_cpus: int | None = None) -> Endpoints:
+def deploy(
+    config: ServeConfig, address: str | None = None, num_cpus: int | None = None, metrics_export_port: int | None = None
+) -> Endpoints:
     """Start Ray and Serve (proxies on the config's ports) and deploy the app."""
-    start_ray(address, num_cpus)
+    start_ray(address, num_cpus, metrics_export_port)
     serve.start(
         http_options={"host": config.http_host, "port": config.http_port},
         grpc_options=gRPCOptions(port=config.grpc_port, grpc_servicer_functions=[GRPC_SERVICER]),

@@ -14,6 +14,7 @@ from cluster.pipeline import apply_torch_threads
 from cluster.registry import check_model_config
 from cluster.types import AudioChunk, TokenChunk
 from deployments.engine_loop import EngineLoop, replica_tag
+from deployments.metrics import StageMetrics
 from detok_stage.engine import DetokEngine
 
 
@@ -25,15 +26,20 @@ class DetokStage:
         codec = check_model_config(engine_cfg.model).build_codec(engine_cfg.model, engine_cfg.detok.device)
         self.engine = DetokEngine(codec, engine_cfg.detok, in_order=False, policy=engine_cfg.scheduler.policy)
         self.replica_tag = replica_tag()
+        self.metrics = StageMetrics(with_kv=False)
         self.waiters: dict[tuple[str, int], asyncio.Future] = {}
         self.num_decoded_chunks = 0
         self.loop = EngineLoop(self._step, lambda: self.engine.has_work, self._fail_all, "detok-engine")
         self.loop.start()
 
     def _step(self) -> None:
-        for audio in self.engine.step():
+        decoded = self.engine.step()
+        for audio in decoded:
             self.num_decoded_chunks += 1
             self._resolve((audio.req_id, audio.seq), audio)
+        self.metrics.batch_size.observe(len(decoded))
+        self.metrics.queue_depth.set(self.engine.num_queued)
+        self.metrics.active.set(len({req_id for req_id, _ in self.waiters}))
 
     def _resolve(self, key: tuple[str, int], value: AudioChunk | BaseException) -> None:
         future = self.waiters.pop(key, None)

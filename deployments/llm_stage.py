@@ -18,6 +18,7 @@ from cluster.pipeline import LLMSide, apply_torch_threads
 from cluster.registry import check_model_config
 from cluster.types import TokenChunk
 from deployments.engine_loop import EngineLoop, replica_tag
+from deployments.metrics import StageMetrics
 from detok_stage.chunking import ChunkSchedule
 from llm_stage.engine import LLMEngine, resolve_sampling
 from router.admission import Admission, ReplicaLoad, decide
@@ -57,6 +58,7 @@ class LLMStage:
         self.side = LLMSide(engine, self.schedule)
         self.detok = detok_handle
         self.replica_tag = replica_tag()
+        self.metrics = StageMetrics(with_kv=True)
         self.streams: dict[str, _Stream] = {}
         self.avg_stream_s = 0.0
         self.loop = EngineLoop(self._step, lambda: self.side.engine.has_work, self._fail_all, "llm-engine")
@@ -66,6 +68,11 @@ class LLMStage:
     def _step(self) -> None:
         for chunk in self.side.step():
             self._deliver(chunk.req_id, chunk)
+        engine = self.side.engine
+        self.metrics.batch_size.observe(engine.last_batch_size)
+        self.metrics.queue_depth.set(len(engine.scheduler.waiting))
+        self.metrics.active.set(len(self.streams))
+        self.metrics.kv_used.set(engine.scheduler.slots.num_used)
 
     def _deliver(self, req_id: str, item: TokenChunk | BaseException) -> None:
         stream = self.streams.get(req_id)

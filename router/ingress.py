@@ -18,10 +18,12 @@ from cluster.config import ServeConfig
 from cluster.errors import InvalidArgumentError
 from cluster.registry import get_entry
 from cluster.types import AudioChunk
+from deployments.metrics import RouterMetrics
 from protos import voxray_pb2
 from router.audio_format import streaming_wav_header
 from router.dispatch import estimated_loads
 from router.jobs import SynthesisJob, build_job, sampling_from_proto
+from router.playback import PlaybackTracker
 
 http_app = FastAPI(title="VoxRay")
 
@@ -49,6 +51,7 @@ class RouterCore:
         self.entry = get_entry(self.config.engine.model.name)
         self.llm = llm_handle.options(stream=True)
         self.open_streams = 0
+        self.metrics = RouterMetrics()
 
     def job(self, **fields) -> SynthesisJob:
         return build_job(self.entry, self.config.admission, **fields)
@@ -62,6 +65,7 @@ class RouterCore:
         capacity = sum(load.max_streams + load.max_queued for load in loads)
         active = max(self.open_streams, sum(load.num_active for load in loads))
         if active >= capacity:
+            self.metrics.rejections.inc()
             raise AdmissionRejected(self.config.admission.retry_after_s)
 
     async def run(self, job: SynthesisJob) -> AsyncIterator[SentChunk]:
@@ -74,30 +78,41 @@ class RouterCore:
             self.open_streams -= 1
 
     async def _dispatch(self, job: SynthesisJob) -> AsyncIterator[SentChunk]:
-        start = time.monotonic()
+        tracker = PlaybackTracker(time.monotonic())
         stream = self.llm.generate.remote(job.to_dict())
         finished = False
         try:
             head = await stream.__anext__()
             self._check_head(head)
-            first_audio_s = None
             async for item in stream:
                 audio: AudioChunk = item["audio"]
-                now = time.monotonic() - start
-                if first_audio_s is None and audio.pcm16:
-                    first_audio_s = now
+                now = time.monotonic()
+                underrun = tracker.on_chunk(now, audio.duration_s)
+                if underrun is not None:
+                    self.metrics.underrun.observe(underrun)
                 finished = item["final"]
-                yield SentChunk(audio, item["seq"], first_audio_s, now, head.get("llm_replica", ""))
+                yield SentChunk(audio, item["seq"], tracker.ttfa_s, now - tracker.start_s, head.get("llm_replica", ""))
                 if finished:
+                    self._record_finished(tracker, now)
                     return
             raise RuntimeError("stream ended without a final chunk")
         finally:
             if not finished:
                 stream.cancel()
 
-    @staticmethod
-    def _check_head(head: dict) -> None:
+    def _record_finished(self, tracker: PlaybackTracker, now_s: float) -> None:
+        metrics = self.metrics
+        metrics.finished.inc()
+        if tracker.ttfa_s is not None:
+            metrics.ttfa.observe(tracker.ttfa_s)
+        if tracker.is_viable:
+            metrics.viable.inc()
+        metrics.audio.inc(tracker.audio_sent_s)
+        metrics.realtime.set(tracker.audio_sent_s / max(now_s - tracker.start_s, 1e-6))
+
+    def _check_head(self, head: dict) -> None:
         if head["kind"] == "rejected":
+            self.metrics.rejections.inc()
             raise AdmissionRejected(head["retry_after_s"])
         if head["kind"] == "invalid":
             raise InvalidArgumentError(head["field"], head["message"])
