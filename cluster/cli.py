@@ -74,6 +74,18 @@ def _say(args: argparse.Namespace) -> int:
     return 0
 
 
+def _batch(args: argparse.Namespace) -> int:
+    from cluster.batch import read_items, run_batch
+
+    config = load_engine_config(args.config) if args.config else EngineConfig(model=ModelConfig(name=args.model))
+    items = read_items(args.prompts)
+    sampling = {"max_tokens": args.max_tokens} if args.max_tokens else None
+    report = run_batch(config, items, args.out, sampling)
+    summary = f"{report.num_items} files, {report.audio_s:.1f} s of audio in {report.wall_s:.1f} s"
+    print(f"{summary}: {report.x_real_time:.2f}x real time")
+    return 0
+
+
 def _models(_: argparse.Namespace) -> int:
     for entry in REGISTRY.values():
         print(f"{entry.name:16s} {entry.description}")
@@ -109,6 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
     say.add_argument("--target", default="127.0.0.1:9000")
     say.add_argument("--app", default="voxray")
     say.set_defaults(func=_say)
+
+    batch = sub.add_parser("batch", help="synthesize a JSONL file of texts to WAVs (throughput mode, in-process)")
+    batch.add_argument("prompts", type=Path, help='JSONL: {"text": ..., "voice": ..., "id": ...} per line')
+    batch.add_argument("--out", type=Path, required=True, help="directory for <id>.wav")
+    batch.add_argument("--model", default="orpheus-tiny")
+    batch.add_argument("--config", type=Path, help="EngineConfig YAML")
+    batch.add_argument("--max-tokens", type=int, default=None)
+    batch.set_defaults(func=_batch)
 
     models = sub.add_parser("models", help="list registered models")
     models.set_defaults(func=_models)
