@@ -97,6 +97,30 @@ REGISTRY.update({
 })  # fmt: skip
 
 
+def _dia_lm(config: ModelConfig) -> LMAdapter:
+    from llm_stage.models.dia import DiaAdapter
+
+    return DiaAdapter.build(config)
+
+
+def _dac(config: ModelConfig, device: str) -> CodecAdapter:
+    from detok_stage.codecs.dac_codec import DacCodec
+
+    return DacCodec.build(config, device)
+
+
+REGISTRY.update({
+    "dia-tiny": ModelEntry(
+        "dia-tiny", "Dia layout: byte text encoder + decoder over 4 delayed DAC channels, CFG, random tiny weights",
+        _dia_lm, _dac, needs_checkpoint=False, sample_rate_hz=44100,
+    ),
+    "dia": ModelEntry(
+        "dia", "Nari Labs Dia (HF DiaForConditionalGeneration dir) + DAC 44.1 kHz (HF DacModel dir), local",
+        _dia_lm, _dac, needs_checkpoint=True, sample_rate_hz=44100,
+    ),
+})  # fmt: skip
+
+
 def get_entry(name: str) -> ModelEntry:
     if name not in REGISTRY:
         raise InvalidArgumentError("model", f"unknown model {name!r}; valid models: {', '.join(sorted(REGISTRY))}")
