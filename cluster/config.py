@@ -58,7 +58,7 @@ class DetokConfig(_Strict):
     left_context_frames: int = Field(3, ge=0, description="Frames of left context per window (wide).")
     right_context_frames: int = Field(3, ge=0, description="Frames of right context per window (wide).")
     adaptive: bool = Field(
-        False,
+        True,
         description="Wide schedule: chunk sizes double from first_chunk_frames up to chunk_frames, bounded by slack.",
     )
     max_batch_chunks: int = Field(32, ge=1, description="Chunks decoded in one detokenizer forward.")

@@ -1,0 +1,120 @@
+"""FCFS vs streaming-aware scheduling on the CPU preset, in-process, same Poisson arrivals.
+
+Both engines run on wall-clock time with the batch deliberately smaller than the number of
+concurrent streams (that is where the policy decides who waits). Reports p50/p90 TTFA, %
+viable and worst underrun per rate, plus throughput-mode x-real-time, as JSON and a table.
+Run: `.venv/bin/python -m loadtest.policy_bench --rates 0.5 1 1.5 2 --requests 24`
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from cluster.batch import BatchItem, run_batch
+from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from cluster.pipeline import InProcessPipeline
+from router.playback import PlaybackTracker
+
+TEXTS = ["Hello there.", "The quick brown fox jumps over the lazy dog.", "Streaming speech, one chunk at a time."]
+
+
+@dataclass(frozen=True)
+class RunResult:
+    policy: str
+    rate: float
+    p50_ttfa_s: float
+    p90_ttfa_s: float
+    viable_pct: float
+    worst_underrun_s: float
+
+
+def bench_config(policy: str, batch: int, slots: int) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(torch_threads=1),
+        cache=CacheConfig(num_slots=slots, max_seq_len=1024),
+        scheduler=SchedulerConfig(policy=policy, max_batch_size=batch, startup_concurrency=2),
+    )
+
+
+def arrivals(rate: float, count: int, seed: int) -> list[float]:
+    rng = random.Random(seed)
+    times, now = [], 0.0
+    for _ in range(count):
+        now += rng.expovariate(rate)
+        times.append(now)
+    return times
+
+
+def run_rate(
+    pipeline: InProcessPipeline, policy: str, rate: float, count: int, max_tokens: int, seed: int
+) -> RunResult:
+    schedule = arrivals(rate, count, seed)
+    trackers: dict[str, PlaybackTracker] = {}
+    start = time.monotonic()
+    while len(trackers) < count or pipeline.has_work:
+        now = time.monotonic() - start
+        while len(trackers) < count and schedule[len(trackers)] <= now:
+            req_id = f"{policy}-{rate}-{len(trackers)}"
+            trackers[req_id] = PlaybackTracker(time.monotonic())
+            pipeline.submit(req_id, TEXTS[len(trackers) % len(TEXTS)], None, {"max_tokens": max_tokens, "seed": seed})
+        if not pipeline.has_work:
+            time.sleep(0.002)
+            continue
+        for chunk in pipeline.step():
+            trackers[chunk.req_id].on_chunk(time.monotonic(), chunk.duration_s)
+    return summarize(policy, rate, list(trackers.values()))
+
+
+def summarize(policy: str, rate: float, trackers: list[PlaybackTracker]) -> RunResult:
+    ttfas = sorted(t.ttfa_s for t in trackers if t.ttfa_s is not None)
+    p90 = ttfas[min(len(ttfas) - 1, int(0.9 * len(ttfas)))]
+    worst = max((max(t.underruns_s, default=0.0) for t in trackers), default=0.0)
+    viable = 100.0 * sum(t.is_viable for t in trackers) / len(trackers)
+    return RunResult(policy, rate, statistics.median(ttfas), p90, viable, worst)
+
+
+def throughput_x_real_time(max_tokens: int, count: int, slots: int) -> dict[str, float]:
+    """Same model: x-real-time of throughput mode (all at once) vs streaming mode."""
+    items = [BatchItem(f"t{i}", TEXTS[i % len(TEXTS)], None) for i in range(count)]
+    out = {}
+    for policy in ("throughput", "streaming"):
+        config = bench_config(policy, batch=slots, slots=slots)
+        report = run_batch(config, items, __import__("pathlib").Path(f"/tmp/voxray-policy-bench-{policy}"),
+                           {"max_tokens": max_tokens})  # fmt: skip
+        out[policy] = report.x_real_time
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 1.5, 2.0])
+    parser.add_argument("--requests", type=int, default=24)
+    parser.add_argument("--max-tokens", type=int, default=168, help="168 = 24 frames = 2.05 s of audio")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--slots", type=int, default=16)
+    parser.add_argument("--out", default="loadtest/results/policy_bench.json")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    results = []
+    for policy in ("fcfs", "streaming"):
+        pipeline = InProcessPipeline(bench_config(policy, args.batch, args.slots))
+        for rate in args.rates:
+            result = run_rate(pipeline, policy, rate, args.requests, args.max_tokens, seed=int(rate * 1000))
+            results.append(result)
+            print(result, flush=True)
+    xrt = throughput_x_real_time(args.max_tokens, args.slots, args.slots)
+    print(f"x-real-time: {xrt}")
+    __import__("pathlib").Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "w") as handle:
+        json.dump({"args": vars(args), "results": [r.__dict__ for r in results], "x_real_time": xrt}, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()
