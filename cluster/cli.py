@@ -61,7 +61,8 @@ def _say(args: argparse.Namespace) -> int:
     from cluster.client import make_request, result_wav, synthesize
 
     fmt = 0  # PCM16; the WAV is assembled here
-    request = make_request(args.text, voice=args.voice or "", format=fmt, sampling={"seed": args.seed})
+    sampling = {"seed": args.seed, **({"max_tokens": args.max_tokens} if args.max_tokens else {})}
+    request = make_request(args.text, voice=args.voice or "", format=fmt, sampling=sampling)
     try:
         result = synthesize(args.target, args.app, request)
     except grpc.RpcError as err:
@@ -118,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     say.add_argument("-o", "--output", type=Path, default=Path("say.wav"))
     say.add_argument("--voice", default=None)
     say.add_argument("--seed", type=int, default=0)
+    say.add_argument("--max-tokens", type=int, default=None)
     say.add_argument("--target", default="127.0.0.1:9000")
     say.add_argument("--app", default="voxray")
     say.set_defaults(func=_say)
