@@ -23,22 +23,30 @@ class Endpoints:
     app_name: str
 
 
-def start_ray(address: str | None, num_cpus: int | None = None, metrics_export_port: int | None = None) -> None:
-    """Join `address`, or start an embedded local Ray (Prometheus metrics on `metrics_export_port`)."""
+def start_ray(
+    address: str | None, num_cpus: int | None = None, metrics_export_port: int | None = None, quiet: bool = False
+) -> None:
+    """Join `address`, or start an embedded local Ray (Prometheus metrics on `metrics_export_port`).
+
+    `quiet` keeps replica logs out of this process's output (tests)."""
     if ray.is_initialized():
         return
     if address:
         ray.init(address=address)
         return
     extra = {"_metrics_export_port": metrics_export_port} if metrics_export_port else {}
-    ray.init(num_cpus=num_cpus, include_dashboard=False, configure_logging=False, **extra)
+    ray.init(num_cpus=num_cpus, include_dashboard=False, configure_logging=False, log_to_driver=not quiet, **extra)
 
 
 def deploy(
-    config: ServeConfig, address: str | None = None, num_cpus: int | None = None, metrics_export_port: int | None = None
+    config: ServeConfig,
+    address: str | None = None,
+    num_cpus: int | None = None,
+    metrics_export_port: int | None = None,
+    quiet: bool = False,
 ) -> Endpoints:
     """Start Ray and Serve (proxies on the config's ports) and deploy the app."""
-    start_ray(address, num_cpus, metrics_export_port)
+    start_ray(address, num_cpus, metrics_export_port, quiet)
     serve.start(
         http_options={"host": config.http_host, "port": config.http_port},
         grpc_options=gRPCOptions(port=config.grpc_port, grpc_servicer_functions=[GRPC_SERVICER]),

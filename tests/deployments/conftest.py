@@ -32,7 +32,10 @@ DATA_PARALLEL = small_config(
 def cluster():
     from cluster.server import deploy, deploy_app, shutdown
 
-    endpoints = {"tight": deploy(TIGHT, num_cpus=4, metrics_export_port=METRICS_PORT), "dp": deploy_app(DATA_PARALLEL)}
+    endpoints = {
+        "tight": deploy(TIGHT, num_cpus=4, metrics_export_port=METRICS_PORT, quiet=True),
+        "dp": deploy_app(DATA_PARALLEL),
+    }
     for ep in endpoints.values():  # warm the handles and Serve's gRPC error path (~2 s cold, once)
         run_stream(ep.grpc_target, ep.app_name, "warm up", sampling={"max_tokens": 7})
         run_stream(ep.grpc_target, ep.app_name, "")
