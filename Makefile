@@ -3,13 +3,13 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install serve test lint vllm-venv bench
+.PHONY: install serve test lint vllm-venv vllm-baseline-deps sweep locust bench
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e ".[test]"
+	$(BIN)/pip install --quiet -e ".[test,loadtest]"
 	touch $@
 
 install: $(BIN)/.installed
@@ -25,6 +25,20 @@ test: lint
 
 vllm-venv:
 	bash loadtest/baselines/make_vllm_venv.sh
+
+# The vLLM baseline server also decodes SNAC in that venv (torch, numpy, einops are already there).
+vllm-baseline-deps: vllm-venv
+	.venv-vllm/bin/python -c "import snac" 2>/dev/null || .venv-vllm/bin/pip install --quiet --no-deps snac==1.2.1
+
+# Load sweep of VoxRay vs the vLLM and naive baselines on loopback (~20-30 min on 2 cores); see BENCHMARKS.md.
+sweep: install vllm-baseline-deps
+	$(BIN)/python -m loadtest.run_all --out loadtest/results
+
+# Locust rate steps against a running `voxray serve` (default ports); CSV under bench_out/.
+LOCUST_HOST ?= 127.0.0.1:9000
+locust: install
+	$(BIN)/locust -f loadtest/locustfile.py --headless --host $(LOCUST_HOST) --csv bench_out/locust \
+		--rates 0.2 0.5 1.0 --step-s 30 --stop-timeout 60 --only-summary
 
 bench: install
 	$(BIN)/python -m loadtest.decode_bench
