@@ -22,18 +22,33 @@ class SamplingRow:
 
 
 def apply_repetition_penalty(logits: torch.Tensor, cand_ids: torch.Tensor | None, rows: list[SamplingRow]) -> None:
-    """In place: logit / p when positive, logit * p when negative, for ids seen in the row's history."""
+    """In place: logit / p when positive, logit * p when negative, for ids seen in the row's history.
+
+    One scatter of every (row, seen id) into a [B, V] mask, then a gather by candidate column:
+    no per-row set intersection on the hot path.
+    """
+    row_ids, token_ids = [], []
     for b, row in enumerate(rows):
-        penalty = row.params.repetition_penalty
-        if penalty == 1.0 or not row.history:
-            continue
-        seen = torch.tensor(sorted(set(row.history)), dtype=torch.long)
-        if cand_ids is None:
-            cols = seen[seen < logits.shape[1]]
-        else:
-            cols = torch.nonzero(torch.isin(cand_ids[b], seen)).flatten()
-        vals = logits[b, cols]
-        logits[b, cols] = torch.where(vals > 0, vals / penalty, vals * penalty)
+        if row.params.repetition_penalty != 1.0 and row.history:
+            seen = set(row.history)
+            row_ids.extend([b] * len(seen))
+            token_ids.extend(seen)
+    if not row_ids:
+        return
+    rows_t = torch.tensor(row_ids, device=logits.device)
+    tokens_t = torch.tensor(token_ids, device=logits.device)
+    if cand_ids is None:
+        keep = tokens_t < logits.shape[1]
+        seen_cols = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+        seen_cols[rows_t[keep], tokens_t[keep]] = True
+    else:
+        vocab = max(int(cand_ids.max()), int(tokens_t.max())) + 1
+        seen_ids = torch.zeros(logits.shape[0], vocab, dtype=torch.bool, device=logits.device)
+        seen_ids[rows_t, tokens_t] = True
+        seen_cols = seen_ids.gather(1, cand_ids.clamp(min=0)) & (cand_ids >= 0)
+    penalty = torch.tensor([r.params.repetition_penalty for r in rows], device=logits.device).unsqueeze(1)
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+    logits.copy_(torch.where(seen_cols, penalised, logits))
 
 
 def _filter_sorted(sorted_logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -107,18 +107,25 @@ class OrpheusAdapter(LMAdapter):
         """Per row: the 4096 codes of its frame slot, plus an end-of-speech column (-inf off-boundary)."""
         weight = self.backbone.lm_head_weight
         out = torch.empty(hidden.shape[0], CODES_PER_SLOT + 1, dtype=torch.float32, device=hidden.device)
-        cand = torch.empty(out.shape, dtype=torch.long, device=hidden.device)
-        slots = torch.tensor([slot_of(len(r.output_ids)) for r in reqs])
-        for slot in slots.unique().tolist():
-            rows = torch.nonzero(slots == slot).flatten().to(hidden.device)
+        num_generated = [len(r.output_ids) for r in reqs]
+        slots = [slot_of(n) for n in num_generated]
+        for slot in sorted(set(slots)):
+            rows = [b for b, s in enumerate(slots) if s == slot]
             start = AUDIO_TOKEN_BASE + slot * CODES_PER_SLOT
             out[rows, :CODES_PER_SLOT] = (hidden[rows] @ weight[start : start + CODES_PER_SLOT].T).float()
-            cand[rows, :CODES_PER_SLOT] = torch.arange(start, start + CODES_PER_SLOT, device=hidden.device)
         out[:, CODES_PER_SLOT] = (hidden @ weight[END_OF_SPEECH]).float()
-        cand[:, CODES_PER_SLOT] = END_OF_SPEECH
-        may_stop = torch.tensor([len(r.output_ids) > 0 and slot_of(len(r.output_ids)) == 0 for r in reqs])
-        out[~may_stop.to(hidden.device), CODES_PER_SLOT] = float("-inf")
-        return out, cand
+        off_boundary = [b for b, n in enumerate(num_generated) if n == 0 or slot_of(n) != 0]
+        out[off_boundary, CODES_PER_SLOT] = float("-inf")
+        return out, self._candidates(hidden.device)[slots]
+
+    def _candidates(self, device: torch.device) -> torch.Tensor:
+        """[7, 4097] vocab id of every column, per frame slot (built once)."""
+        if getattr(self, "_cand_table", None) is None or self._cand_table.device != device:
+            starts = AUDIO_TOKEN_BASE + torch.arange(TOKENS_PER_FRAME, device=device) * CODES_PER_SLOT
+            codes = starts.unsqueeze(1) + torch.arange(CODES_PER_SLOT, device=device)
+            eos = torch.full((TOKENS_PER_FRAME, 1), END_OF_SPEECH, device=device)
+            self._cand_table = torch.cat([codes, eos], dim=1)
+        return self._cand_table
 
     def new_frame_builder(self) -> OrpheusFrameBuilder:
         return OrpheusFrameBuilder()

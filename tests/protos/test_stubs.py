@@ -10,7 +10,8 @@ from protos.generate import ROOT, generate
 def test_committed_stubs_match_the_proto(tmp_path: Path):
     for generated in generate(tmp_path):
         committed = ROOT / "protos" / generated.name
-        assert committed.read_text() == generated.read_text(), f"{committed.name} drifted: run python -m protos.generate"
+        drifted = f"{committed.name} drifted: run python -m protos.generate"
+        assert committed.read_text() == generated.read_text(), drifted
 
 
 def test_stubs_import_under_the_package_name():
