@@ -62,18 +62,21 @@ def run_batch(config: EngineConfig, items: list[BatchItem], out_dir: Path, sampl
     pipeline = InProcessPipeline(
         config.model_copy(update={"scheduler": config.scheduler.model_copy(update={"policy": "throughput"})})
     )
-    for item in items:  # validates text / voice before any compute
-        pipeline.submit(item.item_id, item.text, item.voice, sampling)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    pcm: dict[str, list[bytes]] = {item.item_id: [] for item in items}
-    rate = pipeline.detok.codec.sample_rate_hz
-    start = time.perf_counter()
-    with tqdm(total=len(items), unit="wav", desc="synthesizing") as progress:
-        for chunk in pipeline.stream():
-            pcm[chunk.req_id].append(chunk.pcm16)
-            if chunk.is_final:
-                write_wav(out_dir / f"{chunk.req_id}.wav", b"".join(pcm.pop(chunk.req_id)), rate)
-                progress.update(1)
+    try:
+        for item in items:  # validates text / voice before any compute
+            pipeline.submit(item.item_id, item.text, item.voice, sampling)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        pcm: dict[str, list[bytes]] = {item.item_id: [] for item in items}
+        rate = pipeline.detok.codec.sample_rate_hz
+        start = time.perf_counter()
+        with tqdm(total=len(items), unit="wav", desc="synthesizing") as progress:
+            for chunk in pipeline.stream():
+                pcm[chunk.req_id].append(chunk.pcm16)
+                if chunk.is_final:
+                    write_wav(out_dir / f"{chunk.req_id}.wav", b"".join(pcm.pop(chunk.req_id)), rate)
+                    progress.update(1)
+    finally:
+        pipeline.close()
     wall_s = time.perf_counter() - start
     audio_s = sum(p.stat().st_size - 44 for p in (out_dir / f"{i.item_id}.wav" for i in items)) / 2 / rate
     return BatchReport(len(items), audio_s, wall_s)

@@ -17,6 +17,7 @@ from cluster.registry import check_model_config
 from cluster.types import AudioChunk, SamplingParams, TokenChunk
 from detok_stage.chunking import Chunker, ChunkSchedule
 from detok_stage.engine import DetokEngine
+from detok_stage.worker import DetokWorker
 from llm_stage.engine import LLMEngine, StepOutput
 from llm_stage.policy import buffered_s
 from llm_stage.request import Request
@@ -99,6 +100,9 @@ class LLMSide:
 
 
 class InProcessPipeline:
+    """Both engines in one process; the detokenizer runs on its own thread (`DetokWorker`), so
+    decoding overlaps the next LLM steps, as the two stages overlap in the cluster."""
+
     def __init__(self, config: EngineConfig) -> None:
         entry = check_model_config(config.model)
         apply_torch_threads(config.model.torch_threads)
@@ -109,39 +113,34 @@ class InProcessPipeline:
         )
         codec = entry.build_codec(config.model, config.detok.device)
         self.detok = DetokEngine(codec, config.detok, policy=config.scheduler.policy)
+        self.worker = DetokWorker(self.detok, on_decoded=self.llm.engine.timer.record_detok)
         self.is_throughput = config.scheduler.policy == "throughput"
 
     @property
     def has_work(self) -> bool:
-        return self.llm.engine.has_work or self.detok.has_work
+        return self.llm.engine.has_work or self.worker.num_in_flight > 0
 
     def submit(self, req_id: str, text: str, voice: str | None = None, sampling: SamplingParams | dict | None = None):
         self.llm.add(req_id, text, voice, sampling)
 
     def cancel(self, req_id: str) -> None:
         self.llm.cancel(req_id)
-        self.detok.release(req_id)
+        self.worker.release(req_id)
 
     def step(self) -> list[AudioChunk]:
-        for chunk in self.llm.step():
-            self.detok.submit(chunk)
-        if self._detok_waits():
-            return []
-        start = time.perf_counter()
-        audio = self.detok.step()
-        if audio:
-            self.llm.engine.timer.record_detok(time.perf_counter() - start)
+        """One LLM step (when it has work); hands new chunks to the detokenizer; returns decoded audio."""
+        llm_busy = self.llm.engine.has_work
+        if llm_busy:
+            for chunk in self.llm.step():
+                self.worker.submit(chunk)
+        self.worker.hold_partial_batches = self.is_throughput and self.llm.engine.has_work
+        audio = self.worker.collect(wait_s=0.0 if llm_busy else 0.05)
         for chunk in audio:
             self.llm.mark_audio_sent(chunk.req_id, chunk.duration_s)
         return audio
 
-    def _detok_waits(self) -> bool:
-        """Throughput mode decodes only full batches while the LLM is still producing."""
-        return (
-            self.is_throughput
-            and self.llm.engine.has_work
-            and self.detok.num_queued < self.detok.config.max_batch_chunks
-        )
+    def close(self) -> None:
+        self.worker.stop()
 
     def stream(self) -> Iterator[AudioChunk]:
         while self.has_work:

@@ -58,18 +58,26 @@ class DetokEngine:
     def num_requests(self) -> int:
         return len(self._states)
 
-    def submit(self, chunk: TokenChunk) -> None:
+    def validate(self, chunk: TokenChunk) -> None:
+        """Raise InvalidArgumentError("frames") when the codec cannot decode the chunk."""
         problem = self.codec.check_frames(chunk.frames)
         if problem is not None:
             raise InvalidArgumentError("frames", f"request {chunk.req_id} chunk {chunk.seq}: {problem}")
+
+    def submit(self, chunk: TokenChunk) -> None:
+        self.validate(chunk)
         if self.in_order:
             self._states[chunk.req_id]  # noqa: B018  (creates the state)
         self._queue.append(_Pending(chunk, time.monotonic()))
 
-    def release(self, req_id: str) -> None:
+    def release(self, req_id: str) -> int:
+        """Forget a request; returns how many of its chunks were dropped undelivered."""
         self.codec.release(req_id)
-        self._states.pop(req_id, None)
-        self._queue = [p for p in self._queue if p.chunk.req_id != req_id]
+        state = self._states.pop(req_id, None)
+        kept = [p for p in self._queue if p.chunk.req_id != req_id]
+        dropped = len(self._queue) - len(kept) + (len(state.done) if state is not None else 0)
+        self._queue = kept
+        return dropped
 
     def step(self) -> list[AudioChunk]:
         batch = self._select()

@@ -109,6 +109,7 @@ def main() -> None:
             result = run_rate(pipeline, policy, rate, args.requests, args.max_tokens, seed=int(rate * 1000))
             results.append(result)
             print(result, flush=True)
+        pipeline.close()
     xrt = throughput_x_real_time(args.max_tokens, args.slots, args.slots)
     print(f"x-real-time: {xrt}")
     __import__("pathlib").Path(args.out).parent.mkdir(parents=True, exist_ok=True)
