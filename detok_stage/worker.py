@@ -64,7 +64,7 @@ class DetokWorker:
 
     def _run(self) -> None:
         while not self._stopped.is_set():
-            self._drain(block=not self.engine.has_work)
+            self._drain(block=not self.engine.has_work or self._holding())  # never spin while waiting
             if self.engine.has_work and not self._holding():
                 start = time.perf_counter()
                 decoded = self.engine.step()
