@@ -7,6 +7,7 @@ fails; CEL rules (`x-kubernetes-validations`, only immutability rules in KubeRay
 
 from __future__ import annotations
 
+import gzip
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
@@ -16,6 +17,7 @@ import jsonschema
 import yaml
 
 SCHEMA_DIR = Path(__file__).resolve().parents[3] / "shared" / "k8s-schemas"
+VENDORED_DIR = Path(__file__).resolve().parent / "crds"  # gzipped copies, for machines without ../shared
 CRD_FILES = {"RayService": "ray.io_rayservices.yaml", "RayCluster": "ray.io_rayclusters.yaml"}
 
 INT_BOUNDS = {"int32": (-(2**31), 2**31 - 1), "int64": (-(2**63), 2**63 - 1)}
@@ -179,7 +181,15 @@ OBJECT_META: dict[str, Any] = {
 def load_crd(kind: str) -> dict[str, Any]:
     """The KubeRay CRD for `kind` from ../shared/k8s-schemas (parsed once per test session)."""
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-    return yaml.load((SCHEMA_DIR / CRD_FILES[kind]).read_text(), Loader=loader)
+    return yaml.load(crd_text(kind), Loader=loader)
+
+
+def crd_text(kind: str) -> str:
+    """The CRD YAML from ../shared/k8s-schemas when present, else our vendored gzip copy of it."""
+    shared = SCHEMA_DIR / CRD_FILES[kind]
+    if shared.exists():
+        return shared.read_text()
+    return gzip.decompress((VENDORED_DIR / f"{CRD_FILES[kind]}.gz").read_bytes()).decode()
 
 
 @cache

@@ -65,3 +65,16 @@ def test_kuberay_crds_convert_to_working_json_schemas(kind: str, required: str) 
     assert crd_errors({**base, "spek": {}}) == ["<root>: Additional properties are not allowed ('spek' was unexpected)"]
     assert crd_errors({**base, "spec": {}}) == [f"spec: '{required}' is a required property"]
     assert crd_errors({**base, "apiVersion": "ray.io/v2"}) != []
+
+
+@pytest.mark.parametrize("kind", ["RayService", "RayCluster"])
+def test_vendored_crds_match_shared_copy(kind):
+    """The gzipped CRDs in tests/k8s/crds are byte-for-byte the ones in ../shared (when that exists)."""
+    import gzip
+
+    from tests.k8s.crd_schema import CRD_FILES, SCHEMA_DIR, VENDORED_DIR
+
+    shared = SCHEMA_DIR / CRD_FILES[kind]
+    if not shared.exists():
+        pytest.skip("../shared/k8s-schemas is not on this machine")
+    assert gzip.decompress((VENDORED_DIR / f"{CRD_FILES[kind]}.gz").read_bytes()) == shared.read_bytes()
