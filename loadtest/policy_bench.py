@@ -12,8 +12,10 @@ import argparse
 import json
 import random
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -86,8 +88,8 @@ def throughput_x_real_time(max_tokens: int, count: int, slots: int) -> dict[str,
     out = {}
     for policy in ("throughput", "streaming"):
         config = bench_config(policy, batch=slots, slots=slots)
-        report = run_batch(config, items, __import__("pathlib").Path(f"/tmp/voxray-policy-bench-{policy}"),
-                           {"max_tokens": max_tokens})  # fmt: skip
+        out_dir = Path(tempfile.gettempdir()) / f"voxray-policy-bench-{policy}"
+        report = run_batch(config, items, out_dir, {"max_tokens": max_tokens})
         out[policy] = report.x_real_time
     return out
 
@@ -112,7 +114,7 @@ def main() -> None:
         pipeline.close()
     xrt = throughput_x_real_time(args.max_tokens, args.slots, args.slots)
     print(f"x-real-time: {xrt}")
-    __import__("pathlib").Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as handle:
         json.dump({"args": vars(args), "results": [r.__dict__ for r in results], "x_real_time": xrt}, handle, indent=1)
 
