@@ -8,6 +8,7 @@ so any replica can decode any chunk (M:N routing); cancelling a call drops its c
 from __future__ import annotations
 
 import asyncio
+import time
 
 from cluster.config import ServeConfig
 from cluster.pipeline import apply_torch_threads
@@ -86,6 +87,7 @@ class DetokStage:
             "engine_requests": self.engine.num_requests,
             "engine_pending": self.engine.has_work,
             "decoded_chunks": self.num_decoded_chunks,
+            "at_s": time.time(),  # wall clock of this reading
         }
 
     def __del__(self) -> None:

@@ -107,11 +107,15 @@ class LLMStage:
             "engine_requests": len(engine.requests),
             "kv_slots_used": engine.scheduler.slots.num_used,
             "kv_slots_total": engine.scheduler.slots.num_slots,
+            "at_s": time.time(),  # wall clock of this reading, for latency bounds measured from outside
         }
 
     async def generate(self, job: dict) -> AsyncIterator[dict]:
         """Yields {"kind": "admitted"|"rejected"|"invalid"|"audio", ...}; audio items carry an AudioChunk."""
         req_id = job["req_id"]
+        if req_id in self.streams:  # never let a duplicate id touch the running stream's state
+            yield {"kind": "invalid", "field": "request_id", "message": f"{req_id!r} is already streaming"}
+            return
         verdict = decide(self.load(), job["ttfa_deadline_s"])
         if verdict is Admission.REJECT:
             yield {"kind": "rejected", "retry_after_s": self.config.admission.retry_after_s}
