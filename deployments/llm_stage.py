@@ -92,7 +92,7 @@ class LLMStage:
             num_active=len(self.streams),
             max_streams=admission.max_streams_per_replica,
             max_queued=admission.max_queued_per_replica,
-            step_s=self.loop.step_time_ema_s,
+            step_s=self.side.engine.timer.step_s,  # the estimate the policy uses too
             first_chunk_tokens=first_tokens * self.side.engine.adapter.tokens_per_frame,
             avg_stream_s=self.avg_stream_s,
         )

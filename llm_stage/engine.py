@@ -43,7 +43,7 @@ def resolve_sampling(sampling: SamplingParams | dict | None, default: SamplingPa
     if isinstance(sampling, SamplingParams):
         return sampling
     try:
-        return default.model_copy(update={}) if not sampling else SamplingParams(**{**default.model_dump(), **sampling})
+        return default if not sampling else SamplingParams(**{**default.model_dump(), **sampling})
     except pydantic.ValidationError as err:
         raise from_validation_error(err, "sampling") from None
     except TypeError as err:
@@ -128,11 +128,8 @@ class LLMEngine:
 
     def _run(self, plan: StepPlan) -> list[StepOutput]:
         rows = plan.sampling_rows
-        sampled: list[Token] = []
-        if rows or plan.prefills:
-            hidden = self.runner.execute(plan)
-            if rows:
-                sampled = self._sample(hidden, rows)
+        hidden = self.runner.execute(plan)  # the plan is never empty here
+        sampled: list[Token] = self._sample(hidden, rows) if rows else []
         visible = plan.sampled_requests
         finished = {r.req_id for r in self.scheduler.update(plan, sampled)}
         outputs = [self._output(req, tok, req.req_id in finished) for req, tok in zip(visible, sampled, strict=True)]
