@@ -37,12 +37,18 @@ class CacheConfig(_Strict):
 
 
 class SchedulerConfig(_Strict):
-    """LLM-stage batch selection."""
+    """LLM-stage batch selection and step execution."""
 
     policy: Literal["fcfs", "streaming", "throughput"] = "fcfs"
     max_batch_size: int = Field(32, ge=1, le=4096, description="Rows per decode step.")
     prefill_token_budget: int = Field(256, ge=1, description="Prompt tokens prefilled per step (chunked).")
     startup_concurrency: int = Field(4, ge=1, description="Streams allowed in the startup phase at once.")
+    async_steps: bool = Field(
+        False, description="Run each forward on a worker thread while the next step is planned (batch, sampling)."
+    )
+    cuda_graph_batch_sizes: tuple[int, ...] = Field(
+        (), description="Decode batch sizes captured as CUDA graphs (CUDA only; empty = eager)."
+    )
 
 
 class DetokConfig(_Strict):
@@ -61,8 +67,17 @@ class DetokConfig(_Strict):
         True,
         description="Wide schedule: chunk sizes double from first_chunk_frames up to chunk_frames, bounded by slack.",
     )
+    throughput_chunk_frames: int = Field(
+        32, ge=1, description="Throughput mode (wide schedule): frames per chunk, first chunk included."
+    )
     max_batch_chunks: int = Field(32, ge=1, description="Chunks decoded in one detokenizer forward.")
     device: str = Field("cpu", description="torch device of the detokenizer stage.")
+    async_steps: bool = Field(
+        False, description="Decode each batch on a worker thread while the next one is picked and the last one is cut."
+    )
+    cuda_graph_batch_sizes: tuple[int, ...] = Field(
+        (), description="Chunk-batch sizes captured as CUDA graphs for full-length windows (CUDA only; empty = eager)."
+    )
 
 
 class EngineConfig(_Strict):

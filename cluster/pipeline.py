@@ -109,12 +109,11 @@ class InProcessPipeline:
         adapter = entry.build_lm(config.model)
         self.llm = LLMSide(
             LLMEngine(adapter, config.cache, config.scheduler, seed=config.model.seed),
-            ChunkSchedule.from_config(config.detok),
+            ChunkSchedule.for_policy(config.detok, config.scheduler.policy),
         )
         codec = entry.build_codec(config.model, config.detok.device)
         self.detok = DetokEngine(codec, config.detok, policy=config.scheduler.policy)
         self.worker = DetokWorker(self.detok, on_decoded=self.llm.engine.timer.record_detok)
-        self.is_throughput = config.scheduler.policy == "throughput"
 
     @property
     def has_work(self) -> bool:
@@ -133,7 +132,6 @@ class InProcessPipeline:
         if llm_busy:
             for chunk in self.llm.step():
                 self.worker.submit(chunk)
-        self.worker.hold_partial_batches = self.is_throughput and self.llm.engine.has_work
         audio = self.worker.collect(wait_s=0.0 if llm_busy else 0.05)
         for chunk in audio:
             self.llm.mark_audio_sent(chunk.req_id, chunk.duration_s)
@@ -141,6 +139,8 @@ class InProcessPipeline:
 
     def close(self) -> None:
         self.worker.stop()
+        self.detok.close()
+        self.llm.engine.close()
 
     def stream(self) -> Iterator[AudioChunk]:
         while self.has_work:

@@ -54,7 +54,7 @@ class LLMStage:
             update={"max_batch_size": min(max_streams, engine_cfg.scheduler.max_batch_size)}
         )
         engine = LLMEngine(adapter, cache, scheduler, seed=engine_cfg.model.seed)
-        self.schedule = ChunkSchedule.from_config(engine_cfg.detok)
+        self.schedule = ChunkSchedule.for_policy(engine_cfg.detok, engine_cfg.scheduler.policy)
         self.side = LLMSide(engine, self.schedule)
         self.detok = detok_handle
         self.replica_tag = replica_tag()

@@ -30,6 +30,15 @@ class ChunkSchedule:
             config.adaptive,
         )  # fmt: skip
 
+    @classmethod
+    def for_policy(cls, config: DetokConfig, policy: str) -> ChunkSchedule:
+        """Throughput mode has no deadlines: every chunk is `throughput_chunk_frames` long, so fewer
+        context frames are decoded twice; the other policies use `from_config`."""
+        if policy != "throughput" or config.schedule != "wide":
+            return cls.from_config(config)
+        size = config.throughput_chunk_frames
+        return cls(size, size, config.left_context_frames, config.right_context_frames)
+
     def chunk_size(self, seq: int) -> int:
         """Frames kept by chunk `seq`: small first, then steady; adaptive sizes double up to `chunk_frames`."""
         if seq == 0:

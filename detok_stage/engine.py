@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,6 +19,7 @@ from cluster.config import DetokConfig
 from cluster.errors import InvalidArgumentError
 from cluster.types import AudioChunk, TokenChunk
 from detok_stage.codecs.base import CodecAdapter
+from detok_stage.graphs import ChunkGraphs
 
 
 def to_pcm16(audio: torch.Tensor) -> bytes:
@@ -49,6 +51,8 @@ class DetokEngine:
         self._queue: list[_Pending] = []
         self._states: dict[str, _RequestState] = defaultdict(_RequestState)
         self.num_decoded_frames = 0  # frames through the codec, context included
+        self._forward_thread = ThreadPoolExecutor(1, "detok-forward") if config.async_steps else None
+        self.graphs = ChunkGraphs.build(codec, config)
 
     @property
     def has_work(self) -> bool:
@@ -109,14 +113,49 @@ class DetokEngine:
         for chunk in chunks:
             if chunk.keep_end > chunk.keep_start:
                 by_len[chunk.num_frames].append(chunk)
-        audio: dict[tuple[str, int], torch.Tensor] = {}
-        for group in by_len.values():
-            frames = torch.tensor([c.frames for c in group], dtype=torch.long)  # [G, n, K]
-            for chunk, wave in zip(group, self.codec.decode(frames), strict=True):
-                audio[(chunk.req_id, chunk.seq)] = self._keep(chunk, wave)
-            self.num_decoded_frames += frames.shape[0] * frames.shape[1]
+        groups = list(by_len.values())
+        decoded = self._decode_groups_async(groups) if self._forward_thread is not None else self._decode_groups(groups)
+        audio = {(c.req_id, c.seq): a for c, a in decoded}
         empty = torch.zeros(0)
-        return [self._audio_chunk(c, audio.get((c.req_id, c.seq), empty)) for c in chunks]
+        return [audio[(c.req_id, c.seq)] if (c.req_id, c.seq) in audio else self._audio_chunk(c, empty) for c in chunks]
+
+    def _decode_groups(self, groups: list[list[TokenChunk]]) -> list[tuple[TokenChunk, AudioChunk]]:
+        out = []
+        for group in groups:
+            out += self._cut(group, self._forward(self._frames_tensor(group)))
+        return out
+
+    def _decode_groups_async(self, groups: list[list[TokenChunk]]) -> list[tuple[TokenChunk, AudioChunk]]:
+        """Each group's codec forward on the worker thread while this one builds the next group's
+        input and cuts / PCM-encodes the previous group's audio."""
+        assert self._forward_thread is not None
+        out: list[tuple[TokenChunk, AudioChunk]] = []
+        if not groups:
+            return out
+        pending = self._forward_thread.submit(self._forward, self._frames_tensor(groups[0]))
+        for index, group in enumerate(groups):
+            next_input = self._frames_tensor(groups[index + 1]) if index + 1 < len(groups) else None
+            waves = pending.result()
+            if next_input is not None:
+                pending = self._forward_thread.submit(self._forward, next_input)
+            out += self._cut(group, waves)
+        return out
+
+    def _frames_tensor(self, group: list[TokenChunk]) -> torch.Tensor:
+        return torch.tensor([c.frames for c in group], dtype=torch.long)  # [G, n, K]
+
+    @torch.inference_mode()
+    def _forward(self, frames: torch.Tensor) -> torch.Tensor:
+        self.num_decoded_frames += frames.shape[0] * frames.shape[1]
+        replayed = self.graphs.run(frames) if self.graphs is not None else None
+        return replayed if replayed is not None else self.codec.decode(frames)
+
+    def _cut(self, group: list[TokenChunk], waves: torch.Tensor) -> list[tuple[TokenChunk, AudioChunk]]:
+        return [(c, self._audio_chunk(c, self._keep(c, w))) for c, w in zip(group, waves, strict=True)]
+
+    def close(self) -> None:
+        if self._forward_thread is not None:
+            self._forward_thread.shutdown(wait=True)
 
     def _keep(self, chunk: TokenChunk, wave: torch.Tensor) -> torch.Tensor:
         spf = self.codec.samples_per_frame

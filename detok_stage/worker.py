@@ -21,7 +21,6 @@ class DetokWorker:
     def __init__(self, engine: DetokEngine, on_decoded: Callable[[float], None] | None = None) -> None:
         self.engine = engine
         self.on_decoded = on_decoded  # receives each step's decode time (feeds the policy's estimate)
-        self.hold_partial_batches = False  # throughput mode: decode only full batches until flushed
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -64,17 +63,14 @@ class DetokWorker:
 
     def _run(self) -> None:
         while not self._stopped.is_set():
-            self._drain(block=not self.engine.has_work or self._holding())  # never spin while waiting
-            if self.engine.has_work and not self._holding():
+            self._drain(block=not self.engine.has_work)  # never spin while waiting
+            if self.engine.has_work:
                 start = time.perf_counter()
                 decoded = self.engine.step()
                 if decoded and self.on_decoded is not None:
                     self.on_decoded(time.perf_counter() - start)
                 for audio in decoded:
                     self._outbox.put(audio)
-
-    def _holding(self) -> bool:
-        return self.hold_partial_batches and self.engine.num_queued < self.engine.config.max_batch_chunks
 
     def _drain(self, block: bool) -> None:
         try:

@@ -10,6 +10,8 @@ in-process pipeline drive it.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import pydantic
@@ -64,7 +66,10 @@ class LLMEngine:
         self.timer = StepTimer()
         order = decode_order or make_decode_order(scheduler, self.timer)
         self.scheduler = Scheduler(scheduler, cache, adapter.eos_token_ids, order, adapter.is_stop)
-        self.runner = ModelRunner(adapter, cache.num_slots, cache.max_seq_len)
+        self.runner = ModelRunner(adapter, cache.num_slots, cache.max_seq_len, scheduler.cuda_graph_batch_sizes)
+        self._forward_thread = ThreadPoolExecutor(1, "llm-forward") if scheduler.async_steps else None
+        self._next_plan: StepPlan | None = None  # async: planned while the previous forward ran
+        self._prepared_rows: dict[tuple[int, int], SamplingRow] = {}
         self._generator = torch.Generator().manual_seed(seed)
         self._seeded: dict[str, torch.Generator] = {}
         self._frames: dict[str, FrameBuilder] = {}
@@ -117,25 +122,47 @@ class LLMEngine:
         return req is not None
 
     def step(self) -> list[StepOutput]:
+        """One step. With `async_steps` the forward runs on a worker thread while this thread marks the
+        plan's positions cached, selects the next step's batch and builds this step's sampling rows."""
         start = time.perf_counter()
-        plan = self.scheduler.schedule()
+        plan = self._take_plan()
         if plan.is_empty:
             return []
         self.last_batch_size = len(plan.decodes) + len(plan.prefills)
-        outputs = self._run(plan)
+        prepared = self.runner.prepare(plan)
+        if self._forward_thread is None:
+            outputs = self._finish(plan, self.runner.forward(prepared), self.scheduler.update)
+        else:
+            pending = self._forward_thread.submit(self.runner.forward, prepared)
+            self.scheduler.advance(plan)
+            self._next_plan = self.scheduler.schedule()
+            self._prepare_sampling_rows(plan.sampled_requests)
+            outputs = self._finish(plan, pending.result(), self.scheduler.append)
         self.timer.record_step(time.perf_counter() - start)
         return outputs
 
-    def _run(self, plan: StepPlan) -> list[StepOutput]:
-        rows = plan.sampling_rows
-        hidden = self.runner.execute(plan)  # the plan is never empty here
+    def _take_plan(self) -> StepPlan:
+        """The plan made during the previous forward (minus rows finished since), else a fresh one."""
+        plan, self._next_plan = self._next_plan, None
+        if plan is not None:
+            plan = self.scheduler.revalidate(plan)
+        return plan if plan is not None and not plan.is_empty else self.scheduler.schedule()
+
+    def _finish(
+        self, plan: StepPlan, hidden: torch.Tensor, apply: Callable[[StepPlan, list[Token]], list[Request]]
+    ) -> list[StepOutput]:
+        rows, visible = plan.sampling_rows, plan.sampled_requests  # read before `apply` appends tokens
         sampled: list[Token] = self._sample(hidden, rows) if rows else []
-        visible = plan.sampled_requests
-        finished = {r.req_id for r in self.scheduler.update(plan, sampled)}
+        self._prepared_rows.clear()
+        finished = {r.req_id for r in apply(plan, sampled)}
         outputs = [self._output(req, tok, req.req_id in finished) for req, tok in zip(visible, sampled, strict=True)]
         for req_id in finished:
             self._forget(req_id)
         return outputs
+
+    def close(self) -> None:
+        if self._forward_thread is not None:
+            self._forward_thread.shutdown(wait=True)
 
     @torch.inference_mode()
     def _sample(self, hidden: torch.Tensor, rows: list[Request]) -> list[Token]:
@@ -152,7 +179,16 @@ class LLMEngine:
         rows = [self._sampling_row(r, k) for r, k in zip(reqs, codebooks, strict=True)]
         return sample(logits, cand_ids, rows, self._generator)
 
+    def _prepare_sampling_rows(self, reqs: list[Request]) -> None:
+        """Build the rows' sampling inputs ahead of the logits (histories only change at `append`)."""
+        for req in reqs:
+            for codebook in range(self.adapter.num_codebooks):
+                self._prepared_rows[(id(req), codebook)] = self._sampling_row(req, codebook)
+
     def _sampling_row(self, req: Request, codebook: int) -> SamplingRow:
+        prepared = self._prepared_rows.get((id(req), codebook))
+        if prepared is not None:
+            return prepared
         params = req.sampling
         history: list = []
         if params.repetition_penalty != 1.0:

@@ -2,21 +2,43 @@
 returns the hidden state of every row that samples this step. Called by `LLMEngine.step`.
 
 Decode rows run as one [B, 1] forward; prompt chunks as one padded [P, T] forward. Positions
-become [B, T, W] id lanes that the adapter embeds (W = 1 for flat token streams).
+become [B, T, W] id lanes that the adapter embeds (W = 1 for flat token streams). `prepare`
+(host: reads request state, builds tensors) and `forward` (tensors only) are separate so the
+engine can run the forward on another thread while it plans the next step. Decode forwards
+replay CUDA graphs when `graphs` has one for the (padded) batch size.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 
+from cluster.cuda_graphs import graphs_available
+from llm_stage.decode_graphs import DecodeGraphs
 from llm_stage.kv_cache import SlotKVCache
 from llm_stage.models.base import LMAdapter
-from llm_stage.models.llama import BatchInputs
+from llm_stage.models.llama import BatchInputs, LlamaBackbone
 from llm_stage.scheduler import PrefillWork, StepPlan
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PreparedStep:
+    """One step's input tensors: read from request state on the host, safe to run on another thread."""
+
+    decode: BatchInputs | None
+    prefill: BatchInputs | None
+    finishing: list[int]  # prefill rows whose prompt completes this step (they sample)
 
 
 class ModelRunner:
-    def __init__(self, adapter: LMAdapter, num_slots: int, max_seq_len: int) -> None:
+    def __init__(
+        self, adapter: LMAdapter, num_slots: int, max_seq_len: int, graph_batch_sizes: Sequence[int] = ()
+    ) -> None:
         self.adapter = adapter
         self.backbone = backbone = adapter.backbone
         weight = backbone.lm_head_weight
@@ -25,20 +47,48 @@ class ModelRunner:
             backbone.num_layers, num_slots, backbone.num_kv_heads, max_seq_len, backbone.head_dim,
             weight.dtype, weight.device,
         )  # fmt: skip
+        self.graphs = self._decode_graphs(graph_batch_sizes) if graph_batch_sizes else None
+
+    def _decode_graphs(self, batch_sizes: Sequence[int]) -> DecodeGraphs | None:
+        """Capture decode graphs when the device and the backbone allow; otherwise say so and run eagerly."""
+        if not graphs_available(self.device):
+            logger.warning("CUDA graphs requested on %s: decode runs eagerly", self.device)
+            return None
+        if not isinstance(self.backbone, LlamaBackbone):
+            logger.warning("CUDA graphs are not wired for %s: decode runs eagerly", type(self.backbone).__name__)
+            return None
+        pad_lanes = self.adapter.token_lanes(self.adapter.pad_token)
+        graphs = DecodeGraphs(self._forward, self.cache, batch_sizes, self.adapter.input_width, pad_lanes)
+        logger.info("captured %d decode CUDA graphs of %s", graphs.capture_all(), graphs.batch_sizes)
+        return graphs
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """Hidden states [N, H] for `plan.sampling_rows`, in that order."""
-        parts = []
-        if plan.decodes:
-            parts.append(self._forward(self._decode_inputs(plan)))
+        return self.forward(self.prepare(plan))
+
+    def prepare(self, plan: StepPlan) -> PreparedStep:
         finishing = [i for i, w in enumerate(plan.prefills) if w.completes_prompt]
-        if plan.prefills:
-            hidden = self._forward(self._prefill_inputs(plan.prefills))
-            parts.append(hidden[finishing])
+        return PreparedStep(
+            self._decode_inputs(plan) if plan.decodes else None,
+            self._prefill_inputs(plan.prefills) if plan.prefills else None,
+            finishing,
+        )
+
+    @torch.inference_mode()
+    def forward(self, step: PreparedStep) -> torch.Tensor:
+        parts = []
+        if step.decode is not None:
+            replayed = self.graphs.run(step.decode) if self.graphs is not None else None
+            parts.append(replayed if replayed is not None else self._forward(step.decode))
+        if step.prefill is not None:
+            parts.append(self._forward(step.prefill)[step.finishing])
         return torch.cat(parts) if parts else torch.empty(0, self.backbone.hidden_size)
 
-    def _forward(self, batch: BatchInputs) -> torch.Tensor:
-        return self.backbone.forward(batch, self.cache, embeds=self.adapter.embed(batch.input_ids))
+    def _forward(self, batch: BatchInputs, length: int | None = None) -> torch.Tensor:
+        embeds = self.adapter.embed(batch.input_ids)
+        if length is None:
+            return self.backbone.forward(batch, self.cache, embeds=embeds)
+        return self.backbone.forward(batch, self.cache, embeds=embeds, length=length)
 
     def _decode_inputs(self, plan: StepPlan) -> BatchInputs:
         lanes = self.adapter.token_lanes

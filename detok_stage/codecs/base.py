@@ -25,6 +25,11 @@ class CodecAdapter(ABC):
     def decode(self, frames: torch.Tensor) -> torch.Tensor:
         """frames [B, n, codes_per_frame] (long) -> audio [B, n * samples_per_frame] float in [-1, 1]."""
 
+    def decode_on_device(self, frames: torch.Tensor) -> torch.Tensor | None:
+        """`decode` without host transfers: frames and audio stay on the codec's device (what a CUDA
+        graph captures). None = this codec does not offer it, so it always decodes eagerly."""
+        return None
+
     def decode_stream(self, chunks: list[TokenChunk]) -> list[torch.Tensor]:
         """Stateful codecs: audio [keep frames * samples_per_frame] per chunk, chunks of a request in seq order."""
         raise NotImplementedError(f"{type(self).__name__} decodes stateless windows")

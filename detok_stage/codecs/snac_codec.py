@@ -21,7 +21,7 @@ TINY_SNAC = {
     "sampling_rate": 24000,
     "encoder_dim": 8,
     "encoder_rates": [2, 4, 8, 8],
-    "decoder_dim": 128,
+    "decoder_dim": 64,
     "decoder_rates": [8, 8, 4, 2],
     "attn_window_size": None,
     "codebook_size": 4096,
@@ -67,14 +67,16 @@ class SnacCodec(CodecAdapter):
 
     @staticmethod
     def frames_to_levels(frames: torch.Tensor) -> list[torch.Tensor]:
-        """frames [B, n, 7] -> SNAC codes [B, n], [B, 2n], [B, 4n]."""
+        """frames [B, n, 7] -> SNAC codes [B, n], [B, 2n], [B, 4n] (slicing only: capturable in a CUDA graph)."""
         batch = frames.shape[0]
         level0 = frames[:, :, 0]
-        level1 = frames[:, :, [1, 4]].reshape(batch, -1)
-        level2 = frames[:, :, [2, 3, 5, 6]].reshape(batch, -1)
+        level1 = torch.stack([frames[:, :, i] for i in (1, 4)], dim=2).reshape(batch, -1)
+        level2 = torch.stack([frames[:, :, i] for i in (2, 3, 5, 6)], dim=2).reshape(batch, -1)
         return [level0, level1, level2]
 
     @torch.inference_mode()
     def decode(self, frames: torch.Tensor) -> torch.Tensor:
-        audio = self.model.decode([level.to(self.device) for level in self.frames_to_levels(frames)])
-        return audio[:, 0, :].float().cpu()  # [B, n * 2048]
+        return self.decode_on_device(frames.to(self.device)).float().cpu()  # [B, n * 2048]
+
+    def decode_on_device(self, frames: torch.Tensor) -> torch.Tensor:
+        return self.model.decode(self.frames_to_levels(frames))[:, 0, :]

@@ -55,11 +55,17 @@ class LlamaBackbone:
         return self.model.embed_tokens(input_ids)
 
     @torch.inference_mode()
-    def forward(self, batch: BatchInputs, cache: SlotKVCache, embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """Returns the final-norm hidden state at each row's last real token: [B, H]."""
+    def forward(
+        self, batch: BatchInputs, cache: SlotKVCache, embeds: torch.Tensor | None = None, length: int | None = None
+    ) -> torch.Tensor:
+        """Returns the final-norm hidden state at each row's last real token: [B, H].
+
+        Attention reads `length` cache positions (default: up to the batch's last position; a
+        fixed length keeps shapes static and the host out of the loop, for CUDA graphs).
+        """
         hidden = self.embed(batch.input_ids) if embeds is None else embeds  # [B, T, H]
         cos, sin = self.model.rotary_emb(hidden, batch.positions)  # [B, T, D]
-        length = int(batch.positions.max()) + 1
+        length = int(batch.positions.max()) + 1 if length is None else length
         key_pos = torch.arange(length, device=hidden.device)
         mask = key_pos.view(1, 1, 1, -1) <= batch.positions.unsqueeze(1).unsqueeze(-1)  # [B, 1, T, L]
         for index, layer in enumerate(self.model.layers):

@@ -60,10 +60,12 @@ def quantized(wave: torch.Tensor) -> torch.Tensor:
     return (wave.clamp(-1, 1) * 32767).round() / 32767
 
 
-def test_wide_schedule_equals_full_offline_decode():
-    """With context >= SNAC's receptive field (3 frames each side), chunked decoding is exact."""
+@pytest.mark.parametrize("async_steps", [False, True])
+def test_wide_schedule_equals_full_offline_decode(async_steps):
+    """With context >= SNAC's receptive field (3 frames each side), chunked decoding is exact
+    (also when each window-length group decodes on the worker thread: `async_steps`)."""
     streams = random_streams([1, 5, 23, 40])
-    got = stream(DetokConfig(schedule="wide", first_chunk_frames=2, chunk_frames=8), streams)
+    got = stream(DetokConfig(schedule="wide", first_chunk_frames=2, chunk_frames=8, async_steps=async_steps), streams)
     for rid, frames in streams.items():
         offline = codec().decode(frames.unsqueeze(0))[0]
         assert got[rid].shape[0] == len(frames) * SPF
@@ -148,3 +150,18 @@ def test_adaptive_wide_schedule_still_equals_offline_decode():
     got = stream(config, streams)
     offline = codec().decode(streams["r0"].unsqueeze(0))[0]
     torch.testing.assert_close(got["r0"], quantized(offline), atol=2e-4, rtol=0)
+
+
+def test_throughput_mode_uses_long_chunks_and_stays_exact():
+    config = DetokConfig(throughput_chunk_frames=16)
+    schedule = ChunkSchedule.for_policy(config, "throughput")
+    assert (schedule.first_chunk_frames, schedule.chunk_frames, schedule.adaptive) == (16, 16, False)
+    assert schedule.decode_factor < ChunkSchedule.for_policy(config, "streaming").decode_factor
+    assert ChunkSchedule.for_policy(config, "streaming") == ChunkSchedule.from_config(config)
+    frames = random_streams([40])["r0"]
+    engine, chunker = DetokEngine(codec(), config), Chunker("r", schedule)
+    for chunk in chunker.push(frames.tolist()) + chunker.finish():
+        engine.submit(chunk)
+    pcm = b"".join(out.pcm16 for _ in range(10) for out in engine.step())
+    offline = codec().decode(frames.unsqueeze(0))[0]
+    torch.testing.assert_close(torch.from_numpy(pcm16_to_float(pcm)), quantized(offline), atol=2e-4, rtol=0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
 
 from cluster.config import CacheConfig, ModelConfig, SchedulerConfig
@@ -32,10 +33,13 @@ def hf_frames(prompt: list[tuple], max_new: int) -> list[list[int]]:
     return out[0].tolist()
 
 
-def test_greedy_parity_with_transformers_csm_generate():
+@pytest.mark.parametrize("async_steps", [False, True])
+def test_greedy_parity_with_transformers_csm_generate(async_steps):
     ad = adapter()
     engine = LLMEngine(
-        ad, CacheConfig(num_slots=4, max_seq_len=128), SchedulerConfig(max_batch_size=4, prefill_token_budget=12)
+        ad,
+        CacheConfig(num_slots=4, max_seq_len=128),
+        SchedulerConfig(max_batch_size=4, prefill_token_budget=12, async_steps=async_steps),
     )
     texts = {"a": "hi", "b": "a somewhat longer line", "c": "third", "d": "the fourth request joins late"}
     join_at = {"a": 0, "b": 0, "c": 2, "d": 5}

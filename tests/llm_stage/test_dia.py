@@ -48,10 +48,13 @@ CASES = {  # req_id: (text, guidance_scale, top_k, max_tokens, join step)
 }
 
 
-def test_greedy_parity_with_transformers_dia_generate_cfg_on():
+@pytest.mark.parametrize("async_steps", [False, True])
+def test_greedy_parity_with_transformers_dia_generate_cfg_on(async_steps):
     ad = adapter()
     engine = LLMEngine(
-        ad, CacheConfig(num_slots=10, max_seq_len=128), SchedulerConfig(max_batch_size=10, prefill_token_budget=24)
+        ad,
+        CacheConfig(num_slots=10, max_seq_len=128),
+        SchedulerConfig(max_batch_size=10, prefill_token_budget=24, async_steps=async_steps),
     )
     steps: dict[str, list] = {k: [] for k in CASES}
     frames: dict[str, list] = {k: [] for k in CASES}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
 
 from cluster.config import CacheConfig, ModelConfig, SchedulerConfig
@@ -19,10 +20,10 @@ def adapter() -> ParallelHeadsAdapter:
     return ParallelHeadsAdapter.build(ModelConfig(name="bagpiper-tiny", seed=3))
 
 
-def engine(num_slots: int = 8, budget: int = 16) -> LLMEngine:
+def engine(num_slots: int = 8, budget: int = 16, async_steps: bool = False) -> LLMEngine:
     return LLMEngine(
         adapter(), CacheConfig(num_slots=num_slots, max_seq_len=256),
-        SchedulerConfig(max_batch_size=num_slots, prefill_token_budget=budget),
+        SchedulerConfig(max_batch_size=num_slots, prefill_token_budget=budget, async_steps=async_steps),
     )  # fmt: skip
 
 
@@ -60,8 +61,9 @@ def reference_greedy(ad: ParallelHeadsAdapter, text: str, max_tokens: int, scale
     return steps
 
 
-def test_greedy_parity_with_cfg_pairs_in_a_shared_batch():
-    eng = engine()
+@pytest.mark.parametrize("async_steps", [False, True])
+def test_greedy_parity_with_cfg_pairs_in_a_shared_batch(async_steps):
+    eng = engine(async_steps=async_steps)
     cases = {
         "plain-short": ("hi", None, 18),
         "cfg-long": ("a longer prompt for guidance", 3.0, 22),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
@@ -21,9 +22,10 @@ def hf_greedy(model, prompt: list[int], max_new: int, processors=None) -> list[i
     return out[0, len(prompt) :].tolist()
 
 
-def test_greedy_parity_with_staggered_joins():
+@pytest.mark.parametrize("async_steps", [False, True])
+def test_greedy_parity_with_staggered_joins(async_steps):
     model = tiny_text_llama()
-    engine = text_engine(model, num_slots=6, prefill_token_budget=16)
+    engine = text_engine(model, num_slots=6, prefill_token_budget=16, async_steps=async_steps)
     prompts = {f"r{i}": [1] + [3 + (7 * i + j) % 400 for j in range(5 + 9 * i)] for i in range(5)}
     join_at_step = {"r0": 0, "r1": 0, "r2": 3, "r3": 7, "r4": 12}
     got: dict[str, list[int]] = {k: [] for k in prompts}
@@ -50,8 +52,9 @@ class OrpheusSlotMask(LogitsProcessor):
         return masked
 
 
-def test_orpheus_greedy_parity_with_frame_slot_mask():
-    engine = orpheus_engine(num_slots=4)
+@pytest.mark.parametrize("async_steps", [False, True])
+def test_orpheus_greedy_parity_with_frame_slot_mask(async_steps):
+    engine = orpheus_engine(num_slots=4, async_steps=async_steps)
     model_prompts = {f"o{i}": engine.adapter.encode_prompt("hello world " * (i + 1), "tara") for i in range(4)}
     params = SamplingParams(temperature=0.0, max_tokens=21)
     for req_id, prompt in model_prompts.items():

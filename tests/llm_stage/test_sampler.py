@@ -64,3 +64,16 @@ def test_candidate_ids_map_back_to_vocab():
     cand = torch.tensor([[40, 41, 42]])
     rows = [SamplingRow(SamplingParams(temperature=0.0), [], None)]
     assert sample(logits, cand, rows, torch.Generator()) == [41]
+
+
+def test_draws_follow_the_filtered_distribution_and_never_pick_masked_columns():
+    logits = torch.tensor([[0.0, float("-inf"), 1.8, 1.1], [0.0, 0.0, 0.0, 0.0]])
+    want = logits.softmax(dim=-1)
+    rows = [SamplingRow(SamplingParams(temperature=1.0, top_p=1.0), [], None) for _ in range(2)]
+    generator = torch.Generator().manual_seed(0)
+    counts = torch.zeros(2, 4)
+    for _ in range(4000):
+        for b, token in enumerate(sample(logits, None, rows, generator)):
+            counts[b, token] += 1
+    assert counts[0, 1] == 0
+    torch.testing.assert_close(counts / 4000, want, atol=0.03, rtol=0)

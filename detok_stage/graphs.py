@@ -1,0 +1,67 @@
+"""The codec forward over full-length chunk windows as CUDA graphs (see `cluster.cuda_graphs`).
+
+Steady-state chunks all carry `left + chunk + right` frames, so one graph per chunk-batch size
+covers them; a smaller group is padded with copies of its first row (codec rows are
+independent) and other window lengths (first chunks, stream ends) decode eagerly. Stateful
+codecs and codecs without `decode_on_device` always decode eagerly. Built by `DetokEngine`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from cluster.config import DetokConfig
+from cluster.cuda_graphs import GraphCache, graphs_available
+from detok_stage.codecs.base import CodecAdapter
+
+logger = logging.getLogger(__name__)
+
+
+class ChunkGraphs:
+    def __init__(self, codec: CodecAdapter, window_frames: int, batch_sizes: Sequence[int], device: str) -> None:
+        self.codec = codec
+        self.window_frames = window_frames
+        self.batch_sizes = sorted(set(batch_sizes))
+        self.device = device
+        self.graphs = GraphCache(codec.decode_on_device, "detok decode")
+
+    @classmethod
+    def build(cls, codec: CodecAdapter, config: DetokConfig) -> ChunkGraphs | None:
+        """None (eager decoding, with a warning) unless graphs are configured and can run here."""
+        if not config.cuda_graph_batch_sizes:
+            return None
+        if not graphs_available(config.device):
+            logger.warning("CUDA graphs requested on %s: the detokenizer decodes eagerly", config.device)
+            return None
+        if codec.is_stateful or config.schedule != "wide":
+            logger.warning("CUDA graphs need a stateless codec and the wide schedule: decoding eagerly")
+            return None
+        window = config.left_context_frames + config.chunk_frames + config.right_context_frames
+        graphs = cls(codec, window, config.cuda_graph_batch_sizes, config.device)
+        logger.info("captured %d detokenizer CUDA graphs of %s", graphs.capture_all(), graphs.batch_sizes)
+        return graphs
+
+    def capture_all(self) -> int:
+        for size in self.batch_sizes:
+            self.graphs.capture([self._zeros(size)])
+        return self.graphs.num_captured
+
+    def pad(self, frames: torch.Tensor) -> torch.Tensor | None:
+        """[G, n, K] -> [size, n, K] on the codec's device for the next captured size; None = eager."""
+        count, length, _ = frames.shape
+        size = next((s for s in self.batch_sizes if s >= count), None)
+        if length != self.window_frames or size is None:
+            return None
+        return torch.cat([frames, frames[:1].expand(size - count, -1, -1)]).to(self.device)
+
+    def run(self, frames: torch.Tensor) -> torch.Tensor | None:
+        """Audio [G, n * samples_per_frame] on the CPU from the graph, or None (decode eagerly)."""
+        padded = self.pad(frames)
+        out = self.graphs(padded) if padded is not None else None
+        return None if out is None else out[: frames.shape[0]].float().cpu()
+
+    def _zeros(self, size: int) -> torch.Tensor:
+        return torch.zeros(size, self.window_frames, self.codec.codes_per_frame, dtype=torch.long, device=self.device)
