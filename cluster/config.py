@@ -68,7 +68,7 @@ class DetokConfig(_Strict):
         description="Wide schedule: chunk sizes double from first_chunk_frames up to chunk_frames, bounded by slack.",
     )
     throughput_chunk_frames: int = Field(
-        32, ge=1, description="Throughput mode (wide schedule): frames per chunk, first chunk included."
+        16, ge=1, description="Throughput mode (wide schedule): frames per chunk, first chunk included."
     )
     max_batch_chunks: int = Field(32, ge=1, description="Chunks decoded in one detokenizer forward.")
     device: str = Field("cpu", description="torch device of the detokenizer stage.")

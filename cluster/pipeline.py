@@ -29,6 +29,9 @@ def apply_torch_threads(num_threads: int) -> None:
         torch.set_num_threads(num_threads)
 
 
+BUFFER_SAFETY = 0.7  # share of the client's buffer a chunk may spend: step times jitter when streams join
+
+
 class LLMSide:
     """LLM engine plus per-request chunkers: turns steps into ready TokenChunks.
 
@@ -83,7 +86,8 @@ class LLMSide:
             return None
         timer = self.engine.timer
         frame_cost_s = self.engine.adapter.tokens_per_frame * timer.step_s
-        return int((buffered_s(req, self.clock()) - timer.detok_s) / max(frame_cost_s, 1e-6))
+        usable_s = BUFFER_SAFETY * buffered_s(req, self.clock()) - timer.detok_s
+        return int(usable_s / max(frame_cost_s, 1e-6))
 
     def _deadline_wall_s(self, req: Request | None) -> float | None:
         if req is None or req.first_audio_s is None:

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from cluster.batch import BatchItem, run_batch
-from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from cluster.config import CacheConfig, DetokConfig, EngineConfig, ModelConfig, SchedulerConfig
 from cluster.pipeline import InProcessPipeline
 from router.playback import PlaybackTracker
 
@@ -37,11 +37,12 @@ class RunResult:
     worst_underrun_s: float
 
 
-def bench_config(policy: str, batch: int, slots: int) -> EngineConfig:
+def bench_config(policy: str, batch: int, slots: int, first_chunk_frames: int = 4) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(torch_threads=1),
         cache=CacheConfig(num_slots=slots, max_seq_len=1024),
         scheduler=SchedulerConfig(policy=policy, max_batch_size=batch, startup_concurrency=2),
+        detok=DetokConfig(first_chunk_frames=first_chunk_frames),
     )
 
 
@@ -101,19 +102,27 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=168, help="168 = 24 frames = 2.05 s of audio")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--slots", type=int, default=16)
+    parser.add_argument("--first-chunk-frames", type=int, default=4, help="as deployments/configs/cpu.yaml")
+    parser.add_argument("--xrt-requests", type=int, default=32, help="requests of the x-real-time comparison")
+    parser.add_argument("--xrt-max-tokens", type=int, default=336, help="336 = 48 frames = 4.1 s of audio")
+    parser.add_argument("--xrt-only", action="store_true", help="skip the rate sweep")
     parser.add_argument("--out", default="loadtest/results/policy_bench.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
     results = []
-    pipelines = {p: InProcessPipeline(bench_config(p, args.batch, args.slots)) for p in ("fcfs", "streaming")}
-    for rate in args.rates:  # both policies back to back at each rate, so machine noise hits both alike
+    pipelines = {
+        p: InProcessPipeline(bench_config(p, args.batch, args.slots, args.first_chunk_frames))
+        for p in ("fcfs", "streaming")
+    }
+    # both policies back to back at each rate, so machine noise hits both alike
+    for rate in [] if args.xrt_only else args.rates:
         for policy, pipeline in pipelines.items():
             result = run_rate(pipeline, policy, rate, args.requests, args.max_tokens, seed=int(rate * 1000))
             results.append(result)
             print(result, flush=True)
     for pipeline in pipelines.values():
         pipeline.close()
-    xrt = throughput_x_real_time(args.max_tokens, args.slots, args.slots)
+    xrt = throughput_x_real_time(args.xrt_max_tokens, args.xrt_requests, args.slots)
     print(f"x-real-time: {xrt}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as handle:
