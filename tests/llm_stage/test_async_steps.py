@@ -11,27 +11,32 @@ from tests.factories import EOS_FAKE, fake_request, fake_scheduler, orpheus_engi
 
 
 def test_next_batch_is_planned_while_the_forward_runs_on_the_worker_thread():
+    """Each forward waits until the engine thread has planned a batch *during* that forward; a
+    synchronous engine never plans while a forward runs, so its forwards would time out."""
     engine = orpheus_engine(num_slots=4, async_steps=True)
-    planned = threading.Event()
+    in_forward, planned = threading.Event(), threading.Event()
     forward_threads, overlapped = [], []
     run_forward, schedule = engine.runner.forward, engine.scheduler.schedule
 
     def forward(prepared):
         forward_threads.append(threading.current_thread().name)
-        overlapped.append(planned.wait(timeout=5.0))  # a synchronous engine would never plan meanwhile
+        in_forward.set()
+        overlapped.append(planned.wait(timeout=5.0))
+        in_forward.clear()
         planned.clear()
         return run_forward(prepared)
 
     def planning():
         plan = schedule()
-        if threading.current_thread() is threading.main_thread():
+        if in_forward.wait(timeout=0.2):  # only plans made while a forward is in flight count
             planned.set()
         return plan
 
     engine.runner.forward, engine.scheduler.schedule = forward, planning
     engine.add_request("a", "hello there", None, {"max_tokens": 14, "seed": 1})
     engine.run_to_completion()
-    assert overlapped and all(overlapped)
+    engine.close()
+    assert len(overlapped) >= 14 and all(overlapped)
     assert set(forward_threads) == {"llm-forward_0"}
 
 
