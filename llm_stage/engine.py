@@ -125,6 +125,7 @@ class LLMEngine:
         """One step. With `async_steps` the forward runs on a worker thread while this thread marks the
         plan's positions cached, selects the next step's batch and builds this step's sampling rows."""
         start = time.perf_counter()
+        self._prepared_rows.clear()  # keyed by request identity: never carry them past a failed step
         plan = self._take_plan()
         if plan.is_empty:
             return []
