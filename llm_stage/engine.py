@@ -154,7 +154,6 @@ class LLMEngine:
     ) -> list[StepOutput]:
         rows, visible = plan.sampling_rows, plan.sampled_requests  # read before `apply` appends tokens
         sampled: list[Token] = self._sample(hidden, rows) if rows else []
-        self._prepared_rows.clear()
         finished = {r.req_id for r in apply(plan, sampled)}
         outputs = [self._output(req, tok, req.req_id in finished) for req, tok in zip(visible, sampled, strict=True)]
         for req_id in finished:

@@ -62,10 +62,6 @@ class ModelRunner:
         logger.info("captured %d decode CUDA graphs of %s", graphs.capture_all(), graphs.batch_sizes)
         return graphs
 
-    def execute(self, plan: StepPlan) -> torch.Tensor:
-        """Hidden states [N, H] for `plan.sampling_rows`, in that order."""
-        return self.forward(self.prepare(plan))
-
     def prepare(self, plan: StepPlan) -> PreparedStep:
         finishing = [i for i, w in enumerate(plan.prefills) if w.completes_prompt]
         return PreparedStep(
@@ -76,6 +72,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, step: PreparedStep) -> torch.Tensor:
+        """Hidden states [N, H] for the plan's `sampling_rows`, in that order."""
         parts = []
         if step.decode is not None:
             replayed = self.graphs.run(step.decode) if self.graphs is not None else None
