@@ -23,6 +23,11 @@ def graphs_available(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda" and torch.cuda.is_available()
 
 
+def padded_size(sizes: Sequence[int], count: int) -> int | None:
+    """The smallest captured size (`sizes` ascending) that holds `count` rows; None = too many."""
+    return next((s for s in sizes if s >= count), None)
+
+
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph

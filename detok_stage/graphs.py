@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from cluster.config import DetokConfig
-from cluster.cuda_graphs import GraphCache, graphs_available
+from cluster.cuda_graphs import GraphCache, graphs_available, padded_size
 from detok_stage.codecs.base import CodecAdapter
 
 logger = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class ChunkGraphs:
     def pad(self, frames: torch.Tensor) -> torch.Tensor | None:
         """[G, n, K] -> [size, n, K] on the codec's device for the next captured size; None = eager."""
         count, length, _ = frames.shape
-        size = next((s for s in self.batch_sizes if s >= count), None)
+        size = padded_size(self.batch_sizes, count)
         if length != self.window_frames or size is None:
             return None
         return torch.cat([frames, frames[:1].expand(size - count, -1, -1)]).to(self.device)

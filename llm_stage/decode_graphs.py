@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from cluster.cuda_graphs import GraphCache
+from cluster.cuda_graphs import GraphCache, padded_size
 from llm_stage.kv_cache import SlotKVCache
 from llm_stage.models.llama import BatchInputs
 
@@ -40,13 +40,10 @@ class DecodeGraphs:
             self.graphs.capture(self._padding_rows(size))
         return self.graphs.num_captured
 
-    def padded_size(self, num_rows: int) -> int | None:
-        return next((s for s in self.batch_sizes if s >= num_rows), None)
-
     def pad(self, batch: BatchInputs) -> list[torch.Tensor] | None:
         """The batch padded to the next captured size (scratch-slot rows), or None when it is too big."""
         num_rows = batch.input_ids.shape[0]
-        size = self.padded_size(num_rows)
+        size = padded_size(self.batch_sizes, num_rows)
         if size is None:
             return None
         filler = self._padding_rows(size - num_rows)
