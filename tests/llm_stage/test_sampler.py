@@ -5,7 +5,14 @@ from __future__ import annotations
 import torch
 
 from cluster.types import SamplingParams
-from llm_stage.sampler import SamplingRow, apply_repetition_penalty, sample
+from llm_stage.sampler import (
+    SHORTLIST,
+    SamplingRow,
+    _kept_within_head,
+    _shortlist_log_norm,
+    apply_repetition_penalty,
+    sample,
+)
 from tests.factories import text_engine, tiny_text_llama
 
 
@@ -77,3 +84,48 @@ def test_draws_follow_the_filtered_distribution_and_never_pick_masked_columns():
             counts[b, token] += 1
     assert counts[0, 1] == 0
     torch.testing.assert_close(counts / 4000, want, atol=0.03, rtol=0)
+
+
+def reference_kept_probs(scaled: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The filtered distribution by definition, on the fully sorted row."""
+    sorted_logits, order = scaled.sort(descending=True)
+    probs = sorted_logits.softmax(-1)
+    if params.top_k:
+        probs[params.top_k :] = 0
+        probs = probs / probs.sum()
+    keep = (probs.cumsum(-1) - probs) <= params.top_p
+    probs = torch.where(keep, probs, 0)
+    probs = torch.where(probs >= params.min_p * probs[0], probs, 0)
+    out = torch.zeros_like(probs)
+    out[order] = probs / probs.sum()
+    return out
+
+
+def test_shortlisted_and_full_width_draws_follow_the_filtered_distribution():
+    """Narrow nucleus (drawn from the 64-column shortlist), wide nucleus and top-k past the shortlist
+    (full sort) and no filter at all: each row's draws match the filtered distribution."""
+    torch.manual_seed(0)
+    width, draws = 400, 3000
+    peaked = torch.randn(width) * 4
+    flat = torch.randn(width) * 0.3
+    cases = [
+        (peaked, SamplingParams(temperature=1.0, top_p=0.8)),
+        (flat, SamplingParams(temperature=1.0, top_p=0.5)),
+        (flat, SamplingParams(temperature=1.0, top_k=100)),
+        (peaked, SamplingParams(temperature=1.0, top_k=20, top_p=0.9)),
+        (peaked, SamplingParams(temperature=1.0, min_p=0.2)),
+        (peaked, SamplingParams(temperature=1.0)),
+    ]
+    logits = torch.stack([row for row, _ in cases])
+    rows = [SamplingRow(params, [], torch.Generator().manual_seed(b)) for b, (_, params) in enumerate(cases)]
+    head = logits.topk(SHORTLIST, dim=-1).values
+    fits = _kept_within_head(head, _shortlist_log_norm(head, logits, rows), rows, width)
+    assert fits == [True, False, False, True, True, False]  # both paths are exercised
+    counts = torch.zeros(len(cases), width)
+    for _ in range(draws):
+        for b, token in enumerate(sample(logits, None, rows, torch.Generator())):
+            counts[b, token] += 1
+    for b, (row_logits, params) in enumerate(cases):
+        want = reference_kept_probs(row_logits, params)
+        assert counts[b][want == 0].sum() == 0, f"case {b} drew a filtered-out column"
+        torch.testing.assert_close(counts[b] / draws, want, atol=0.035, rtol=0, msg=f"case {b}")
