@@ -1,9 +1,10 @@
 """Streaming-aware batch policy (pure Python), used by the LLM scheduler and the detokenizer.
 
-Startup-phase requests (no audio sent yet) go first, FCFS, at most `startup_concurrency` of
-them; then streams close to an underrun, earliest playback deadline first; then the rest by
-slack. Slack = audio buffered at the client - time to produce and ship the next chunk. The
-playback clock (first audio, audio sent) is kept on each Request by whoever ships the audio.
+Startup-phase requests (no audio sent yet, including new ones still to prefill) go first,
+FCFS, at most `startup_concurrency` of them; then streams close to an underrun, earliest
+playback deadline first; then the rest by slack. Slack = audio buffered at the client - time
+to produce and ship the next chunk. The playback clock (first audio, audio sent) is kept on
+each Request by whoever ships the audio.
 """
 
 from __future__ import annotations
@@ -64,6 +65,14 @@ class StreamingOrder:
         comfortable = sorted((r for r in steady if slack[id(r)] >= URGENT_SLACK_S), key=lambda r: slack[id(r)])
         first, deferred = startup[: self.startup_concurrency], startup[self.startup_concurrency :]
         return first + urgent + deferred + comfortable
+
+    def startup_split(self, ordered: list[Request]) -> tuple[int, int]:
+        """New requests are startup-phase too: they are prefilled right after the startup streams
+        already decoding, ahead of urgent and comfortable ones, within the startup limit."""
+        leading = 0
+        while leading < min(len(ordered), self.startup_concurrency) and ordered[leading].first_audio_s is None:
+            leading += 1
+        return leading, self.startup_concurrency - leading
 
 
 def make_decode_order(config: SchedulerConfig, timer: StepTimer) -> DecodeOrder:

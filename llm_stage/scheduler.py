@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 from cluster.config import CacheConfig, SchedulerConfig
 from llm_stage.kv_slots import SlotAllocator
@@ -18,6 +19,18 @@ from llm_stage.request import FinishReason, Request, RequestStatus, Token
 
 DecodeOrder = Callable[[list[Request]], list[Request]]
 StopRule = Callable[[Request, Token], bool]
+
+
+@runtime_checkable
+class StartupAwareOrder(Protocol):
+    """A DecodeOrder that also lets new requests' prefills in ahead of part of its order."""
+
+    def __call__(self, requests: list[Request]) -> list[Request]: ...
+
+    def startup_split(self, ordered: list[Request]) -> tuple[int, int]:
+        """(n, k): the first n of `ordered` go before any prefill; then up to k new requests are
+        prefilled; then the rest of `ordered` fills the batch."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -103,20 +116,34 @@ class Scheduler:
         self.waiting.append(req)
 
     def schedule(self) -> StepPlan:
+        """Decode rows in policy order, prefill work for new requests (ahead of the order's tail
+        when the policy says so), then more prefill work while rows and token budget last."""
         plan = StepPlan()
         decoding = [r for r in self.running.values() if r.status is RequestStatus.DECODING]
-        for req in self.decode_order(decoding):
-            if len(plan.decodes) + len(req.unit) > self.config.max_batch_size:
-                continue
-            plan.decodes.extend(req.unit)
-        self._schedule_prefills(plan)
+        ordered = self.decode_order(decoding)
+        ahead, startup_units = len(ordered), 0
+        if isinstance(self.decode_order, StartupAwareOrder):
+            ahead, startup_units = self.decode_order.startup_split(ordered)
+        self._add_decodes(plan, ordered[:ahead])
+        prefill_rows, budget = self._schedule_prefills(plan, 0, self.config.prefill_token_budget, startup_units)
+        self._add_decodes(plan, ordered[ahead:], prefill_rows)
+        self._schedule_prefills(plan, prefill_rows, budget)
         return plan
 
-    def _schedule_prefills(self, plan: StepPlan) -> None:
-        budget = self.config.prefill_token_budget
-        num_rows = len(plan.decodes)
-        for req in self._prefill_candidates():
-            if budget <= 0 or num_rows + len(req.unit) > self.config.max_batch_size:
+    def _add_decodes(self, plan: StepPlan, ordered: list[Request], prefill_rows: int = 0) -> None:
+        for req in ordered:
+            if len(plan.decodes) + prefill_rows + len(req.unit) <= self.config.max_batch_size:
+                plan.decodes.extend(req.unit)
+
+    def _schedule_prefills(
+        self, plan: StepPlan, rows: int, budget: int, max_units: int | None = None
+    ) -> tuple[int, int]:
+        """Prefill work for up to `max_units` more requests (None = no limit), given `rows` batch
+        rows already spent on prefills; returns the prefill rows and the token budget after it."""
+        planned = {id(w.req) for w in plan.prefills}
+        candidates = [r for r in self._prefill_candidates() if id(r) not in planned]
+        for req in candidates[:max_units]:
+            if budget <= 0 or len(plan.decodes) + rows + len(req.unit) > self.config.max_batch_size:
                 break
             if req.status is RequestStatus.WAITING and not self._admit(req):
                 break
@@ -124,7 +151,8 @@ class Scheduler:
                 if num_tokens > 0:
                     plan.prefills.append(PrefillWork(row, row.num_cached, num_tokens))
                     budget -= num_tokens
-            num_rows += len(req.unit)
+            rows += len(req.unit)
+        return rows, budget
 
     def _prefill_candidates(self) -> list[Request]:
         partial = [r for r in self.running.values() if r.status is RequestStatus.PREFILLING]

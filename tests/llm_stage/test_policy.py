@@ -110,3 +110,38 @@ def test_detok_streaming_order_startup_then_earliest_deadline():
     assert [a.req_id for a in engine.step()] == ["late"]
     fcfs = _three_chunks("fcfs")
     assert {a.req_id for a in fcfs.step()} == {"late", "soon"}
+
+
+def waiting(scheduler: Scheduler, req_id: str, arrival_s: float) -> Request:
+    req = Request(req_id, [1, 2, 3], SamplingParams(), arrival_s=arrival_s)
+    scheduler.add(req)
+    return req
+
+
+def test_new_request_is_prefilled_ahead_of_running_streams_when_rows_are_full():
+    clock = FakeClock()
+    sched = streaming_scheduler(batch=2, clock=clock, startup=2)
+    running(sched, "comfy", arrival_s=1, first_audio_s=95.0, sent_s=20.0)
+    running(sched, "urgent", arrival_s=2, first_audio_s=99.0, sent_s=1.2)
+    waiting(sched, "new", arrival_s=50)
+    plan = sched.schedule()
+    assert [w.req.req_id for w in plan.prefills] == ["new"]
+    assert [r.req_id for r in plan.decodes] == ["urgent"]  # the comfortable stream waits a step
+    fcfs = Scheduler(SchedulerConfig(max_batch_size=2), CacheConfig(num_slots=16), [0], fcfs_order)
+    running(fcfs, "a", arrival_s=1, first_audio_s=95.0, sent_s=20.0)
+    running(fcfs, "b", arrival_s=2, first_audio_s=99.0, sent_s=1.2)
+    waiting(fcfs, "new", arrival_s=50)
+    assert fcfs.schedule().prefills == []  # FCFS: the new request waits for a free row
+
+
+def test_prefills_ahead_count_against_the_startup_limit():
+    clock = FakeClock()
+    sched = streaming_scheduler(batch=3, clock=clock, startup=2)
+    running(sched, "starting", arrival_s=1)  # decoding its first chunk: one startup place taken
+    running(sched, "comfy-a", arrival_s=2, first_audio_s=95.0, sent_s=20.0)
+    running(sched, "comfy-b", arrival_s=3, first_audio_s=95.0, sent_s=19.0)
+    for i in range(3):
+        waiting(sched, f"new{i}", arrival_s=50 + i)
+    plan = sched.schedule()
+    assert [w.req.req_id for w in plan.prefills] == ["new0"]
+    assert [r.req_id for r in plan.decodes] == ["starting", "comfy-b"]
