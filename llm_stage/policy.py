@@ -1,8 +1,9 @@
 """Streaming-aware batch policy (pure Python), used by the LLM scheduler and the detokenizer.
 
-Startup-phase requests (no audio sent yet, including new ones still to prefill) go first,
-FCFS, at most `startup_concurrency` of them; then streams close to an underrun, earliest
-playback deadline first; then the rest by slack. Slack = audio buffered at the client - time
+Streams about to underrun (critical) go first, earliest playback deadline first; then
+startup-phase requests (no audio sent yet, including new ones still to prefill), FCFS, at most
+`startup_concurrency` of them; then streams close to an underrun (urgent), earliest deadline
+first; then the rest by slack. Slack = audio buffered at the client - time
 to produce and ship the next chunk. The playback clock (first audio, audio sent) is kept on
 each Request by whoever ships the audio.
 """
@@ -15,9 +16,10 @@ from dataclasses import dataclass
 
 from cluster.config import SchedulerConfig
 from llm_stage.request import Request
-from llm_stage.scheduler import DecodeOrder, fcfs_order
+from llm_stage.scheduler import DecodeOrder, DecodePriority, fcfs_order
 
 URGENT_SLACK_S = 0.5  # below this a stream is urgent (EDF); above it, it only fills the batch
+CRITICAL_SLACK_S = 0.1  # below this even a startup waits: losing rows now would push the stream into an underrun
 
 
 @dataclass
@@ -49,30 +51,25 @@ def slack_s(req: Request, now_s: float, timer: StepTimer) -> float:
 
 
 class StreamingOrder:
-    """A DecodeOrder: startup (bounded, FCFS) > urgent (EDF) > deferred startup > the rest by slack."""
+    """A DecodeOrder: critical (EDF) > startup, bounded, FCFS (decoding, then new requests'
+    prefills) > urgent (EDF) > deferred startup > the rest by slack."""
 
     def __init__(self, startup_concurrency: int, timer: StepTimer, clock: Callable[[], float] = time.monotonic):
         self.startup_concurrency = startup_concurrency
         self.timer = timer
         self.clock = clock
 
-    def __call__(self, requests: list[Request]) -> list[Request]:
+    def __call__(self, requests: list[Request]) -> DecodePriority:
         now = self.clock()
         startup = fcfs_order([r for r in requests if r.first_audio_s is None])
         steady = [r for r in requests if r.first_audio_s is not None]
         slack = {id(r): slack_s(r, now, self.timer) for r in steady}
-        urgent = sorted((r for r in steady if slack[id(r)] < URGENT_SLACK_S), key=lambda r: buffered_s(r, now))
+        by_deadline = sorted((r for r in steady if slack[id(r)] < URGENT_SLACK_S), key=lambda r: buffered_s(r, now))
+        critical = [r for r in by_deadline if slack[id(r)] < CRITICAL_SLACK_S]
+        urgent = [r for r in by_deadline if slack[id(r)] >= CRITICAL_SLACK_S]
         comfortable = sorted((r for r in steady if slack[id(r)] >= URGENT_SLACK_S), key=lambda r: slack[id(r)])
         first, deferred = startup[: self.startup_concurrency], startup[self.startup_concurrency :]
-        return first + urgent + deferred + comfortable
-
-    def startup_split(self, ordered: list[Request]) -> tuple[int, int]:
-        """New requests are startup-phase too: they are prefilled right after the startup streams
-        already decoding, ahead of urgent and comfortable ones, within the startup limit."""
-        leading = 0
-        while leading < min(len(ordered), self.startup_concurrency) and ordered[leading].first_audio_s is None:
-            leading += 1
-        return leading, self.startup_concurrency - leading
+        return DecodePriority(critical + first, self.startup_concurrency - len(first), urgent + deferred + comfortable)
 
 
 def make_decode_order(config: SchedulerConfig, timer: StepTimer) -> DecodeOrder:

@@ -11,26 +11,25 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
 
 from cluster.config import CacheConfig, SchedulerConfig
 from llm_stage.kv_slots import SlotAllocator
 from llm_stage.request import FinishReason, Request, RequestStatus, Token
 
-DecodeOrder = Callable[[list[Request]], list[Request]]
 StopRule = Callable[[Request, Token], bool]
 
 
-@runtime_checkable
-class StartupAwareOrder(Protocol):
-    """A DecodeOrder that also lets new requests' prefills in ahead of part of its order."""
+@dataclass(frozen=True)
+class DecodePriority:
+    """A policy's batch order for one step: `ahead` decode first, then up to `new_requests` new
+    requests get prefill rows, then `rest` fill what is left (then more prefills, as rows allow)."""
 
-    def __call__(self, requests: list[Request]) -> list[Request]: ...
+    ahead: list[Request]
+    new_requests: int = 0
+    rest: list[Request] = field(default_factory=list)
 
-    def startup_split(self, ordered: list[Request]) -> tuple[int, int]:
-        """(n, k): the first n of `ordered` go before any prefill; then up to k new requests are
-        prefilled; then the rest of `ordered` fills the batch."""
-        ...
+
+DecodeOrder = Callable[[list[Request]], list[Request] | DecodePriority]
 
 
 @dataclass(frozen=True)
@@ -120,13 +119,13 @@ class Scheduler:
         when the policy says so), then more prefill work while rows and token budget last."""
         plan = StepPlan()
         decoding = [r for r in self.running.values() if r.status is RequestStatus.DECODING]
-        ordered = self.decode_order(decoding)
-        ahead, startup_units = len(ordered), 0
-        if isinstance(self.decode_order, StartupAwareOrder):
-            ahead, startup_units = self.decode_order.startup_split(ordered)
-        self._add_decodes(plan, ordered[:ahead])
-        prefill_rows, budget = self._schedule_prefills(plan, 0, self.config.prefill_token_budget, startup_units)
-        self._add_decodes(plan, ordered[ahead:], prefill_rows)
+        priority = self.decode_order(decoding)
+        if not isinstance(priority, DecodePriority):  # a plain order: all decodes, then prefills
+            priority = DecodePriority(priority)
+        self._add_decodes(plan, priority.ahead)
+        budget = self.config.prefill_token_budget
+        prefill_rows, budget = self._schedule_prefills(plan, 0, budget, priority.new_requests)
+        self._add_decodes(plan, priority.rest, prefill_rows)
         self._schedule_prefills(plan, prefill_rows, budget)
         return plan
 

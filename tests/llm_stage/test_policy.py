@@ -71,7 +71,7 @@ def test_urgent_streams_are_earliest_deadline_first():
 def test_startup_limit_keeps_running_streams_from_starving():
     clock = FakeClock()
     sched = streaming_scheduler(batch=3, clock=clock, startup=2)
-    running(sched, "urgent", arrival_s=1, first_audio_s=99.0, sent_s=1.2)
+    running(sched, "urgent", arrival_s=1, first_audio_s=99.0, sent_s=1.4)  # 0.4 s buffered, not critical
     for i in range(5):
         running(sched, f"new{i}", arrival_s=10 + i)
     assert picked(sched) == ["new0", "new1", "urgent"]
@@ -122,7 +122,7 @@ def test_new_request_is_prefilled_ahead_of_running_streams_when_rows_are_full():
     clock = FakeClock()
     sched = streaming_scheduler(batch=2, clock=clock, startup=2)
     running(sched, "comfy", arrival_s=1, first_audio_s=95.0, sent_s=20.0)
-    running(sched, "urgent", arrival_s=2, first_audio_s=99.0, sent_s=1.2)
+    running(sched, "urgent", arrival_s=2, first_audio_s=99.0, sent_s=1.4)
     waiting(sched, "new", arrival_s=50)
     plan = sched.schedule()
     assert [w.req.req_id for w in plan.prefills] == ["new"]
@@ -145,3 +145,15 @@ def test_prefills_ahead_count_against_the_startup_limit():
     plan = sched.schedule()
     assert [w.req.req_id for w in plan.prefills] == ["new0"]
     assert [r.req_id for r in plan.decodes] == ["starting", "comfy-b"]
+
+
+def test_stream_about_to_underrun_keeps_its_row_even_against_startups():
+    clock = FakeClock()
+    sched = streaming_scheduler(batch=2, clock=clock, startup=2)
+    running(sched, "critical", arrival_s=1, first_audio_s=99.0, sent_s=1.15)  # 0.15 s buffered, slack 0.03 s
+    running(sched, "urgent", arrival_s=2, first_audio_s=99.0, sent_s=1.4)  # slack 0.28 s: a startup may go first
+    running(sched, "starting", arrival_s=3)
+    waiting(sched, "new", arrival_s=4)
+    plan = sched.schedule()
+    assert [r.req_id for r in plan.decodes] == ["critical", "starting"]
+    assert plan.prefills == []  # both rows taken; the new request waits
