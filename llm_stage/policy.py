@@ -1,11 +1,10 @@
 """Streaming-aware batch policy (pure Python), used by the LLM scheduler and the detokenizer.
 
-Streams about to underrun (critical) go first, earliest playback deadline first; then
-startup-phase requests (no audio sent yet, including new ones still to prefill), FCFS, at most
-`startup_concurrency` of them; then streams close to an underrun (urgent), earliest deadline
-first; then the rest by slack. Slack = audio buffered at the client - time
-to produce and ship the next chunk. The playback clock (first audio, audio sent) is kept on
-each Request by whoever ships the audio.
+Startup-phase requests (no audio sent yet, including new ones still to prefill) go first,
+FCFS, at most `startup_concurrency` of them; then streams close to an underrun (urgent),
+earliest playback deadline first; then the rest by slack. Slack = audio buffered at the
+client - time to produce and ship the next chunk. The playback clock (first audio, audio
+sent) is kept on each Request by whoever ships the audio.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ from llm_stage.request import Request
 from llm_stage.scheduler import DecodeOrder, DecodePriority, fcfs_order
 
 URGENT_SLACK_S = 0.5  # below this a stream is urgent (EDF); above it, it only fills the batch
-CRITICAL_SLACK_S = 0.1  # below this even a startup waits: losing rows now would push the stream into an underrun
 
 
 @dataclass
@@ -51,8 +49,8 @@ def slack_s(req: Request, now_s: float, timer: StepTimer) -> float:
 
 
 class StreamingOrder:
-    """A DecodeOrder: critical (EDF) > startup, bounded, FCFS (decoding, then new requests'
-    prefills) > urgent (EDF) > deferred startup > the rest by slack."""
+    """A DecodeOrder: startup, bounded, FCFS (decoding, then new requests' prefills) > urgent (EDF)
+    > deferred startup > the rest by slack."""
 
     def __init__(self, startup_concurrency: int, timer: StepTimer, clock: Callable[[], float] = time.monotonic):
         self.startup_concurrency = startup_concurrency
@@ -64,12 +62,10 @@ class StreamingOrder:
         startup = fcfs_order([r for r in requests if r.first_audio_s is None])
         steady = [r for r in requests if r.first_audio_s is not None]
         slack = {id(r): slack_s(r, now, self.timer) for r in steady}
-        by_deadline = sorted((r for r in steady if slack[id(r)] < URGENT_SLACK_S), key=lambda r: buffered_s(r, now))
-        critical = [r for r in by_deadline if slack[id(r)] < CRITICAL_SLACK_S]
-        urgent = [r for r in by_deadline if slack[id(r)] >= CRITICAL_SLACK_S]
+        urgent = sorted((r for r in steady if slack[id(r)] < URGENT_SLACK_S), key=lambda r: buffered_s(r, now))
         comfortable = sorted((r for r in steady if slack[id(r)] >= URGENT_SLACK_S), key=lambda r: slack[id(r)])
         first, deferred = startup[: self.startup_concurrency], startup[self.startup_concurrency :]
-        return DecodePriority(critical + first, self.startup_concurrency - len(first), urgent + deferred + comfortable)
+        return DecodePriority(first, self.startup_concurrency - len(first), urgent + deferred + comfortable)
 
 
 def make_decode_order(config: SchedulerConfig, timer: StepTimer) -> DecodeOrder:

@@ -3,7 +3,7 @@
 Both engines run on wall-clock time with the batch deliberately smaller than the number of
 concurrent streams (that is where the policy decides who waits). Reports p50/p90 TTFA, %
 viable and worst underrun per rate, plus throughput-mode x-real-time, as JSON and a table.
-Run: `.venv/bin/python -m loadtest.policy_bench --rates 0.5 1 1.5 2 --requests 24`
+Run: `.venv/bin/python -m loadtest.policy_bench --rates 0.5 1 1.5 2 --requests 24 --repeats 2`
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ TEXTS = ["Hello there.", "The quick brown fox jumps over the lazy dog.", "Stream
 class RunResult:
     policy: str
     rate: float
+    repeat: int
     p50_ttfa_s: float
     p90_ttfa_s: float
     viable_pct: float
@@ -56,7 +57,7 @@ def arrivals(rate: float, count: int, seed: int) -> list[float]:
 
 
 def run_rate(
-    pipeline: InProcessPipeline, policy: str, rate: float, count: int, max_tokens: int, seed: int
+    pipeline: InProcessPipeline, policy: str, rate: float, count: int, max_tokens: int, seed: int, repeat: int = 0
 ) -> RunResult:
     schedule = arrivals(rate, count, seed)
     trackers: dict[str, PlaybackTracker] = {}
@@ -72,15 +73,29 @@ def run_rate(
             continue
         for chunk in pipeline.step():
             trackers[chunk.req_id].on_chunk(time.monotonic(), chunk.duration_s)
-    return summarize(policy, rate, list(trackers.values()))
+    return summarize(policy, rate, repeat, list(trackers.values()))
 
 
-def summarize(policy: str, rate: float, trackers: list[PlaybackTracker]) -> RunResult:
+def summarize(policy: str, rate: float, repeat: int, trackers: list[PlaybackTracker]) -> RunResult:
     ttfas = sorted(t.ttfa_s for t in trackers if t.ttfa_s is not None)
     p90 = ttfas[min(len(ttfas) - 1, int(0.9 * len(ttfas)))]
     worst = max((max(t.underruns_s, default=0.0) for t in trackers), default=0.0)
     viable = 100.0 * sum(t.is_viable for t in trackers) / len(trackers)
-    return RunResult(policy, rate, statistics.median(ttfas), p90, viable, worst)
+    return RunResult(policy, rate, repeat, statistics.median(ttfas), p90, viable, worst)
+
+
+def table(results: list[RunResult]) -> str:
+    """Per policy and rate over the repeats: median p90 TTFA (min-max) and mean % viable (min-max)."""
+    lines = ["| rate | policy | p90 TTFA, median (range) | viable, mean (range) |", "|---|---|---|---|"]
+    for rate in sorted({r.rate for r in results}):
+        for policy in sorted({r.policy for r in results}):
+            runs = [r for r in results if r.rate == rate and r.policy == policy]
+            p90s, viable = [r.p90_ttfa_s for r in runs], [r.viable_pct for r in runs]
+            lines.append(
+                f"| {rate} | {policy} | {statistics.median(p90s):.2f} s ({min(p90s):.2f}-{max(p90s):.2f}) "
+                f"| {statistics.mean(viable):.1f}% ({min(viable):.0f}-{max(viable):.0f}) |"
+            )
+    return "\n".join(lines)
 
 
 def throughput_x_real_time(max_tokens: int, count: int, slots: int) -> dict[str, float]:
@@ -99,6 +114,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 1.5, 2.0])
     parser.add_argument("--requests", type=int, default=24)
+    parser.add_argument("--repeats", type=int, default=1, help="runs per rate and policy (new arrival times each)")
     parser.add_argument("--max-tokens", type=int, default=168, help="168 = 24 frames = 2.05 s of audio")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--slots", type=int, default=16)
@@ -114,14 +130,18 @@ def main() -> None:
         p: InProcessPipeline(bench_config(p, args.batch, args.slots, args.first_chunk_frames))
         for p in ("fcfs", "streaming")
     }
-    # both policies back to back at each rate, so machine noise hits both alike
-    for rate in [] if args.xrt_only else args.rates:
-        for policy, pipeline in pipelines.items():
-            result = run_rate(pipeline, policy, rate, args.requests, args.max_tokens, seed=int(rate * 1000))
-            results.append(result)
-            print(result, flush=True)
+    # both policies back to back at each rate, so machine noise (it drifts by ~25% here) hits both alike
+    for repeat in range(args.repeats):
+        for rate in [] if args.xrt_only else args.rates:
+            for policy, pipeline in pipelines.items():
+                seed = int(rate * 1000) + repeat
+                result = run_rate(pipeline, policy, rate, args.requests, args.max_tokens, seed, repeat)
+                results.append(result)
+                print(result, flush=True)
     for pipeline in pipelines.values():
         pipeline.close()
+    if results:
+        print(table(results))
     xrt = throughput_x_real_time(args.xrt_max_tokens, args.xrt_requests, args.slots)
     print(f"x-real-time: {xrt}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

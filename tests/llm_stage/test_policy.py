@@ -145,15 +145,3 @@ def test_prefills_ahead_count_against_the_startup_limit():
     plan = sched.schedule()
     assert [w.req.req_id for w in plan.prefills] == ["new0"]
     assert [r.req_id for r in plan.decodes] == ["starting", "comfy-b"]
-
-
-def test_stream_about_to_underrun_keeps_its_row_even_against_startups():
-    clock = FakeClock()
-    sched = streaming_scheduler(batch=2, clock=clock, startup=2)
-    running(sched, "critical", arrival_s=1, first_audio_s=99.0, sent_s=1.15)  # 0.15 s buffered, slack 0.03 s
-    running(sched, "urgent", arrival_s=2, first_audio_s=99.0, sent_s=1.4)  # slack 0.28 s: a startup may go first
-    running(sched, "starting", arrival_s=3)
-    waiting(sched, "new", arrival_s=4)
-    plan = sched.schedule()
-    assert [r.req_id for r in plan.decodes] == ["critical", "starting"]
-    assert plan.prefills == []  # both rows taken; the new request waits
