@@ -52,22 +52,37 @@ def apply_repetition_penalty(logits: torch.Tensor, cand_ids: torch.Tensor | None
 SHORTLIST = 64  # a draw first looks at each row's 64 best columns; it sorts the full row only when needed
 
 
-def _filter_sorted(sorted_logits: torch.Tensor, rows: list[SamplingRow], log_norm: torch.Tensor | None = None):
+@dataclass(frozen=True)
+class _Filters:
+    """Per-row temperature, top-k (the row width when off), top-p and min-p as [B, 1] tensors."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+
+    @classmethod
+    def of(cls, rows: list[SamplingRow], width: int) -> _Filters:
+        p = [r.params for r in rows]
+        table = torch.tensor([[q.temperature, q.top_k or width, q.top_p, q.min_p] for q in p], dtype=torch.float64)
+        return cls(table[:, 0:1].float(), table[:, 1:2].long(), table[:, 2:3].float(), table[:, 3:4].float())
+
+    def select(self, index: list[int]) -> _Filters:
+        return _Filters(self.temperature[index], self.top_k[index], self.top_p[index], self.min_p[index])
+
+
+def _filter_sorted(sorted_logits: torch.Tensor, filters: _Filters, log_norm: torch.Tensor | None = None):
     """Top-k, then top-p, then min-p on logits sorted descending per row; returns masked logits.
 
     `log_norm` ([B, 1]): log of the top-k mass when `sorted_logits` is only the head of each row.
     """
-    width = sorted_logits.shape[1]
-    ranks = torch.arange(width).unsqueeze(0)
-    top_k = torch.tensor([r.params.top_k or width for r in rows]).unsqueeze(1)
-    masked = sorted_logits.masked_fill(ranks >= top_k, float("-inf"))
+    ranks = torch.arange(sorted_logits.shape[1]).unsqueeze(0)
+    masked = sorted_logits.masked_fill(ranks >= filters.top_k, float("-inf"))
     probs = masked.softmax(dim=-1) if log_norm is None else (masked - log_norm).exp()
-    top_p = torch.tensor([r.params.top_p for r in rows]).unsqueeze(1)
     mass_before = probs.cumsum(dim=-1) - probs
-    masked = masked.masked_fill(mass_before > top_p, float("-inf"))
+    masked = masked.masked_fill(mass_before > filters.top_p, float("-inf"))
     probs = masked.softmax(dim=-1)
-    min_p = torch.tensor([r.params.min_p for r in rows]).unsqueeze(1)
-    return masked.masked_fill(probs < min_p * probs[:, :1], float("-inf"))
+    return masked.masked_fill(probs < filters.min_p * probs[:, :1], float("-inf"))
 
 
 def _draw(probs: torch.Tensor, rows: list[SamplingRow], default: torch.Generator) -> torch.Tensor:
@@ -79,52 +94,48 @@ def _draw(probs: torch.Tensor, rows: list[SamplingRow], default: torch.Generator
     return (probs / noise).argmax(dim=-1)
 
 
-def _shortlist_log_norm(head: torch.Tensor, scaled: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def _shortlist_log_norm(head: torch.Tensor, scaled: torch.Tensor, filters: _Filters) -> torch.Tensor:
     """[B, 1] log of each row's top-k mass: over the head when top-k fits in it, else the whole row."""
     width = head.shape[1]
-    top_k = torch.tensor([r.params.top_k or scaled.shape[1] for r in rows]).unsqueeze(1)
-    head_lse = head.masked_fill(torch.arange(width).unsqueeze(0) >= top_k, float("-inf")).logsumexp(-1, True)
-    return torch.where(top_k <= width, head_lse, scaled.logsumexp(-1, True))
+    head_lse = head.masked_fill(torch.arange(width).unsqueeze(0) >= filters.top_k, float("-inf")).logsumexp(-1, True)
+    return torch.where(filters.top_k <= width, head_lse, scaled.logsumexp(-1, True))
 
 
-def _kept_within_head(head: torch.Tensor, log_norm: torch.Tensor, rows: list[SamplingRow], width: int) -> list[bool]:
-    """Per row: does top-k / top-p / min-p cut every column after the head? (Then the head decides.)"""
+def _kept_within_head(head: torch.Tensor, log_norm: torch.Tensor, filters: _Filters, width: int) -> list[bool]:
+    """Per row: do top-k / top-p / min-p cut every column after the head? (Then the head decides.)"""
     short = head.shape[1]
     probs = (head - log_norm).exp()
-    top_p = torch.tensor([r.params.top_p for r in rows])
-    min_p = torch.tensor([r.params.min_p for r in rows])
-    cut_by_p = (probs.sum(-1) > top_p) | (probs[:, -1] < min_p * probs[:, 0])
-    fits = []
-    for row, p_cut in zip(rows, cut_by_p.tolist(), strict=True):
-        top_k = row.params.top_k or width
-        fits.append(short == width or top_k <= short or (top_k >= width and p_cut))
-    return fits
+    cut_by_p = (probs.sum(-1, keepdim=True) > filters.top_p) | (probs[:, -1:] < filters.min_p * probs[:, :1])
+    fits = (filters.top_k <= short) | ((filters.top_k >= width) & cut_by_p) | (short >= width)
+    return fits.squeeze(1).tolist()
 
 
-def _sample_scaled(scaled: torch.Tensor, rows: list[SamplingRow], default: torch.Generator) -> torch.Tensor:
+def _sample_scaled(scaled: torch.Tensor, rows: list[SamplingRow], filters: _Filters, default: torch.Generator):
     """Column drawn per row from temperature-scaled logits under the row's top-k / top-p / min-p.
 
     The draw runs over the row's SHORTLIST best columns when the filters provably cut everything
-    after them (the usual case for speech tokens), else over the fully sorted row: same
-    distribution, no 4096-wide sort per step. Each row consumes a fixed amount of its generator.
+    after them (the usual case for a trained model's speech tokens), else over the fully sorted
+    row: same distribution, no 4096-wide sort per step. Each row consumes a fixed amount of its
+    generator.
     """
     width = scaled.shape[1]
     head, head_cols = scaled.topk(min(SHORTLIST, width), dim=-1)  # sorted descending
-    log_norm = _shortlist_log_norm(head, scaled, rows)
-    fits = _kept_within_head(head, log_norm, rows, width)
+    log_norm = _shortlist_log_norm(head, scaled, filters)
+    fits = _kept_within_head(head, log_norm, filters, width)
     picked = torch.empty(len(rows), dtype=torch.long)
     for use_head in (True, False):
         index = [b for b, f in enumerate(fits) if f == use_head]
         if not index:
             continue
-        group = [rows[b] for b in index]
+        group = filters.select(index)
         if use_head:
             values, columns = head[index], head_cols[index]
             probs = _filter_sorted(values, group, log_norm[index]).softmax(dim=-1)
         else:
             values, columns = scaled[index].sort(dim=-1, descending=True)
             probs = _filter_sorted(values, group).softmax(dim=-1)
-        picked[index] = columns.gather(1, _draw(probs, group, default).unsqueeze(1)).squeeze(1)
+        draws = _draw(probs, [rows[b] for b in index], default)
+        picked[index] = columns.gather(1, draws.unsqueeze(1)).squeeze(1)
     return picked
 
 
@@ -140,8 +151,9 @@ def sample(
     random_rows = [b for b, r in enumerate(rows) if not r.params.is_greedy]
     if random_rows:
         sub_rows = [rows[b] for b in random_rows]
-        temps = torch.tensor([r.params.temperature for r in sub_rows]).unsqueeze(1)
-        picked[random_rows] = _sample_scaled(logits[random_rows] / temps, sub_rows, default_generator)
+        filters = _Filters.of(sub_rows, logits.shape[1])
+        scaled = logits[random_rows] / filters.temperature
+        picked[random_rows] = _sample_scaled(scaled, sub_rows, filters, default_generator)
     if cand_ids is not None:
         picked = cand_ids.gather(1, picked.unsqueeze(1)).squeeze(1)
     return picked.tolist()

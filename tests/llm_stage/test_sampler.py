@@ -8,6 +8,7 @@ from cluster.types import SamplingParams
 from llm_stage.sampler import (
     SHORTLIST,
     SamplingRow,
+    _Filters,
     _kept_within_head,
     _shortlist_log_norm,
     apply_repetition_penalty,
@@ -119,7 +120,8 @@ def test_shortlisted_and_full_width_draws_follow_the_filtered_distribution():
     logits = torch.stack([row for row, _ in cases])
     rows = [SamplingRow(params, [], torch.Generator().manual_seed(b)) for b, (_, params) in enumerate(cases)]
     head = logits.topk(SHORTLIST, dim=-1).values
-    fits = _kept_within_head(head, _shortlist_log_norm(head, logits, rows), rows, width)
+    filters = _Filters.of(rows, width)
+    fits = _kept_within_head(head, _shortlist_log_norm(head, logits, filters), filters, width)
     assert fits == [True, False, False, True, True, False]  # both paths are exercised
     counts = torch.zeros(len(cases), width)
     for _ in range(draws):

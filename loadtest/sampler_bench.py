@@ -1,0 +1,66 @@
+"""Cost of one `llm_stage.sampler.sample` call on Orpheus-shaped rows (4,097 candidate columns).
+
+Two logit shapes: `peaked` (what a trained model gives: the nucleus sits in a few dozen
+columns) and `flat` (the random-weight CPU preset: top-p 0.8 keeps thousands of columns).
+Orpheus' default sampling (T 0.6, top-p 0.8, repetition penalty 1.3 over the whole sequence:
+a 20-token prompt + 300 generated tokens), one seeded generator per row.
+Run: `.venv/bin/python -m loadtest.sampler_bench --rows 1 4 8`
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+
+from cluster.types import SamplingParams
+from llm_stage.models.orpheus import AUDIO_TOKEN_BASE, CODES_PER_SLOT, END_OF_SPEECH, TOKENS_PER_FRAME
+from llm_stage.sampler import SamplingRow, sample
+
+SCALES = {"peaked": 3.0, "flat": 0.05}  # std of the random logits
+
+
+def candidate_table() -> torch.Tensor:
+    starts = AUDIO_TOKEN_BASE + torch.arange(TOKENS_PER_FRAME) * CODES_PER_SLOT
+    codes = starts.unsqueeze(1) + torch.arange(CODES_PER_SLOT)
+    return torch.cat([codes, torch.full((TOKENS_PER_FRAME, 1), END_OF_SPEECH)], dim=1)
+
+
+def rows_for(num_rows: int, rng: random.Random) -> list[SamplingRow]:
+    params = SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.3)
+    rows = []
+    for b in range(num_rows):
+        prompt = [rng.randrange(128_000) for _ in range(20)]
+        generated = [AUDIO_TOKEN_BASE + rng.randrange(TOKENS_PER_FRAME * CODES_PER_SLOT) for _ in range(300)]
+        rows.append(SamplingRow(params, prompt + generated, torch.Generator().manual_seed(b)))
+    return rows
+
+
+def ms_per_call(num_rows: int, scale: float, calls: int) -> float:
+    rng = random.Random(0)
+    cand = candidate_table()[[b % TOKENS_PER_FRAME for b in range(num_rows)]]
+    logits = torch.randn(num_rows, CODES_PER_SLOT + 1, generator=torch.Generator().manual_seed(0)) * scale
+    rows, default = rows_for(num_rows, rng), torch.Generator().manual_seed(0)
+    for _ in range(10):
+        sample(logits, cand, rows, default)
+    start = time.perf_counter()
+    for _ in range(calls):
+        sample(logits, cand, rows, default)
+    return (time.perf_counter() - start) / calls * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8])
+    parser.add_argument("--calls", type=int, default=300)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    for shape, scale in SCALES.items():
+        cells = [f"{rows} rows {ms_per_call(rows, scale, args.calls):.2f} ms" for rows in args.rows]
+        print(f"{shape:6s} " + " | ".join(cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()
