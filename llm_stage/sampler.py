@@ -110,6 +110,18 @@ def _kept_within_head(head: torch.Tensor, log_norm: torch.Tensor, filters: _Filt
     return fits.squeeze(1).tolist()
 
 
+def _head_decides(
+    head: torch.Tensor, scaled: torch.Tensor, rows: list[SamplingRow], filters: _Filters
+) -> tuple[list[bool], torch.Tensor]:
+    """Which rows draw from their head, and each row's log normaliser for it. Rows with only
+    top-p (Orpheus' default) take a short path: the head decides iff its mass passes top-p."""
+    if all(not r.params.top_k and not r.params.min_p for r in rows):
+        log_norm = scaled.logsumexp(-1, True)
+        return ((head - log_norm).exp().sum(-1, keepdim=True) > filters.top_p).squeeze(1).tolist(), log_norm
+    log_norm = _shortlist_log_norm(head, scaled, filters)
+    return _kept_within_head(head, log_norm, filters, scaled.shape[1]), log_norm
+
+
 def _sample_scaled(scaled: torch.Tensor, rows: list[SamplingRow], filters: _Filters, default: torch.Generator):
     """Column drawn per row from temperature-scaled logits under the row's top-k / top-p / min-p.
 
@@ -118,21 +130,20 @@ def _sample_scaled(scaled: torch.Tensor, rows: list[SamplingRow], filters: _Filt
     row: same distribution, no 4096-wide sort per step. Each row consumes a fixed amount of its
     generator.
     """
-    width = scaled.shape[1]
-    head, head_cols = scaled.topk(min(SHORTLIST, width), dim=-1)  # sorted descending
-    log_norm = _shortlist_log_norm(head, scaled, filters)
-    fits = _kept_within_head(head, log_norm, filters, width)
+    head, head_cols = scaled.topk(min(SHORTLIST, scaled.shape[1]), dim=-1)  # sorted descending
+    fits, log_norm = _head_decides(head, scaled, rows, filters)
     picked = torch.empty(len(rows), dtype=torch.long)
     for use_head in (True, False):
         index = [b for b, f in enumerate(fits) if f == use_head]
         if not index:
             continue
-        group = filters.select(index)
+        whole = len(index) == len(rows)  # one group: no row selection
+        group = filters if whole else filters.select(index)
         if use_head:
-            values, columns = head[index], head_cols[index]
-            probs = _filter_sorted(values, group, log_norm[index]).softmax(dim=-1)
+            values, columns = (head, head_cols) if whole else (head[index], head_cols[index])
+            probs = _filter_sorted(values, group, log_norm if whole else log_norm[index]).softmax(dim=-1)
         else:
-            values, columns = scaled[index].sort(dim=-1, descending=True)
+            values, columns = (scaled if whole else scaled[index]).sort(dim=-1, descending=True)
             probs = _filter_sorted(values, group).softmax(dim=-1)
         draws = _draw(probs, [rows[b] for b in index], default)
         picked[index] = columns.gather(1, draws.unsqueeze(1)).squeeze(1)

@@ -9,6 +9,7 @@ from llm_stage.sampler import (
     SHORTLIST,
     SamplingRow,
     _Filters,
+    _head_decides,
     _kept_within_head,
     _shortlist_log_norm,
     apply_repetition_penalty,
@@ -131,3 +132,21 @@ def test_shortlisted_and_full_width_draws_follow_the_filtered_distribution():
         want = reference_kept_probs(row_logits, params)
         assert counts[b][want == 0].sum() == 0, f"case {b} drew a filtered-out column"
         torch.testing.assert_close(counts[b] / draws, want, atol=0.035, rtol=0, msg=f"case {b}")
+
+
+def test_top_p_only_rows_take_the_short_decision_and_keep_the_distribution():
+    torch.manual_seed(1)
+    width, draws = 300, 3000
+    logits = torch.stack([torch.randn(width) * 4, torch.randn(width) * 0.3])  # peaked, flat
+    params = SamplingParams(temperature=1.0, top_p=0.8)
+    rows = [SamplingRow(params, [], torch.Generator().manual_seed(b)) for b in range(2)]
+    head = logits.topk(SHORTLIST, dim=-1).values
+    assert _head_decides(head, logits, rows, _Filters.of(rows, width))[0] == [True, False]
+    counts = torch.zeros(2, width)
+    for _ in range(draws):
+        for b, token in enumerate(sample(logits, None, rows, torch.Generator())):
+            counts[b, token] += 1
+    for b in range(2):
+        want = reference_kept_probs(logits[b], params)
+        assert counts[b][want == 0].sum() == 0
+        torch.testing.assert_close(counts[b] / draws, want, atol=0.035, rtol=0)
