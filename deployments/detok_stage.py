@@ -67,14 +67,14 @@ class DetokStage:
             raise
 
     def _submit(self, chunk: TokenChunk, key: tuple[str, int], future: asyncio.Future) -> None:
-        with self.loop.lock:
+        with self.loop.exclusive():
             self.engine.submit(chunk)
             self.waiters[key] = future
         self.loop.wake()
 
     def _drop(self, req_id: str) -> list[asyncio.Future]:
         """Forget every queued chunk of `req_id`; returns their futures for the event loop to cancel."""
-        with self.loop.lock:
+        with self.loop.exclusive():
             self.engine.release(req_id)
             return [self.waiters.pop(k) for k in [k for k in self.waiters if k[0] == req_id]]
 

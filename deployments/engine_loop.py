@@ -1,7 +1,10 @@
 """A background thread that steps an engine while it has work, for the Serve replicas.
 
 Replicas are asyncio actors; the engine step is CPU/GPU-bound, so it runs here and hands
-results back to the event loop. Callers mutate the engine only while holding `lock`.
+results back to the event loop. Callers mutate the engine only inside `exclusive()`, which
+waits for the current step at most: the loop lets waiting callers in before its next step (a
+plain lock is unfair: the loop re-took it after every step and could starve a cancel for the
+whole length of a stream).
 """
 
 from __future__ import annotations
@@ -9,7 +12,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +39,9 @@ class EngineLoop:
         name: str,
         idle_wait_s: float = 0.05,
     ) -> None:
-        self.lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._callers = 0  # callers inside or waiting for `exclusive()`
+        self._callers_lock = threading.Lock()
         self._step = step
         self._has_work = has_work
         self._on_error = on_error
@@ -56,9 +62,23 @@ class EngineLoop:
     def wake(self) -> None:
         self._wake.set()
 
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold the engine between steps (for add / cancel from other threads)."""
+        with self._callers_lock:
+            self._callers += 1
+        try:
+            with self._lock:
+                yield
+        finally:
+            with self._callers_lock:
+                self._callers -= 1
+
     def _run(self) -> None:
         while not self._stopped.is_set():
-            with self.lock:
+            while self._callers:  # callers go before the next step; they hold the engine briefly
+                time.sleep(0.0005)
+            with self._lock:
                 busy = self._has_work()
                 if busy:
                     self._timed_step()

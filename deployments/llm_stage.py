@@ -170,7 +170,7 @@ class LLMStage:
                 return
 
     def _add(self, job: dict) -> None:
-        with self.loop.lock:
+        with self.loop.exclusive():
             params = resolve_sampling(job.get("sampling"), self.side.engine.adapter.default_sampling)
             self.side.add(job["req_id"], job["text"], job.get("voice") or None, params)
         self.loop.wake()
@@ -184,7 +184,7 @@ class LLMStage:
             await asyncio.to_thread(self._cancel, req_id)
 
     def _cancel(self, req_id: str) -> None:
-        with self.loop.lock:
+        with self.loop.exclusive():
             self.side.cancel(req_id)
 
     def __del__(self) -> None:
