@@ -123,8 +123,9 @@ class Scheduler:
         if not isinstance(priority, DecodePriority):  # a plain order: all decodes, then prefills
             priority = DecodePriority(priority)
         self._add_decodes(plan, priority.ahead)
-        budget = self.config.prefill_token_budget
-        prefill_rows, budget = self._schedule_prefills(plan, 0, budget, priority.new_requests)
+        prefill_rows, budget = 0, self.config.prefill_token_budget
+        if priority.new_requests:
+            prefill_rows, budget = self._schedule_prefills(plan, 0, budget, priority.new_requests)
         self._add_decodes(plan, priority.rest, prefill_rows)
         self._schedule_prefills(plan, prefill_rows, budget)
         return plan

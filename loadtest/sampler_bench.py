@@ -16,16 +16,10 @@ import time
 import torch
 
 from cluster.types import SamplingParams
-from llm_stage.models.orpheus import AUDIO_TOKEN_BASE, CODES_PER_SLOT, END_OF_SPEECH, TOKENS_PER_FRAME
+from llm_stage.models.orpheus import AUDIO_TOKEN_BASE, CODES_PER_SLOT, TOKENS_PER_FRAME, candidate_table
 from llm_stage.sampler import SamplingRow, sample
 
 SCALES = {"peaked": 3.0, "flat": 0.05}  # std of the random logits
-
-
-def candidate_table() -> torch.Tensor:
-    starts = AUDIO_TOKEN_BASE + torch.arange(TOKENS_PER_FRAME) * CODES_PER_SLOT
-    codes = starts.unsqueeze(1) + torch.arange(CODES_PER_SLOT)
-    return torch.cat([codes, torch.full((TOKENS_PER_FRAME, 1), END_OF_SPEECH)], dim=1)
 
 
 def rows_for(num_rows: int, rng: random.Random) -> list[SamplingRow]:

@@ -121,14 +121,19 @@ class OrpheusAdapter(LMAdapter):
     def _candidates(self, device: torch.device) -> torch.Tensor:
         """[7, 4097] vocab id of every column, per frame slot (built once)."""
         if getattr(self, "_cand_table", None) is None or self._cand_table.device != device:
-            starts = AUDIO_TOKEN_BASE + torch.arange(TOKENS_PER_FRAME, device=device) * CODES_PER_SLOT
-            codes = starts.unsqueeze(1) + torch.arange(CODES_PER_SLOT, device=device)
-            eos = torch.full((TOKENS_PER_FRAME, 1), END_OF_SPEECH, device=device)
-            self._cand_table = torch.cat([codes, eos], dim=1)
+            self._cand_table = candidate_table(device)
         return self._cand_table
 
     def new_frame_builder(self) -> OrpheusFrameBuilder:
         return OrpheusFrameBuilder()
+
+
+def candidate_table(device: torch.device | str = "cpu") -> torch.Tensor:
+    """[7, 4097]: per frame slot, the vocab id of each logits column (its 4096 codes, then end-of-speech)."""
+    starts = AUDIO_TOKEN_BASE + torch.arange(TOKENS_PER_FRAME, device=device) * CODES_PER_SLOT
+    codes = starts.unsqueeze(1) + torch.arange(CODES_PER_SLOT, device=device)
+    eos = torch.full((TOKENS_PER_FRAME, 1), END_OF_SPEECH, device=device)
+    return torch.cat([codes, eos], dim=1)
 
 
 def allowed_token_ids(num_generated: int) -> list[int]:
