@@ -17,6 +17,8 @@ from contextlib import contextmanager
 
 logger = logging.getLogger(__name__)
 
+CALLER_WINDOW_S = 0.01  # longest the loop holds back a step for callers waiting for the engine
+
 
 def replica_tag() -> str:
     """`Deployment#replica` of the calling Serve replica ("" outside Serve)."""
@@ -76,8 +78,7 @@ class EngineLoop:
 
     def _run(self) -> None:
         while not self._stopped.is_set():
-            while self._callers:  # callers go before the next step; they hold the engine briefly
-                time.sleep(0.0005)
+            self._let_callers_in()
             with self._lock:
                 busy = self._has_work()
                 if busy:
@@ -85,6 +86,13 @@ class EngineLoop:
             if not busy:
                 self._wake.wait(self._idle_wait_s)
                 self._wake.clear()
+
+    def _let_callers_in(self) -> None:
+        """Callers waiting now go before the next step, for at most CALLER_WINDOW_S: a steady
+        stream of callers (chunk submits from many streams) must not starve the engine either."""
+        deadline = time.perf_counter() + CALLER_WINDOW_S
+        while self._callers and time.perf_counter() < deadline:
+            time.sleep(0.0005)
 
     def _timed_step(self) -> None:
         start = time.perf_counter()
