@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from cluster.types import SamplingParams
@@ -86,12 +87,35 @@ def _filter_sorted(sorted_logits: torch.Tensor, filters: _Filters, log_norm: tor
 
 
 def _draw(probs: torch.Tensor, rows: list[SamplingRow], default: torch.Generator) -> torch.Tensor:
-    """One categorical draw per row as argmax(p / E), E ~ Exp(1) drawn from the row's own generator
-    (seeded requests stay reproducible whatever they are batched with); one batched argmax.
-    Unlike an inverse-CDF search this is not thrown by float noise in the probabilities."""
+    """One categorical draw per row as argmax(p / E), E = -log U ~ Exp(1) with U from the row's own
+    generator (seeded requests stay reproducible whatever they are batched with); one batched
+    argmax. Unlike an inverse-CDF search this is not thrown by float noise in the probabilities.
+    (-log of a uniform: 3x cheaper than `exponential_` on CPU; U is floored at the smallest normal
+    float, so E is finite and positive.)"""
     width = probs.shape[1]
-    noise = torch.stack([torch.empty(width).exponential_(generator=row.generator or default) for row in rows])
-    return (probs / noise).argmax(dim=-1)
+    uniform = torch.stack([torch.rand(width, generator=row.generator or default) for row in rows])
+    return (probs / uniform.clamp_(min=_TINY).log_().neg_()).argmax(dim=-1)
+
+
+_TINY = torch.finfo(torch.float32).tiny
+
+
+def _sorted_descending(values: torch.Tensor) -> torch.Tensor:
+    """Each row's values sorted descending, no indices. On CPU numpy's SIMD sort of values alone
+    is ~10x faster than `torch.sort` (which always sorts an index array along)."""
+    if values.device.type != "cpu":
+        return values.sort(dim=-1, descending=True).values
+    return torch.from_numpy(-np.sort(-values.numpy(), axis=-1))
+
+
+def _filter_full_width(values: torch.Tensor, filters: _Filters) -> torch.Tensor:
+    """Top-k / top-p / min-p on unsorted rows: the filters run on each row's sorted values, which
+    give the row's smallest kept value; columns below it are masked. (A column tied with that
+    value is kept, as transformers' top-k and min-p keep ties.)"""
+    kept_sorted = _filter_sorted(_sorted_descending(values), filters)
+    kept_count = torch.isfinite(kept_sorted).sum(dim=-1, keepdim=True)
+    smallest_kept = kept_sorted.gather(1, kept_count - 1)
+    return values.masked_fill(values < smallest_kept, float("-inf"))
 
 
 def _shortlist_log_norm(head: torch.Tensor, scaled: torch.Tensor, filters: _Filters) -> torch.Tensor:
@@ -142,11 +166,11 @@ def _sample_scaled(scaled: torch.Tensor, rows: list[SamplingRow], filters: _Filt
         if use_head:
             values, columns = (head, head_cols) if whole else (head[index], head_cols[index])
             probs = _filter_sorted(values, group, log_norm if whole else log_norm[index]).softmax(dim=-1)
+            draws = _draw(probs, [rows[b] for b in index], default)
+            picked[index] = columns.gather(1, draws.unsqueeze(1)).squeeze(1)
         else:
-            values, columns = (scaled if whole else scaled[index]).sort(dim=-1, descending=True)
-            probs = _filter_sorted(values, group).softmax(dim=-1)
-        draws = _draw(probs, [rows[b] for b in index], default)
-        picked[index] = columns.gather(1, draws.unsqueeze(1)).squeeze(1)
+            probs = _filter_full_width(scaled if whole else scaled[index], group).softmax(dim=-1)
+            picked[index] = _draw(probs, [rows[b] for b in index], default)
     return picked
 
 

@@ -8,6 +8,7 @@ candidate columns (a contiguous slice of lm_head), which is the hot-path saving 
 
 from __future__ import annotations
 
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -30,6 +31,7 @@ END_OF_HUMAN = 128260
 START_OF_AI = 128261
 START_OF_SPEECH = 128257
 VOCAB_SIZE = 156940
+SMALL_GROUP = 3  # rows of one frame slot up to which the transposed slot head is the faster product
 VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")  # keep in sync with cluster.registry
 
 
@@ -99,24 +101,35 @@ class OrpheusAdapter(LMAdapter):
         tokenizer = HFTokenizer(Path(config.checkpoint_dir)) if config.checkpoint_dir else ByteTokenizer()
         return cls(LlamaBackbone(model), tokenizer)
 
+    @cached_property
+    def slot_heads(self) -> torch.Tensor:
+        return slot_heads(self.backbone.lm_head_weight)
+
     def format_prompt(self, text: str, voice: str | None) -> list[int]:
         body = self.tokenizer.encode(f"{voice}: {text}" if voice else text)
         return [START_OF_HUMAN, *body, END_OF_TEXT, END_OF_HUMAN, START_OF_AI, START_OF_SPEECH]
 
     def logits(self, hidden: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
         """Per row: the 4096 codes of its frame slot, plus an end-of-speech column (-inf off-boundary)."""
-        weight = self.backbone.lm_head_weight
         out = torch.empty(hidden.shape[0], CODES_PER_SLOT + 1, dtype=torch.float32, device=hidden.device)
         num_generated = [len(r.output_ids) for r in reqs]
         slots = [slot_of(n) for n in num_generated]
         for slot in sorted(set(slots)):
             rows = [b for b, s in enumerate(slots) if s == slot]
-            start = AUDIO_TOKEN_BASE + slot * CODES_PER_SLOT
-            out[rows, :CODES_PER_SLOT] = (hidden[rows] @ weight[start : start + CODES_PER_SLOT].T).float()
-        out[:, CODES_PER_SLOT] = (hidden @ weight[END_OF_SPEECH]).float()
+            out[rows, :CODES_PER_SLOT] = self._slot_logits(hidden[rows], slot).float()
+        out[:, CODES_PER_SLOT] = (hidden @ self.backbone.lm_head_weight[END_OF_SPEECH]).float()
         off_boundary = [b for b, n in enumerate(num_generated) if n == 0 or slot_of(n) != 0]
         out[off_boundary, CODES_PER_SLOT] = float("-inf")
         return out, self._candidates(hidden.device)[slots]
+
+    def _slot_logits(self, hidden: torch.Tensor, slot: int) -> torch.Tensor:
+        """[R, 4096] for R rows on one frame slot. MKL on this project's CPUs is 2-3x faster per
+        row on the transposed copy for up to SMALL_GROUP rows, and on lm_head's own rows (as
+        W @ h^T) for more (loadtest/BENCHMARKS.md "Slot heads")."""
+        if hidden.shape[0] <= SMALL_GROUP:
+            return hidden @ self.slot_heads[slot]
+        start = AUDIO_TOKEN_BASE + slot * CODES_PER_SLOT
+        return (self.backbone.lm_head_weight[start : start + CODES_PER_SLOT] @ hidden.T).T
 
     def _candidates(self, device: torch.device) -> torch.Tensor:
         """[7, 4097] vocab id of every column, per frame slot (built once)."""
@@ -126,6 +139,16 @@ class OrpheusAdapter(LMAdapter):
 
     def new_frame_builder(self) -> OrpheusFrameBuilder:
         return OrpheusFrameBuilder()
+
+
+def slot_heads(lm_head_weight: torch.Tensor) -> torch.Tensor:
+    """[7, H, 4096]: each frame slot's rows of lm_head, transposed and contiguous (a copy).
+
+    Used for small groups of rows on one slot (see `OrpheusAdapter._slot_logits`). Costs
+    7 x 4096 x H more weights (28 MB at H=256, 176 MB for Orpheus 3B in bf16).
+    """
+    audio = lm_head_weight[AUDIO_TOKEN_BASE : AUDIO_TOKEN_BASE + TOKENS_PER_FRAME * CODES_PER_SLOT]
+    return audio.detach().reshape(TOKENS_PER_FRAME, CODES_PER_SLOT, -1).transpose(1, 2).contiguous()
 
 
 def candidate_table(device: torch.device | str = "cpu") -> torch.Tensor:
