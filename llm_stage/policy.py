@@ -1,10 +1,12 @@
 """Streaming-aware batch policy (pure Python), used by the LLM scheduler and the detokenizer.
 
-Startup-phase requests (no audio sent yet, including new ones still to prefill) go first,
-FCFS, at most `startup_concurrency` of them; then streams close to an underrun (urgent),
-earliest playback deadline first; then the rest by slack. Slack = audio buffered at the
-client - time to produce and ship the next chunk. The playback clock (first audio, audio
-sent) is kept on each Request by whoever ships the audio.
+Streams close to an underrun (urgent) go first, earliest playback deadline first; then
+startup-phase requests (no audio sent yet, including new ones still to prefill), FCFS, at most
+`startup_concurrency` of them; then the rest by slack; startups past the limit last. Slack =
+audio buffered at the client - time to produce and ship the next chunk. A startup thus takes
+rows only from streams that can afford to wait: near capacity, giving urgent rows to startups
+made every stream underrun (BENCHMARKS "Urgent streams keep their rows"). The playback clock
+(first audio, audio sent) is kept on each Request by whoever ships the audio.
 """
 
 from __future__ import annotations
@@ -49,8 +51,8 @@ def slack_s(req: Request, now_s: float, timer: StepTimer) -> float:
 
 
 class StreamingOrder:
-    """A DecodeOrder: startup, bounded, FCFS (decoding, then new requests' prefills) > urgent (EDF)
-    > deferred startup > the rest by slack."""
+    """A DecodeOrder: urgent (EDF) > startup, bounded, FCFS (decoding, then new requests'
+    prefills) > the rest by slack > startups past the limit."""
 
     def __init__(self, startup_concurrency: int, timer: StepTimer, clock: Callable[[], float] = time.monotonic):
         self.startup_concurrency = startup_concurrency
@@ -65,7 +67,7 @@ class StreamingOrder:
         urgent = sorted((r for r in steady if slack[id(r)] < URGENT_SLACK_S), key=lambda r: buffered_s(r, now))
         comfortable = sorted((r for r in steady if slack[id(r)] >= URGENT_SLACK_S), key=lambda r: slack[id(r)])
         first, deferred = startup[: self.startup_concurrency], startup[self.startup_concurrency :]
-        return DecodePriority(first, self.startup_concurrency - len(first), urgent + deferred + comfortable)
+        return DecodePriority(urgent + first, self.startup_concurrency - len(first), comfortable + deferred)
 
 
 def make_decode_order(config: SchedulerConfig, timer: StepTimer) -> DecodeOrder:

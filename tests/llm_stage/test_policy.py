@@ -71,13 +71,23 @@ def test_urgent_streams_are_earliest_deadline_first():
 def test_startup_limit_keeps_running_streams_from_starving():
     clock = FakeClock()
     sched = streaming_scheduler(batch=3, clock=clock, startup=2)
-    running(sched, "urgent", arrival_s=1, first_audio_s=99.0, sent_s=1.4)  # 0.4 s buffered, not critical
+    running(sched, "comfy", arrival_s=1, first_audio_s=95.0, sent_s=7.0)  # 2 s buffered
     for i in range(5):
         running(sched, f"new{i}", arrival_s=10 + i)
-    assert picked(sched) == ["new0", "new1", "urgent"]
+    assert picked(sched) == ["new0", "new1", "comfy"]
     fcfs = Scheduler(SchedulerConfig(max_batch_size=3), CacheConfig(num_slots=16), [0], fcfs_order)
     fcfs.running = sched.running
-    assert "urgent" in picked(fcfs)  # arrived first, so FCFS keeps it too; the limit is what protects it
+    assert "comfy" in picked(fcfs)  # arrived first, so FCFS keeps it too; the limit is what protects it
+
+
+def test_urgent_streams_keep_their_rows_ahead_of_startups():
+    clock = FakeClock()
+    sched = streaming_scheduler(batch=3, clock=clock, startup=2)
+    running(sched, "urgent", arrival_s=1, first_audio_s=99.0, sent_s=1.4)  # 0.4 s buffered: slack 0.28 s
+    running(sched, "comfy", arrival_s=2, first_audio_s=95.0, sent_s=7.0)
+    for i in range(3):
+        running(sched, f"new{i}", arrival_s=10 + i)
+    assert picked(sched) == ["urgent", "new0", "new1"]  # the comfortable stream waits, the urgent one never
 
 
 def test_throughput_mode_fills_the_batch_ignoring_deadlines():
@@ -132,6 +142,19 @@ def test_new_request_is_prefilled_ahead_of_running_streams_when_rows_are_full():
     running(fcfs, "b", arrival_s=2, first_audio_s=99.0, sent_s=1.2)
     waiting(fcfs, "new", arrival_s=50)
     assert fcfs.schedule().prefills == []  # FCFS: the new request waits for a free row
+
+
+def test_new_request_waits_while_every_running_stream_is_urgent():
+    clock = FakeClock()
+    sched = streaming_scheduler(batch=2, clock=clock, startup=2)
+    running(sched, "a", arrival_s=1, first_audio_s=99.0, sent_s=1.4)  # slack 0.28 s
+    running(sched, "b", arrival_s=2, first_audio_s=99.5, sent_s=0.9)
+    waiting(sched, "new", arrival_s=50)
+    plan = sched.schedule()
+    assert [r.req_id for r in plan.decodes] == ["a", "b"] and plan.prefills == []
+    clock.now_s = 90.0  # the same streams with seconds of buffer: the new request goes first
+    plan = sched.schedule()
+    assert [w.req.req_id for w in plan.prefills] == ["new"] and [r.req_id for r in plan.decodes] == ["a"]
 
 
 def test_prefills_ahead_count_against_the_startup_limit():
