@@ -8,6 +8,7 @@ result is always a vocabulary id. Called by the LLM engine after the model forwa
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -25,29 +26,39 @@ class SamplingRow:
 def apply_repetition_penalty(logits: torch.Tensor, cand_ids: torch.Tensor | None, rows: list[SamplingRow]) -> None:
     """In place: logit / p when positive, logit * p when negative, for ids seen in the row's history.
 
-    One scatter of every (row, history id) into a [B, V] mask (repeats just set a bit twice), then
-    a gather by candidate column: no per-row set building or intersection on the hot path.
+    One scatter of every (row, history id) into a [B, V] mask (repeats just set a bit twice), a
+    gather by candidate column, then the penalty on the seen columns only: no per-row set
+    building or intersection, no full-width arithmetic on the hot path.
     """
-    penalised = [(b, row.history) for b, row in enumerate(rows) if row.params.repetition_penalty != 1.0 and row.history]
+    penalised = [b for b, row in enumerate(rows) if row.params.repetition_penalty != 1.0 and row.history]
     if not penalised:
         return
-    tokens_t = torch.tensor([token for _, history in penalised for token in history], device=logits.device)
-    rows_t = torch.repeat_interleave(
-        torch.tensor([b for b, _ in penalised], device=logits.device),
-        torch.tensor([len(history) for _, history in penalised], device=logits.device),
-    )
+    lengths = [len(rows[b].history) for b in penalised]
+    # numpy builds these from Python ints ~7x faster than torch.tensor (1,280 ids: 42 vs 298 us)
+    tokens = np.fromiter(chain.from_iterable(rows[b].history for b in penalised), np.int64, sum(lengths))
+    row_of = np.repeat(np.array(penalised, dtype=np.int64), lengths)
+    seen = _seen_columns(logits, cand_ids, torch.from_numpy(row_of), torch.from_numpy(tokens))
+    hit_rows, hit_cols = seen.nonzero(as_tuple=True)
+    values = logits[hit_rows, hit_cols]
+    penalty = torch.tensor([r.params.repetition_penalty for r in rows], dtype=logits.dtype)[hit_rows]
+    logits[hit_rows, hit_cols] = torch.where(values > 0, values / penalty, values * penalty)
+
+
+def _seen_columns(
+    logits: torch.Tensor, cand_ids: torch.Tensor | None, row_of: torch.Tensor, tokens: torch.Tensor
+) -> torch.Tensor:
+    """[B, C] bool: which logits columns hold an id of the row's history."""
+    device = logits.device
+    row_of, tokens = row_of.to(device), tokens.to(device)
     if cand_ids is None:
-        keep = tokens_t < logits.shape[1]
-        seen_cols = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
-        seen_cols[rows_t[keep], tokens_t[keep]] = True
-    else:
-        vocab = max(int(cand_ids.max()), int(tokens_t.max())) + 1
-        seen_ids = torch.zeros(logits.shape[0], vocab, dtype=torch.bool, device=logits.device)
-        seen_ids[rows_t, tokens_t] = True
-        seen_cols = seen_ids.gather(1, cand_ids.clamp(min=0)) & (cand_ids >= 0)
-    penalty = torch.tensor([r.params.repetition_penalty for r in rows], device=logits.device).unsqueeze(1)
-    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
-    logits.copy_(torch.where(seen_cols, penalised, logits))
+        keep = tokens < logits.shape[1]
+        seen = torch.zeros(logits.shape, dtype=torch.bool, device=device)
+        seen[row_of[keep], tokens[keep]] = True
+        return seen
+    vocab = max(int(cand_ids.max()), int(tokens.max())) + 1
+    seen_ids = torch.zeros(logits.shape[0], vocab, dtype=torch.bool, device=device)
+    seen_ids[row_of, tokens] = True
+    return seen_ids.gather(1, cand_ids.clamp(min=0)) & (cand_ids >= 0)
 
 
 SHORTLIST = 64  # a draw first looks at each row's 64 best columns; it sorts the full row only when needed
