@@ -40,7 +40,8 @@ def apply_repetition_penalty(logits: torch.Tensor, cand_ids: torch.Tensor | None
     seen = _seen_columns(logits, cand_ids, torch.from_numpy(row_of), torch.from_numpy(tokens))
     hit_rows, hit_cols = seen.nonzero(as_tuple=True)
     values = logits[hit_rows, hit_cols]
-    penalty = torch.tensor([r.params.repetition_penalty for r in rows], dtype=logits.dtype)[hit_rows]
+    penalties = torch.tensor([r.params.repetition_penalty for r in rows], dtype=logits.dtype, device=logits.device)
+    penalty = penalties[hit_rows]
     logits[hit_rows, hit_cols] = torch.where(values > 0, values / penalty, values * penalty)
 
 
@@ -74,9 +75,10 @@ class _Filters:
     min_p: torch.Tensor
 
     @classmethod
-    def of(cls, rows: list[SamplingRow], width: int) -> _Filters:
+    def of(cls, rows: list[SamplingRow], width: int, device: torch.device | str = "cpu") -> _Filters:
         p = [r.params for r in rows]
-        table = torch.tensor([[q.temperature, q.top_k or width, q.top_p, q.min_p] for q in p], dtype=torch.float64)
+        values = [[q.temperature, q.top_k or width, q.top_p, q.min_p] for q in p]
+        table = torch.tensor(values, dtype=torch.float64, device=device)
         return cls(table[:, 0:1].float(), table[:, 1:2].long(), table[:, 2:3].float(), table[:, 3:4].float())
 
     def select(self, index: list[int]) -> _Filters:
@@ -88,7 +90,7 @@ def _filter_sorted(sorted_logits: torch.Tensor, filters: _Filters, log_norm: tor
 
     `log_norm` ([B, 1]): log of the top-k mass when `sorted_logits` is only the head of each row.
     """
-    ranks = torch.arange(sorted_logits.shape[1]).unsqueeze(0)
+    ranks = torch.arange(sorted_logits.shape[1], device=sorted_logits.device).unsqueeze(0)
     masked = sorted_logits.masked_fill(ranks >= filters.top_k, float("-inf"))
     probs = masked.softmax(dim=-1) if log_norm is None else (masked - log_norm).exp()
     mass_before = probs.cumsum(dim=-1) - probs
@@ -104,7 +106,7 @@ def _draw(probs: torch.Tensor, rows: list[SamplingRow], default: torch.Generator
     (-log of a uniform: 3x cheaper than `exponential_` on CPU; U is floored at the smallest normal
     float, so E is finite and positive.)"""
     width = probs.shape[1]
-    uniform = torch.stack([torch.rand(width, generator=row.generator or default) for row in rows])
+    uniform = torch.stack([torch.rand(width, generator=row.generator or default) for row in rows]).to(probs.device)
     return (probs / uniform.clamp_(min=_TINY).log_().neg_()).argmax(dim=-1)
 
 
@@ -132,7 +134,8 @@ def _filter_full_width(values: torch.Tensor, filters: _Filters) -> torch.Tensor:
 def _shortlist_log_norm(head: torch.Tensor, scaled: torch.Tensor, filters: _Filters) -> torch.Tensor:
     """[B, 1] log of each row's top-k mass: over the head when top-k fits in it, else the whole row."""
     width = head.shape[1]
-    head_lse = head.masked_fill(torch.arange(width).unsqueeze(0) >= filters.top_k, float("-inf")).logsumexp(-1, True)
+    past_top_k = torch.arange(width, device=head.device).unsqueeze(0) >= filters.top_k
+    head_lse = head.masked_fill(past_top_k, float("-inf")).logsumexp(-1, True)
     return torch.where(filters.top_k <= width, head_lse, scaled.logsumexp(-1, True))
 
 
@@ -167,7 +170,7 @@ def _sample_scaled(scaled: torch.Tensor, rows: list[SamplingRow], filters: _Filt
     """
     head, head_cols = scaled.topk(min(SHORTLIST, scaled.shape[1]), dim=-1)  # sorted descending
     fits, log_norm = _head_decides(head, scaled, rows, filters)
-    picked = torch.empty(len(rows), dtype=torch.long)
+    picked = torch.empty(len(rows), dtype=torch.long, device=scaled.device)
     for use_head in (True, False):
         index = [b for b, f in enumerate(fits) if f == use_head]
         if not index:
@@ -197,7 +200,7 @@ def sample(
     random_rows = [b for b, r in enumerate(rows) if not r.params.is_greedy]
     if random_rows:
         sub_rows = [rows[b] for b in random_rows]
-        filters = _Filters.of(sub_rows, logits.shape[1])
+        filters = _Filters.of(sub_rows, logits.shape[1], logits.device)
         scaled = logits[random_rows] / filters.temperature
         picked[random_rows] = _sample_scaled(scaled, sub_rows, filters, default_generator)
     if cand_ids is not None:
