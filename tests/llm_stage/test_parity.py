@@ -8,6 +8,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from cluster.types import SamplingParams
 from llm_stage.models.orpheus import allowed_token_ids
+from llm_stage.request import Request
 from tests.factories import orpheus_adapter, orpheus_engine, text_engine, tiny_text_llama
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
@@ -64,3 +65,21 @@ def test_orpheus_greedy_parity_with_frame_slot_mask(async_steps):
     for req_id, prompt in model_prompts.items():
         want = hf_greedy(model, prompt, 21, LogitsProcessorList([OrpheusSlotMask(len(prompt))]))
         assert got[req_id] == want, req_id
+
+
+def test_orpheus_slot_logits_match_lm_head_columns_for_any_grouping():
+    """Rows on one frame slot in groups of 1-5 (both products of `_slot_logits`) give lm_head's own logits."""
+    adapter = orpheus_adapter()
+    weight = adapter.backbone.lm_head_weight
+    generated = [0, 1, 1, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 4, 7]  # slots 0,1,1,2,2,2,3x4,4x5, 0 (boundary)
+    reqs = [Request(f"r{i}", [1], SamplingParams(), arrival_s=0.0) for i in range(len(generated))]
+    for req, n in zip(reqs, generated, strict=True):
+        req.output_ids = [0] * n
+    hidden = torch.randn(len(reqs), weight.shape[1], generator=torch.Generator().manual_seed(0))
+    logits, cand = adapter.logits(hidden, reqs)
+    for b, n in enumerate(generated):
+        allowed = allowed_token_ids(n)
+        want = hidden[b] @ weight[allowed].T
+        assert cand[b, : len(allowed)].tolist() == allowed
+        torch.testing.assert_close(logits[b, : len(allowed)], want, rtol=1e-5, atol=1e-5)
+        assert len(allowed) == logits.shape[1] or logits[b, -1] == float("-inf")  # end-of-speech only at a boundary
