@@ -62,6 +62,7 @@ def _seen_columns(
     return seen_ids.gather(1, cand_ids.clamp(min=0)) & (cand_ids >= 0)
 
 
+_TINY = torch.finfo(torch.float32).tiny  # floor of the draw's uniforms
 SHORTLIST = 64  # a draw first looks at each row's 64 best columns; it sorts the full row only when needed
 
 
@@ -108,9 +109,6 @@ def _draw(probs: torch.Tensor, rows: list[SamplingRow], default: torch.Generator
     width = probs.shape[1]
     uniform = torch.stack([torch.rand(width, generator=row.generator or default) for row in rows]).to(probs.device)
     return (probs / uniform.clamp_(min=_TINY).log_().neg_()).argmax(dim=-1)
-
-
-_TINY = torch.finfo(torch.float32).tiny
 
 
 def _sorted_descending(values: torch.Tensor) -> torch.Tensor:
