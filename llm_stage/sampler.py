@@ -162,9 +162,9 @@ def _sample_scaled(scaled: torch.Tensor, rows: list[SamplingRow], filters: _Filt
     """Column drawn per row from temperature-scaled logits under the row's top-k / top-p / min-p.
 
     The draw runs over the row's SHORTLIST best columns when the filters provably cut everything
-    after them (the usual case for a trained model's speech tokens), else over the fully sorted
-    row: same distribution, no 4096-wide sort per step. Each row consumes a fixed amount of its
-    generator.
+    after them (the usual case for a trained model's speech tokens), else over the whole row
+    masked below its smallest kept value (`_filter_full_width`): same distribution, no sort with
+    indices per step. Each row consumes a fixed amount of its generator.
     """
     head, head_cols = scaled.topk(min(SHORTLIST, scaled.shape[1]), dim=-1)  # sorted descending
     fits, log_norm = _head_decides(head, scaled, rows, filters)

@@ -15,15 +15,20 @@ import time
 
 import torch
 
-from cluster.types import SamplingParams
-from llm_stage.models.orpheus import AUDIO_TOKEN_BASE, CODES_PER_SLOT, TOKENS_PER_FRAME, candidate_table
+from llm_stage.models.orpheus import (
+    AUDIO_TOKEN_BASE,
+    CODES_PER_SLOT,
+    TOKENS_PER_FRAME,
+    OrpheusAdapter,
+    candidate_table,
+)
 from llm_stage.sampler import SamplingRow, sample
 
 SCALES = {"peaked": 3.0, "flat": 0.05}  # std of the random logits
 
 
 def rows_for(num_rows: int, rng: random.Random) -> list[SamplingRow]:
-    params = SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.3)
+    params = OrpheusAdapter.default_sampling
     rows = []
     for b in range(num_rows):
         prompt = [rng.randrange(128_000) for _ in range(20)]

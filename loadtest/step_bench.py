@@ -17,7 +17,6 @@ import time
 import torch
 
 from cluster.config import CacheConfig, ModelConfig, SchedulerConfig
-from cluster.types import SamplingParams
 from detok_stage.codecs.snac_codec import SnacCodec
 from llm_stage.engine import LLMEngine
 from llm_stage.models.orpheus import TOKENS_PER_FRAME, OrpheusAdapter
@@ -32,7 +31,7 @@ def ms_per_step(adapter: OrpheusAdapter, rows: int, max_tokens: int) -> float:
         adapter, CacheConfig(num_slots=rows, max_seq_len=max_tokens + 64),
         SchedulerConfig(max_batch_size=rows, prefill_token_budget=4096),
     )  # fmt: skip
-    params = SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.3, max_tokens=max_tokens)
+    params = adapter.default_sampling.model_copy(update={"max_tokens": max_tokens})
     for i, prompt in enumerate(prompts(adapter, rows, 16)):
         engine.add_prompt(f"r{i}", prompt, params)
         engine.step()

@@ -125,7 +125,7 @@ class OrpheusAdapter(LMAdapter):
     def _slot_logits(self, hidden: torch.Tensor, slot: int) -> torch.Tensor:
         """[R, 4096] for R rows on one frame slot. MKL on this project's CPUs is 2-3x faster per
         row on the transposed copy for up to SMALL_GROUP rows, and on lm_head's own rows (as
-        W @ h^T) for more (loadtest/BENCHMARKS.md "Slot heads")."""
+        W @ h^T) for more (BENCHMARKS.md "Decode step cost")."""
         if hidden.shape[0] <= SMALL_GROUP:
             return hidden @ self.slot_heads[slot]
         start = AUDIO_TOKEN_BASE + slot * CODES_PER_SLOT
