@@ -56,12 +56,16 @@ class DetokStage:
     async def decode(self, chunk: TokenChunk) -> AudioChunk:
         key = (chunk.req_id, chunk.seq)
         future = asyncio.get_running_loop().create_future()
-        await asyncio.to_thread(self._submit, chunk, key, future)
+        submitted = asyncio.ensure_future(asyncio.to_thread(self._submit, chunk, key, future))
         try:
+            await asyncio.shield(submitted)
             audio = await future
             audio.detok_replica = self.replica_tag
             return audio
         except asyncio.CancelledError:
+            # a cancel that lands while the chunk is being submitted must not drop the request's
+            # state before the submit finishes, or the chunk and its waiter stay behind
+            await submitted
             for other in await asyncio.to_thread(self._drop, chunk.req_id):
                 other.cancel()
             raise
