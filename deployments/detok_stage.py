@@ -14,7 +14,7 @@ from cluster.config import ServeConfig
 from cluster.pipeline import apply_torch_threads
 from cluster.registry import check_model_config
 from cluster.types import AudioChunk, TokenChunk
-from deployments.engine_loop import EngineLoop, replica_tag
+from deployments.engine_loop import EngineLoop, finish_on_thread, replica_tag
 from deployments.metrics import StageMetrics
 from detok_stage.engine import DetokEngine
 
@@ -56,16 +56,12 @@ class DetokStage:
     async def decode(self, chunk: TokenChunk) -> AudioChunk:
         key = (chunk.req_id, chunk.seq)
         future = asyncio.get_running_loop().create_future()
-        submitted = asyncio.ensure_future(asyncio.to_thread(self._submit, chunk, key, future))
         try:
-            await asyncio.shield(submitted)
+            await finish_on_thread(self._submit, chunk, key, future)  # a cancel mid-submit drops after it
             audio = await future
             audio.detok_replica = self.replica_tag
             return audio
         except asyncio.CancelledError:
-            # a cancel that lands while the chunk is being submitted must not drop the request's
-            # state before the submit finishes, or the chunk and its waiter stay behind
-            await submitted
             for other in await asyncio.to_thread(self._drop, chunk.req_id):
                 other.cancel()
             raise

@@ -9,15 +9,29 @@ whole length of a stream).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
 CALLER_WINDOW_S = 0.01  # longest the loop holds back a step for callers waiting for the engine
+
+
+async def finish_on_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` on a worker thread. A cancel that arrives meanwhile is raised only once `fn` has
+    returned, so the caller's cleanup (cancel, drop) runs after the state `fn` added, not before."""
+    call = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(call)
+    except asyncio.CancelledError:
+        with suppress(Exception):  # its own error no longer matters: the caller is gone
+            await call
+        raise
 
 
 def replica_tag() -> str:

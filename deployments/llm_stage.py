@@ -17,7 +17,7 @@ from cluster.errors import InvalidArgumentError
 from cluster.pipeline import LLMSide, apply_torch_threads
 from cluster.registry import check_model_config
 from cluster.types import TokenChunk
-from deployments.engine_loop import EngineLoop, replica_tag
+from deployments.engine_loop import EngineLoop, finish_on_thread, replica_tag
 from deployments.metrics import StageMetrics
 from detok_stage.chunking import ChunkSchedule
 from llm_stage.engine import LLMEngine, resolve_sampling
@@ -124,7 +124,7 @@ class LLMStage:
         self.streams[req_id] = stream
         try:
             try:
-                await asyncio.to_thread(self._add, job)
+                await finish_on_thread(self._add, job)  # a cancel mid-add reaches `_close` after it
             except InvalidArgumentError as err:
                 yield {"kind": "invalid", "field": err.field, "message": err.message}
                 return

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
-from deployments.engine_loop import EngineLoop
+from deployments.engine_loop import EngineLoop, finish_on_thread
 
 
 def busy_step(duration_s: float = 0.002) -> None:
@@ -53,3 +54,23 @@ def test_exclusive_excludes_the_step():
     finally:
         loop.stop()
     assert overlaps and not any(overlaps)
+
+
+def test_finish_on_thread_raises_a_cancel_only_after_the_call_returned():
+    finished = []
+
+    def slow_add() -> None:
+        time.sleep(0.2)
+        finished.append(True)
+
+    async def cancel_mid_call() -> list[bool]:
+        task = asyncio.ensure_future(finish_on_thread(slow_add))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            return list(finished)  # what the caller's cleanup would see
+        raise AssertionError("the cancel was swallowed")
+
+    assert asyncio.run(cancel_mid_call()) == [True]
