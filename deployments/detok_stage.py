@@ -62,8 +62,7 @@ class DetokStage:
             audio.detok_replica = self.replica_tag
             return audio
         except asyncio.CancelledError:
-            for other in await asyncio.to_thread(self._drop, chunk.req_id):
-                other.cancel()
+            await finish_on_thread(self._drop, chunk.req_id)
             raise
 
     def _submit(self, chunk: TokenChunk, key: tuple[str, int], future: asyncio.Future) -> None:
@@ -72,11 +71,13 @@ class DetokStage:
             self.waiters[key] = future
         self.loop.wake()
 
-    def _drop(self, req_id: str) -> list[asyncio.Future]:
-        """Forget every queued chunk of `req_id`; returns their futures for the event loop to cancel."""
+    def _drop(self, req_id: str) -> None:
+        """Forget every queued chunk of `req_id` and cancel the calls still waiting for them."""
         with self.loop.exclusive():
             self.engine.release(req_id)
-            return [self.waiters.pop(k) for k in [k for k in self.waiters if k[0] == req_id]]
+            waiting = [self.waiters.pop(k) for k in [k for k in self.waiters if k[0] == req_id]]
+        for future in waiting:
+            future.get_loop().call_soon_threadsafe(future.cancel)
 
     def record_routing_stats(self) -> dict:
         return {"queued_chunks": len(self.waiters), "step_s": self.loop.step_time_ema_s}

@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -23,15 +23,25 @@ CALLER_WINDOW_S = 0.01  # longest the loop holds back a step for callers waiting
 
 
 async def finish_on_thread(fn: Callable[..., Any], *args: Any) -> Any:
-    """`fn(*args)` on a worker thread. A cancel that arrives meanwhile is raised only once `fn` has
-    returned, so the caller's cleanup (cancel, drop) runs after the state `fn` added, not before."""
-    call = asyncio.ensure_future(asyncio.to_thread(fn, *args))
-    try:
-        return await asyncio.shield(call)
-    except asyncio.CancelledError:
-        with suppress(Exception):  # its own error no longer matters: the caller is gone
-            await call
-        raise
+    """`fn(*args)` on a worker thread, always run to its end. A cancel that arrives meanwhile (even
+    a repeated one, as Serve sends when a client leaves) is raised only once `fn` has returned, so
+    the caller's cleanup runs after the state `fn` added, and a cleanup `fn` itself is never lost.
+
+    The call is handed to the executor before the first await, and only a shield of it is ever
+    awaited: cancelling an awaited `to_thread` withdraws a call its thread has not picked up yet.
+    """
+    call = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+    cancelled = False
+    while not call.done():
+        try:
+            await asyncio.shield(call)
+        except asyncio.CancelledError:
+            cancelled = True
+        except Exception:  # raised below, unless the caller is gone
+            break
+    if cancelled:
+        raise asyncio.CancelledError
+    return call.result()
 
 
 def replica_tag() -> str:

@@ -181,7 +181,7 @@ class LLMStage:
         if stream.is_done:
             self.avg_stream_s = lifetime if not self.avg_stream_s else 0.8 * self.avg_stream_s + 0.2 * lifetime
         else:
-            await asyncio.to_thread(self._cancel, req_id)
+            await finish_on_thread(self._cancel, req_id)  # never withdrawn by a second cancel
 
     def _cancel(self, req_id: str) -> None:
         with self.loop.exclusive():

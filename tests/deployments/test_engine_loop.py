@@ -74,3 +74,30 @@ def test_finish_on_thread_raises_a_cancel_only_after_the_call_returned():
         raise AssertionError("the cancel was swallowed")
 
     assert asyncio.run(cancel_mid_call()) == [True]
+
+
+def test_finish_on_thread_runs_a_call_not_yet_started_through_repeated_cancels():
+    """Serve cancels a stream more than once when its client leaves; the cleanup call must still run
+    even when every worker thread is busy, so it has not started when the cancels land."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    ran, release = [], threading.Event()
+
+    async def cancel_twice_before_the_call_starts() -> bool:
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=1))
+        blocker = asyncio.get_running_loop().run_in_executor(None, release.wait)  # the only worker is busy
+        task = asyncio.ensure_future(finish_on_thread(ran.append, "cleanup"))
+        await asyncio.sleep(0.02)
+        for _ in range(2):
+            task.cancel()
+            await asyncio.sleep(0.02)
+        release.set()
+        await blocker
+        try:
+            await task
+        except asyncio.CancelledError:
+            return True
+        return False
+
+    assert asyncio.run(cancel_twice_before_the_call_starts()) is True
+    assert ran == ["cleanup"]
