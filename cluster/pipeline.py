@@ -54,8 +54,10 @@ class LLMSide:
         self.engine.cancel(req_id)
         self.chunkers.pop(req_id, None)
 
-    def mark_audio_sent(self, req_id: str, duration_s: float) -> None:
-        """The audio of one chunk left for the client: advance that request's playback clock."""
+    def mark_audio_sent(self, req_id: str, duration_s: float, num_frames: int = 0) -> None:
+        """The audio of one chunk left for the client: advance that request's playback clock
+        (and tell the policy how long a frame plays)."""
+        self.engine.timer.record_audio(duration_s, num_frames)
         req = self.engine.requests.get(req_id)
         if req is None or duration_s <= 0:
             return
@@ -138,7 +140,7 @@ class InProcessPipeline:
                 self.worker.submit(chunk)
         audio = self.worker.collect(wait_s=0.0 if llm_busy else 0.05)
         for chunk in audio:
-            self.llm.mark_audio_sent(chunk.req_id, chunk.duration_s)
+            self.llm.mark_audio_sent(chunk.req_id, chunk.duration_s, chunk.num_frames)
         return audio
 
     def close(self) -> None:

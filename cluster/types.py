@@ -66,6 +66,7 @@ class AudioChunk:
     is_final: bool
     timings: dict[str, float] = field(default_factory=dict)
     detok_replica: str = ""  # set by the DetokStage deployment
+    num_frames: int = 0  # codec frames the audio covers (0 = unknown)
 
     @property
     def num_samples(self) -> int:

@@ -148,7 +148,7 @@ class LLMStage:
                 waited_s = time.perf_counter()
                 audio = await response
                 self.side.engine.timer.record_detok(time.perf_counter() - waited_s)
-                self.side.mark_audio_sent(chunk.req_id, audio.duration_s)
+                self.side.mark_audio_sent(chunk.req_id, audio.duration_s, audio.num_frames)
                 yield {"kind": "audio", "seq": chunk.seq, "audio": audio, "final": chunk.is_final}
                 if chunk.is_final:
                     stream.is_done = True

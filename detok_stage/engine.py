@@ -165,7 +165,7 @@ class DetokEngine:
     def _audio_chunk(self, chunk: TokenChunk, wave: torch.Tensor) -> AudioChunk:
         return AudioChunk(
             chunk.req_id, chunk.seq, to_pcm16(wave), self.codec.sample_rate_hz, chunk.is_final,
-            {"detok_done_s": time.time()},
+            {"detok_done_s": time.time()}, num_frames=chunk.keep_end - chunk.keep_start,
         )  # fmt: skip
 
     def _release_in_order(self, decoded: list[AudioChunk]) -> list[AudioChunk]:

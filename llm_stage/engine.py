@@ -63,7 +63,7 @@ class LLMEngine:
     ) -> None:
         self.adapter = adapter
         self.cache_config = cache
-        self.timer = StepTimer()
+        self.timer = StepTimer(tokens_per_frame=adapter.tokens_per_frame)
         order = decode_order or make_decode_order(scheduler, self.timer)
         self.scheduler = Scheduler(scheduler, cache, adapter.eos_token_ids, order, adapter.is_stop)
         self.runner = ModelRunner(adapter, cache.num_slots, cache.max_seq_len, scheduler.cuda_graph_batch_sizes)
@@ -139,7 +139,8 @@ class LLMEngine:
             self._next_plan = self.scheduler.schedule()
             self._prepare_sampling_rows(plan.sampled_requests)
             outputs = self._finish(plan, pending.result(), self.scheduler.append)
-        self.timer.record_step(time.perf_counter() - start)
+        decode_rows = 0 if plan.prefills else len(plan.decodes)  # the per-size table is of decode-only steps
+        self.timer.record_step(time.perf_counter() - start, decode_rows)
         return outputs
 
     def _take_plan(self) -> StepPlan:

@@ -2,18 +2,21 @@
 
 Streams close to an underrun (urgent) go first, earliest playback deadline first; then
 startup-phase requests (no audio sent yet, including new ones still to prefill), FCFS, at most
-`startup_concurrency` of them; then the rest by slack; startups past the limit last. Slack =
+`startup_concurrency` of them and only as many as the batch can keep at real time next to the
+streams already playing; then the rest by slack; startups past either limit last. Slack =
 audio buffered at the client - time to produce and ship the next chunk. A startup thus takes
-rows only from streams that can afford to wait: near capacity, giving urgent rows to startups
-made every stream underrun (BENCHMARKS "Urgent streams keep their rows"). The playback clock
-(first audio, audio sent) is kept on each Request by whoever ships the audio.
+rows only from streams that can afford to wait, and only when the engine can carry one more
+stream: near capacity, giving rows to startups made every stream underrun (BENCHMARKS "Urgent
+streams keep their rows", "Admission by capacity"). The playback clock (first audio, audio
+sent) is kept on each Request by whoever ships the audio.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cluster.config import SchedulerConfig
 from llm_stage.request import Request
@@ -24,18 +27,39 @@ URGENT_SLACK_S = 0.5  # below this a stream is urgent (EDF); above it, it only f
 
 @dataclass
 class StepTimer:
-    """EMA of the engine step and of one detokenizer chunk, read by the policy."""
+    """What the policy knows of the engine's pace: EMAs of the step (overall and per batch size)
+    and of one detokenizer chunk, and the audio one frame plays (learned from shipped chunks)."""
 
     step_s: float = 0.02
     detok_s: float = 0.05
+    tokens_per_frame: int = 1
+    frame_s: float | None = None  # audio seconds per frame; None until a chunk with frames is shipped
+    step_s_by_rows: dict[int, float] = field(default_factory=dict)
     _seen: bool = False
 
-    def record_step(self, elapsed_s: float) -> None:
+    def record_step(self, elapsed_s: float, rows: int = 0) -> None:
         self.step_s = elapsed_s if not self._seen else 0.9 * self.step_s + 0.1 * elapsed_s
         self._seen = True
+        if rows > 0:
+            last = self.step_s_by_rows.get(rows)
+            self.step_s_by_rows[rows] = elapsed_s if last is None else 0.9 * last + 0.1 * elapsed_s
 
     def record_detok(self, elapsed_s: float) -> None:
         self.detok_s = 0.9 * self.detok_s + 0.1 * elapsed_s
+
+    def record_audio(self, duration_s: float, frames: int) -> None:
+        if frames > 0 and duration_s > 0:
+            self.frame_s = duration_s / frames
+
+    def sustainable_streams(self, max_rows: int) -> float | None:
+        """Rows (single-row streams) a full batch keeps at real time: rows x per-row speed at the
+        largest decode batch measured up to `max_rows` (None until a decode-only step and a
+        frame's duration are known)."""
+        sizes = [rows for rows in self.step_s_by_rows if rows <= max_rows]
+        if self.frame_s is None or not sizes:
+            return None
+        step_s = self.step_s_by_rows[max(sizes)]
+        return max_rows * self.frame_s / (self.tokens_per_frame * step_s)
 
 
 def buffered_s(req: Request, now_s: float) -> float:
@@ -51,13 +75,25 @@ def slack_s(req: Request, now_s: float, timer: StepTimer) -> float:
 
 
 class StreamingOrder:
-    """A DecodeOrder: urgent (EDF) > startup, bounded, FCFS (decoding, then new requests'
-    prefills) > the rest by slack > startups past the limit."""
+    """A DecodeOrder: urgent (EDF) > startups, bounded, FCFS (decoding, then new requests'
+    prefills) > the rest by slack > startups past the limits.
 
-    def __init__(self, startup_concurrency: int, timer: StepTimer, clock: Callable[[], float] = time.monotonic):
+    With `max_batch_size` set, startups go ahead only while streams in playback + startups
+    stay within what a full batch sustains (`StepTimer.sustainable_streams`); past that they
+    wait for rows like FCFS requests do, instead of starting a stream the engine cannot keep.
+    """
+
+    def __init__(
+        self,
+        startup_concurrency: int,
+        timer: StepTimer,
+        clock: Callable[[], float] = time.monotonic,
+        max_batch_size: int | None = None,
+    ):
         self.startup_concurrency = startup_concurrency
         self.timer = timer
         self.clock = clock
+        self.max_batch_size = max_batch_size
 
     def __call__(self, requests: list[Request]) -> DecodePriority:
         now = self.clock()
@@ -66,12 +102,21 @@ class StreamingOrder:
         slack = {id(r): slack_s(r, now, self.timer) for r in steady}
         urgent = sorted((r for r in steady if slack[id(r)] < URGENT_SLACK_S), key=lambda r: buffered_s(r, now))
         comfortable = sorted((r for r in steady if slack[id(r)] >= URGENT_SLACK_S), key=lambda r: slack[id(r)])
-        first, deferred = startup[: self.startup_concurrency], startup[self.startup_concurrency :]
-        return DecodePriority(urgent + first, self.startup_concurrency - len(first), comfortable + deferred)
+        ahead = self.startups_ahead(sum(len(r.unit) for r in steady))
+        first, deferred = startup[:ahead], startup[ahead:]
+        return DecodePriority(urgent + first, ahead - len(first), comfortable + deferred)
+
+    def startups_ahead(self, playing_rows: int) -> int:
+        """Startups (running or new) that may go ahead of streams in playback (whose units hold
+        `playing_rows` rows: a guided request and its twin are two)."""
+        sustained = None if self.max_batch_size is None else self.timer.sustainable_streams(self.max_batch_size)
+        if sustained is None:
+            return self.startup_concurrency
+        return max(0, min(self.startup_concurrency, math.floor(sustained) - playing_rows))
 
 
 def make_decode_order(config: SchedulerConfig, timer: StepTimer) -> DecodeOrder:
     """FCFS for `fcfs` and `throughput` (which ignores deadlines), StreamingOrder for `streaming`."""
     if config.policy == "streaming":
-        return StreamingOrder(config.startup_concurrency, timer)
+        return StreamingOrder(config.startup_concurrency, timer, max_batch_size=config.max_batch_size)
     return fcfs_order

@@ -90,6 +90,43 @@ def test_urgent_streams_keep_their_rows_ahead_of_startups():
     assert picked(sched) == ["urgent", "new0", "new1"]  # the comfortable stream waits, the urgent one never
 
 
+def capacity_scheduler(clock: FakeClock, step_s: float, batch: int = 3) -> Scheduler:
+    """A streaming scheduler whose policy knows a full batch's step time and an 80 ms frame."""
+    timer = StepTimer(step_s=step_s, detok_s=0.05, tokens_per_frame=7, frame_s=0.08)
+    timer.record_step(step_s, rows=batch)
+    order = StreamingOrder(startup_concurrency=2, timer=timer, clock=clock, max_batch_size=batch)
+    return Scheduler(SchedulerConfig(max_batch_size=batch), CacheConfig(num_slots=16), [0], order)
+
+
+def test_sustainable_streams_is_rows_times_per_row_speed_at_the_largest_batch_measured():
+    timer = StepTimer(tokens_per_frame=7)
+    timer.record_step(0.005, rows=1)
+    assert timer.sustainable_streams(4) is None  # no frame duration yet
+    timer.record_audio(0.32, 4)  # 80 ms frames
+    assert abs(timer.sustainable_streams(4) - 4 * 0.08 / (7 * 0.005)) < 1e-9  # only 1 row measured yet
+    timer.record_step(0.010, rows=4)
+    timer.record_step(0.001, rows=8)  # past the batch cap: ignored
+    assert abs(timer.sustainable_streams(4) - 4 * 0.08 / (7 * 0.010)) < 1e-9
+
+
+def three_playing_and_a_new_one(sched: Scheduler) -> Scheduler:
+    for i in range(3):
+        running(sched, f"comfy{i}", arrival_s=i, first_audio_s=95.0, sent_s=7.0 + i)  # 2-4 s buffered
+    running(sched, "new", arrival_s=10)
+    return sched
+
+
+def test_startup_waits_like_fcfs_when_the_batch_cannot_carry_one_more_stream():
+    clock = FakeClock()
+    # 3 rows at 10 ms a step: each row makes 80 ms of audio per 70 ms, so 3.4 streams are sustained
+    sched = three_playing_and_a_new_one(capacity_scheduler(clock, step_s=0.010))
+    assert picked(sched) == ["comfy0", "comfy1", "comfy2"]  # a 4th stream would starve them all
+    del sched.running["comfy2"]
+    assert picked(sched) == ["new", "comfy0", "comfy1"]  # room for one more: the startup goes first
+    fast = three_playing_and_a_new_one(capacity_scheduler(clock, step_s=0.005))  # 6.9 streams sustained
+    assert picked(fast) == ["new", "comfy0", "comfy1"]
+
+
 def test_throughput_mode_fills_the_batch_ignoring_deadlines():
     clock = FakeClock()
     order = make_decode_order(SchedulerConfig(policy="throughput", max_batch_size=4), StepTimer())
