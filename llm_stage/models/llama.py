@@ -1,8 +1,14 @@
 """Llama backbone forward over our slot KV cache, on the weights of a transformers model.
 
-Norms, MLPs, projections and rotary tables are transformers' own modules; attention is ours
+Norms, MLP activation and rotary tables come from transformers' own modules; attention is ours
 (per-token slot/position writes, one masked SDPA per layer), so any number of requests at
 different lengths run in one forward. Used by LM adapters of Llama/Qwen-architecture families.
+
+Per layer the q/k/v projections run as one matmul, and so do gate/up: the model's projection
+weights are rebound to row slices of one fused tensor (no extra memory; transformers' modules
+read the same numbers). fp32 norms are `F.rms_norm` (the same arithmetic as transformers' RMSNorm
+in fp32) and static rotary tables are built once per cache length: a decode step on the small
+CPU preset is dominated by per-op overhead (BENCHMARKS "Decode step cost").
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from llm_stage.kv_cache import SlotKVCache
 
@@ -36,6 +43,57 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos.unsqueeze(1) + _rotate_half(x) * sin.unsqueeze(1)
 
 
+def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One [sum(out), in] weight (and bias) for `linears`, which are rebound to its row slices."""
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    has_bias = linears[0].bias is not None
+    bias = torch.cat([lin.bias.detach() for lin in linears]) if has_bias else None
+    start = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight = nn.Parameter(weight[start : start + rows], requires_grad=False)
+        if bias is not None:
+            lin.bias = nn.Parameter(bias[start : start + rows], requires_grad=False)
+        start += rows
+    return weight, bias
+
+
+def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """transformers' RMSNorm; one fused op in fp32, where it computes the same thing."""
+    eps = getattr(norm, "variance_epsilon", None)
+    if x.dtype != torch.float32 or eps is None:
+        return norm(x)
+    return F.rms_norm(x, (x.shape[-1],), norm.weight, eps)
+
+
+class FusedLayer:
+    """One decoder layer's weights as the backbone uses them: fused q/k/v and (where the MLP is
+    the usual bias-free SwiGLU) fused gate/up."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.layer, self.attn, self.mlp = layer, attn, mlp
+        projections = [attn.q_proj, attn.k_proj, attn.v_proj]
+        if len({p.bias is None for p in projections}) == 1:
+            self.qkv_weight, self.qkv_bias = fuse_linears(projections)
+        else:
+            self.qkv_weight = self.qkv_bias = None
+        swiglu = all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+        no_bias = swiglu and mlp.gate_proj.bias is None and mlp.up_proj.bias is None
+        self.gate_up_weight = fuse_linears([mlp.gate_proj, mlp.up_proj])[0] if no_bias else None
+
+    def qkv(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qkv_weight is None:
+            return torch.cat([self.attn.q_proj(x), self.attn.k_proj(x), self.attn.v_proj(x)], dim=-1)
+        return F.linear(x, self.qkv_weight, self.qkv_bias)
+
+    def mlp_out(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_weight is None:
+            return self.mlp(x)
+        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        return self.mlp.down_proj(self.mlp.act_fn(gate) * up)
+
+
 class LlamaBackbone:
     """Runs `LlamaModel`-compatible weights (decoder layers + final norm) on a SlotKVCache."""
 
@@ -50,9 +108,28 @@ class LlamaBackbone:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.hidden_size = cfg.hidden_size
         self.scale = self.head_dim**-0.5
+        self.layers = [FusedLayer(layer) for layer in self.model.layers]
+        rope_type = getattr(self.model.rotary_emb, "rope_type", "default")
+        self._static_rope = "dynamic" not in rope_type and rope_type != "longrope"  # tables depend on length
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
+
+    def rotary(self, hidden: torch.Tensor, positions: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, T, D] at `positions`: rows of a table over [0, max_len) for static rope types."""
+        if not self._static_rope:
+            return self.model.rotary_emb(hidden, positions)
+        table = self._rope_table
+        cos = None if table is None else table[0]
+        if cos is None or cos.shape[0] < max_len or cos.device != hidden.device or cos.dtype != hidden.dtype:
+            table = self._rope_table = self._build_rope_table(hidden, max_len)
+        return table[0][positions], table[1][positions]
+
+    def _build_rope_table(self, hidden: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = torch.arange(max_len, device=hidden.device).unsqueeze(0)
+        cos, sin = self.model.rotary_emb(hidden, positions)
+        return cos[0], sin[0]
 
     @torch.inference_mode()
     def forward(
@@ -64,29 +141,32 @@ class LlamaBackbone:
         fixed length keeps shapes static and the host out of the loop, for CUDA graphs).
         """
         hidden = self.embed(batch.input_ids) if embeds is None else embeds  # [B, T, H]
-        cos, sin = self.model.rotary_emb(hidden, batch.positions)  # [B, T, D]
+        cos, sin = self.rotary(hidden, batch.positions, cache.max_seq_len)  # [B, T, D]
         length = int(batch.positions.max()) + 1 if length is None else length
         key_pos = torch.arange(length, device=hidden.device)
         mask = key_pos.view(1, 1, 1, -1) <= batch.positions.unsqueeze(1).unsqueeze(-1)  # [B, 1, T, L]
-        for index, layer in enumerate(self.model.layers):
-            residual = hidden
-            attn_in = layer.input_layernorm(hidden)
-            hidden = residual + self._attention(index, layer.self_attn, attn_in, batch, cache, cos, sin, mask, length)
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        for index, fused in enumerate(self.layers):
+            attn_in = rms_norm(fused.layer.input_layernorm, hidden)
+            hidden = hidden + self._attention(index, fused, attn_in, batch, cache, cos, sin, mask, length)
+            hidden = hidden + fused.mlp_out(rms_norm(fused.layer.post_attention_layernorm, hidden))
         rows = torch.arange(hidden.shape[0], device=hidden.device)
-        return self.model.norm(hidden[rows, batch.last_index])
+        return rms_norm(self.model.norm, hidden[rows, batch.last_index])
 
-    def _attention(self, index, attn, x, batch, cache, cos, sin, mask, length) -> torch.Tensor:
+    def _attention(self, index, fused: FusedLayer, x, batch, cache, cos, sin, mask, length) -> torch.Tensor:
         bsz, seq, _ = x.shape
-        q = attn.q_proj(x).view(bsz, seq, self.num_heads, self.head_dim).transpose(1, 2)
-        k = attn.k_proj(x).view(bsz, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = attn.v_proj(x).view(bsz, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        if getattr(attn, "q_norm", None) is not None:  # Qwen3
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        flat_k = k.transpose(1, 2).reshape(bsz * seq, self.num_kv_heads, self.head_dim)
-        flat_v = v.transpose(1, 2).reshape(bsz * seq, self.num_kv_heads, self.head_dim)
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = fused.qkv(x).view(bsz, seq, heads + 2 * kv_heads, dim).transpose(1, 2)  # [B, Hq + 2 Hkv, T, D]
+        v = qkv[:, heads + kv_heads :]
+        attn = fused.attn
+        if getattr(attn, "q_norm", None) is not None:  # Qwen3: per-head norms before rotary
+            q, k = attn.q_norm(qkv[:, :heads]), attn.k_norm(qkv[:, heads : heads + kv_heads])
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        else:  # queries and keys rotate together
+            qk = apply_rotary(qkv[:, : heads + kv_heads], cos, sin)
+            q, k = qk[:, :heads], qk[:, heads:]
+        flat_k = k.transpose(1, 2).reshape(bsz * seq, kv_heads, dim)
+        flat_v = v.transpose(1, 2).reshape(bsz * seq, kv_heads, dim)
         cache.write(index, batch.write_slots.flatten(), batch.positions.flatten(), flat_k, flat_v)
         keys, values = cache.read(index, batch.slots, length)  # [B, KV, L, D]
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True)
-        return attn.o_proj(out.transpose(1, 2).reshape(bsz, seq, self.num_heads * self.head_dim))
+        return attn.o_proj(out.transpose(1, 2).reshape(bsz, seq, heads * dim))
