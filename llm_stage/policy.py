@@ -23,6 +23,7 @@ from llm_stage.request import Request
 from llm_stage.scheduler import DecodeOrder, DecodePriority, fcfs_order
 
 URGENT_SLACK_S = 0.5  # below this a stream is urgent (EDF); above it, it only fills the batch
+CAPACITY_MARGIN = 0.9  # share of the estimated sustainable streams startups may fill: steps jitter
 
 
 @dataclass
@@ -78,9 +79,10 @@ class StreamingOrder:
     """A DecodeOrder: urgent (EDF) > startups, bounded, FCFS (decoding, then new requests'
     prefills) > the rest by slack > startups past the limits.
 
-    With `max_batch_size` set, startups go ahead only while streams in playback + startups
-    stay within what a full batch sustains (`StepTimer.sustainable_streams`); past that they
-    wait for rows like FCFS requests do, instead of starting a stream the engine cannot keep.
+    With `max_batch_size` set, startups go ahead only while streams in playback + startups stay
+    within CAPACITY_MARGIN of what a full batch sustains (`StepTimer.sustainable_streams`); past
+    that they wait for rows like FCFS requests do, instead of starting a stream the engine
+    cannot keep.
     """
 
     def __init__(
@@ -94,6 +96,7 @@ class StreamingOrder:
         self.timer = timer
         self.clock = clock
         self.max_batch_size = max_batch_size
+        self.capacity_margin = CAPACITY_MARGIN
 
     def __call__(self, requests: list[Request]) -> DecodePriority:
         now = self.clock()
@@ -112,7 +115,7 @@ class StreamingOrder:
         sustained = None if self.max_batch_size is None else self.timer.sustainable_streams(self.max_batch_size)
         if sustained is None:
             return self.startup_concurrency
-        return max(0, min(self.startup_concurrency, math.floor(sustained) - playing_rows))
+        return max(0, min(self.startup_concurrency, math.floor(self.capacity_margin * sustained) - playing_rows))
 
 
 def make_decode_order(config: SchedulerConfig, timer: StepTimer) -> DecodeOrder:

@@ -125,6 +125,8 @@ def test_startup_waits_like_fcfs_when_the_batch_cannot_carry_one_more_stream():
     assert picked(sched) == ["new", "comfy0", "comfy1"]  # room for one more: the startup goes first
     fast = three_playing_and_a_new_one(capacity_scheduler(clock, step_s=0.005))  # 6.9 streams sustained
     assert picked(fast) == ["new", "comfy0", "comfy1"]
+    barely = three_playing_and_a_new_one(capacity_scheduler(clock, step_s=0.0082))  # 4.2 sustained
+    assert picked(barely) == ["comfy0", "comfy1", "comfy2"]  # a 4th stream would leave no margin for jitter
 
 
 def test_throughput_mode_fills_the_batch_ignoring_deadlines():
