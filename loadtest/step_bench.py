@@ -25,11 +25,12 @@ from loadtest.decode_bench import prompts
 FRAME_S = SnacCodec.samples_per_frame / SnacCodec.sample_rate_hz  # 85.3 ms of audio per frame
 
 
-def ms_per_step(adapter: OrpheusAdapter, rows: int, max_tokens: int) -> float:
-    """Mean decode step once every row is admitted (one admission per step), until all finish."""
+def ms_per_step(adapter: OrpheusAdapter, rows: int, max_tokens: int, **scheduler) -> float:
+    """Mean decode step once every row is admitted (one admission per step), until all finish.
+    `scheduler`: more SchedulerConfig fields (CUDA graphs, async steps)."""
     engine = LLMEngine(
         adapter, CacheConfig(num_slots=rows, max_seq_len=max_tokens + 64),
-        SchedulerConfig(max_batch_size=rows, prefill_token_budget=4096),
+        SchedulerConfig(max_batch_size=rows, prefill_token_budget=4096, **scheduler),
     )  # fmt: skip
     params = adapter.default_sampling.model_copy(update={"max_tokens": max_tokens})
     for i, prompt in enumerate(prompts(adapter, rows, 16)):
