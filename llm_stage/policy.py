@@ -1,9 +1,10 @@
 """Streaming-aware batch policy (pure Python), used by the LLM scheduler and the detokenizer.
 
-Streams close to an underrun (urgent) go first, earliest playback deadline first; then
-startup-phase requests (no audio sent yet, including new ones still to prefill), FCFS, at most
-`startup_concurrency` of them and only as many as the batch can keep at real time next to the
-streams already playing; then the rest by slack; startups past either limit last. Slack =
+Streams close to an underrun (urgent) go first, earliest playback deadline first (oldest
+first when more streams play than the batch sustains); then startup-phase requests (no audio
+sent yet, including new ones still to prefill), FCFS, at most `startup_concurrency` of them and
+only as many as the batch can keep at real time next to the streams already playing; then the
+rest by slack; startups past either limit last. Slack =
 audio buffered at the client - time to produce and ship the next chunk. A startup thus takes
 rows only from streams that can afford to wait, and only when the engine can carry one more
 stream: near capacity, giving rows to startups made every stream underrun (BENCHMARKS "Urgent
@@ -82,7 +83,10 @@ class StreamingOrder:
     With `max_batch_size` set, startups go ahead only while streams in playback + startups stay
     within CAPACITY_MARGIN of what a full batch sustains (`StepTimer.sustainable_streams`); past
     that they wait for rows like FCFS requests do, instead of starting a stream the engine
-    cannot keep.
+    cannot keep. And when more streams are playing than the batch sustains (the step slowed, or
+    streams outnumber rows), urgent streams go by arrival instead of deadline: EDF would spread
+    the unavoidable misses over all of them, seniority keeps them on the newest (BENCHMARKS
+    "Seniority under overload").
     """
 
     def __init__(
@@ -103,16 +107,25 @@ class StreamingOrder:
         startup = fcfs_order([r for r in requests if r.first_audio_s is None])
         steady = [r for r in requests if r.first_audio_s is not None]
         slack = {id(r): slack_s(r, now, self.timer) for r in steady}
-        urgent = sorted((r for r in steady if slack[id(r)] < URGENT_SLACK_S), key=lambda r: buffered_s(r, now))
+        playing_rows = sum(len(r.unit) for r in steady)
+        sustained = self.sustained_streams()
+        urgent = [r for r in steady if slack[id(r)] < URGENT_SLACK_S]
+        if sustained is not None and playing_rows > math.floor(sustained):  # overload: some must miss
+            urgent = fcfs_order(urgent)  # seniority puts the misses on the fewest, newest streams
+        else:
+            urgent.sort(key=lambda r: buffered_s(r, now))  # earliest deadline first
         comfortable = sorted((r for r in steady if slack[id(r)] >= URGENT_SLACK_S), key=lambda r: slack[id(r)])
-        ahead = self.startups_ahead(sum(len(r.unit) for r in steady))
+        ahead = self.startups_ahead(playing_rows, sustained)
         first, deferred = startup[:ahead], startup[ahead:]
         return DecodePriority(urgent + first, ahead - len(first), comfortable + deferred)
 
-    def startups_ahead(self, playing_rows: int) -> int:
+    def sustained_streams(self) -> float | None:
+        """Single-row streams a full batch keeps at real time (None: unknown, or no batch cap given)."""
+        return None if self.max_batch_size is None else self.timer.sustainable_streams(self.max_batch_size)
+
+    def startups_ahead(self, playing_rows: int, sustained: float | None) -> int:
         """Startups (running or new) that may go ahead of streams in playback (whose units hold
         `playing_rows` rows: a guided request and its twin are two)."""
-        sustained = None if self.max_batch_size is None else self.timer.sustainable_streams(self.max_batch_size)
         if sustained is None:
             return self.startup_concurrency
         return max(0, min(self.startup_concurrency, math.floor(self.capacity_margin * sustained) - playing_rows))

@@ -129,6 +129,18 @@ def test_startup_waits_like_fcfs_when_the_batch_cannot_carry_one_more_stream():
     assert picked(barely) == ["comfy0", "comfy1", "comfy2"]  # a 4th stream would leave no margin for jitter
 
 
+def test_urgent_streams_go_oldest_first_when_more_play_than_the_batch_sustains():
+    clock = FakeClock()
+    sched = capacity_scheduler(clock, step_s=0.010)  # 3 rows sustain 3.4 streams
+    running(sched, "old1", arrival_s=1, first_audio_s=99.0, sent_s=1.4)  # all urgent (0.1-0.4 s buffered)
+    running(sched, "old2", arrival_s=2, first_audio_s=99.0, sent_s=1.3)
+    running(sched, "old3", arrival_s=3, first_audio_s=99.0, sent_s=1.35)
+    running(sched, "young", arrival_s=4, first_audio_s=99.0, sent_s=1.1)  # the earliest deadline
+    assert picked(sched) == ["old1", "old2", "old3"]  # one stream must miss: the newest, not all four in turn
+    del sched.running["old3"]
+    assert picked(sched) == ["young", "old2", "old1"]  # within capacity: earliest deadline first
+
+
 def test_throughput_mode_fills_the_batch_ignoring_deadlines():
     clock = FakeClock()
     order = make_decode_order(SchedulerConfig(policy="throughput", max_batch_size=4), StepTimer())
