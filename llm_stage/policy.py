@@ -4,12 +4,12 @@ Streams close to an underrun (urgent) go first, earliest playback deadline first
 first when more streams play than the batch sustains); then startup-phase requests (no audio
 sent yet, including new ones still to prefill), FCFS, at most `startup_concurrency` of them and
 only as many as the batch can keep at real time next to the streams already playing; then the
-rest by slack; startups past either limit last. Slack =
-audio buffered at the client - time to produce and ship the next chunk. A startup thus takes
-rows only from streams that can afford to wait, and only when the engine can carry one more
-stream: near capacity, giving rows to startups made every stream underrun (BENCHMARKS "Urgent
-streams keep their rows", "Admission by capacity"). The playback clock (first audio, audio
-sent) is kept on each Request by whoever ships the audio.
+rest by slack; startups past either limit last. Slack = audio buffered at the client - time to
+produce and ship the next chunk. A startup thus takes rows only from streams that can afford to
+wait, and only when the engine can carry one more stream: near capacity, giving rows to
+startups made every stream underrun (BENCHMARKS "Urgent streams keep their rows", "Admission by
+capacity"). The playback clock (first audio, audio sent) is kept on each Request by whoever
+ships the audio.
 """
 
 from __future__ import annotations
@@ -27,6 +27,11 @@ URGENT_SLACK_S = 0.5  # below this a stream is urgent (EDF); above it, it only f
 CAPACITY_MARGIN = 0.9  # share of the estimated sustainable streams startups may fill: steps jitter
 
 
+def _ema(last: float | None, value: float) -> float:
+    """Exponential moving average with weight 0.1 on the new value; the first value as is."""
+    return value if last is None else 0.9 * last + 0.1 * value
+
+
 @dataclass
 class StepTimer:
     """What the policy knows of the engine's pace: EMAs of the step (overall and per batch size)
@@ -40,14 +45,13 @@ class StepTimer:
     _seen: bool = False
 
     def record_step(self, elapsed_s: float, rows: int = 0) -> None:
-        self.step_s = elapsed_s if not self._seen else 0.9 * self.step_s + 0.1 * elapsed_s
+        self.step_s = _ema(self.step_s if self._seen else None, elapsed_s)
         self._seen = True
         if rows > 0:
-            last = self.step_s_by_rows.get(rows)
-            self.step_s_by_rows[rows] = elapsed_s if last is None else 0.9 * last + 0.1 * elapsed_s
+            self.step_s_by_rows[rows] = _ema(self.step_s_by_rows.get(rows), elapsed_s)
 
     def record_detok(self, elapsed_s: float) -> None:
-        self.detok_s = 0.9 * self.detok_s + 0.1 * elapsed_s
+        self.detok_s = _ema(self.detok_s, elapsed_s)
 
     def record_audio(self, duration_s: float, frames: int) -> None:
         if frames > 0 and duration_s > 0:

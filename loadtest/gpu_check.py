@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from cluster.config import CacheConfig, ModelConfig, SchedulerConfig
+from cluster.config import CacheConfig, DetokConfig, ModelConfig, SchedulerConfig
 from detok_stage.codecs.snac_codec import SnacCodec
 from detok_stage.graphs import ChunkGraphs
 from llm_stage.engine import LLMEngine
@@ -83,7 +83,8 @@ def step_times(adapter: OrpheusAdapter, rows: list[int], max_tokens: int) -> dic
 
 def detok_check(device: str, sizes: list[int], repeats: int = 20) -> dict[str, float]:
     codec = SnacCodec.build(ModelConfig(device=device), device)
-    window = 3 + 8 + 3  # left context + chunk + right context of the wide schedule
+    schedule = DetokConfig()  # the wide schedule's full-length window, as ChunkGraphs.build sizes it
+    window = schedule.left_context_frames + schedule.chunk_frames + schedule.right_context_frames
     graphs = ChunkGraphs(codec, window, sizes, device)
     captured = graphs.capture_all()
     frames = torch.randint(0, 4096, (max(sizes), window, codec.codes_per_frame))
