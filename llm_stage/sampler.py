@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from cluster.types import SamplingParams
+from llm_stage.host_sampler import sample_on_host
 
 
 @dataclass
@@ -192,6 +193,17 @@ def sample(
     rows: list[SamplingRow],
     default_generator: torch.Generator,
 ) -> list[int]:
+    """Vocabulary id per row. CPU logits are sampled in numpy (`host_sampler`: same semantics,
+    a fraction of torch's per-op overhead); accelerator logits stay on their device."""
+    if logits.device.type == "cpu":
+        return sample_on_host(logits, cand_ids, rows, default_generator)
+    return sample_on_device(logits, cand_ids, rows, default_generator)
+
+
+def sample_on_device(
+    logits: torch.Tensor, cand_ids: torch.Tensor | None, rows: list[SamplingRow], default_generator: torch.Generator
+) -> list[int]:
+    """The torch path: runs wherever the logits are (also on CPU, where `sample` prefers numpy)."""
     logits = logits.float().clone()
     apply_repetition_penalty(logits, cand_ids, rows)
     picked = logits.argmax(dim=-1)  # [B]

@@ -4,6 +4,8 @@ Two logit shapes: `peaked` (what a trained model gives: the nucleus sits in a fe
 columns) and `flat` (the random-weight CPU preset: top-p 0.8 keeps thousands of columns).
 Orpheus' default sampling (T 0.6, top-p 0.8, repetition penalty 1.3 over the whole sequence:
 a 20-token prompt + 300 generated tokens), one seeded generator per row.
+Each shape is timed on both paths: `host` (what `sample` does with CPU logits: numpy) and
+`torch` (`sample_on_device`, the accelerator path, here on CPU tensors).
 Run: `.venv/bin/python -m loadtest.sampler_bench --rows 1 4 8`
 """
 
@@ -22,9 +24,10 @@ from llm_stage.models.orpheus import (
     OrpheusAdapter,
     candidate_table,
 )
-from llm_stage.sampler import SamplingRow, sample
+from llm_stage.sampler import SamplingRow, sample, sample_on_device
 
 SCALES = {"peaked": 3.0, "flat": 0.05}  # std of the random logits
+SAMPLERS = {"host": sample, "torch": sample_on_device}  # what CPU logits get, and the torch path on them
 
 
 def rows_for(num_rows: int, rng: random.Random) -> list[SamplingRow]:
@@ -37,16 +40,16 @@ def rows_for(num_rows: int, rng: random.Random) -> list[SamplingRow]:
     return rows
 
 
-def ms_per_call(num_rows: int, scale: float, calls: int) -> float:
+def ms_per_call(num_rows: int, scale: float, calls: int, sampler=sample) -> float:
     rng = random.Random(0)
     cand = candidate_table()[[b % TOKENS_PER_FRAME for b in range(num_rows)]]
     logits = torch.randn(num_rows, CODES_PER_SLOT + 1, generator=torch.Generator().manual_seed(0)) * scale
     rows, default = rows_for(num_rows, rng), torch.Generator().manual_seed(0)
     for _ in range(10):
-        sample(logits, cand, rows, default)
+        sampler(logits, cand, rows, default)
     start = time.perf_counter()
     for _ in range(calls):
-        sample(logits, cand, rows, default)
+        sampler(logits, cand, rows, default)
     return (time.perf_counter() - start) / calls * 1e3
 
 
@@ -57,8 +60,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     for shape, scale in SCALES.items():
-        cells = [f"{rows} rows {ms_per_call(rows, scale, args.calls):.2f} ms" for rows in args.rows]
-        print(f"{shape:6s} " + " | ".join(cells), flush=True)
+        for name, sampler in SAMPLERS.items():  # alternated per cell, so box drift hits both alike
+            cells = [f"{rows} rows {ms_per_call(rows, scale, args.calls, sampler):.2f} ms" for rows in args.rows]
+            print(f"{shape:6s} {name:6s} " + " | ".join(cells), flush=True)
 
 
 if __name__ == "__main__":

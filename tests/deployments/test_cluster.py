@@ -12,6 +12,7 @@ import pytest
 import requests
 from ray import serve
 
+from cluster.client import make_request
 from cluster.pipeline import InProcessPipeline
 from protos import voxray_pb2, voxray_pb2_grpc
 from tests.deployments.conftest import DATA_PARALLEL, TIGHT
@@ -166,12 +167,11 @@ def test_list_models_and_voices(cluster):
 
 def test_duplicate_request_id_is_rejected_without_harming_the_running_stream(cluster):
     ep = cluster["tight"]
-    with ThreadPoolExecutor(2) as pool:
-        first = pool.submit(
-            run_stream, ep.grpc_target, ep.app_name, "one", request_id="dup-1", sampling={"max_tokens": 70}
-        )
-        time.sleep(0.5)
+    with grpc.insecure_channel(ep.grpc_target) as channel:
+        request = make_request("one", request_id="dup-1", sampling={"max_tokens": 70})
+        first = voxray_pb2_grpc.SpeechStub(channel).Synthesize(request, metadata=(("application", ep.app_name),))
+        chunks = [next(first)]  # the first stream is playing: its id is taken
         second = run_stream(ep.grpc_target, ep.app_name, "two", request_id="dup-1", sampling={"max_tokens": 7})
-        outcome = first.result()
+        chunks += list(first)
     assert second.code == grpc.StatusCode.INVALID_ARGUMENT and second.details.startswith("request_id:")
-    assert outcome.code == grpc.StatusCode.OK and len(outcome.pcm16) == 10 * SPF * 2
+    assert len(b"".join(c.audio for c in chunks)) == 10 * SPF * 2

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from cluster.types import SamplingParams
+from llm_stage.host_sampler import penalize_repeats
 from llm_stage.sampler import (
     SHORTLIST,
     SamplingRow,
@@ -14,8 +16,23 @@ from llm_stage.sampler import (
     _shortlist_log_norm,
     apply_repetition_penalty,
     sample,
+    sample_on_device,
 )
 from tests.factories import text_engine, tiny_text_llama
+
+# `sample` takes numpy for CPU logits; the torch path (accelerators) runs on CPU tensors too
+SAMPLERS = pytest.mark.parametrize("sampler", [sample, sample_on_device], ids=["host", "torch"])
+
+
+def torch_penalty(logits: torch.Tensor, cand: torch.Tensor | None, rows: list[SamplingRow]) -> None:
+    apply_repetition_penalty(logits, cand, rows)
+
+
+def host_penalty(logits: torch.Tensor, cand: torch.Tensor | None, rows: list[SamplingRow]) -> None:
+    penalize_repeats(logits.numpy(), None if cand is None else cand.numpy(), rows)  # in place through the view
+
+
+PENALTIES = pytest.mark.parametrize("penalize", [host_penalty, torch_penalty], ids=["host", "torch"])
 
 
 def run(engine, params: dict[str, SamplingParams], prompt: list[int]) -> dict[str, list[int]]:
@@ -42,47 +59,68 @@ def test_mixed_batch_topk1_equals_greedy_and_seeded_rows_reproduce():
     assert run(text_engine(model), other_seed, prompt)["seeded"] != first["seeded"]
 
 
-def test_repetition_penalty_matches_definition():
+@PENALTIES
+def test_repetition_penalty_matches_definition(penalize):
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
     row = SamplingRow(SamplingParams(repetition_penalty=2.0), history=[0, 1, 1], generator=None)
-    apply_repetition_penalty(logits, None, [row])
+    penalize(logits, None, [row])
     assert logits.tolist() == [[1.0, -2.0, 0.5, 3.0]]  # positive / p, negative * p, unseen untouched
 
 
-def test_repetition_penalty_window_and_candidate_columns():
+@PENALTIES
+def test_repetition_penalty_window_and_candidate_columns(penalize):
     logits = torch.tensor([[2.0, -1.0, 4.0]])
     cand = torch.tensor([[100, 101, 102]])
     row = SamplingRow(SamplingParams(repetition_penalty=4.0, repetition_window=2), [102, 7, 101], None)
-    apply_repetition_penalty(logits, cand, [row.__class__(row.params, row.history[-2:], None)])
+    penalize(logits, cand, [row.__class__(row.params, row.history[-2:], None)])
     assert logits.tolist() == [[2.0, -4.0, 4.0]]  # only 101 is inside the window
 
 
-def test_top_p_and_min_p_restrict_support():
+def test_both_penalties_agree_on_a_mixed_batch_with_padded_candidates():
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 50, generator=gen)
+    cand = torch.randint(0, 400, (3, 50), generator=gen)
+    cand[2, 3], cand[2, 40:] = 350, -1  # padding columns never match an id
+    histories = [torch.randint(150, 400, (80,), generator=gen).tolist(), [], [350, 350, 399]]  # ids < 150: unseen
+    params = [SamplingParams(repetition_penalty=p) for p in (1.3, 2.0, 1.5)]
+    rows = [SamplingRow(p, h, None) for p, h in zip(params, histories, strict=True)]
+    host, reference = logits.clone(), logits.clone()
+    host_penalty(host, cand, rows)
+    torch_penalty(reference, cand, rows)
+    assert not torch.equal(host, logits)
+    assert host[2, 3] != logits[2, 3] and torch.equal(host[1], logits[1])
+    torch.testing.assert_close(host, reference, rtol=0, atol=0)
+
+
+@SAMPLERS
+def test_top_p_and_min_p_restrict_support(sampler):
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     gen = torch.Generator().manual_seed(0)
     top_p = [SamplingRow(SamplingParams(temperature=1.0, top_p=0.6), [], None)]
     min_p = [SamplingRow(SamplingParams(temperature=1.0, min_p=0.5), [], None)]
-    seen_p = {sample(logits, None, top_p, gen)[0] for _ in range(200)}
-    seen_min = {sample(logits, None, min_p, gen)[0] for _ in range(200)}
+    seen_p = {sampler(logits, None, top_p, gen)[0] for _ in range(200)}
+    seen_min = {sampler(logits, None, min_p, gen)[0] for _ in range(200)}
     assert seen_p == {0, 1}  # 0.5 alone < 0.6, so the second token is kept; the rest are cut
     assert seen_min == {0, 1}  # 0.15 < 0.5 * 0.5
 
 
-def test_candidate_ids_map_back_to_vocab():
-    logits = torch.tensor([[0.0, 5.0, 1.0]])
-    cand = torch.tensor([[40, 41, 42]])
-    rows = [SamplingRow(SamplingParams(temperature=0.0), [], None)]
-    assert sample(logits, cand, rows, torch.Generator()) == [41]
+@SAMPLERS
+def test_candidate_ids_map_back_to_vocab(sampler):
+    logits = torch.tensor([[0.0, 5.0, 1.0], [0.0, 5.0, 1.0]])
+    cand = torch.tensor([[40, 41, 42], [50, 51, 52]])
+    rows = [SamplingRow(SamplingParams(temperature=0.0), [], None), SamplingRow(SamplingParams(top_k=1), [], None)]
+    assert sampler(logits, cand, rows, torch.Generator()) == [41, 51]
 
 
-def test_draws_follow_the_filtered_distribution_and_never_pick_masked_columns():
+@SAMPLERS
+def test_draws_follow_the_filtered_distribution_and_never_pick_masked_columns(sampler):
     logits = torch.tensor([[0.0, float("-inf"), 1.8, 1.1], [0.0, 0.0, 0.0, 0.0]])
     want = logits.softmax(dim=-1)
     rows = [SamplingRow(SamplingParams(temperature=1.0, top_p=1.0), [], None) for _ in range(2)]
     generator = torch.Generator().manual_seed(0)
     counts = torch.zeros(2, 4)
     for _ in range(4000):
-        for b, token in enumerate(sample(logits, None, rows, generator)):
+        for b, token in enumerate(sampler(logits, None, rows, generator)):
             counts[b, token] += 1
     assert counts[0, 1] == 0
     torch.testing.assert_close(counts / 4000, want, atol=0.03, rtol=0)
@@ -103,9 +141,11 @@ def reference_kept_probs(scaled: torch.Tensor, params: SamplingParams) -> torch.
     return out
 
 
-def test_shortlisted_and_full_width_draws_follow_the_filtered_distribution():
-    """Narrow nucleus (drawn from the 64-column shortlist), wide nucleus and top-k past the shortlist
-    (full sort) and no filter at all: each row's draws match the filtered distribution."""
+@SAMPLERS
+def test_shortlisted_and_full_width_draws_follow_the_filtered_distribution(sampler):
+    """Narrow nucleus (the torch path draws it from the 64-column shortlist), wide nucleus and top-k
+    past the shortlist (full sort) and no filter at all: each row's draws match the filtered
+    distribution."""
     torch.manual_seed(0)
     width, draws = 400, 3000
     peaked = torch.randn(width) * 4
@@ -126,7 +166,7 @@ def test_shortlisted_and_full_width_draws_follow_the_filtered_distribution():
     assert fits == [True, False, False, True, True, False]  # both paths are exercised
     counts = torch.zeros(len(cases), width)
     for _ in range(draws):
-        for b, token in enumerate(sample(logits, None, rows, torch.Generator())):
+        for b, token in enumerate(sampler(logits, None, rows, torch.Generator())):
             counts[b, token] += 1
     for b, (row_logits, params) in enumerate(cases):
         want = reference_kept_probs(row_logits, params)
@@ -134,7 +174,8 @@ def test_shortlisted_and_full_width_draws_follow_the_filtered_distribution():
         torch.testing.assert_close(counts[b] / draws, want, atol=0.035, rtol=0, msg=f"case {b}")
 
 
-def test_top_p_only_rows_take_the_short_decision_and_keep_the_distribution():
+@SAMPLERS
+def test_top_p_only_rows_take_the_short_decision_and_keep_the_distribution(sampler):
     torch.manual_seed(1)
     width, draws = 300, 3000
     logits = torch.stack([torch.randn(width) * 4, torch.randn(width) * 0.3])  # peaked, flat
@@ -144,7 +185,7 @@ def test_top_p_only_rows_take_the_short_decision_and_keep_the_distribution():
     assert _head_decides(head, logits, rows, _Filters.of(rows, width))[0] == [True, False]
     counts = torch.zeros(2, width)
     for _ in range(draws):
-        for b, token in enumerate(sample(logits, None, rows, torch.Generator())):
+        for b, token in enumerate(sampler(logits, None, rows, torch.Generator())):
             counts[b, token] += 1
     for b in range(2):
         want = reference_kept_probs(logits[b], params)
