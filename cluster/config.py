@@ -43,6 +43,12 @@ class SchedulerConfig(_Strict):
     max_batch_size: int = Field(32, ge=1, le=4096, description="Rows per decode step.")
     prefill_token_budget: int = Field(256, ge=1, description="Prompt tokens prefilled per step (chunked).")
     startup_concurrency: int = Field(4, ge=1, description="Streams allowed in the startup phase at once.")
+    align_starts: bool = Field(
+        True,
+        description="Time a new request's first token to the head phase most running rows are in (models whose "
+        "head cost depends on the row's position in a frame, e.g. Orpheus' slot heads): rows in one phase share "
+        "one head matmul. Delays a start by fewer steps than a frame has.",
+    )
     async_steps: bool = Field(
         False, description="Run each forward on a worker thread while the next step is planned (batch, sampling)."
     )

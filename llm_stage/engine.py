@@ -65,7 +65,8 @@ class LLMEngine:
         self.cache_config = cache
         self.timer = StepTimer(tokens_per_frame=adapter.tokens_per_frame)
         order = decode_order or make_decode_order(scheduler, self.timer)
-        self.scheduler = Scheduler(scheduler, cache, adapter.eos_token_ids, order, adapter.is_stop)
+        period = adapter.head_phase_period if scheduler.align_starts else 1
+        self.scheduler = Scheduler(scheduler, cache, adapter.eos_token_ids, order, adapter.is_stop, period)
         self.runner = ModelRunner(adapter, cache.num_slots, cache.max_seq_len, scheduler.cuda_graph_batch_sizes)
         self._forward_thread = ThreadPoolExecutor(1, "llm-forward") if scheduler.async_steps else None
         self._next_plan: StepPlan | None = None  # async: planned while the previous forward ran

@@ -9,6 +9,7 @@ The engine calls `schedule` -> runner -> `update`; tests drive it with hand-made
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
@@ -86,7 +87,14 @@ def unit_prefill_sizes(req: Request, budget: int) -> list[int]:
 
 
 class Scheduler:
-    """Owns the waiting / running queues and the KV slots. Twins are never listed on their own."""
+    """Owns the waiting / running queues and the KV slots. Twins are never listed on their own.
+
+    With `head_phase_period` P > 1 (the model's output head cycles through P phases, as Orpheus'
+    seven frame-slot heads do, and rows in one phase share one head matmul) a request's prompt is
+    completed (its first token sampled) only in a step where that token's phase is the one most
+    decoding rows are in, so streams that start apart still decode in lockstep. A start waits at
+    most P - 1 steps.
+    """
 
     def __init__(
         self,
@@ -95,8 +103,12 @@ class Scheduler:
         eos_token_ids: Collection[int],
         decode_order: DecodeOrder = fcfs_order,
         stop_rule: StopRule | None = None,
+        head_phase_period: int = 1,
     ) -> None:
         self.config = config
+        self.head_phase_period = head_phase_period
+        self._held_steps = 0  # consecutive steps a start waited for its phase
+        self._held_this_step = False
         self.max_seq_len = cache.max_seq_len
         self.slots = SlotAllocator(cache.num_slots)
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -119,6 +131,7 @@ class Scheduler:
         when the policy says so), then more prefill work while rows and token budget last."""
         plan = StepPlan()
         decoding = [r for r in self.running.values() if r.status is RequestStatus.DECODING]
+        self._held_this_step = False
         priority = self.decode_order(decoding)
         if not isinstance(priority, DecodePriority):  # a plain order: all decodes, then prefills
             priority = DecodePriority(priority)
@@ -128,6 +141,7 @@ class Scheduler:
             prefill_rows, budget = self._schedule_prefills(plan, 0, budget, priority.new_requests)
         self._add_decodes(plan, priority.rest, prefill_rows)
         self._schedule_prefills(plan, prefill_rows, budget)
+        self._held_steps = self._held_steps + 1 if self._held_this_step else 0
         return plan
 
     def _add_decodes(self, plan: StepPlan, ordered: list[Request], prefill_rows: int = 0) -> None:
@@ -145,14 +159,30 @@ class Scheduler:
         for req in candidates[:max_units]:
             if budget <= 0 or len(plan.decodes) + rows + len(req.unit) > self.config.max_batch_size:
                 break
+            sizes = unit_prefill_sizes(req, budget)
+            if sizes == [r.num_prompt_left for r in req.unit] and not self._start_in_phase(req):
+                self._held_this_step = True
+                break
             if req.status is RequestStatus.WAITING and not self._admit(req):
                 break
-            for row, num_tokens in zip(req.unit, unit_prefill_sizes(req, budget), strict=True):
+            for row, num_tokens in zip(req.unit, sizes, strict=True):
                 if num_tokens > 0:
                     plan.prefills.append(PrefillWork(row, row.num_cached, num_tokens))
                     budget -= num_tokens
             rows += len(req.unit)
         return rows, budget
+
+    def _start_in_phase(self, req: Request) -> bool:
+        """May `req` sample its first token (after its prompt) this step? Yes without a head cycle,
+        with nothing decoding, after P - 1 held steps, or when that token's phase is the most common
+        phase among the tokens the decoding rows sample next."""
+        period = self.head_phase_period
+        if period == 1 or self._held_steps >= period - 1:
+            return True
+        decoding = [r for r in self.running.values() if r.status is RequestStatus.DECODING]
+        # next sampled index = num_cached - prompt_len + 1, whether or not the last token is appended yet
+        phases = Counter((r.num_cached - r.prompt_len + 1) % period for r in decoding)
+        return not phases or phases[len(req.output_ids) % period] == max(phases.values())
 
     def _prefill_candidates(self) -> list[Request]:
         partial = [r for r in self.running.values() if r.status is RequestStatus.PREFILLING]

@@ -43,6 +43,7 @@ class LMAdapter(ABC):
     pad_token: Token = 0  # fills padded prefill positions (never attended to)
     guidance: GuidanceFormula | None = None  # CFG formula; None = the model has no CFG
     tokens_per_frame: int = 1  # engine steps per codec frame
+    head_phase_period: int = 1  # steps per cycle of the output head (rows in one phase share a head matmul)
 
     def __init__(self, backbone: LlamaBackbone) -> None:
         self.backbone = backbone

@@ -86,6 +86,7 @@ class OrpheusFrameBuilder(FrameBuilder):
 class OrpheusAdapter(LMAdapter):
     family = "orpheus"
     tokens_per_frame = TOKENS_PER_FRAME
+    head_phase_period = TOKENS_PER_FRAME  # one slot head per position in the frame
     voices = VOICES
     default_voice = "tara"
     eos_token_ids = frozenset({END_OF_SPEECH})
