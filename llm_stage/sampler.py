@@ -8,13 +8,12 @@ result is always a vocabulary id. Called by the LLM engine after the model forwa
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import chain
 
 import numpy as np
 import torch
 
 from cluster.types import SamplingParams
-from llm_stage.host_sampler import sample_on_host
+from llm_stage.host_sampler import history_pairs, sample_on_host
 
 
 @dataclass
@@ -31,13 +30,10 @@ def apply_repetition_penalty(logits: torch.Tensor, cand_ids: torch.Tensor | None
     gather by candidate column, then the penalty on the seen columns only: no per-row set
     building or intersection, no full-width arithmetic on the hot path.
     """
-    penalised = [b for b, row in enumerate(rows) if row.params.repetition_penalty != 1.0 and row.history]
-    if not penalised:
+    pairs = history_pairs(rows)
+    if pairs is None:
         return
-    lengths = [len(rows[b].history) for b in penalised]
-    # numpy builds these from Python ints ~7x faster than torch.tensor (1,280 ids: 42 vs 298 us)
-    tokens = np.fromiter(chain.from_iterable(rows[b].history for b in penalised), np.int64, sum(lengths))
-    row_of = np.repeat(np.array(penalised, dtype=np.int64), lengths)
+    row_of, tokens = pairs
     seen = _seen_columns(logits, cand_ids, torch.from_numpy(row_of), torch.from_numpy(tokens))
     hit_rows, hit_cols = seen.nonzero(as_tuple=True)
     values = logits[hit_rows, hit_cols]
