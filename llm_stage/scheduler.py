@@ -109,6 +109,7 @@ class Scheduler:
         self.head_phase_period = head_phase_period
         self._held_steps = 0  # consecutive steps a start waited for its phase
         self._held_this_step = False
+        self._start_phases: frozenset[int] | None = None  # phases a first token may take this step (None: any)
         self.max_seq_len = cache.max_seq_len
         self.slots = SlotAllocator(cache.num_slots)
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -132,6 +133,7 @@ class Scheduler:
         plan = StepPlan()
         decoding = [r for r in self.running.values() if r.status is RequestStatus.DECODING]
         self._held_this_step = False
+        self._start_phases = self._open_start_phases(decoding)
         priority = self.decode_order(decoding)
         if not isinstance(priority, DecodePriority):  # a plain order: all decodes, then prefills
             priority = DecodePriority(priority)
@@ -160,7 +162,8 @@ class Scheduler:
             if budget <= 0 or len(plan.decodes) + rows + len(req.unit) > self.config.max_batch_size:
                 break
             sizes = unit_prefill_sizes(req, budget)
-            if sizes == [r.num_prompt_left for r in req.unit] and not self._start_in_phase(req):
+            completes = sizes == [r.num_prompt_left for r in req.unit]
+            if completes and self._start_phases is not None and self._first_phase(req) not in self._start_phases:
                 self._held_this_step = True
                 break
             if req.status is RequestStatus.WAITING and not self._admit(req):
@@ -172,17 +175,21 @@ class Scheduler:
             rows += len(req.unit)
         return rows, budget
 
-    def _start_in_phase(self, req: Request) -> bool:
-        """May `req` sample its first token (after its prompt) this step? Yes without a head cycle,
-        with nothing decoding, after P - 1 held steps, or when that token's phase is the most common
-        phase among the tokens the decoding rows sample next."""
+    def _open_start_phases(self, decoding: list[Request]) -> frozenset[int] | None:
+        """Head phases a prompt-completing request's first token may take this step: the most
+        common among the tokens the decoding rows sample next; None (any) without a head cycle,
+        with nothing decoding, or after P - 1 held steps. Worked out once per `schedule`."""
         period = self.head_phase_period
-        if period == 1 or self._held_steps >= period - 1:
-            return True
-        decoding = [r for r in self.running.values() if r.status is RequestStatus.DECODING]
+        if period == 1 or self._held_steps >= period - 1 or not decoding:
+            return None
         # next sampled index = num_cached - prompt_len + 1, whether or not the last token is appended yet
         phases = Counter((r.num_cached - r.prompt_len + 1) % period for r in decoding)
-        return not phases or phases[len(req.output_ids) % period] == max(phases.values())
+        most = max(phases.values())
+        return frozenset(phase for phase, count in phases.items() if count == most)
+
+    def _first_phase(self, req: Request) -> int:
+        """Head phase of the token `req` samples when its prompt completes."""
+        return len(req.output_ids) % self.head_phase_period
 
     def _prefill_candidates(self) -> list[Request]:
         partial = [r for r in self.running.values() if r.status is RequestStatus.PREFILLING]
