@@ -97,12 +97,15 @@ class LLMSide:
         return time.time() + buffered_s(req, self.clock())
 
     def _update_next_chunk_steps(self) -> None:
+        """Tell the policy the tokens each request needs before it can ship audio again: the
+        smallest next chunk, not the adaptive size planned from its buffer. The planned size
+        spends most of the buffer by design (BUFFER_SAFETY), so slack measured on it stayed under
+        the urgency threshold for nearly every stream and startups never went ahead of one."""
         tokens_per_frame = self.engine.adapter.tokens_per_frame
         for req_id, chunker in self.chunkers.items():
             req = self.engine.requests.get(req_id)
             if req is not None:
-                frames = chunker.frames_to_next_chunk(self._frame_budget(req))
-                req.tokens_to_next_chunk = frames * tokens_per_frame
+                req.tokens_to_next_chunk = chunker.frames_to_smallest_next_chunk() * tokens_per_frame
 
 
 class InProcessPipeline:

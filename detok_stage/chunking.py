@@ -79,6 +79,12 @@ class Chunker:
         end = self._emitted + self._next_size(frame_budget) + self.schedule.right_context_frames
         return max(0, end - self.num_frames)
 
+    def frames_to_smallest_next_chunk(self) -> int:
+        """Frames still missing before the smallest chunk this stream may cut next (one frame for
+        adaptive chunks after the first; the scheduled size otherwise): what a stream left out
+        of the batch needs before its buffer runs dry, since adaptive chunks shrink to fit it."""
+        return self.frames_to_next_chunk(frame_budget=1)
+
     def push(self, frames: list[list[int]], frame_budget: int | None = None) -> list[TokenChunk]:
         """Add frames; cut every chunk whose kept frames and right context are known.
 

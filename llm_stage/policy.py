@@ -5,7 +5,8 @@ first when more streams play than the batch sustains); then startup-phase reques
 sent yet, including new ones still to prefill), FCFS, at most `startup_concurrency` of them and
 only as many as the batch can keep at real time next to the streams already playing; then the
 rest by slack; startups past either limit last. Slack = audio buffered at the client - time to
-produce and ship the next chunk. A startup thus takes rows only from streams that can afford to
+produce and ship the smallest next chunk (adaptive chunks shrink to the buffer, so that is how
+long a stream can be left out of the batch). A startup thus takes rows only from streams that can afford to
 wait, and only when the engine can carry one more stream: near capacity, giving rows to
 startups made every stream underrun (BENCHMARKS "Urgent streams keep their rows", "Admission by
 capacity"). The playback clock (first audio, audio sent) is kept on each Request by whoever
@@ -23,7 +24,7 @@ from cluster.config import SchedulerConfig
 from llm_stage.request import Request
 from llm_stage.scheduler import DecodeOrder, DecodePriority, fcfs_order
 
-URGENT_SLACK_S = 0.5  # below this a stream is urgent (EDF); above it, it only fills the batch
+URGENT_SLACK_S = 0.3  # below this a stream is urgent (EDF); above it, it only fills the batch
 CAPACITY_MARGIN = 0.9  # share of the estimated sustainable streams startups may fill: steps jitter
 
 
@@ -135,8 +136,10 @@ class StreamingOrder:
         return max(0, min(self.startup_concurrency, math.floor(self.capacity_margin * sustained) - playing_rows))
 
 
-def make_decode_order(config: SchedulerConfig, timer: StepTimer) -> DecodeOrder:
+def make_decode_order(
+    config: SchedulerConfig, timer: StepTimer, clock: Callable[[], float] = time.monotonic
+) -> DecodeOrder:
     """FCFS for `fcfs` and `throughput` (which ignores deadlines), StreamingOrder for `streaming`."""
     if config.policy == "streaming":
-        return StreamingOrder(config.startup_concurrency, timer, max_batch_size=config.max_batch_size)
+        return StreamingOrder(config.startup_concurrency, timer, clock, max_batch_size=config.max_batch_size)
     return fcfs_order

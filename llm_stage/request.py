@@ -47,7 +47,7 @@ class Request:
     # Playback clock fed by the router (streaming-aware scheduling).
     first_audio_s: float | None = None  # monotonic time the first chunk left for the client
     audio_sent_s: float = 0.0  # seconds of audio shipped so far
-    tokens_to_next_chunk: int = 0  # engine steps until the next chunk can be cut
+    tokens_to_next_chunk: int = 0  # engine steps until the smallest next chunk can be cut
 
     @property
     def prompt_len(self) -> int:

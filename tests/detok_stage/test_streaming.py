@@ -144,6 +144,20 @@ def test_adaptive_chunks_double_up_to_steady_size_and_respect_frame_budget():
     assert sizes == [2, 3, 3]  # the first chunk keeps its size; later ones wait for at most 3 frames
 
 
+def test_smallest_next_chunk_is_one_frame_after_the_first_for_adaptive_schedules():
+    adaptive = ChunkSchedule(
+        first_chunk_frames=4, chunk_frames=8, left_context_frames=3, right_context_frames=3, adaptive=True
+    )
+    chunker = Chunker("r", adaptive)
+    assert chunker.frames_to_smallest_next_chunk() == 7  # the first chunk keeps its size: 4 + 3 right context
+    assert len(chunker.push([[0] * 7] * 7)) == 1
+    assert chunker.frames_to_next_chunk() == 8  # a full 8-frame chunk: 4 + 8 + 3 - 7 frames known
+    assert chunker.frames_to_smallest_next_chunk() == 1  # a 1-frame chunk only needs one more frame
+    fixed = Chunker("r", ChunkSchedule(4, 8, 3, 3, adaptive=False))
+    fixed.push([[0] * 7] * 7)
+    assert fixed.frames_to_smallest_next_chunk() == fixed.frames_to_next_chunk() == 8  # sizes never shrink
+
+
 def test_adaptive_wide_schedule_still_equals_offline_decode():
     streams = random_streams([37])
     config = DetokConfig(schedule="wide", first_chunk_frames=1, chunk_frames=16, adaptive=True)

@@ -1,0 +1,47 @@
+"""LLMSide tells the streaming policy how long each stream can be left out of the batch."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from cluster.config import DetokConfig
+from cluster.pipeline import LLMSide
+from cluster.types import SamplingParams
+from detok_stage.chunking import Chunker, ChunkSchedule
+from llm_stage.engine import StepOutput
+from llm_stage.policy import StepTimer, slack_s
+from llm_stage.request import Request
+
+FRAME = [0] * 7
+
+
+class OneRequestEngine:
+    """The engine surface LLMSide reads: `step`, `requests`, `timer`, `adapter.tokens_per_frame`."""
+
+    def __init__(self, req: Request) -> None:
+        self.requests = {req.req_id: req}
+        self.timer = StepTimer(step_s=0.01, detok_s=0.05, tokens_per_frame=7)
+        self.adapter = SimpleNamespace(tokens_per_frame=7)
+        self.frames_next_step = 0
+
+    def step(self) -> list[StepOutput]:
+        frames, self.frames_next_step = [FRAME] * self.frames_next_step, 0
+        return [StepOutput("r", [0], frames)]
+
+
+def test_slack_is_measured_on_the_smallest_next_chunk_not_the_planned_one():
+    req = Request("r", [1, 2], SamplingParams())
+    engine = OneRequestEngine(req)
+    now = 100.0
+    side = LLMSide(engine, ChunkSchedule.from_config(DetokConfig(first_chunk_frames=4)), clock=lambda: now)
+    chunker = side.chunkers["r"] = Chunker("r", side.schedule)
+    engine.frames_next_step = 7  # the first chunk: 4 frames kept, 3 of right context
+    assert len(side.step()) == 1
+    req.first_audio_s, req.audio_sent_s = 99.0, 1.6  # 0.6 s buffered at the client
+    side.step()
+    # From this buffer LLMSide plans a 5-frame chunk (35 tokens: 0.35 s + 0.05 s detok), which would
+    # leave 0.2 s of slack, under the urgency threshold; left out of the batch, the stream cuts a
+    # 1-frame chunk instead, 7 tokens away: it can wait 0.48 s.
+    assert chunker.frames_to_next_chunk(side._frame_budget(req)) == 5
+    assert req.tokens_to_next_chunk == 7
+    assert abs(slack_s(req, now, engine.timer) - (0.6 - 7 * 0.01 - 0.05)) < 1e-9
