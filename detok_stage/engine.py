@@ -39,6 +39,14 @@ class _Pending:
     submitted_s: float
 
 
+def chunk_priority(chunk: TokenChunk, submitted_s: float, policy: str) -> tuple:
+    """Sort key of a queued chunk: FIFO, or under `streaming` startup chunks (no deadline) first
+    in submission order, then by playback deadline (EDF)."""
+    if policy != "streaming":
+        return (submitted_s,)
+    return (0, submitted_s) if chunk.deadline_s is None else (1, chunk.deadline_s, submitted_s)
+
+
 class DetokEngine:
     def __init__(self, codec: CodecAdapter, config: DetokConfig, in_order: bool = True, policy: str = "fcfs") -> None:
         """`in_order=False` returns every chunk as soon as it is decoded (the caller orders them,
@@ -95,10 +103,7 @@ class DetokEngine:
         return len(self._queue)
 
     def _priority(self, pending: _Pending) -> tuple:
-        if self.policy != "streaming":
-            return (pending.submitted_s,)
-        deadline = pending.chunk.deadline_s
-        return (0, pending.submitted_s) if deadline is None else (1, deadline, pending.submitted_s)
+        return chunk_priority(pending.chunk, pending.submitted_s, self.policy)
 
     def _select(self) -> list[TokenChunk]:
         self._queue.sort(key=self._priority)

@@ -26,6 +26,7 @@ from cluster.config import CacheConfig, DetokConfig, SchedulerConfig
 from cluster.pipeline import LLMSide
 from cluster.types import SamplingParams, TokenChunk
 from detok_stage.chunking import ChunkSchedule
+from detok_stage.engine import chunk_priority
 from llm_stage.engine import StepOutput
 from llm_stage.policy import StepTimer, make_decode_order
 from llm_stage.request import Request
@@ -101,6 +102,9 @@ class SimEngine:
 
     def step(self) -> list[StepOutput]:
         plan = self.scheduler.schedule()
+        if plan.is_empty:  # the real engine returns at once; the driver loop comes back a moment later
+            self.clock.now_s += 1e-3
+            return []
         prefill_tokens = sum(w.num_tokens for w in plan.prefills)
         elapsed = self.steps.step_s(len(plan.decodes) + len(plan.prefills), prefill_tokens)
         self.clock.now_s += elapsed
@@ -119,11 +123,12 @@ class SimEngine:
 
 @dataclass
 class DetokModel:
-    """One detokenizer worker: takes up to `max_batch_chunks` queued chunks (startups first, then by
-    deadline, under the streaming policy; else FIFO), decodes them as groups of equal window length
-    at `ms_per_group` + `ms_per_window_frame` per frame, and releases them together."""
+    """One detokenizer worker: takes up to `max_batch_chunks` queued chunks in the engine's order
+    (`chunk_priority`: FIFO, or startups then deadlines under `streaming`), decodes them as groups
+    of equal window length at `ms_per_group` + `ms_per_window_frame` per frame, and releases them
+    together."""
 
-    streaming: bool
+    policy: str
     ms_per_group: float = 3.0
     ms_per_window_frame: float = 1.6
     max_batch_chunks: int = 16
@@ -163,10 +168,8 @@ class DetokModel:
         return [chunk for chunks in done for chunk in chunks]
 
     def _priority(self, item: tuple[float, TokenChunk]) -> tuple:
-        submitted, chunk = item
-        if not self.streaming:
-            return (submitted,)
-        return (0, submitted) if chunk.deadline_s is None else (1, chunk.deadline_s, submitted)
+        submitted_s, chunk = item
+        return chunk_priority(chunk, submitted_s, self.policy)
 
 
 @dataclass(frozen=True)
@@ -189,7 +192,7 @@ def simulate(policy: str, rate: float, count: int, seed: int, setup: SimSetup = 
     engine = SimEngine(config, setup.slots, steps, clock)
     schedule = ChunkSchedule.for_policy(DetokConfig(first_chunk_frames=setup.first_chunk_frames), policy)
     side = LLMSide(engine, schedule, clock=clock)
-    detok = DetokModel(streaming=policy == "streaming")
+    detok = DetokModel(policy)
     times = arrivals(rate, count, seed)
     trackers: dict[str, PlaybackTracker] = {}
     while len(trackers) < count or engine.has_work or detok.busy:
