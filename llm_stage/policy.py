@@ -6,10 +6,10 @@ sent yet, including new ones still to prefill), FCFS, at most `startup_concurren
 only as many as the batch can keep at real time next to the streams already playing; then the
 rest by slack; startups past either limit last. Slack = audio buffered at the client - time to
 produce and ship the smallest next chunk (adaptive chunks shrink to the buffer, so that is how
-long a stream can be left out of the batch). A startup thus takes rows only from streams that can afford to
-wait, and only when the engine can carry one more stream: near capacity, giving rows to
-startups made every stream underrun (BENCHMARKS "Urgent streams keep their rows", "Admission by
-capacity"). The playback clock (first audio, audio sent) is kept on each Request by whoever
+long a stream can be left out of the batch). A startup thus takes rows only from streams that
+can afford to wait, and only when the engine can carry one more stream: near capacity, giving
+rows to startups made every stream underrun (BENCHMARKS "Urgent streams keep their rows",
+"Admission by capacity"). The playback clock (first audio, audio sent) is kept on each Request by whoever
 ships the audio.
 """
 

@@ -19,6 +19,7 @@ import argparse
 import math
 import random
 import statistics
+from collections import Counter
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -26,16 +27,17 @@ from cluster.config import CacheConfig, DetokConfig, SchedulerConfig
 from cluster.pipeline import LLMSide
 from cluster.types import SamplingParams, TokenChunk
 from detok_stage.chunking import ChunkSchedule
+from detok_stage.codecs.snac_codec import SnacCodec
 from detok_stage.engine import chunk_priority
 from llm_stage.engine import StepOutput
+from llm_stage.models.orpheus import TOKENS_PER_FRAME, OrpheusAdapter
 from llm_stage.policy import StepTimer, make_decode_order
 from llm_stage.request import Request
 from llm_stage.scheduler import Scheduler
 from loadtest.policy_bench import RunResult, arrivals, summarize
 from router.playback import PlaybackTracker
 
-TOKENS_PER_FRAME = 7
-FRAME_S = 2048 / 24000  # one SNAC frame (Orpheus: 7 tokens)
+FRAME_S = SnacCodec.samples_per_frame / SnacCodec.sample_rate_hz  # one SNAC frame (Orpheus: 7 tokens)
 PROMPT_TOKENS = 20  # a short sentence in Orpheus' prompt format
 
 
@@ -85,7 +87,7 @@ class SimEngine:
         self.timer = StepTimer(tokens_per_frame=TOKENS_PER_FRAME)
         self.adapter = SimpleNamespace(tokens_per_frame=TOKENS_PER_FRAME)
         order = make_decode_order(config, self.timer, clock)
-        period = TOKENS_PER_FRAME if config.align_starts else 1
+        period = OrpheusAdapter.head_phase_period if config.align_starts else 1
         cache = CacheConfig(num_slots=slots, max_seq_len=1024)
         self.scheduler = Scheduler(config, cache, [], order, head_phase_period=period)
         self.requests: dict[str, Request] = {}
@@ -154,9 +156,7 @@ class DetokModel:
             ready = sorted((q for q in self.queue if q[0] <= start), key=self._priority)[: self.max_batch_chunks]
             for item in ready:
                 self.queue.remove(item)
-            groups: dict[int, int] = {}
-            for _, chunk in ready:
-                groups[len(chunk.frames)] = groups.get(len(chunk.frames), 0) + 1
+            groups = Counter(len(chunk.frames) for _, chunk in ready)  # window length -> chunks
             busy_ms = sum(self.ms_per_group + self.ms_per_window_frame * n * k for n, k in groups.items())
             timer.record_detok(busy_ms / 1e3)
             self.free_at_s = start + busy_ms / 1e3
@@ -179,9 +179,9 @@ class SimSetup:
     startup_concurrency: int = 4
     first_chunk_frames: int = 4
     max_tokens: int = 168
-    step_scale: float = 1.0
-    drift: float = 0.15
-    noise: float = 0.1
+    step_scale: float = StepModel.scale
+    drift: float = StepModel.drift
+    noise: float = StepModel.noise
 
 
 def simulate(policy: str, rate: float, count: int, seed: int, setup: SimSetup = SimSetup()) -> RunResult:
@@ -204,7 +204,8 @@ def simulate(policy: str, rate: float, count: int, seed: int, setup: SimSetup = 
             for chunk in side.step():
                 detok.queue.append((clock.now_s, chunk))
         else:  # idle: jump to the next arrival or detokenizer event
-            events = [t for t in (detok.next_event_s(),) if t is not None]
+            detok_event = detok.next_event_s()
+            events = [] if detok_event is None else [detok_event]
             events += [times[len(trackers)]] if len(trackers) < count else []
             clock.now_s = max(clock.now_s + 1e-4, min(events))
         detok.run_until(clock.now_s, engine.timer)
@@ -247,7 +248,7 @@ def main() -> None:
     parser.add_argument("--policies", nargs="+", default=["fcfs", "streaming"])
     parser.add_argument("--batch", type=int, default=SimSetup.batch)
     parser.add_argument("--startup-concurrency", type=int, default=SimSetup.startup_concurrency)
-    parser.add_argument("--step-scale", type=float, default=1.0, help="multiplies every step time (0.4: 2.5x faster)")
+    parser.add_argument("--step-scale", type=float, default=SimSetup.step_scale, help="step time x (0.4: 2.5x faster)")
     parser.add_argument("--drift", type=float, default=SimSetup.drift, help="sd of the slow step-time drift")
     parser.add_argument("--noise", type=float, default=SimSetup.noise, help="sd of the per-step noise")
     args = parser.parse_args()
