@@ -115,9 +115,12 @@ class OrpheusAdapter(LMAdapter):
         out = torch.empty(hidden.shape[0], CODES_PER_SLOT + 1, dtype=torch.float32, device=hidden.device)
         num_generated = [len(r.output_ids) for r in reqs]
         slots = [slot_of(n) for n in num_generated]
-        for slot in sorted(set(slots)):
-            rows = [b for b, s in enumerate(slots) if s == slot]
-            out[rows, :CODES_PER_SLOT] = self._slot_logits(hidden[rows], slot).float()
+        if len(set(slots)) == 1:  # aligned rows (the usual case): a plain copy, no index_put
+            out[:, :CODES_PER_SLOT] = self._slot_logits(hidden, slots[0])
+        else:
+            for slot in sorted(set(slots)):
+                rows = [b for b, s in enumerate(slots) if s == slot]
+                out[rows, :CODES_PER_SLOT] = self._slot_logits(hidden[rows], slot).float()
         out[:, CODES_PER_SLOT] = (hidden @ self.backbone.lm_head_weight[END_OF_SPEECH]).float()
         off_boundary = [b for b, n in enumerate(num_generated) if n == 0 or slot_of(n) != 0]
         out[off_boundary, CODES_PER_SLOT] = float("-inf")
