@@ -83,3 +83,17 @@ def test_orpheus_slot_logits_match_lm_head_columns_for_any_grouping():
         assert cand[b, : len(allowed)].tolist() == allowed
         torch.testing.assert_close(logits[b, : len(allowed)], want, rtol=1e-5, atol=1e-5)
         assert len(allowed) == logits.shape[1] or logits[b, -1] == float("-inf")  # end-of-speech only at a boundary
+
+
+@pytest.mark.parametrize("generated", [3, 7])
+def test_orpheus_slot_logits_of_aligned_rows(generated):
+    """Rows all on one frame slot (the aligned case, one plain copy) give lm_head's own logits."""
+    adapter = orpheus_adapter()
+    weight = adapter.backbone.lm_head_weight
+    reqs = [Request(f"r{i}", [1], SamplingParams(), arrival_s=0.0) for i in range(4)]
+    for req in reqs:
+        req.output_ids = [0] * generated
+    hidden = torch.randn(len(reqs), weight.shape[1], generator=torch.Generator().manual_seed(1))
+    logits, _ = adapter.logits(hidden, reqs)
+    allowed = allowed_token_ids(generated)
+    torch.testing.assert_close(logits[:, : len(allowed)], hidden @ weight[allowed].T, rtol=1e-5, atol=1e-5)
