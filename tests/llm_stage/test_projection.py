@@ -19,3 +19,9 @@ def test_project_matches_linear(shape, with_bias):
     out = project(x, weight, bias)
     assert out.shape == (*shape, 48) and out.is_contiguous()
     torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_project_keeps_linear_for_half_precision():
+    x = torch.randn(4, 1, 32).to(torch.bfloat16)
+    weight = torch.randn(48, 32).to(torch.bfloat16)
+    assert torch.equal(project(x, weight), F.linear(x, weight))
