@@ -9,8 +9,8 @@ produce and ship the smallest next chunk (adaptive chunks shrink to the buffer, 
 long a stream can be left out of the batch). A startup thus takes rows only from streams that
 can afford to wait, and only when the engine can carry one more stream: near capacity, giving
 rows to startups made every stream underrun (BENCHMARKS "Urgent streams keep their rows",
-"Admission by capacity"). The playback clock (first audio, audio sent) is kept on each Request by whoever
-ships the audio.
+"Admission by capacity"). The playback clock (first audio, audio sent) is kept on each Request
+by whoever ships the audio.
 """
 
 from __future__ import annotations

@@ -115,12 +115,11 @@ class OrpheusAdapter(LMAdapter):
         out = torch.empty(hidden.shape[0], CODES_PER_SLOT + 1, dtype=torch.float32, device=hidden.device)
         num_generated = [len(r.output_ids) for r in reqs]
         slots = [slot_of(n) for n in num_generated]
-        if len(set(slots)) == 1:  # aligned rows (the usual case): a plain copy, no index_put
-            out[:, :CODES_PER_SLOT] = self._slot_logits(hidden, slots[0])
-        else:
-            for slot in sorted(set(slots)):
-                rows = [b for b, s in enumerate(slots) if s == slot]
-                out[rows, :CODES_PER_SLOT] = self._slot_logits(hidden[rows], slot).float()
+        for slot in sorted(set(slots)):
+            rows = [b for b, s in enumerate(slots) if s == slot]
+            # aligned rows (the usual case) are all of them: views and a plain copy, no gather / index_put
+            index = slice(None) if len(rows) == len(slots) else rows
+            out[index, :CODES_PER_SLOT] = self._slot_logits(hidden[index], slot)  # copies into fp32
         out[:, CODES_PER_SLOT] = (hidden @ self.backbone.lm_head_weight[END_OF_SPEECH]).float()
         off_boundary = [b for b, n in enumerate(num_generated) if n == 0 or slot_of(n) != 0]
         out[off_boundary, CODES_PER_SLOT] = float("-inf")
