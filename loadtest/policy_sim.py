@@ -245,6 +245,7 @@ def main() -> None:
     parser.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.5, 1.75, 2.0])
     parser.add_argument("--seeds", type=int, default=12, help="arrival patterns per rate (seeds 7, 8, ...)")
     parser.add_argument("--requests", type=int, default=48)
+    parser.add_argument("--max-tokens", type=int, default=SimSetup.max_tokens, help="168: 2.05 s of audio")
     parser.add_argument("--policies", nargs="+", default=["fcfs", "streaming"])
     parser.add_argument("--batch", type=int, default=SimSetup.batch)
     parser.add_argument("--startup-concurrency", type=int, default=SimSetup.startup_concurrency)
@@ -253,8 +254,8 @@ def main() -> None:
     parser.add_argument("--noise", type=float, default=SimSetup.noise, help="sd of the per-step noise")
     args = parser.parse_args()
     setup = SimSetup(
-        batch=args.batch, startup_concurrency=args.startup_concurrency, step_scale=args.step_scale,
-        drift=args.drift, noise=args.noise,
+        batch=args.batch, startup_concurrency=args.startup_concurrency, max_tokens=args.max_tokens,
+        step_scale=args.step_scale, drift=args.drift, noise=args.noise,
     )  # fmt: skip
     results = [
         simulate(policy, rate, args.requests, 7 + k, setup)
