@@ -6,25 +6,28 @@ sent yet, including new ones still to prefill), FCFS, at most `startup_concurren
 only as many as the batch can keep at real time next to the streams already playing; then the
 rest by slack; startups past either limit last. Slack = audio buffered at the client - time to
 produce and ship the smallest next chunk (adaptive chunks shrink to the buffer, so that is how
-long a stream can be left out of the batch). A startup thus takes rows only from streams that
-can afford to wait, and only when the engine can carry one more stream: near capacity, giving
-rows to startups made every stream underrun (BENCHMARKS "Urgent streams keep their rows",
-"Admission by capacity"). The playback clock (first audio, audio sent) is kept on each Request
-by whoever ships the audio.
+long a stream can be left out of the batch). A stream is urgent when its slack is shorter than
+the time the startups now queued would hold the batch (`urgent_horizon_s`): a startup thus takes
+rows only from streams that can afford to wait for it, and only when the engine can carry one
+more stream: near capacity, giving rows to startups made every stream underrun (BENCHMARKS
+"Urgent streams keep their rows", "Admission by capacity"). The playback clock (first audio,
+audio sent) is kept on each Request by whoever ships the audio.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from cluster.config import SchedulerConfig
 from llm_stage.request import Request
 from llm_stage.scheduler import DecodeOrder, DecodePriority, fcfs_order
 
-URGENT_SLACK_S = 0.3  # below this a stream is urgent (EDF); above it, it only fills the batch
+MIN_URGENT_SLACK_S = 0.03  # a stream with less slack is urgent even with no startup queued: steps jitter
+MAX_URGENT_SLACK_S = 0.3  # and one with more never is: the fixed threshold this horizon replaced
+STARTUP_COVER = 4.0  # urgency horizon / time the queued startups' first chunks hold the batch
 CAPACITY_MARGIN = 0.9  # share of the estimated sustainable streams startups may fill: steps jitter
 
 
@@ -85,6 +88,13 @@ class StreamingOrder:
     """A DecodeOrder: urgent (EDF) > startups, bounded, FCFS (decoding, then new requests'
     prefills) > the rest by slack > startups past the limits.
 
+    Urgent = slack under `urgent_horizon_s`, which grows with the startups queued (decoding ones
+    and, through `bind_queue`, new requests still waiting for a slot or a row): a stream yields
+    its row to startups only while its buffer outlasts their first chunks with a margin. A fixed
+    0.3 s threshold kept every stream at 0.3 s of slack however fast the engine ran: at 2 ms
+    steps that is 150 steps in which startups could have had its row (BENCHMARKS "Urgency
+    horizon").
+
     With `max_batch_size` set, startups go ahead only while streams in playback + startups stay
     within CAPACITY_MARGIN of what a full batch sustains (`StepTimer.sustainable_streams`); past
     that they wait for rows like FCFS requests do, instead of starting a stream the engine
@@ -106,6 +116,11 @@ class StreamingOrder:
         self.clock = clock
         self.max_batch_size = max_batch_size
         self.capacity_margin = CAPACITY_MARGIN
+        self.queued: Callable[[], Sequence[Request]] = tuple  # new requests not yet admitted
+
+    def bind_queue(self, queued: Callable[[], Sequence[Request]]) -> None:
+        """Let the policy see the requests waiting for admission (the scheduler calls this)."""
+        self.queued = queued
 
     def __call__(self, requests: list[Request]) -> DecodePriority:
         now = self.clock()
@@ -114,15 +129,28 @@ class StreamingOrder:
         slack = {id(r): slack_s(r, now, self.timer) for r in steady}
         playing_rows = sum(len(r.unit) for r in steady)
         sustained = self.sustained_streams()
-        urgent = [r for r in steady if slack[id(r)] < URGENT_SLACK_S]
+        horizon = self.urgent_horizon_s(startup)
+        urgent = [r for r in steady if slack[id(r)] < horizon]
         if sustained is not None and playing_rows > math.floor(sustained):  # overload: some must miss
             urgent = fcfs_order(urgent)  # seniority puts the misses on the fewest, newest streams
         else:
             urgent.sort(key=lambda r: buffered_s(r, now))  # earliest deadline first
-        comfortable = sorted((r for r in steady if slack[id(r)] >= URGENT_SLACK_S), key=lambda r: slack[id(r)])
+        comfortable = sorted((r for r in steady if slack[id(r)] >= horizon), key=lambda r: slack[id(r)])
         ahead = self.startups_ahead(playing_rows, sustained)
         first, deferred = startup[:ahead], startup[ahead:]
         return DecodePriority(urgent + first, ahead - len(first), comfortable + deferred)
+
+    def urgent_horizon_s(self, startups: list[Request]) -> float:
+        """Slack below which a stream keeps its row ahead of startups: STARTUP_COVER x the time the
+        queued startups' first chunks (plus a prefill step for each new request) fill the batch,
+        plus one detokenizer call, within [MIN_URGENT_SLACK_S, MAX_URGENT_SLACK_S]. Uncapped, a
+        burst of queued startups made every stream urgent and the startups waited longer than
+        with the fixed threshold (BENCHMARKS "Urgency horizon")."""
+        tokens = sum(max(1, r.tokens_to_next_chunk) for r in startups)
+        tokens += sum(max(1, r.tokens_to_next_chunk) + 1 for r in self.queued())
+        rows = self.max_batch_size or max(1, self.startup_concurrency)
+        fill_s = tokens / rows * self.timer.step_s
+        return min(MAX_URGENT_SLACK_S, max(MIN_URGENT_SLACK_S, STARTUP_COVER * fill_s + self.timer.detok_s))
 
     def sustained_streams(self) -> float | None:
         """Single-row streams a full batch keeps at real time (None: unknown, or no batch cap given)."""

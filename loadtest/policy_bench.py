@@ -4,14 +4,18 @@ Both engines run on wall-clock time with the batch deliberately smaller than the
 concurrent streams (that is where the policy decides who waits). Every rate replays the same
 arrival pattern, scaled in time (one seed per repeat), so a higher rate is strictly more load:
 with a seed per rate, one rate's bursts could outweigh the next rate's and the p90s crossed.
-Reports p50/p90 TTFA, % viable and worst underrun per rate, plus throughput-mode x-real-time,
-as JSON and a table.
-Run: `.venv/bin/python -m loadtest.policy_bench --rates 0.5 1 1.5 2 --requests 24 --repeats 2`
+`--loads` sets each rate as a share of the requests per second the pipeline finishes when all
+arrive at once, measured at the start of every repeat (`capacity_req_s`): the same command
+then means the same load on a machine 5x faster, or on this one after its speed drifted.
+Reports p50/p90 TTFA, % viable and worst underrun per rate, where FCFS's p90 doubles and where
+streaming stands there, plus throughput-mode x-real-time, as JSON and a table.
+Run: `.venv/bin/python -m loadtest.policy_bench --loads 0.1 0.6 0.7 0.8 --requests 48 --repeats 6`
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import statistics
@@ -39,6 +43,12 @@ class RunResult:
     p90_ttfa_s: float
     viable_pct: float
     worst_underrun_s: float
+    load: float | None = None  # share of the measured capacity the rate was set to (`--loads`)
+
+    @property
+    def level(self) -> float:
+        """What runs are grouped by: the load when the rate was set as one, else the rate."""
+        return self.rate if self.load is None else self.load
 
 
 def bench_config(policy: str, batch: int, slots: int, first_chunk_frames: int = 4) -> EngineConfig:
@@ -57,6 +67,17 @@ def arrivals(rate: float, count: int, seed: int) -> list[float]:
         now += rng.expovariate(rate)
         times.append(now)
     return times
+
+
+def capacity_req_s(pipeline: InProcessPipeline, count: int, max_tokens: int, tag: str = "") -> float:
+    """Requests per second the pipeline finishes when `count` arrive at once (no row ever idle):
+    the machine's speed now, in the unit rates are set in."""
+    start = time.monotonic()
+    for i in range(count):
+        pipeline.submit(f"capacity{tag}-{i}", TEXTS[i % len(TEXTS)], None, {"max_tokens": max_tokens, "seed": 0})
+    while pipeline.has_work:
+        pipeline.step()
+    return count / (time.monotonic() - start)
 
 
 def run_rate(
@@ -87,16 +108,35 @@ def summarize(policy: str, rate: float, repeat: int, trackers: list[PlaybackTrac
     return RunResult(policy, rate, repeat, statistics.median(ttfas), p90, viable, worst)
 
 
-def table(results: list[RunResult]) -> str:
-    """Per policy and rate over the repeats: median p90 TTFA (min-max) and mean % viable (min-max)."""
-    lines = ["| rate | policy | p90 TTFA, median (range) | viable, mean (range) |", "|---|---|---|---|"]
-    for rate in sorted({r.rate for r in results}):
+def report(results: list[RunResult]) -> str:
+    """Per level (load, or rate) and policy over the repeats: p90 TTFA median and mean, % viable
+    mean and min; then the issue's target: the first level where FCFS's median p90 is 2x its
+    lowest level's, and where streaming stands there against its own lowest-level p90."""
+    unit = "load" if results and results[0].load is not None else "rate"
+    lines = [f"| {unit} | policy | p90 TTFA median | p90 mean | viable mean (min) |", "|---|---|---|---|---|"]
+    median: dict[tuple[str, float], float] = {}
+    viable: dict[tuple[str, float], list[float]] = {}
+    for level in sorted({r.level for r in results}):
         for policy in sorted({r.policy for r in results}):
-            runs = [r for r in results if r.rate == rate and r.policy == policy]
-            p90s, viable = [r.p90_ttfa_s for r in runs], [r.viable_pct for r in runs]
+            runs = [r for r in results if r.level == level and r.policy == policy]
+            if not runs:
+                continue
+            p90s = [r.p90_ttfa_s for r in runs]
+            median[policy, level], viable[policy, level] = statistics.median(p90s), [r.viable_pct for r in runs]
             lines.append(
-                f"| {rate} | {policy} | {statistics.median(p90s):.2f} s ({min(p90s):.2f}-{max(p90s):.2f}) "
-                f"| {statistics.mean(viable):.1f}% ({min(viable):.0f}-{max(viable):.0f}) |"
+                f"| {level} | {policy} | {median[policy, level]:.3f} s | {statistics.mean(p90s):.3f} s "
+                f"| {statistics.mean(viable[policy, level]):.1f}% ({min(viable[policy, level]):.0f}) |"
+            )
+    levels = sorted({level for _, level in median})
+    low = levels[0] if levels else None
+    if ("fcfs", low) in median and ("streaming", low) in median:
+        doubled = [level for level in levels if median["fcfs", level] >= 2 * median["fcfs", low]]
+        if doubled and ("streaming", doubled[0]) in median:
+            at = doubled[0]
+            ratio = median["streaming", at] / median["streaming", low]
+            lines.append(
+                f"\nFCFS p90 doubles by {unit} {at}; streaming there: {ratio:.2f}x its low-{unit} p90, "
+                f"{statistics.mean(viable['streaming', at]):.1f}% viable (min {min(viable['streaming', at]):.0f}%)"
             )
     return "\n".join(lines)
 
@@ -115,7 +155,11 @@ def throughput_x_real_time(max_tokens: int, count: int, slots: int) -> dict[str,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 1.5, 2.0])
+    levels = parser.add_mutually_exclusive_group()
+    levels.add_argument("--rates", type=float, nargs="+", help="requests per second")
+    levels.add_argument(
+        "--loads", type=float, nargs="+", help="shares of the capacity measured each repeat (default 0.1 0.6 0.7 0.8)"
+    )
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=1, help="runs per rate and policy (new arrival times each)")
     parser.add_argument("--seed", type=int, default=7, help="arrival pattern of repeat 0 (seed + k: repeat k)")
@@ -126,6 +170,7 @@ def main() -> None:
     parser.add_argument("--xrt-requests", type=int, default=32, help="requests of the x-real-time comparison")
     parser.add_argument("--xrt-max-tokens", type=int, default=336, help="336 = 48 frames = 4.1 s of audio")
     parser.add_argument("--xrt-only", action="store_true", help="skip the rate sweep")
+    parser.add_argument("--capacity-requests", type=int, default=16, help="requests of each capacity measurement")
     parser.add_argument("--out", default="loadtest/results/policy_bench.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -134,18 +179,26 @@ def main() -> None:
         p: InProcessPipeline(bench_config(p, args.batch, args.slots, args.first_chunk_frames))
         for p in ("fcfs", "streaming")
     }
+    loads = None if args.rates else (args.loads or [0.1, 0.6, 0.7, 0.8])
     # both policies back to back at each rate, so machine noise (it drifts by ~25% here) hits both alike
-    for repeat in range(args.repeats):
-        for rate in [] if args.xrt_only else args.rates:
+    for repeat in range(0 if args.xrt_only else args.repeats):
+        rates = args.rates
+        if loads is not None:
+            capacity = capacity_req_s(pipelines["fcfs"], args.capacity_requests, args.max_tokens, f"-{repeat}")
+            print(f"repeat {repeat}: capacity {capacity:.2f} req/s", flush=True)
+            rates = [round(load * capacity, 3) for load in loads]
+        for level, rate in enumerate(rates):
             for policy, pipeline in pipelines.items():
                 seed = args.seed + repeat  # the same pattern at every rate, scaled by 1 / rate
                 result = run_rate(pipeline, policy, rate, args.requests, args.max_tokens, seed, repeat)
+                if loads is not None:
+                    result = dataclasses.replace(result, load=loads[level])
                 results.append(result)
                 print(result, flush=True)
     for pipeline in pipelines.values():
         pipeline.close()
     if results:
-        print(table(results))
+        print(report(results))
     xrt = throughput_x_real_time(args.xrt_max_tokens, args.xrt_requests, args.slots)
     print(f"x-real-time: {xrt}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import math
 import random
-import statistics
 from collections import Counter
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -34,7 +33,7 @@ from llm_stage.models.orpheus import TOKENS_PER_FRAME, OrpheusAdapter
 from llm_stage.policy import StepTimer, make_decode_order
 from llm_stage.request import Request
 from llm_stage.scheduler import Scheduler
-from loadtest.policy_bench import RunResult, arrivals, summarize
+from loadtest.policy_bench import RunResult, arrivals, report, summarize
 from router.playback import PlaybackTracker
 
 FRAME_S = SnacCodec.samples_per_frame / SnacCodec.sample_rate_hz  # one SNAC frame (Orpheus: 7 tokens)
@@ -214,30 +213,6 @@ def simulate(policy: str, rate: float, count: int, seed: int, setup: SimSetup = 
             side.mark_audio_sent(chunk.req_id, frames * FRAME_S, frames)
             trackers[chunk.req_id].on_chunk(clock.now_s, frames * FRAME_S)
     return summarize(policy, rate, seed, list(trackers.values()))
-
-
-def report(results: list[RunResult]) -> str:
-    """Per rate and policy over the seeds: p90 TTFA median and mean, % viable mean and min; then the
-    issue's target: the first rate where FCFS's median p90 is 2x its lowest rate's, and where
-    streaming stands there against its own lowest-rate p90."""
-    lines = ["| rate | policy | p90 TTFA median | p90 mean | viable mean (min) |", "|---|---|---|---|---|"]
-    median: dict[tuple[str, float], float] = {}
-    for rate in sorted({r.rate for r in results}):
-        for policy in sorted({r.policy for r in results}):
-            runs = [r for r in results if r.rate == rate and r.policy == policy]
-            p90s, viable = [r.p90_ttfa_s for r in runs], [r.viable_pct for r in runs]
-            median[policy, rate] = statistics.median(p90s)
-            lines.append(
-                f"| {rate} | {policy} | {median[policy, rate]:.2f} s | {statistics.mean(p90s):.2f} s "
-                f"| {statistics.mean(viable):.1f}% ({min(viable):.0f}) |"
-            )
-    rates = sorted({rate for _, rate in median})
-    if ("fcfs", rates[0]) in median and ("streaming", rates[0]) in median:
-        doubled = [rate for rate in rates if median["fcfs", rate] >= 2 * median["fcfs", rates[0]]]
-        if doubled:
-            ratio = median["streaming", doubled[0]] / median["streaming", rates[0]]
-            lines.append(f"\nFCFS p90 doubles by {doubled[0]} req/s; streaming there: {ratio:.2f}x its low-load p90")
-    return "\n".join(lines)
 
 
 def main() -> None:

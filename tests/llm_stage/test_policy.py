@@ -132,10 +132,11 @@ def test_startup_waits_like_fcfs_when_the_batch_cannot_carry_one_more_stream():
 def test_urgent_streams_go_oldest_first_when_more_play_than_the_batch_sustains():
     clock = FakeClock()
     sched = capacity_scheduler(clock, step_s=0.010)  # 3 rows sustain 3.4 streams
-    running(sched, "old1", arrival_s=1, first_audio_s=99.0, sent_s=1.4)  # all urgent (0.1-0.4 s buffered)
-    running(sched, "old2", arrival_s=2, first_audio_s=99.0, sent_s=1.3)
-    running(sched, "old3", arrival_s=3, first_audio_s=99.0, sent_s=1.35)
-    running(sched, "young", arrival_s=4, first_audio_s=99.0, sent_s=1.1)  # the earliest deadline
+    # all urgent: 50-150 ms buffered, 120 ms to make and decode the next chunk
+    running(sched, "old1", arrival_s=1, first_audio_s=99.0, sent_s=1.15)
+    running(sched, "old2", arrival_s=2, first_audio_s=99.0, sent_s=1.1)
+    running(sched, "old3", arrival_s=3, first_audio_s=99.0, sent_s=1.12)
+    running(sched, "young", arrival_s=4, first_audio_s=99.0, sent_s=1.05)  # the earliest deadline
     assert picked(sched) == ["old1", "old2", "old3"]  # one stream must miss: the newest, not all four in turn
     del sched.running["old3"]
     assert picked(sched) == ["young", "old2", "old1"]  # within capacity: earliest deadline first
@@ -173,8 +174,9 @@ def test_detok_streaming_order_startup_then_earliest_deadline():
     assert {a.req_id for a in fcfs.step()} == {"late", "soon"}
 
 
-def waiting(scheduler: Scheduler, req_id: str, arrival_s: float) -> Request:
+def waiting(scheduler: Scheduler, req_id: str, arrival_s: float, first_chunk_tokens: int = 28) -> Request:
     req = Request(req_id, [1, 2, 3], SamplingParams(), arrival_s=arrival_s)
+    req.tokens_to_next_chunk = first_chunk_tokens  # as LLMSide sets it for every request it chunks
     scheduler.add(req)
     return req
 
@@ -200,12 +202,28 @@ def test_new_request_waits_while_every_running_stream_is_urgent():
     sched = streaming_scheduler(batch=2, clock=clock, startup=2)
     running(sched, "a", arrival_s=1, first_audio_s=99.0, sent_s=1.4)  # slack 0.28 s
     running(sched, "b", arrival_s=2, first_audio_s=99.5, sent_s=0.9)
-    waiting(sched, "new", arrival_s=50)
+    waiting(sched, "new", arrival_s=50)  # its first chunk (28 tokens) would hold both rows 0.14 s
     plan = sched.schedule()
     assert [r.req_id for r in plan.decodes] == ["a", "b"] and plan.prefills == []
     clock.now_s = 90.0  # the same streams with seconds of buffer: the new request goes first
     plan = sched.schedule()
     assert [w.req.req_id for w in plan.prefills] == ["new"] and [r.req_id for r in plan.decodes] == ["a"]
+
+
+def test_urgency_horizon_grows_with_the_startups_queued():
+    clock = FakeClock()
+    sched = streaming_scheduler(batch=2, clock=clock, startup=2)
+    running(sched, "a", arrival_s=1, first_audio_s=99.0, sent_s=1.4)  # slack 0.28 s
+    running(sched, "b", arrival_s=2, first_audio_s=99.5, sent_s=0.9)
+    waiting(sched, "short", arrival_s=50, first_chunk_tokens=7)  # holds 2 rows 40 ms: horizon 0.21 s
+    plan = sched.schedule()
+    assert [w.req.req_id for w in plan.prefills] == ["short"] and [r.req_id for r in plan.decodes] == ["a"]
+    del sched.running["short"]  # admitted by that plan; gone again
+    assert picked(sched) == ["a", "b"]  # nothing queued: a 0.05 s horizon, both streams fill the batch
+    for i in range(3):  # three queued: the horizon reaches its 0.3 s cap; both streams keep their rows
+        waiting(sched, f"q{i}", arrival_s=60 + i, first_chunk_tokens=7)
+    plan = sched.schedule()
+    assert plan.prefills == [] and [r.req_id for r in plan.decodes] == ["a", "b"]
 
 
 def test_prefills_ahead_count_against_the_startup_limit():

@@ -36,4 +36,4 @@ def test_report_finds_the_rate_where_fcfs_doubles():
         for policy in ("fcfs", "streaming")
     ]
     text = report(results)
-    assert "| 5.0 | streaming |" in text and "FCFS p90 doubles by 5.0 req/s" in text
+    assert "| 5.0 | streaming |" in text and "FCFS p90 doubles by rate 5.0; streaming there: " in text
