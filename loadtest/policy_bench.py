@@ -180,12 +180,14 @@ def main() -> None:
         for p in ("fcfs", "streaming")
     }
     loads = None if args.rates else (args.loads or [0.1, 0.4, 0.5, 0.6, 0.7])
+    args.loads, capacities = loads, []
     # both policies back to back at each rate, so machine noise (it drifts by ~25% here) hits both alike
     for repeat in range(0 if args.xrt_only else args.repeats):
         rates = args.rates
         if loads is not None:
             capacity = capacity_req_s(pipelines["fcfs"], args.capacity_requests, args.max_tokens, f"-{repeat}")
             print(f"repeat {repeat}: capacity {capacity:.2f} req/s", flush=True)
+            capacities.append(capacity)
             rates = [round(load * capacity, 3) for load in loads]
         for level, rate in enumerate(rates):
             for policy, pipeline in pipelines.items():
@@ -203,7 +205,9 @@ def main() -> None:
     print(f"x-real-time: {xrt}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as handle:
-        json.dump({"args": vars(args), "results": [r.__dict__ for r in results], "x_real_time": xrt}, handle, indent=1)
+        results_json = [r.__dict__ for r in results]
+        record = {"args": vars(args), "capacity_req_s": capacities, "results": results_json, "x_real_time": xrt}
+        json.dump(record, handle, indent=1)
 
 
 if __name__ == "__main__":
