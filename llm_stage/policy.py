@@ -92,8 +92,8 @@ class StreamingOrder:
     and, through `bind_queue`, new requests still waiting for a slot or a row): a stream yields
     its row to startups only while its buffer outlasts their first chunks with a margin. A fixed
     0.3 s threshold kept every stream at 0.3 s of slack however fast the engine ran: at 2 ms
-    steps that is 150 steps in which startups could have had its row (BENCHMARKS "Urgency
-    horizon").
+    steps that is 150 steps in which startups could have had its row (BENCHMARKS "A 5x faster
+    box").
 
     With `max_batch_size` set, startups go ahead only while streams in playback + startups stay
     within CAPACITY_MARGIN of what a full batch sustains (`StepTimer.sustainable_streams`); past
@@ -145,7 +145,7 @@ class StreamingOrder:
         queued startups' first chunks (plus a prefill step for each new request) fill the batch,
         plus one detokenizer call, within [MIN_URGENT_SLACK_S, MAX_URGENT_SLACK_S]. Uncapped, a
         burst of queued startups made every stream urgent and the startups waited longer than
-        with the fixed threshold (BENCHMARKS "Urgency horizon")."""
+        with the fixed threshold (BENCHMARKS "A 5x faster box")."""
         tokens = sum(max(1, r.tokens_to_next_chunk) for r in startups)
         tokens += sum(max(1, r.tokens_to_next_chunk) + 1 for r in self.queued())
         rows = self.max_batch_size or max(1, self.startup_concurrency)

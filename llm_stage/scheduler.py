@@ -115,11 +115,11 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.stop_rule = stop_rule or (lambda _req, token: token in self.eos_token_ids)
         self.decode_order = decode_order
+        self.waiting: list[Request] = []
+        self.running: dict[str, Request] = {}
         bind_queue = getattr(decode_order, "bind_queue", None)
         if bind_queue is not None:  # a policy that weighs the requests still waiting (StreamingOrder)
             bind_queue(lambda: self.waiting)
-        self.waiting: list[Request] = []
-        self.running: dict[str, Request] = {}
 
     @property
     def has_work(self) -> bool:
