@@ -136,9 +136,11 @@ class StreamingOrder:
         else:
             urgent.sort(key=lambda r: buffered_s(r, now))  # earliest deadline first
         comfortable = sorted((r for r in steady if slack[id(r)] >= horizon), key=lambda r: slack[id(r)])
+        ample = horizon + self.timer.tokens_per_frame * self.timer.step_s  # slack to sit out a frame's steps
+        tight = [r for r in comfortable if slack[id(r)] < ample]
         ahead = self.startups_ahead(playing_rows, sustained)
         first, deferred = startup[:ahead], startup[ahead:]
-        return DecodePriority(urgent + first, ahead - len(first), comfortable + deferred)
+        return DecodePriority(urgent + first, ahead - len(first), tight, comfortable[len(tight) :], deferred)
 
     def urgent_horizon_s(self, startups: list[Request]) -> float:
         """Slack below which a stream keeps its row ahead of startups: STARTUP_COVER x the time the

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from cluster.config import CacheConfig, SchedulerConfig
+from llm_stage.kv_slots import SlotAllocator
 from llm_stage.models.orpheus import slot_of
 from llm_stage.request import RequestStatus
-from llm_stage.scheduler import Scheduler
+from llm_stage.scheduler import DecodePriority, Scheduler
 from tests.factories import EOS_FAKE, fake_request, orpheus_engine
 
 PERIOD = 7
@@ -97,3 +98,52 @@ def test_orpheus_streams_started_apart_share_one_slot_head_and_keep_their_greedy
     assert aligned_slots and all(len(slots) == 1 for slots in aligned_slots)
     assert all(len(slots) == 3 for slots in staggered_slots)
     assert aligned == staggered  # a later start changes when, not what
+
+
+def decoding_at_phase(sched: Scheduler, req_id: str, phase: int, arrival_s: float):
+    """A decoding row whose next sampled token falls in `phase`."""
+    req = fake_request(req_id, prompt_len=5, max_tokens=100)
+    req.arrival_s = arrival_s
+    req.status, req.slot = RequestStatus.DECODING, sched.slots.allocate()
+    req.output_ids = [7] * (PERIOD + phase)
+    req.num_cached = req.num_known - 1  # the last sampled token is not in the cache yet
+    assert next_phase(req) == phase
+    sched.running[req_id] = req
+    return req
+
+
+def test_rows_that_can_wait_fill_the_batch_in_its_head_phase_first():
+    order = lambda decoding: DecodePriority(  # noqa: E731
+        [r for r in decoding if r.req_id == "urgent"],
+        can_wait=[r for r in decoding if r.req_id.startswith("fill")],
+        last=[r for r in decoding if r.req_id == "deferred"],
+    )
+    sched = phased_scheduler(decode_order=order)
+    sched.config = SchedulerConfig(max_batch_size=3)
+    sched.slots = SlotAllocator(8)
+    decoding_at_phase(sched, "urgent", 2, arrival_s=1)
+    decoding_at_phase(sched, "fill-off", 5, arrival_s=2)  # first in the policy's order, but out of phase
+    decoding_at_phase(sched, "fill-in-a", 2, arrival_s=3)
+    decoding_at_phase(sched, "fill-in-b", 2, arrival_s=4)
+    decoding_at_phase(sched, "deferred", 2, arrival_s=5)  # in phase, but after every fill row
+    assert [r.req_id for r in sched.schedule().decodes] == ["urgent", "fill-in-a", "fill-in-b"]
+    del sched.running["fill-in-a"], sched.running["fill-in-b"]
+    plan = sched.schedule()  # the fill rows all fit: nothing reordered, `last` after `can_wait`
+    assert [r.req_id for r in plan.decodes] == ["urgent", "fill-off", "deferred"]
+
+
+def test_streams_sharing_too_few_rows_decode_in_one_phase_and_all_advance():
+    def least_decoded_first(decoding):
+        return DecodePriority([], can_wait=sorted(decoding, key=lambda r: len(r.output_ids)))
+
+    sched = phased_scheduler(decode_order=least_decoded_first)
+    sched.config = SchedulerConfig(max_batch_size=3)
+    sched.slots = SlotAllocator(8)
+    streams = [decoding_at_phase(sched, f"s{i}", phase, arrival_s=i) for i, phase in enumerate([0, 3, 5, 6])]
+    phases_per_step = []
+    for _ in range(4 * PERIOD):
+        plan = sched.schedule()
+        phases_per_step.append({next_phase(r) for r in plan.decodes})
+        sched.update(plan, [7] * len(plan.sampled_requests))
+    assert all(len(phases) == 1 for phases in phases_per_step[2 * PERIOD :])  # one head matmul a step
+    assert min(len(r.output_ids) for r in streams) >= PERIOD + 2 * PERIOD  # none starved
