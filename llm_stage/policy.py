@@ -4,14 +4,16 @@ Streams close to an underrun (urgent) go first, earliest playback deadline first
 first when more streams play than the batch sustains); then startup-phase requests (no audio
 sent yet, including new ones still to prefill), FCFS, at most `startup_concurrency` of them and
 only as many as the batch can keep at real time next to the streams already playing; then the
-rest by slack; startups past either limit last. Slack = audio buffered at the client - time to
-produce and ship the smallest next chunk (adaptive chunks shrink to the buffer, so that is how
-long a stream can be left out of the batch). A stream is urgent when its slack is shorter than
-the time the startups now queued would hold the batch (`urgent_horizon_s`): a startup thus takes
-rows only from streams that can afford to wait for it, and only when the engine can carry one
-more stream: near capacity, giving rows to startups made every stream underrun (BENCHMARKS
-"Urgent streams keep their rows", "Admission by capacity"). The playback clock (first audio,
-audio sent) is kept on each Request by whoever ships the audio.
+rest by slack (those with slack to sit out a frame's steps as `can_wait`, which the scheduler
+fills in the batch's output-head phase first); startups past either limit last. Slack = audio
+buffered at the client - time to produce and ship the smallest next chunk (adaptive chunks
+shrink to the buffer, so that is how long a stream can be left out of the batch). A stream is
+urgent when its slack is shorter than the time the startups now queued would hold the batch
+(`urgent_horizon_s`): a startup thus takes rows only from streams that can afford to wait for
+it, and only when the engine can carry one more stream: near capacity, giving rows to startups
+made every stream underrun (BENCHMARKS "Urgent streams keep their rows", "Admission by
+capacity"). The playback clock (first audio, audio sent) is kept on each Request by whoever
+ships the audio.
 """
 
 from __future__ import annotations
@@ -86,7 +88,9 @@ def slack_s(req: Request, now_s: float, timer: StepTimer) -> float:
 
 class StreamingOrder:
     """A DecodeOrder: urgent (EDF) > startups, bounded, FCFS (decoding, then new requests'
-    prefills) > the rest by slack > startups past the limits.
+    prefills) > the rest by slack (`rest`: tight; `can_wait`: slack past the horizon by a frame's
+    steps, which the scheduler may reorder by head phase, BENCHMARKS "Phase-aligned fill") >
+    startups past the limits (`last`).
 
     Urgent = slack under `urgent_horizon_s`, which grows with the startups queued (decoding ones
     and, through `bind_queue`, new requests still waiting for a slot or a row): a stream yields
