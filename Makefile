@@ -19,6 +19,7 @@ serve: install
 
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 
 test: lint
 	$(BIN)/python -m pytest -q

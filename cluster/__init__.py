@@ -1,1 +1,2 @@
-"""Cluster runtime: config schema, model registry, in-process pipeline and the `voxray` CLI."""
+"""Entry points: the `voxray` CLI, server launcher, gRPC client, batch mode, in-process pipeline
+and Serve YAML generation. The top layer: nothing else in VoxRay imports it."""

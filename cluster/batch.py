@@ -13,9 +13,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from cluster.config import EngineConfig
-from cluster.errors import InvalidArgumentError
 from cluster.pipeline import InProcessPipeline
+from core.config import EngineConfig
+from core.errors import InvalidArgumentError
 from router.audio_format import write_wav
 
 

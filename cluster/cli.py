@@ -11,9 +11,9 @@ import sys
 import time
 from pathlib import Path
 
-from cluster.config import DetokConfig, EngineConfig, ModelConfig, load_engine_config
-from cluster.errors import InvalidArgumentError
-from cluster.registry import REGISTRY
+from core.config import DetokConfig, EngineConfig, ModelConfig, load_engine_config
+from core.errors import InvalidArgumentError
+from llm_stage.registry import get_entry, model_names
 
 
 def _synthesize(args: argparse.Namespace) -> int:
@@ -37,8 +37,8 @@ def _synthesize(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from cluster.config import ServeConfig, load_serve_config
     from cluster.server import deploy
+    from core.config import ServeConfig, load_serve_config
 
     config = load_serve_config(args.config) if args.config else ServeConfig()
     endpoints = deploy(config, address=args.address)
@@ -88,8 +88,8 @@ def _batch(args: argparse.Namespace) -> int:
 
 
 def _models(_: argparse.Namespace) -> int:
-    for entry in REGISTRY.values():
-        print(f"{entry.name:16s} {entry.description}")
+    for name in model_names():
+        print(f"{name:16s} {get_entry(name).description}")
     return 0
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from cluster.config import ServeConfig, StageDeploymentConfig, load_serve_config
+from core.config import ServeConfig, StageDeploymentConfig, load_serve_config
 
 IMPORT_PATH = "deployments.app:app_builder"
 GRPC_SERVICER = "protos.voxray_pb2_grpc.add_SpeechServicer_to_server"

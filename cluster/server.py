@@ -12,7 +12,7 @@ import ray
 from ray import serve
 from ray.serve.config import gRPCOptions
 
-from cluster.config import ServeConfig
+from core.config import ServeConfig
 from deployments.app import GRPC_SERVICER, build_app
 
 

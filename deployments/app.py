@@ -9,7 +9,7 @@ from __future__ import annotations
 from ray import serve
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
-from cluster.config import ServeConfig, StageDeploymentConfig
+from core.config import ServeConfig, StageDeploymentConfig
 from deployments.detok_stage import DetokStage
 from deployments.llm_stage import LLMStage
 from router.ingress import Router

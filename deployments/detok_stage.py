@@ -10,22 +10,17 @@ from __future__ import annotations
 import asyncio
 import time
 
-from cluster.config import ServeConfig
-from cluster.pipeline import apply_torch_threads
-from cluster.registry import check_model_config
-from cluster.types import AudioChunk, TokenChunk
+from core.config import ServeConfig
+from core.messages import AudioChunk, TokenChunk
 from deployments.engine_loop import EngineLoop, finish_on_thread, replica_tag
 from deployments.metrics import StageMetrics
-from detok_stage.engine import DetokEngine
+from llm_stage.wiring import build_detok_engine
 
 
 class DetokStage:
     def __init__(self, config: dict) -> None:
         self.config = ServeConfig.model_validate(config)
-        engine_cfg = self.config.engine
-        apply_torch_threads(engine_cfg.model.torch_threads)
-        codec = check_model_config(engine_cfg.model).build_codec(engine_cfg.model, engine_cfg.detok.device)
-        self.engine = DetokEngine(codec, engine_cfg.detok, in_order=False, policy=engine_cfg.scheduler.policy)
+        self.engine = build_detok_engine(self.config.engine, in_order=False)
         self.replica_tag = replica_tag()
         self.metrics = StageMetrics(with_kv=False)
         self.waiters: dict[tuple[str, int], asyncio.Future] = {}

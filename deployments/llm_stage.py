@@ -1,8 +1,9 @@
 """LLMStage deployment: one LLM engine per replica (one accelerator), streaming token chunks.
 
-`generate` admits or rejects a job, queues it in the engine and, for every ready TokenChunk,
-sends the chunk straight to a DetokStage replica (tokens never pass through the router) and
-yields the decoded audio to the router in seq order. Cancelling the stream frees the KV slot.
+`generate(job)` answers with one head event (Admitted / Queued / Rejected / Invalid), queues
+the job in the engine and, for every ready TokenChunk, sends the chunk straight to a DetokStage
+replica (tokens never pass through the router) and yields the decoded audio to the router in
+seq order as Audio events (or one Failed event). Cancelling the stream frees the KV slot.
 """
 
 from __future__ import annotations
@@ -12,15 +13,13 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from cluster.config import ServeConfig
-from cluster.errors import InvalidArgumentError
-from cluster.pipeline import LLMSide, apply_torch_threads
-from cluster.registry import check_model_config
-from cluster.types import TokenChunk
+from core.config import ServeConfig
+from core.errors import InvalidArgumentError
+from core.messages import Admitted, Audio, Failed, Invalid, Job, Queued, Rejected, StreamEvent, TokenChunk
 from deployments.engine_loop import EngineLoop, finish_on_thread, replica_tag
 from deployments.metrics import StageMetrics
-from detok_stage.chunking import ChunkSchedule
-from llm_stage.engine import LLMEngine, resolve_sampling
+from llm_stage.registry import check_model_config
+from llm_stage.wiring import build_llm_side, size_for_streams
 from router.admission import Admission, ReplicaLoad, decide
 
 
@@ -45,17 +44,10 @@ def _drain(queue: asyncio.Queue) -> list:
 class LLMStage:
     def __init__(self, config: dict, detok_handle) -> None:
         self.config = ServeConfig.model_validate(config)
-        engine_cfg = self.config.engine
-        apply_torch_threads(engine_cfg.model.torch_threads)
-        adapter = check_model_config(engine_cfg.model).build_lm(engine_cfg.model)
-        max_streams = self.config.admission.max_streams_per_replica
-        cache = engine_cfg.cache.model_copy(update={"num_slots": max_streams})
-        scheduler = engine_cfg.scheduler.model_copy(
-            update={"max_batch_size": min(max_streams, engine_cfg.scheduler.max_batch_size)}
-        )
-        engine = LLMEngine(adapter, cache, scheduler, seed=engine_cfg.model.seed)
-        self.schedule = ChunkSchedule.for_policy(engine_cfg.detok, engine_cfg.scheduler.policy)
-        self.side = LLMSide(engine, self.schedule)
+        entry = check_model_config(self.config.engine.model)
+        engine_cfg = size_for_streams(self.config.engine, entry, self.config.admission.max_streams_per_replica)
+        self.side = build_llm_side(engine_cfg)
+        self.schedule = self.side.schedule
         self.detok = detok_handle
         self.replica_tag = replica_tag()
         self.metrics = StageMetrics(with_kv=True)
@@ -110,31 +102,30 @@ class LLMStage:
             "at_s": time.time(),  # wall clock of this reading, for latency bounds measured from outside
         }
 
-    async def generate(self, job: dict) -> AsyncIterator[dict]:
-        """Yields {"kind": "admitted"|"rejected"|"invalid"|"audio", ...}; audio items carry an AudioChunk."""
-        req_id = job["req_id"]
-        if req_id in self.streams:  # never let a duplicate id touch the running stream's state
-            yield {"kind": "invalid", "field": "request_id", "message": f"{req_id!r} is already streaming"}
+    async def generate(self, job: Job) -> AsyncIterator[StreamEvent]:
+        """A head event, then Audio events up to the final chunk (or one Failed event)."""
+        if job.req_id in self.streams:  # never let a duplicate id touch the running stream's state
+            yield Invalid("request_id", f"{job.req_id!r} is already streaming")
             return
-        verdict = decide(self.load(), job["ttfa_deadline_s"])
+        verdict = decide(self.load(), job.ttfa_deadline_s)
         if verdict is Admission.REJECT:
-            yield {"kind": "rejected", "retry_after_s": self.config.admission.retry_after_s}
+            yield Rejected(self.config.admission.retry_after_s)
             return
         stream = _Stream(asyncio.Queue(), asyncio.get_running_loop())
-        self.streams[req_id] = stream
+        self.streams[job.req_id] = stream
         try:
             try:
                 await finish_on_thread(self._add, job)  # a cancel mid-add reaches `_close` after it
             except InvalidArgumentError as err:
-                yield {"kind": "invalid", "field": err.field, "message": err.message}
+                yield Invalid(err.field, err.message)
                 return
-            yield {"kind": "admitted", "queued": verdict is Admission.QUEUE, "llm_replica": self.replica_tag}
-            async for item in self._audio(stream):
-                yield item
+            yield Queued(self.replica_tag) if verdict is Admission.QUEUE else Admitted(self.replica_tag)
+            async for event in self._audio(stream):
+                yield event
         finally:
-            await self._close(req_id, stream)
+            await self._close(job.req_id, stream)
 
-    async def _audio(self, stream: _Stream) -> AsyncIterator[dict]:
+    async def _audio(self, stream: _Stream) -> AsyncIterator[Audio | Failed]:
         """Send each TokenChunk to a detok replica as soon as it is ready; yield the audio in seq order."""
         decoding: asyncio.Queue = asyncio.Queue()
         sender = asyncio.create_task(self._send_chunks(stream, decoding))
@@ -143,13 +134,18 @@ class LLMStage:
             while True:
                 response, chunk = await decoding.get()
                 if isinstance(response, BaseException):
-                    raise RuntimeError(f"LLM engine failed: {response}")
+                    yield Failed(f"LLM engine failed: {response}")
+                    return
                 responses.append(response)
                 waited_s = time.perf_counter()
-                audio = await response
+                try:
+                    audio = await response
+                except Exception as err:  # the detok replica failed this chunk: the stream ends, typed
+                    yield Failed(f"detokenizer failed: {err}")
+                    return
                 self.side.engine.timer.record_detok(time.perf_counter() - waited_s)
                 self.side.mark_audio_sent(chunk.req_id, audio.duration_s, audio.num_frames)
-                yield {"kind": "audio", "seq": chunk.seq, "audio": audio, "final": chunk.is_final}
+                yield Audio(audio)
                 if chunk.is_final:
                     stream.is_done = True
                     return
@@ -169,10 +165,9 @@ class LLMStage:
             if item.is_final:
                 return
 
-    def _add(self, job: dict) -> None:
+    def _add(self, job: Job) -> None:
         with self.loop.exclusive():
-            params = resolve_sampling(job.get("sampling"), self.side.engine.adapter.default_sampling)
-            self.side.add(job["req_id"], job["text"], job.get("voice") or None, params)
+            self.side.add(job)
         self.loop.wake()
 
     async def _close(self, req_id: str, stream: _Stream) -> None:

@@ -1,32 +1,15 @@
-"""VoxRay's Prometheus series, exported through Ray Serve's metrics API (`ray_` prefix added).
+"""Engine-stage Prometheus series (LLM and detok replicas), through Ray Serve's metrics API.
 
 Each deployment creates the series it owns inside its replica; Serve adds the deployment,
-replica and application tags. The Grafana dashboard in k8s/monitoring plots these names.
+replica and application tags. The router's series are in `router.metrics`; the Grafana
+dashboard in k8s/monitoring plots both.
 """
 
 from __future__ import annotations
 
-from ray.serve.metrics import Counter, Gauge, Histogram
+from ray.serve.metrics import Gauge, Histogram
 
-LATENCY_BUCKETS_S = [0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0]
-UNDERRUN_BUCKETS_S = [0.0001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0]
 BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128]
-
-
-class RouterMetrics:
-    """Client-facing stream quality, measured where the audio leaves the cluster."""
-
-    def __init__(self) -> None:
-        self.ttfa = Histogram("voxray_ttfa_seconds", "Request received -> first audio sent.", LATENCY_BUCKETS_S)
-        self.viable = Counter("voxray_stream_viable", "Finished streams whose every chunk was on time.")
-        self.finished = Counter("voxray_streams_finished", "Finished streams (viable or not).")
-        self.underrun = Histogram(
-            "voxray_chunk_underrun_seconds", "Per chunk: playback gap before it arrived (0 = on time).",
-            UNDERRUN_BUCKETS_S,
-        )  # fmt: skip
-        self.audio = Counter("voxray_audio_seconds", "Seconds of audio sent to clients.")
-        self.realtime = Gauge("voxray_realtime_factor", "Audio seconds / wall seconds of the last finished stream.")
-        self.rejections = Counter("voxray_admission_rejections", "Requests answered RESOURCE_EXHAUSTED / 429.")
 
 
 class StageMetrics:

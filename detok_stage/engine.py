@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from cluster.config import DetokConfig
-from cluster.errors import InvalidArgumentError
-from cluster.types import AudioChunk, TokenChunk
+from core.config import DetokConfig
+from core.errors import InvalidArgumentError
+from core.messages import AudioChunk, TokenChunk
+from core.policy import PolicyKind, SchedulingPolicy
 from detok_stage.codecs.base import CodecAdapter
 from detok_stage.graphs import ChunkGraphs
 
@@ -39,23 +40,17 @@ class _Pending:
     submitted_s: float
 
 
-def chunk_priority(chunk: TokenChunk, submitted_s: float, policy: str) -> tuple:
-    """Sort key of a queued chunk: FIFO, or under `streaming` startup chunks (no deadline) first
-    in submission order, then by playback deadline (EDF)."""
-    if policy != "streaming":
-        return (submitted_s,)
-    return (0, submitted_s) if chunk.deadline_s is None else (1, chunk.deadline_s, submitted_s)
-
-
 class DetokEngine:
-    def __init__(self, codec: CodecAdapter, config: DetokConfig, in_order: bool = True, policy: str = "fcfs") -> None:
+    def __init__(
+        self, codec: CodecAdapter, config: DetokConfig, in_order: bool = True, policy: SchedulingPolicy | None = None
+    ) -> None:
         """`in_order=False` returns every chunk as soon as it is decoded (the caller orders them,
         as the router does when a request's chunks are spread over several detok replicas).
-        `policy="streaming"` picks startup chunks first (FCFS), then by playback deadline (EDF)."""
+        `policy` orders queued chunks (`SchedulingPolicy.chunk_priority`; FIFO by default)."""
         self.codec = codec
         self.config = config
         self.in_order = in_order
-        self.policy = policy
+        self.policy = policy or SchedulingPolicy(PolicyKind.FCFS)
         self._queue: list[_Pending] = []
         self._states: dict[str, _RequestState] = defaultdict(_RequestState)
         self.num_decoded_frames = 0  # frames through the codec, context included
@@ -103,7 +98,7 @@ class DetokEngine:
         return len(self._queue)
 
     def _priority(self, pending: _Pending) -> tuple:
-        return chunk_priority(pending.chunk, pending.submitted_s, self.policy)
+        return self.policy.chunk_priority(pending.chunk, pending.submitted_s)
 
     def _select(self) -> list[TokenChunk]:
         self._queue.sort(key=self._priority)

@@ -1,4 +1,4 @@
-"""The codec forward over full-length chunk windows as CUDA graphs (see `cluster.cuda_graphs`).
+"""The codec forward over full-length chunk windows as CUDA graphs (see `core.graphs`).
 
 Steady-state chunks all carry `left + chunk + right` frames, so one graph per chunk-batch size
 covers them; a smaller group is padded with copies of its first row (codec rows are
@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
-from cluster.config import DetokConfig
-from cluster.cuda_graphs import GraphCache, graphs_available, padded_size
+from core.config import DetokConfig
+from core.graphs import GraphCache, graphs_available, padded_size
 from detok_stage.codecs.base import CodecAdapter
 
 logger = logging.getLogger(__name__)

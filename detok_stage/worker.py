@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from cluster.types import AudioChunk, TokenChunk
+from core.messages import AudioChunk, TokenChunk
 from detok_stage.engine import DetokEngine
 
 

@@ -1,4 +1,4 @@
-"""The LLM decode forward as CUDA graphs (see `cluster.cuda_graphs`), eager when it cannot replay.
+"""The LLM decode forward as CUDA graphs (see `core.graphs`), eager when it cannot replay.
 
 The batch is padded to the next captured size (padding rows read and write the cache's scratch
 slot) and attention spans the whole cache row, so one graph per batch size serves every
@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from cluster.cuda_graphs import GraphCache, padded_size
+from core.graphs import GraphCache, padded_size
 from llm_stage.kv_cache import SlotKVCache
 from llm_stage.models.llama import BatchInputs
 

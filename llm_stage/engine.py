@@ -9,24 +9,25 @@ in-process pipeline drive it.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import pydantic
 import torch
 
-from cluster.config import CacheConfig, SchedulerConfig
-from cluster.errors import InvalidArgumentError, from_validation_error
-from cluster.types import SamplingParams
+from core.config import CacheConfig, SchedulerConfig
+from core.errors import InvalidArgumentError
+from core.messages import Job, SamplingParams
+from core.policy import SchedulingPolicy, StepTimer, make_policy
 from llm_stage.cfg import merge_guidance
+from llm_stage.jobs import build_job
 from llm_stage.models.base import FrameBuilder, LMAdapter
-from llm_stage.policy import StepTimer, make_decode_order
 from llm_stage.request import FinishReason, Request, Token
 from llm_stage.runner import ModelRunner
 from llm_stage.sampler import SamplingRow, sample
-from llm_stage.scheduler import DecodeOrder, Scheduler, StepPlan
+from llm_stage.scheduler import Scheduler, StepPlan
 
 
 @dataclass
@@ -40,18 +41,6 @@ class StepOutput:
     finish_reason: FinishReason | None = None
 
 
-def resolve_sampling(sampling: SamplingParams | dict | None, default: SamplingParams) -> SamplingParams:
-    """Merge a partial dict over the model default; bad values raise naming `sampling.<field>`."""
-    if isinstance(sampling, SamplingParams):
-        return sampling
-    try:
-        return default if not sampling else SamplingParams(**{**default.model_dump(), **sampling})
-    except pydantic.ValidationError as err:
-        raise from_validation_error(err, "sampling") from None
-    except TypeError as err:
-        raise InvalidArgumentError("sampling", str(err)) from None
-
-
 class LLMEngine:
     def __init__(
         self,
@@ -59,14 +48,12 @@ class LLMEngine:
         cache: CacheConfig,
         scheduler: SchedulerConfig,
         seed: int = 0,
-        decode_order: DecodeOrder | None = None,
     ) -> None:
         self.adapter = adapter
         self.cache_config = cache
         self.timer = StepTimer(tokens_per_frame=adapter.tokens_per_frame)
-        order = decode_order or make_decode_order(scheduler, self.timer)
-        period = adapter.head_phase_period if scheduler.align_starts else 1
-        self.scheduler = Scheduler(scheduler, cache, adapter.eos_token_ids, order, adapter.is_stop, period)
+        self.policy: SchedulingPolicy = make_policy(scheduler, self.timer, adapter.head_phase_period)
+        self.scheduler = Scheduler(scheduler, cache, adapter.eos_token_ids, self.policy, adapter.is_stop)
         self.runner = ModelRunner(adapter, cache.num_slots, cache.max_seq_len, scheduler.cuda_graph_batch_sizes)
         self._forward_thread = ThreadPoolExecutor(1, "llm-forward") if scheduler.async_steps else None
         self._next_plan: StepPlan | None = None  # async: planned while the previous forward ran
@@ -84,10 +71,27 @@ class LLMEngine:
     def add_request(
         self, req_id: str, text: str, voice: str | None = None, sampling: SamplingParams | dict | None = None
     ) -> Request:
-        params = resolve_sampling(sampling, self.adapter.default_sampling)
-        prompt = self.adapter.encode_prompt(text, voice)
-        uncond = self.adapter.unconditional_prompt(text, voice) if params.guidance_scale is not None else None
-        return self.add_prompt(req_id, prompt, params, uncond)
+        """Validate raw fields into a Job (as an ingress does) and queue it."""
+        return self.add_job(self.job(req_id, text, voice, sampling))
+
+    def job(
+        self, req_id: str, text: str, voice: str | None = None, sampling: SamplingParams | dict | None = None
+    ) -> Job:
+        """A Job for this engine's model from raw in-process fields (`build_job`), under the caller's id."""
+        job = build_job(self.adapter, text=text, voice=voice, sampling=sampling)
+        return dataclasses.replace(job, req_id=req_id)  # an empty or duplicate id is refused by add_prompt
+
+    def add_job(self, job: Job) -> Request:
+        """Queue a validated Job; the tokenized prompt must fit the KV context (errors name `job.text_field`)."""
+        try:
+            prompt = self.adapter.format_prompt(job.text, job.voice)
+            guided = job.sampling.guidance_scale is not None
+            uncond = self.adapter.unconditional_prompt(job.text, job.voice) if guided else None
+            return self.add_prompt(job.req_id, prompt, job.sampling, uncond)
+        except InvalidArgumentError as err:
+            if err.field != "text":
+                raise
+            raise InvalidArgumentError(job.text_field, err.message) from None
 
     def add_prompt(
         self, req_id: str, prompt_ids: list[Token], sampling: SamplingParams, uncond_prompt: list[Token] | None = None

@@ -11,7 +11,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from cluster.types import SamplingParams
+from core.messages import SamplingParams
 
 Token = int | tuple[int, ...]
 

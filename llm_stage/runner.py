@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.cuda_graphs import graphs_available
+from core.graphs import graphs_available
 from llm_stage.decode_graphs import DecodeGraphs
 from llm_stage.kv_cache import SlotKVCache
 from llm_stage.models.base import LMAdapter
-from llm_stage.models.llama import BatchInputs, LlamaBackbone
+from llm_stage.models.llama import BatchInputs
 from llm_stage.scheduler import PrefillWork, StepPlan
 
 logger = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ class ModelRunner:
         if not graphs_available(self.device):
             logger.warning("CUDA graphs requested on %s: decode runs eagerly", self.device)
             return None
-        if not isinstance(self.backbone, LlamaBackbone):
+        if not self.backbone.supports_decode_graphs:
             logger.warning("CUDA graphs are not wired for %s: decode runs eagerly", type(self.backbone).__name__)
             return None
         pad_lanes = self.adapter.token_lanes(self.adapter.pad_token)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cluster.types import SamplingParams
+from core.messages import SamplingParams
 from llm_stage.host_sampler import history_pairs, sample_on_host
 
 

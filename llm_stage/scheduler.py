@@ -9,33 +9,15 @@ The engine calls `schedule` -> runner -> `update`; tests drive it with hand-made
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
-from cluster.config import CacheConfig, SchedulerConfig
+from core.config import CacheConfig, SchedulerConfig
+from core.policy import PolicyKind, SchedulingPolicy, fcfs_order
 from llm_stage.kv_slots import SlotAllocator
 from llm_stage.request import FinishReason, Request, RequestStatus, Token
 
 StopRule = Callable[[Request, Token], bool]
-
-
-@dataclass(frozen=True)
-class DecodePriority:
-    """A policy's batch order for one step: `ahead` decode first, then up to `new_requests` new
-    requests get prefill rows, then `rest` fill what is left, then `can_wait`, then `last` (then
-    more prefills, as rows allow). `can_wait` holds rows that lose nothing by waiting a few
-    steps: the scheduler reorders them to keep the batch in one output-head phase; the other
-    lists keep the policy's order."""
-
-    ahead: list[Request]
-    new_requests: int = 0
-    rest: list[Request] = field(default_factory=list)
-    can_wait: list[Request] = field(default_factory=list)
-    last: list[Request] = field(default_factory=list)
-
-
-DecodeOrder = Callable[[list[Request]], list[Request] | DecodePriority]
 
 
 @dataclass(frozen=True)
@@ -71,10 +53,6 @@ class StepPlan:
         return [r for r in self.sampling_rows if not r.is_twin]
 
 
-def fcfs_order(requests: list[Request]) -> list[Request]:
-    return sorted(requests, key=lambda r: r.arrival_s)
-
-
 def unit_prefill_sizes(req: Request, budget: int) -> list[int]:
     """Tokens to prefill this step for each row of `req.unit`; a pair completes its prompts together.
 
@@ -94,11 +72,8 @@ def unit_prefill_sizes(req: Request, budget: int) -> list[int]:
 class Scheduler:
     """Owns the waiting / running queues and the KV slots. Twins are never listed on their own.
 
-    With `head_phase_period` P > 1 (the model's output head cycles through P phases, as Orpheus'
-    seven frame-slot heads do, and rows in one phase share one head matmul) a request's prompt is
-    completed (its first token sampled) only in a step where that token's phase is the one most
-    decoding rows are in, so streams that start apart still decode in lockstep. A start waits at
-    most P - 1 steps.
+    The batch order and head-phase alignment come from `policy` (FCFS with no head cycle by
+    default); the scheduler fills rows and the token budget in that order.
     """
 
     def __init__(
@@ -106,25 +81,17 @@ class Scheduler:
         config: SchedulerConfig,
         cache: CacheConfig,
         eos_token_ids: Collection[int],
-        decode_order: DecodeOrder = fcfs_order,
+        policy: SchedulingPolicy | None = None,
         stop_rule: StopRule | None = None,
-        head_phase_period: int = 1,
     ) -> None:
         self.config = config
-        self.head_phase_period = head_phase_period
-        self._held_steps = 0  # consecutive steps a start waited for its phase
-        self._held_this_step = False
-        self._start_phases: frozenset[int] | None = None  # phases a first token may take this step (None: any)
+        self.policy = policy or SchedulingPolicy(PolicyKind.FCFS)
         self.max_seq_len = cache.max_seq_len
         self.slots = SlotAllocator(cache.num_slots)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.stop_rule = stop_rule or (lambda _req, token: token in self.eos_token_ids)
-        self.decode_order = decode_order
         self.waiting: list[Request] = []
         self.running: dict[str, Request] = {}
-        bind_queue = getattr(decode_order, "bind_queue", None)
-        if bind_queue is not None:  # a policy that weighs the requests still waiting (StreamingOrder)
-            bind_queue(lambda: self.waiting)
 
     @property
     def has_work(self) -> bool:
@@ -140,21 +107,19 @@ class Scheduler:
         when the policy says so), then more prefill work while rows and token budget last."""
         plan = StepPlan()
         decoding = [r for r in self.running.values() if r.status is RequestStatus.DECODING]
-        self._held_this_step = False
-        self._start_phases = self._open_start_phases(decoding)
-        priority = self.decode_order(decoding)
-        if not isinstance(priority, DecodePriority):  # a plain order: all decodes, then prefills
-            priority = DecodePriority(priority)
+        phases = self.policy.phases
+        phases.begin_step(decoding)
+        priority = self.policy.decode_priority(decoding, self.waiting)
         self._add_decodes(plan, priority.ahead)
         prefill_rows, budget = 0, self.config.prefill_token_budget
         if priority.new_requests:
             prefill_rows, budget = self._schedule_prefills(plan, 0, budget, priority.new_requests)
         self._add_decodes(plan, priority.rest, prefill_rows)
         free_rows = self.config.max_batch_size - len(plan.decodes) - prefill_rows
-        self._add_decodes(plan, self._in_phase_first(priority.can_wait, plan.decodes, free_rows), prefill_rows)
+        self._add_decodes(plan, phases.in_phase_first(priority.can_wait, plan.decodes, free_rows), prefill_rows)
         self._add_decodes(plan, priority.last, prefill_rows)
         self._schedule_prefills(plan, prefill_rows, budget)
-        self._held_steps = self._held_steps + 1 if self._held_this_step else 0
+        phases.end_step()
         return plan
 
     def _add_decodes(self, plan: StepPlan, ordered: list[Request], prefill_rows: int = 0) -> None:
@@ -174,8 +139,7 @@ class Scheduler:
                 break
             sizes = unit_prefill_sizes(req, budget)
             completes = sizes == [r.num_prompt_left for r in req.unit]
-            if completes and self._start_phases is not None and self._first_phase(req) not in self._start_phases:
-                self._held_this_step = True
+            if completes and not self.policy.phases.may_start(req):
                 break
             if req.status is RequestStatus.WAITING and not self._admit(req):
                 break
@@ -185,40 +149,6 @@ class Scheduler:
                     budget -= num_tokens
             rows += len(req.unit)
         return rows, budget
-
-    def _next_phase(self, req: Request) -> int:
-        """Head phase of the token a decoding row samples next (next sampled index mod the period),
-        whether or not the last sampled token is appended yet."""
-        return (req.num_cached - req.prompt_len + 1) % self.head_phase_period
-
-    def _in_phase_first(self, fill: list[Request], chosen: list[Request], free_rows: int) -> list[Request]:
-        """`fill` with the rows in the batch's head phase first (stable: the policy's order within
-        each group). Rows in one phase share one head matmul; a row left out while the batch
-        decodes moves one phase closer to it, so a stream out of phase rejoins within P - 1 steps.
-        Without this, streams the streaming order decodes only now and then drifted apart and a
-        4-row step cost 1.5x FCFS's (BENCHMARKS "Phase-aligned fill")."""
-        if self.head_phase_period == 1 or sum(len(r.unit) for r in fill) <= free_rows:
-            return fill
-        phases = Counter(self._next_phase(r) for r in (chosen or fill) if not r.is_twin)
-        if not phases:
-            return fill
-        target = phases.most_common(1)[0][0]
-        return sorted(fill, key=lambda r: self._next_phase(r) != target)
-
-    def _open_start_phases(self, decoding: list[Request]) -> frozenset[int] | None:
-        """Head phases a prompt-completing request's first token may take this step: the most
-        common among the tokens the decoding rows sample next; None (any) without a head cycle,
-        with nothing decoding, or after P - 1 held steps. Worked out once per `schedule`."""
-        period = self.head_phase_period
-        if period == 1 or self._held_steps >= period - 1 or not decoding:
-            return None
-        phases = Counter(self._next_phase(r) for r in decoding)
-        most = max(phases.values())
-        return frozenset(phase for phase, count in phases.items() if count == most)
-
-    def _first_phase(self, req: Request) -> int:
-        """Head phase of the token `req` samples when its prompt completes."""
-        return len(req.output_ids) % self.head_phase_period
 
     def _prefill_candidates(self) -> list[Request]:
         partial = [r for r in self.running.values() if r.status is RequestStatus.PREFILLING]

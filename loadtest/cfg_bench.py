@@ -13,10 +13,10 @@ import time
 
 import torch
 
-from cluster.config import CacheConfig, ModelConfig, SchedulerConfig
-from cluster.registry import check_model_config
+from core.config import CacheConfig, ModelConfig, SchedulerConfig
 from llm_stage.engine import LLMEngine
 from llm_stage.models.base import LMAdapter
+from llm_stage.registry import check_model_config
 
 
 def fixed_length(adapter: LMAdapter) -> LMAdapter:

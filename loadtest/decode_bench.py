@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from cluster.config import CacheConfig, ModelConfig, SchedulerConfig
-from cluster.types import SamplingParams
+from core.config import CacheConfig, ModelConfig, SchedulerConfig
+from core.messages import SamplingParams
 from llm_stage.engine import LLMEngine
 from llm_stage.models.base import LMAdapter
 from llm_stage.models.orpheus import OrpheusAdapter
@@ -37,7 +37,7 @@ class FullVocabOrpheus(OrpheusAdapter):
 
 
 def prompts(adapter: OrpheusAdapter, count: int, length: int) -> list[list[int]]:
-    base = adapter.encode_prompt("The quick brown fox jumps over the lazy dog.", "tara")
+    base = adapter.format_prompt("The quick brown fox jumps over the lazy dog.", "tara")
     return [(base * 4)[: length - 1] + [1000 + i] for i in range(count)]
 
 

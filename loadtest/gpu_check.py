@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from cluster.config import CacheConfig, DetokConfig, ModelConfig, SchedulerConfig
+from core.config import CacheConfig, DetokConfig, ModelConfig, SchedulerConfig
 from detok_stage.codecs.snac_codec import SnacCodec
 from detok_stage.graphs import ChunkGraphs
 from llm_stage.engine import LLMEngine

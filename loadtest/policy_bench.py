@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 from cluster.batch import BatchItem, run_batch
-from cluster.config import CacheConfig, DetokConfig, EngineConfig, ModelConfig, SchedulerConfig
 from cluster.pipeline import InProcessPipeline
+from core.config import CacheConfig, DetokConfig, EngineConfig, ModelConfig, SchedulerConfig
 from router.playback import PlaybackTracker
 
 TEXTS = ["Hello there.", "The quick brown fox jumps over the lazy dog.", "Streaming speech, one chunk at a time."]

@@ -1,6 +1,6 @@
 """FCFS vs streaming-aware scheduling, simulated on a fake clock: same code, no model, no noise but ours.
 
-The real `Scheduler`, decode orders (`make_decode_order`), `LLMSide` (chunk cutting, adaptive
+The real `Scheduler`, scheduling policy (`make_policy`), `LLMSide` (chunk cutting, adaptive
 sizes, the playback clock the policy reads) and `PlaybackTracker` run against two models
 instead of torch: a step-time model (ms per LLM step by batch rows, from the CPU preset's
 pipeline step EMAs in policy_bench runs) and a detokenizer service-time model (per chunk group
@@ -22,17 +22,16 @@ from collections import Counter
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-from cluster.config import CacheConfig, DetokConfig, SchedulerConfig
-from cluster.pipeline import LLMSide
-from cluster.types import SamplingParams, TokenChunk
-from detok_stage.chunking import ChunkSchedule
+from core.config import CacheConfig, DetokConfig, SchedulerConfig
+from core.messages import Job, SamplingParams, TokenChunk
+from core.policy import SchedulingPolicy, StepTimer, make_policy
 from detok_stage.codecs.snac_codec import SnacCodec
-from detok_stage.engine import chunk_priority
+from llm_stage.chunking import ChunkSchedule
 from llm_stage.engine import StepOutput
 from llm_stage.models.orpheus import TOKENS_PER_FRAME, OrpheusAdapter
-from llm_stage.policy import StepTimer, make_decode_order
 from llm_stage.request import Request
 from llm_stage.scheduler import Scheduler
+from llm_stage.side import LLMSide
 from loadtest.policy_bench import RunResult, arrivals, report, summarize
 from router.playback import PlaybackTracker
 
@@ -78,27 +77,25 @@ class SimClock:
 
 
 class SimEngine:
-    """The LLMEngine surface LLMSide uses (`add_request`, `step`, `requests`, `timer`, `adapter`),
+    """The LLMEngine surface LLMSide uses (`add_job`, `step`, `requests`, `timer`, `adapter`),
     on the real Scheduler and decode order; tokens are dummies, one frame per 7."""
 
     def __init__(self, config: SchedulerConfig, slots: int, steps: StepModel, clock: SimClock) -> None:
         self.clock, self.steps = clock, steps
         self.timer = StepTimer(tokens_per_frame=TOKENS_PER_FRAME)
         self.adapter = SimpleNamespace(tokens_per_frame=TOKENS_PER_FRAME)
-        order = make_decode_order(config, self.timer, clock)
-        period = OrpheusAdapter.head_phase_period if config.align_starts else 1
+        self.policy = make_policy(config, self.timer, OrpheusAdapter.head_phase_period, clock)
         cache = CacheConfig(num_slots=slots, max_seq_len=1024)
-        self.scheduler = Scheduler(config, cache, [], order, head_phase_period=period)
+        self.scheduler = Scheduler(config, cache, [], self.policy)
         self.requests: dict[str, Request] = {}
 
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
-    def add_request(self, req_id: str, text: str, voice: str | None, sampling: dict) -> None:
-        params = SamplingParams(max_tokens=sampling["max_tokens"])
-        req = Request(req_id, [1] * PROMPT_TOKENS, params, arrival_s=self.clock())
-        self.requests[req_id] = req
+    def add_job(self, job: Job) -> None:
+        req = Request(job.req_id, [1] * PROMPT_TOKENS, job.sampling, arrival_s=self.clock())
+        self.requests[job.req_id] = req
         self.scheduler.add(req)
 
     def step(self) -> list[StepOutput]:
@@ -129,7 +126,7 @@ class DetokModel:
     of equal window length at `ms_per_group` + `ms_per_window_frame` per frame, and releases them
     together."""
 
-    policy: str
+    policy: SchedulingPolicy
     ms_per_group: float = 3.0
     ms_per_window_frame: float = 1.6
     max_batch_chunks: int = 16
@@ -168,7 +165,7 @@ class DetokModel:
 
     def _priority(self, item: tuple[float, TokenChunk]) -> tuple:
         submitted_s, chunk = item
-        return chunk_priority(chunk, submitted_s, self.policy)
+        return self.policy.chunk_priority(chunk, submitted_s)
 
 
 @dataclass(frozen=True)
@@ -189,16 +186,16 @@ def simulate(policy: str, rate: float, count: int, seed: int, setup: SimSetup = 
     config = SchedulerConfig(policy=policy, max_batch_size=setup.batch, startup_concurrency=setup.startup_concurrency)
     steps = StepModel(scale=setup.step_scale, drift=setup.drift, noise=setup.noise, seed=seed)
     engine = SimEngine(config, setup.slots, steps, clock)
-    schedule = ChunkSchedule.for_policy(DetokConfig(first_chunk_frames=setup.first_chunk_frames), policy)
+    schedule = ChunkSchedule.for_policy(DetokConfig(first_chunk_frames=setup.first_chunk_frames), engine.policy)
     side = LLMSide(engine, schedule, clock=clock)
-    detok = DetokModel(policy)
+    detok = DetokModel(engine.policy)
     times = arrivals(rate, count, seed)
     trackers: dict[str, PlaybackTracker] = {}
     while len(trackers) < count or engine.has_work or detok.busy:
         while len(trackers) < count and times[len(trackers)] <= clock.now_s:
             req_id = f"r{len(trackers)}"
             trackers[req_id] = PlaybackTracker(clock.now_s)
-            side.add(req_id, "", None, {"max_tokens": setup.max_tokens})
+            side.add(Job(req_id, "", None, SamplingParams(max_tokens=setup.max_tokens), ttfa_deadline_s=5.0))
         if engine.has_work:
             for chunk in side.step():
                 detok.queue.append((clock.now_s, chunk))

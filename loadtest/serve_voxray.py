@@ -14,7 +14,7 @@ import threading
 import time
 from pathlib import Path
 
-from cluster.config import ServeConfig, load_serve_config
+from core.config import ServeConfig, load_serve_config
 
 CPU_CONFIG = Path(__file__).resolve().parents[1] / "deployments" / "configs" / "cpu.yaml"
 

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from cluster.config import CacheConfig, ModelConfig, SchedulerConfig
+from core.config import CacheConfig, ModelConfig, SchedulerConfig
 from detok_stage.codecs.snac_codec import SnacCodec
 from llm_stage.engine import LLMEngine
 from llm_stage.models.orpheus import TOKENS_PER_FRAME, OrpheusAdapter

@@ -14,15 +14,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
-from cluster.config import ServeConfig
-from cluster.errors import InvalidArgumentError
-from cluster.registry import get_entry
-from cluster.types import AudioChunk
-from deployments.metrics import RouterMetrics
+from core.config import ServeConfig
+from core.errors import InvalidArgumentError
+from core.messages import Admitted, Audio, AudioChunk, Failed, Invalid, Job, Queued, Rejected, StreamHead
+from llm_stage.registry import ModelEntry, get_entry
 from protos import voxray_pb2
 from router.audio_format import streaming_wav_header
 from router.dispatch import estimated_loads
-from router.jobs import SynthesisJob, build_job, sampling_from_proto
+from router.jobs import job_from_fields, sampling_from_proto
+from router.metrics import RouterMetrics
 from router.playback import PlaybackTracker
 
 http_app = FastAPI(title="VoxRay")
@@ -32,6 +32,10 @@ class AdmissionRejected(Exception):
     def __init__(self, retry_after_s: float) -> None:
         super().__init__(f"server at capacity; retry after {retry_after_s:.1f} s")
         self.retry_after_s = retry_after_s
+
+
+class StreamFailed(Exception):
+    """The stream broke inside the cluster (a Failed event, or a stream that ended early)."""
 
 
 @dataclass
@@ -53,8 +57,8 @@ class RouterCore:
         self.open_streams = 0
         self.metrics = RouterMetrics()
 
-    def job(self, **fields) -> SynthesisJob:
-        return build_job(self.entry, self.config.admission, **fields)
+    def job(self, **fields) -> Job:
+        return job_from_fields(self.entry, self.config.admission, **fields)
 
     def check_capacity(self) -> None:
         """Reject at once when the LLM replicas known here are full: by their reported load, or by
@@ -68,7 +72,7 @@ class RouterCore:
             self.metrics.rejections.inc()
             raise AdmissionRejected(self.config.admission.retry_after_s)
 
-    async def run(self, job: SynthesisJob) -> AsyncIterator[SentChunk]:
+    async def run(self, job: Job) -> AsyncIterator[SentChunk]:
         self.check_capacity()
         self.open_streams += 1
         try:
@@ -77,25 +81,26 @@ class RouterCore:
         finally:
             self.open_streams -= 1
 
-    async def _dispatch(self, job: SynthesisJob) -> AsyncIterator[SentChunk]:
+    async def _dispatch(self, job: Job) -> AsyncIterator[SentChunk]:
         tracker = PlaybackTracker(time.monotonic())
-        stream = self.llm.generate.remote(job.to_dict())
+        stream = self.llm.generate.remote(job)
         finished = False
         try:
-            head = await stream.__anext__()
-            self._check_head(head)
-            async for item in stream:
-                audio: AudioChunk = item["audio"]
+            llm_replica = self._check_head(await stream.__anext__())
+            async for event in stream:
+                if isinstance(event, Failed):
+                    raise StreamFailed(event.message)
+                audio: AudioChunk = event.audio
                 now = time.monotonic()
                 underrun = tracker.on_chunk(now, audio.duration_s)
                 if underrun is not None:
                     self.metrics.underrun.observe(underrun)
-                finished = item["final"]
-                yield SentChunk(audio, item["seq"], tracker.ttfa_s, now - tracker.start_s, head.get("llm_replica", ""))
+                finished = audio.is_final
+                yield SentChunk(audio, audio.seq, tracker.ttfa_s, now - tracker.start_s, llm_replica)
                 if finished:
                     self._record_finished(tracker, now)
                     return
-            raise RuntimeError("stream ended without a final chunk")
+            raise StreamFailed("stream ended without a final chunk")
         finally:
             if not finished:
                 stream.cancel()
@@ -110,15 +115,32 @@ class RouterCore:
         metrics.audio.inc(tracker.audio_sent_s)
         metrics.realtime.set(tracker.audio_sent_s / max(now_s - tracker.start_s, 1e-6))
 
-    def _check_head(self, head: dict) -> None:
-        if head["kind"] == "rejected":
-            self.metrics.rejections.inc()
-            raise AdmissionRejected(head["retry_after_s"])
-        if head["kind"] == "invalid":
-            raise InvalidArgumentError(head["field"], head["message"])
+    def _check_head(self, head: StreamHead | Audio) -> str:
+        """The replica serving the job; raises for a head that refuses it."""
+        match head:
+            case Admitted(llm_replica=replica) | Queued(llm_replica=replica):
+                return replica
+            case Rejected(retry_after_s=retry_after_s):
+                self.metrics.rejections.inc()
+                raise AdmissionRejected(retry_after_s)
+            case Invalid(field=field, message=message):
+                raise InvalidArgumentError(field, message)
+            case Failed(message=message):
+                raise StreamFailed(message)
+        raise StreamFailed(f"unexpected stream head {type(head).__name__}")
 
 
-def _to_proto(job: SynthesisJob, sent: SentChunk, header: bytes) -> voxray_pb2.AudioChunk:
+def models_response(entry: ModelEntry) -> voxray_pb2.ListModelsResponse:
+    info = voxray_pb2.ModelInfo(name=entry.name, description=entry.description, sample_rate_hz=entry.sample_rate_hz)
+    return voxray_pb2.ListModelsResponse(models=[info])
+
+
+def voices_response(entry: ModelEntry) -> voxray_pb2.ListVoicesResponse:
+    """The voices the served family accepts (none for families without voices) and its default."""
+    return voxray_pb2.ListVoicesResponse(voices=list(entry.voices), default_voice=entry.default_voice or "")
+
+
+def _to_proto(job: Job, sent: SentChunk, header: bytes) -> voxray_pb2.AudioChunk:
     audio = sent.audio
     return voxray_pb2.AudioChunk(
         request_id=job.req_id,
@@ -213,17 +235,17 @@ class Router:
             _abort(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except AdmissionRejected as err:
             _abort(grpc_context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(err), err.retry_after_s)
+        except StreamFailed as err:
+            _abort(grpc_context, grpc.StatusCode.INTERNAL, f"synthesis failed: {err}")
 
     async def ListModels(self, request: voxray_pb2.ListModelsRequest, grpc_context=None):  # noqa: N802
-        entry = self.core.entry
-        info = voxray_pb2.ModelInfo(name=entry.name, description=entry.description, sample_rate_hz=entry.sample_rate_hz)
-        return voxray_pb2.ListModelsResponse(models=[info])
+        return models_response(self.core.entry)
 
     async def ListVoices(self, request: voxray_pb2.ListVoicesRequest, grpc_context=None):  # noqa: N802
         entry = self.core.entry
         if request.model and request.model != entry.name:
             _abort(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, f"model: unknown model {request.model!r}")
-        return voxray_pb2.ListVoicesResponse(voices=list(entry.voices), default_voice=entry.default_voice or "")
+        return voices_response(entry)
 
     # ---- HTTP -----------------------------------------------------------------------------
     @http_app.get("/healthz")
@@ -247,6 +269,8 @@ class Router:
         except AdmissionRejected as err:
             headers = {"Retry-After": str(max(1, round(err.retry_after_s)))}
             return _http_error(429, str(err), None, headers)
+        except StreamFailed as err:
+            return _http_error(500, f"synthesis failed: {err}", None)
         media = "audio/wav" if job.output_format == "wav" else "audio/pcm"
         header = streaming_wav_header(self.core.entry.sample_rate_hz) if job.output_format == "wav" else b""
         return StreamingResponse(

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from cluster.config import CacheConfig, ModelConfig, SchedulerConfig
-from cluster.types import SamplingParams
+from core.config import CacheConfig, ModelConfig, SchedulerConfig
+from core.messages import SamplingParams
 from llm_stage.engine import LLMEngine
 from llm_stage.models.base import FrameBuilder, LMAdapter
 from llm_stage.models.llama import LlamaBackbone

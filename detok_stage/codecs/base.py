@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from cluster.types import TokenChunk
+from core.messages import TokenChunk
 
 
 class CodecAdapter(ABC):

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from transformers import DacConfig, DacModel
 
-from cluster.config import ModelConfig
+from core.config import ModelConfig
 from detok_stage.codecs.base import CodecAdapter
 
 # Frames on each side that influence a frame's samples, for the (2, 4, 8, 8) upsampling stack

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache, MimiConfig, MimiModel
 
-from cluster.config import ModelConfig
-from cluster.types import TokenChunk
+from core.config import ModelConfig
+from core.messages import TokenChunk
 from detok_stage.codecs.base import CodecAdapter
 
 
@@ -28,6 +28,17 @@ class MimiStreamState:
     cache: DynamicCache
     prev_latent: torch.Tensor | None = None  # [1, C, 1] last dequantized frame (upsample context)
     out_tail: torch.Tensor | None = None  # [1, C, S] last transformer outputs (SEANet context)
+
+
+def tiny_mimi_config(num_quantizers: int) -> dict:
+    """A small Mimi (24 kHz) whose codebooks match the tiny CSM's."""
+    return {
+        "model_type": "mimi", "hidden_size": 32, "num_filters": 8, "num_residual_layers": 1,
+        "upsampling_ratios": [8, 4], "codebook_size": 64, "vector_quantization_hidden_dimension": 64,
+        "upsample_groups": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
+        "sliding_window": 4, "codebook_dim": 64, "use_cache": True, "num_quantizers": num_quantizers,
+        "num_semantic_quantizers": 1,
+    }  # fmt: skip
 
 
 def load_mimi(codec_dir: Path | None, seed: int, preset: dict | None) -> MimiModel:
@@ -56,8 +67,6 @@ class MimiCodec(CodecAdapter):
 
     @classmethod
     def build(cls, model_config: ModelConfig, device: str = "cpu", preset: dict | None = None) -> MimiCodec:
-        from llm_stage.models.csm import tiny_mimi_config
-
         return cls(load_mimi(model_config.codec_dir, model_config.seed, preset or tiny_mimi_config(8)), device)
 
     @torch.inference_mode()

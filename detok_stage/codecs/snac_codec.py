@@ -14,7 +14,7 @@ import torch
 from snac import SNAC
 from torch.nn.utils import parametrize
 
-from cluster.config import ModelConfig
+from core.config import ModelConfig
 from detok_stage.codecs.base import CodecAdapter
 
 TINY_SNAC = {

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from transformers import XcodecConfig, XcodecModel
 
-from cluster.config import ModelConfig
+from core.config import ModelConfig
 from detok_stage.codecs.base import CodecAdapter
 
 

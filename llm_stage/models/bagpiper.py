@@ -18,11 +18,12 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from cluster.config import ModelConfig
-from cluster.types import SamplingParams
+from core.config import ModelConfig
+from core.messages import SamplingParams
+from detok_stage.codecs.xcodec_codec import XcodecCodec
 from llm_stage.cfg import GuidanceFormula
 from llm_stage.delay_pattern import DelayPattern, StreamingDeinterleaver
-from llm_stage.models.base import FrameBuilder, LMAdapter
+from llm_stage.models.base import FrameBuilder, LMAdapter, ModelFamily
 from llm_stage.models.delay_rules import apply_forced, check_stream0_leads, eos_step, forced_ids
 from llm_stage.models.llama import LlamaBackbone
 from llm_stage.models.tokenizers import ByteTokenizer, HFTokenizer, TextTokenizer
@@ -212,3 +213,13 @@ class ParallelHeadsAdapter(LMAdapter):
 
     def new_frame_builder(self) -> ParallelHeadsFrameBuilder:
         return ParallelHeadsFrameBuilder(self.layout)
+
+
+FAMILY = ModelFamily(
+    name="bagpiper",
+    description="Parallel-heads Qwen3 checkpoint (+ parallel_heads.*) and an HF X-Codec dir, local",
+    preset_description="Parallel heads + delay pattern + CFG (Qwen3, 8 X-Codec streams), random tiny weights",
+    lm=ParallelHeadsAdapter,
+    codec=XcodecCodec,
+    sample_rate_hz=16000,
+)

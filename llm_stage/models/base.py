@@ -9,17 +9,38 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from cluster.errors import InvalidArgumentError
-from cluster.types import SamplingParams
+from core.config import ModelConfig
+from core.errors import InvalidArgumentError
+from core.messages import SamplingParams
+from detok_stage.codecs.base import CodecAdapter
 from llm_stage.cfg import GuidanceFormula
-from llm_stage.models.llama import LlamaBackbone
+from llm_stage.kv_cache import SlotKVCache
+from llm_stage.models.llama import BatchInputs
 from llm_stage.request import Request, Token
 
 # (logits [N, C], cand ids [N, C] | None, request of each row, codebook of each row) -> sampled ids [N]
 DrawFn = Callable[[torch.Tensor, torch.Tensor | None, list[Request], list[int]], list[int]]
+
+
+class Backbone(Protocol):
+    """The network the runner drives: embeddings, one forward over the slot KV cache, the LM head."""
+
+    # whether its decode forward may be captured as CUDA graphs (then `forward` takes a fixed `length`)
+    supports_decode_graphs: bool
+    lm_head_weight: torch.Tensor  # [V, H]: its device and dtype are the KV cache's
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor: ...
+
+    def forward(self, batch: BatchInputs, cache: SlotKVCache, embeds: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 class FrameBuilder(ABC):
@@ -37,7 +58,7 @@ class LMAdapter(ABC):
     default_voice: str | None = None
     eos_token_ids: frozenset[int] = frozenset()
     default_sampling: SamplingParams = SamplingParams()
-    max_text_chars: int = 4000
+    max_text_chars: int = 4000  # the one text-length limit the ingress applies
     num_codebooks: int = 1  # ids sampled per step; > 1 means logits are [B, K, C] and tokens are tuples
     input_width: int = 1  # lanes per position the runner hands to `embed`
     pad_token: Token = 0  # fills padded prefill positions (never attended to)
@@ -45,22 +66,17 @@ class LMAdapter(ABC):
     tokens_per_frame: int = 1  # engine steps per codec frame
     head_phase_period: int = 1  # steps per cycle of the output head (rows in one phase share a head matmul)
 
-    def __init__(self, backbone: LlamaBackbone) -> None:
+    def __init__(self, backbone: Backbone) -> None:
         self.backbone = backbone
 
-    def encode_prompt(self, text: str, voice: str | None) -> list[int]:
-        """Validate text and voice, return the prompt ids."""
-        if not text or not text.strip():
-            raise InvalidArgumentError("text", "must not be empty")
-        if len(text) > self.max_text_chars:
-            raise InvalidArgumentError("text", f"longer than {self.max_text_chars} characters")
-        voice = voice or self.default_voice
-        if self.voices and voice not in self.voices:
-            raise InvalidArgumentError("voice", f"unknown voice {voice!r}; valid voices: {', '.join(self.voices)}")
-        return self.format_prompt(text, voice)
+    @classmethod
+    def build(cls, config: ModelConfig) -> LMAdapter:
+        """The adapter on a local checkpoint (`config.checkpoint_dir`) or on the family's preset."""
+        raise NotImplementedError(f"{cls.__name__} is built in code, not from a ModelConfig")
 
     @abstractmethod
-    def format_prompt(self, text: str, voice: str | None) -> list[Token]: ...
+    def format_prompt(self, text: str, voice: str | None) -> list[Token]:
+        """Prompt tokens for validated text and voice (`llm_stage.jobs.build_job` checked both)."""
 
     def unconditional_prompt(self, text: str, voice: str | None) -> list[Token]:
         """The prompt of a guided request's hidden twin (override with `guidance`)."""
@@ -101,3 +117,17 @@ class LMAdapter(ABC):
 
     @abstractmethod
     def new_frame_builder(self) -> FrameBuilder: ...
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """A model family, declared once next to its LM adapter as `FAMILY`; `llm_stage.registry`
+    serves it as `<name>` (local checkpoint directories) and `<name>-tiny` (random preset).
+    Voices, sampling defaults and the token layout are the adapter's class attributes."""
+
+    name: str
+    description: str
+    preset_description: str
+    lm: type[LMAdapter]
+    codec: type[CodecAdapter]
+    sample_rate_hz: int  # of the codec's output, checkpoint and preset alike

@@ -15,25 +15,15 @@ from types import SimpleNamespace
 import torch
 from transformers import CsmConfig, CsmForConditionalGeneration, DynamicCache
 
-from cluster.config import ModelConfig
-from cluster.types import SamplingParams
-from llm_stage.models.base import DrawFn, FrameBuilder, LMAdapter
+from core.config import ModelConfig
+from core.messages import SamplingParams
+from detok_stage.codecs.mimi_codec import MimiCodec, tiny_mimi_config
+from llm_stage.models.base import DrawFn, FrameBuilder, LMAdapter, ModelFamily
 from llm_stage.models.llama import LlamaBackbone
 from llm_stage.models.tokenizers import ByteTokenizer, HFTokenizer, TextTokenizer
 from llm_stage.request import Request, Token
 
 NO_TEXT = -1  # text lane of an audio position
-
-
-def tiny_mimi_config(num_quantizers: int) -> dict:
-    """A small Mimi (24 kHz) whose codebooks match the tiny CSM's."""
-    return {
-        "model_type": "mimi", "hidden_size": 32, "num_filters": 8, "num_residual_layers": 1,
-        "upsampling_ratios": [8, 4], "codebook_size": 64, "vector_quantization_hidden_dimension": 64,
-        "upsample_groups": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
-        "sliding_window": 4, "codebook_dim": 64, "use_cache": True, "num_quantizers": num_quantizers,
-        "num_semantic_quantizers": 1,
-    }  # fmt: skip
 
 
 def tiny_csm_config(num_codebooks: int = 8) -> CsmConfig:
@@ -130,3 +120,13 @@ class CsmAdapter(LMAdapter):
 
     def new_frame_builder(self) -> CsmFrameBuilder:
         return CsmFrameBuilder()
+
+
+FAMILY = ModelFamily(
+    name="csm",
+    description="Sesame CSM-1B (HF CsmForConditionalGeneration dir) + Mimi (HF MimiModel dir), local",
+    preset_description="CSM layout: Llama backbone + depth decoder over 8 codebooks, small Mimi, random tiny weights",
+    lm=CsmAdapter,
+    codec=MimiCodec,
+    sample_rate_hz=24000,
+)

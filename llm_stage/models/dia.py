@@ -12,12 +12,13 @@ from __future__ import annotations
 import torch
 from transformers import DiaConfig, DiaForConditionalGeneration
 
-from cluster.config import ModelConfig
-from cluster.errors import InvalidArgumentError
-from cluster.types import SamplingParams
+from core.config import ModelConfig
+from core.errors import InvalidArgumentError
+from core.messages import SamplingParams
+from detok_stage.codecs.dac_codec import DacCodec
 from llm_stage.cfg import GuidanceFormula
 from llm_stage.delay_pattern import DelayPattern, StreamingDeinterleaver
-from llm_stage.models.base import FrameBuilder, LMAdapter
+from llm_stage.models.base import FrameBuilder, LMAdapter, ModelFamily
 from llm_stage.models.delay_rules import apply_forced, check_stream0_leads, eos_step, forced_ids
 from llm_stage.models.dia_decoder import NO_TEXT, START, DiaDecoderBackbone
 from llm_stage.request import Request, Token
@@ -183,3 +184,13 @@ class DiaAdapter(LMAdapter):
 
     def new_frame_builder(self) -> DiaFrameBuilder:
         return DiaFrameBuilder(self.pattern, self.eos_id)
+
+
+FAMILY = ModelFamily(
+    name="dia",
+    description="Nari Labs Dia (HF DiaForConditionalGeneration dir) + DAC 44.1 kHz (HF DacModel dir), local",
+    preset_description="Dia layout: byte text encoder + decoder over 4 delayed DAC channels, CFG, random tiny weights",
+    lm=DiaAdapter,
+    codec=DacCodec,
+    sample_rate_hz=44100,
+)

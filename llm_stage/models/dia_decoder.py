@@ -36,6 +36,8 @@ class CrossStore:
 class DiaDecoderBackbone:
     """The engine-facing backbone: same attributes and `forward` contract as `LlamaBackbone`."""
 
+    supports_decode_graphs = False  # decode graphs are wired for LlamaBackbone's fixed-length forward only
+
     def __init__(self, model: DiaForConditionalGeneration) -> None:
         dec_cfg, enc_cfg = model.config.decoder_config, model.config.encoder_config
         self.hf_model = model

@@ -115,6 +115,8 @@ class FusedLayer:
 class LlamaBackbone:
     """Runs `LlamaModel`-compatible weights (decoder layers + final norm) on a SlotKVCache."""
 
+    supports_decode_graphs = True
+
     def __init__(self, hf_model: torch.nn.Module) -> None:
         cfg = hf_model.config
         self.hf_model = hf_model

@@ -14,9 +14,10 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from cluster.config import ModelConfig
-from cluster.types import SamplingParams
-from llm_stage.models.base import FrameBuilder, LMAdapter
+from core.config import ModelConfig
+from core.messages import SamplingParams
+from detok_stage.codecs.snac_codec import SnacCodec
+from llm_stage.models.base import FrameBuilder, LMAdapter, ModelFamily
 from llm_stage.models.llama import LlamaBackbone
 from llm_stage.models.tokenizers import ByteTokenizer, HFTokenizer, TextTokenizer
 from llm_stage.request import Request
@@ -32,7 +33,7 @@ START_OF_AI = 128261
 START_OF_SPEECH = 128257
 VOCAB_SIZE = 156940
 SMALL_GROUP = 3  # rows of one frame slot up to which the transposed slot head is the faster product
-VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")  # keep in sync with cluster.registry
+VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
 
 
 def tiny_llama_config(max_positions: int = 4096) -> LlamaConfig:
@@ -170,3 +171,13 @@ def allowed_token_ids(num_generated: int) -> list[int]:
     if num_generated > 0 and slot == 0:
         ids.append(END_OF_SPEECH)
     return ids
+
+
+FAMILY = ModelFamily(
+    name="orpheus",
+    description="Orpheus 3B (Llama-3.2-3B HF checkpoint) + SNAC 24 kHz, from local directories",
+    preset_description="Orpheus layout, small random-weight Llama + small SNAC (built in code)",
+    lm=OrpheusAdapter,
+    codec=SnacCodec,
+    sample_rate_hz=24000,
+)

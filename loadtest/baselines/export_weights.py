@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from snac import SNAC
 
-from cluster.config import ModelConfig
+from core.config import ModelConfig
 from detok_stage.codecs.snac_codec import TINY_SNAC
 from llm_stage.models.orpheus import OrpheusAdapter
 

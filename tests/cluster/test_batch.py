@@ -8,7 +8,7 @@ import pytest
 
 from cluster.batch import read_items
 from cluster.cli import main
-from cluster.errors import InvalidArgumentError
+from core.errors import InvalidArgumentError
 
 
 def test_batch_writes_one_wav_per_line(tmp_path, capsys):

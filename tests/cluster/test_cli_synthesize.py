@@ -8,10 +8,10 @@ import pydantic
 import pytest
 
 from cluster.cli import main
-from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from cluster.errors import InvalidArgumentError
 from cluster.pipeline import InProcessPipeline
-from cluster.registry import check_model_config, get_entry
+from core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from core.errors import InvalidArgumentError
+from llm_stage.registry import check_model_config, get_entry
 
 
 @pytest.mark.parametrize("schedule", ["wide", "reference"])

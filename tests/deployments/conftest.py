@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.config import AdmissionConfig, ServeConfig, StageDeploymentConfig
+from core.config import AdmissionConfig, ServeConfig, StageDeploymentConfig
 from tests.deployments.grpc_helpers import run_stream
 
 GRPC_PORT = 19000

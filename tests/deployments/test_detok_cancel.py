@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from cluster.config import ServeConfig
-from cluster.types import TokenChunk
+from core.config import ServeConfig
+from core.messages import TokenChunk
 from deployments.detok_stage import DetokStage
 
 

@@ -7,11 +7,11 @@ import functools
 
 import torch
 
-from cluster.config import CacheConfig, DetokConfig, EngineConfig, ModelConfig, SchedulerConfig
 from cluster.pipeline import InProcessPipeline
-from detok_stage.chunking import Chunker, ChunkSchedule
+from core.config import CacheConfig, DetokConfig, EngineConfig, ModelConfig, SchedulerConfig
 from detok_stage.codecs.dac_codec import RECEPTIVE_FIELD_FRAMES, DacCodec
 from detok_stage.engine import DetokEngine, pcm16_to_float
+from llm_stage.chunking import Chunker, ChunkSchedule
 
 RF = RECEPTIVE_FIELD_FRAMES
 HOP = 512

@@ -7,12 +7,13 @@ import functools
 import pytest
 import torch
 
-from cluster.config import DetokConfig, ModelConfig
-from cluster.errors import InvalidArgumentError
-from cluster.types import TokenChunk
-from detok_stage.chunking import Chunker, ChunkSchedule
+from core.config import DetokConfig, ModelConfig, SchedulerConfig
+from core.errors import InvalidArgumentError
+from core.messages import TokenChunk
+from core.policy import make_policy
 from detok_stage.codecs.snac_codec import SnacCodec
 from detok_stage.engine import DetokEngine, pcm16_to_float
+from llm_stage.chunking import Chunker, ChunkSchedule
 
 SPF = 2048
 
@@ -168,10 +169,11 @@ def test_adaptive_wide_schedule_still_equals_offline_decode():
 
 def test_throughput_mode_uses_long_chunks_and_stays_exact():
     config = DetokConfig(throughput_chunk_frames=16)
-    schedule = ChunkSchedule.for_policy(config, "throughput")
+    streaming = make_policy(SchedulerConfig(policy="streaming"))
+    schedule = ChunkSchedule.for_policy(config, make_policy(SchedulerConfig(policy="throughput")))
     assert (schedule.first_chunk_frames, schedule.chunk_frames, schedule.adaptive) == (16, 16, False)
-    assert schedule.decode_factor < ChunkSchedule.for_policy(config, "streaming").decode_factor
-    assert ChunkSchedule.for_policy(config, "streaming") == ChunkSchedule.from_config(config)
+    assert schedule.decode_factor < ChunkSchedule.for_policy(config, streaming).decode_factor
+    assert ChunkSchedule.for_policy(config, streaming) == ChunkSchedule.from_config(config)
     frames = random_streams([40])["r0"]
     engine, chunker = DetokEngine(codec(), config), Chunker("r", schedule)
     for chunk in chunker.push(frames.tolist()) + chunker.finish():

@@ -6,8 +6,8 @@ import functools
 
 import torch
 
-from cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from cluster.pipeline import InProcessPipeline
+from core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from detok_stage.codecs.xcodec_codec import XcodecCodec
 
 

@@ -15,7 +15,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from ray.serve.schema import ServeDeploySchema
 
-from cluster.config import ServeConfig
+from core.config import ServeConfig
 
 
 def _model_arms(annotation: Any) -> tuple[type[BaseModel] | None, bool]:

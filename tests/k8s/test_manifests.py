@@ -9,8 +9,8 @@ import pytest
 import ray
 import yaml
 
-from cluster.config import load_serve_config
 from cluster.serve_yaml import serve_schema_dict
+from core.config import load_serve_config
 from tests.k8s import kustomize_lite
 from tests.k8s.crd_schema import crd_errors
 from tests.k8s.manifests import (

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.config import ServeConfig, load_serve_config
 from cluster.serve_yaml import GENERATED, drifted_files, main, serve_schema_dict
+from core.config import ServeConfig, load_serve_config
 from tests.k8s.manifests import OVERLAY_CONFIGS, REPO_ROOT
 from tests.k8s.serve_checks import serve_config_errors
 
@@ -76,7 +76,6 @@ def test_gpu_config_is_a_production_gpu_config() -> None:
     config = _config("deployments/configs/gpu.yaml")
     assert config.engine.model.name == "orpheus"
     assert config.engine.model.device == "cuda" and config.engine.detok.device == "cuda"
-    assert config.transport.tensor_transport == "nccl"
     for stage in (config.llm, config.detok):
         assert stage.num_gpus == 1 and stage.autoscaling and stage.resources
     assert set(config.llm.resources).isdisjoint(config.detok.resources), "stages must steer to different groups"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from cluster.types import SamplingParams
+from core.messages import SamplingParams
 from llm_stage.request import RequestStatus
 from tests.factories import EOS_FAKE, fake_request, fake_scheduler, orpheus_engine
 
@@ -84,6 +84,6 @@ def test_seeded_sampling_with_joins_and_a_cancel_matches_synchronous_steps():
 
 def test_async_engine_honours_greedy_defaults():
     engine = orpheus_engine(num_slots=2, async_steps=True)
-    engine.add_prompt("g", engine.adapter.encode_prompt("hi", "tara"), SamplingParams(temperature=0.0, max_tokens=7))
+    engine.add_prompt("g", engine.adapter.format_prompt("hi", "tara"), SamplingParams(temperature=0.0, max_tokens=7))
     tokens = engine.run_to_completion()["g"]
     assert len(tokens) == 7 and engine.scheduler.slots.num_free == 2

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from cluster.types import SamplingParams
+from core.messages import SamplingParams
 from llm_stage.cfg import GuidanceFormula, merge_guidance
 from llm_stage.request import FinishReason, Request, RequestStatus
 from llm_stage.scheduler import Scheduler

@@ -8,7 +8,7 @@ import functools
 import pytest
 import torch
 
-from cluster.config import CacheConfig, ModelConfig, SchedulerConfig
+from core.config import CacheConfig, ModelConfig, SchedulerConfig
 from llm_stage.engine import LLMEngine
 from llm_stage.models.csm import CsmAdapter
 
@@ -43,7 +43,7 @@ def test_greedy_parity_with_transformers_csm_generate(async_steps):
     )
     texts = {"a": "hi", "b": "a somewhat longer line", "c": "third", "d": "the fourth request joins late"}
     join_at = {"a": 0, "b": 0, "c": 2, "d": 5}
-    prompts = {k: ad.encode_prompt(t, "1") for k, t in texts.items()}
+    prompts = {k: ad.format_prompt(t, "1") for k, t in texts.items()}
     frames: dict[str, list] = {k: [] for k in texts}
     for step in range(200):
         for req_id, at in join_at.items():

@@ -9,8 +9,8 @@ import logging
 import pytest
 import torch
 
-from cluster.config import DetokConfig, ModelConfig
-from cluster.cuda_graphs import GraphCache
+from core.config import DetokConfig, ModelConfig
+from core.graphs import GraphCache
 from detok_stage.codecs.snac_codec import SnacCodec
 from detok_stage.engine import DetokEngine
 from detok_stage.graphs import ChunkGraphs

@@ -9,9 +9,9 @@ import functools
 import pytest
 import torch
 
-from cluster.config import CacheConfig, ModelConfig, SchedulerConfig
-from cluster.errors import InvalidArgumentError
-from cluster.types import SamplingParams
+from core.config import CacheConfig, ModelConfig, SchedulerConfig
+from core.errors import InvalidArgumentError
+from core.messages import SamplingParams
 from llm_stage.engine import LLMEngine
 from llm_stage.models.dia import DiaAdapter, encode_dia_text
 from llm_stage.request import Request

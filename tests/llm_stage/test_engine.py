@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.errors import InvalidArgumentError
-from cluster.types import SamplingParams
+from core.errors import InvalidArgumentError
+from core.messages import SamplingParams
 from llm_stage.models.orpheus import AUDIO_TOKEN_BASE, CODES_PER_SLOT, END_OF_SPEECH
 from tests.factories import orpheus_engine, text_engine, tiny_text_llama
 

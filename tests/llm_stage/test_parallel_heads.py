@@ -8,8 +8,8 @@ import functools
 import pytest
 import torch
 
-from cluster.config import CacheConfig, ModelConfig, SchedulerConfig
-from cluster.types import SamplingParams
+from core.config import CacheConfig, ModelConfig, SchedulerConfig
+from core.messages import SamplingParams
 from llm_stage.engine import LLMEngine
 from llm_stage.models.bagpiper import ParallelHeadsAdapter, save_parallel_heads
 from llm_stage.request import Request

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from cluster.types import SamplingParams
+from core.messages import SamplingParams
 from llm_stage.models.orpheus import allowed_token_ids
 from llm_stage.request import Request
 from tests.factories import orpheus_adapter, orpheus_engine, text_engine, tiny_text_llama
@@ -56,7 +56,7 @@ class OrpheusSlotMask(LogitsProcessor):
 @pytest.mark.parametrize("async_steps", [False, True])
 def test_orpheus_greedy_parity_with_frame_slot_mask(async_steps):
     engine = orpheus_engine(num_slots=4, async_steps=async_steps)
-    model_prompts = {f"o{i}": engine.adapter.encode_prompt("hello world " * (i + 1), "tara") for i in range(4)}
+    model_prompts = {f"o{i}": engine.adapter.format_prompt("hello world " * (i + 1), "tara") for i in range(4)}
     params = SamplingParams(temperature=0.0, max_tokens=21)
     for req_id, prompt in model_prompts.items():
         engine.add_prompt(req_id, prompt, params)

@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
-from cluster.config import CacheConfig, SchedulerConfig
+from core.config import CacheConfig, SchedulerConfig
+from core.policy import DecodePriority, PolicyKind, SchedulingPolicy, fcfs_order
 from llm_stage.kv_slots import SlotAllocator
 from llm_stage.models.orpheus import slot_of
 from llm_stage.request import RequestStatus
-from llm_stage.scheduler import DecodePriority, Scheduler
+from llm_stage.scheduler import Scheduler
 from tests.factories import EOS_FAKE, fake_request, orpheus_engine
 
 PERIOD = 7
 
 
-def phased_scheduler(period: int = PERIOD, decode_order=None) -> Scheduler:
-    extra = {} if decode_order is None else {"decode_order": decode_order}
+def phased_scheduler(period: int = PERIOD, decode_order=fcfs_order) -> Scheduler:
     return Scheduler(
         SchedulerConfig(max_batch_size=4, prefill_token_budget=64), CacheConfig(num_slots=4, max_seq_len=256),
-        [EOS_FAKE], head_phase_period=period, **extra,
+        [EOS_FAKE], SchedulingPolicy(PolicyKind.FCFS, decode_order, head_phase_period=period),
     )  # fmt: skip
 
 
@@ -52,7 +52,7 @@ def test_a_new_request_waits_for_the_running_rows_phase_then_decodes_in_lockstep
 
 
 def test_a_start_waits_at_most_one_period_less_one_step():
-    sched = phased_scheduler(decode_order=lambda decoding: [])  # the decoding row never advances
+    sched = phased_scheduler(decode_order=lambda decoding, waiting: [])  # the decoding row never advances
     first = fake_request("a", prompt_len=5)
     sched.add(first)
     step(sched)
@@ -113,7 +113,7 @@ def decoding_at_phase(sched: Scheduler, req_id: str, phase: int, arrival_s: floa
 
 
 def test_rows_that_can_wait_fill_the_batch_in_its_head_phase_first():
-    order = lambda decoding: DecodePriority(  # noqa: E731
+    order = lambda decoding, waiting: DecodePriority(  # noqa: E731
         [r for r in decoding if r.req_id == "urgent"],
         can_wait=[r for r in decoding if r.req_id.startswith("fill")],
         last=[r for r in decoding if r.req_id == "deferred"],
@@ -133,7 +133,7 @@ def test_rows_that_can_wait_fill_the_batch_in_its_head_phase_first():
 
 
 def test_streams_sharing_too_few_rows_decode_in_one_phase_and_all_advance():
-    def least_decoded_first(decoding):
+    def least_decoded_first(decoding, waiting):
         return DecodePriority([], can_wait=sorted(decoding, key=lambda r: len(r.output_ids)))
 
     sched = phased_scheduler(decode_order=least_decoded_first)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.types import SamplingParams
+from core.messages import SamplingParams
 from llm_stage.host_sampler import penalize_repeats
 from llm_stage.sampler import (
     SHORTLIST,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from cluster.config import ModelConfig
+from core.config import ModelConfig
 from detok_stage.codecs.snac_codec import SnacCodec
 from llm_stage.models.orpheus import OrpheusAdapter, allowed_token_ids
 from llm_stage.models.tokenizers import ByteTokenizer

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from cluster.config import ModelConfig
+from core.config import ModelConfig
 from detok_stage.codecs.snac_codec import SnacCodec
 from llm_stage.models.orpheus import OrpheusAdapter
 from loadtest import run_all

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cluster.config import DetokConfig
-from cluster.types import TokenChunk
+from core.config import DetokConfig
+from core.messages import TokenChunk
+from core.policy import SchedulingPolicy
 
 
 @dataclass(frozen=True)
@@ -31,10 +32,10 @@ class ChunkSchedule:
         )  # fmt: skip
 
     @classmethod
-    def for_policy(cls, config: DetokConfig, policy: str) -> ChunkSchedule:
+    def for_policy(cls, config: DetokConfig, policy: SchedulingPolicy) -> ChunkSchedule:
         """Throughput mode has no deadlines: every chunk is `throughput_chunk_frames` long, so fewer
         context frames are decoded twice; the other policies use `from_config`."""
-        if policy != "throughput" or config.schedule != "wide":
+        if not policy.uses_long_chunks or config.schedule != "wide":
             return cls.from_config(config)
         size = config.throughput_chunk_frames
         return cls(size, size, config.left_context_frames, config.right_context_frames)
@@ -63,7 +64,6 @@ class Chunker:
         self._base = 0  # absolute index of self._frames[0]; older frames are dropped
         self._emitted = 0  # frames already covered by chunks
         self._seq = 0
-        self.is_finished = False
 
     @property
     def num_frames(self) -> int:
@@ -104,7 +104,6 @@ class Chunker:
         while self.num_frames - self._emitted > self.schedule.chunk_size(self._seq):
             chunks.append(self._cut(self._emitted + self.schedule.chunk_size(self._seq), is_final=False))
         chunks.append(self._cut(self.num_frames, is_final=True))
-        self.is_finished = True
         return chunks
 
     def _cut(self, end: int, is_final: bool) -> TokenChunk:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from cluster.config import CacheConfig, DetokConfig, SchedulerConfig
-from cluster.types import SamplingParams, TokenChunk
+from core.config import CacheConfig, DetokConfig, SchedulerConfig
+from core.messages import SamplingParams, TokenChunk
+from core.policy import PolicyKind, SchedulingPolicy, StepTimer, StreamingOrder, make_policy
 from detok_stage.codecs.base import CodecAdapter
 from detok_stage.engine import DetokEngine
-from llm_stage.policy import StepTimer, StreamingOrder, make_decode_order
 from llm_stage.request import Request, RequestStatus
-from llm_stage.scheduler import Scheduler, fcfs_order
+from llm_stage.scheduler import Scheduler
 
 
 class FakeClock:
@@ -33,7 +33,8 @@ def running(scheduler: Scheduler, req_id: str, arrival_s: float, first_audio_s=N
 def streaming_scheduler(batch: int, clock: FakeClock, startup: int = 4) -> Scheduler:
     timer = StepTimer(step_s=0.01, detok_s=0.05)
     order = StreamingOrder(startup_concurrency=startup, timer=timer, clock=clock)
-    return Scheduler(SchedulerConfig(max_batch_size=batch), CacheConfig(num_slots=16), [0], order)
+    policy = SchedulingPolicy(PolicyKind.STREAMING, order)
+    return Scheduler(SchedulerConfig(max_batch_size=batch), CacheConfig(num_slots=16), [0], policy)
 
 
 def picked(scheduler: Scheduler) -> list[str]:
@@ -75,7 +76,7 @@ def test_startup_limit_keeps_running_streams_from_starving():
     for i in range(5):
         running(sched, f"new{i}", arrival_s=10 + i)
     assert picked(sched) == ["new0", "new1", "comfy"]
-    fcfs = Scheduler(SchedulerConfig(max_batch_size=3), CacheConfig(num_slots=16), [0], fcfs_order)
+    fcfs = Scheduler(SchedulerConfig(max_batch_size=3), CacheConfig(num_slots=16), [0])  # FCFS
     fcfs.running = sched.running
     assert "comfy" in picked(fcfs)  # arrived first, so FCFS keeps it too; the limit is what protects it
 
@@ -95,7 +96,8 @@ def capacity_scheduler(clock: FakeClock, step_s: float, batch: int = 3) -> Sched
     timer = StepTimer(step_s=step_s, detok_s=0.05, tokens_per_frame=7, frame_s=0.08)
     timer.record_step(step_s, rows=batch)
     order = StreamingOrder(startup_concurrency=2, timer=timer, clock=clock, max_batch_size=batch)
-    return Scheduler(SchedulerConfig(max_batch_size=batch), CacheConfig(num_slots=16), [0], order)
+    policy = SchedulingPolicy(PolicyKind.STREAMING, order)
+    return Scheduler(SchedulerConfig(max_batch_size=batch), CacheConfig(num_slots=16), [0], policy)
 
 
 def test_sustainable_streams_is_rows_times_per_row_speed_at_the_largest_batch_measured():
@@ -144,8 +146,8 @@ def test_urgent_streams_go_oldest_first_when_more_play_than_the_batch_sustains()
 
 def test_throughput_mode_fills_the_batch_ignoring_deadlines():
     clock = FakeClock()
-    order = make_decode_order(SchedulerConfig(policy="throughput", max_batch_size=4), StepTimer())
-    sched = Scheduler(SchedulerConfig(policy="throughput", max_batch_size=4), CacheConfig(num_slots=16), [0], order)
+    config = SchedulerConfig(policy="throughput", max_batch_size=4)
+    sched = Scheduler(config, CacheConfig(num_slots=16), [0], make_policy(config, StepTimer()))
     for i in range(6):
         running(sched, f"r{i}", arrival_s=i, first_audio_s=clock.now_s - 1, sent_s=100.0)
     assert picked(sched) == ["r0", "r1", "r2", "r3"]
@@ -159,7 +161,8 @@ class _ZeroCodec(CodecAdapter):
 
 
 def _three_chunks(policy: str) -> DetokEngine:
-    engine = DetokEngine(_ZeroCodec(), DetokConfig(max_batch_chunks=2), in_order=False, policy=policy)
+    detok_policy = make_policy(SchedulerConfig(policy=policy))
+    engine = DetokEngine(_ZeroCodec(), DetokConfig(max_batch_chunks=2), in_order=False, policy=detok_policy)
     engine.submit(TokenChunk("late", 3, [[1]], 3, 3, 4, False, deadline_s=50.0))
     engine.submit(TokenChunk("soon", 5, [[1]], 5, 5, 6, False, deadline_s=10.0))
     engine.submit(TokenChunk("new", 0, [[1]], 0, 0, 1, False, deadline_s=None))
@@ -190,7 +193,7 @@ def test_new_request_is_prefilled_ahead_of_running_streams_when_rows_are_full():
     plan = sched.schedule()
     assert [w.req.req_id for w in plan.prefills] == ["new"]
     assert [r.req_id for r in plan.decodes] == ["urgent"]  # the comfortable stream waits a step
-    fcfs = Scheduler(SchedulerConfig(max_batch_size=2), CacheConfig(num_slots=16), [0], fcfs_order)
+    fcfs = Scheduler(SchedulerConfig(max_batch_size=2), CacheConfig(num_slots=16), [0])  # FCFS
     running(fcfs, "a", arrival_s=1, first_audio_s=95.0, sent_s=20.0)
     running(fcfs, "b", arrival_s=2, first_audio_s=99.0, sent_s=1.2)
     waiting(fcfs, "new", arrival_s=50)

@@ -133,17 +133,10 @@ class AdmissionConfig(_Strict):
     max_queued_per_replica: int = Field(8, ge=0, description="Requests waiting for a slot on one LLM replica.")
     default_ttfa_deadline_s: float = Field(5.0, gt=0, description="Deadline when the request names none.")
     retry_after_s: float = Field(1.0, gt=0, description="Hint sent with RESOURCE_EXHAUSTED / 429.")
-    max_text_chars: int = Field(4000, ge=1)
-
-
-class TransportConfig(_Strict):
-    """How tensors (voice conditioning, prompt KV) cross between the stages' engine actors."""
-
-    tensor_transport: Literal["object_store", "gloo", "nccl"] = "object_store"
 
 
 class ServeConfig(_Strict):
-    """The whole cluster app: engines, the three deployments, admission, transport, ports."""
+    """The whole cluster app: engines, the three deployments, admission, ports."""
 
     app_name: str = Field("voxray", pattern=r"^[a-z0-9][a-z0-9-]*$")
     route_prefix: str = Field("/", pattern=r"^/")
@@ -158,7 +151,6 @@ class ServeConfig(_Strict):
     detok: StageDeploymentConfig = StageDeploymentConfig()
     router: StageDeploymentConfig = StageDeploymentConfig(num_cpus=0.25, max_ongoing_requests=1024)
     admission: AdmissionConfig = AdmissionConfig()
-    transport: TransportConfig = TransportConfig()
 
     @model_validator(mode="after")
     def _streams_fit_cache(self) -> ServeConfig:

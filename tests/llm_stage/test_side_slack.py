@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from cluster.config import DetokConfig
-from cluster.pipeline import LLMSide
-from cluster.types import SamplingParams
-from detok_stage.chunking import Chunker, ChunkSchedule
+from core.config import DetokConfig
+from core.messages import SamplingParams
+from core.policy import StepTimer, slack_s
+from llm_stage.chunking import Chunker, ChunkSchedule
 from llm_stage.engine import StepOutput
-from llm_stage.policy import StepTimer, slack_s
 from llm_stage.request import Request
+from llm_stage.side import LLMSide
 
 FRAME = [0] * 7
 

@@ -1,0 +1,163 @@
+"""Typed messages between the stages: the validated `Job` with its one `SamplingParams`, the
+stream events an LLM replica sends the router, `TokenChunk` and `AudioChunk`.
+
+The ingress validates a request once into a Job (`llm_stage.jobs.build_job`); the LLM stage
+answers with one head event (Admitted / Queued / Rejected / Invalid) and then Audio events
+(or a Failed one). The LLM stage produces TokenChunks, the detokenizer turns them into
+AudioChunks. Chunks are self-describing: they carry their left/right context frames so a cold
+detokenizer produces the same audio.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field
+
+from core.errors import InvalidArgumentError, from_validation_error
+
+
+class SamplingParams(BaseModel):
+    """Per-request sampling; validated so a bad value names its field."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    temperature: float = Field(0.6, ge=0.0, le=10.0, description="0 = greedy.")
+    top_k: int = Field(0, ge=0, le=1_000_000, description="0 = off.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    min_p: float = Field(0.0, ge=0.0, lt=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    repetition_window: int = Field(0, ge=0, description="Last N tokens penalised; 0 = whole sequence.")
+    max_tokens: int = Field(1200, ge=1, le=100_000)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    guidance_scale: float | None = Field(
+        None, ge=0.0, le=100.0, description="Classifier-free guidance scale (model's own formula); None = off."
+    )
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @classmethod
+    def resolve(cls, overrides: SamplingParams | dict | None, default: SamplingParams) -> SamplingParams:
+        """The client's fields merged over the model's default; a bad value raises naming `sampling.<field>`."""
+        if isinstance(overrides, SamplingParams):
+            return overrides
+        if overrides is not None and not isinstance(overrides, dict):
+            raise InvalidArgumentError("sampling", "must be an object of sampling fields")
+        try:
+            return default if not overrides else cls(**{**default.model_dump(), **overrides})
+        except pydantic.ValidationError as err:
+            raise from_validation_error(err, "sampling") from None
+        except TypeError as err:
+            raise InvalidArgumentError("sampling", str(err)) from None
+
+
+OutputFormat = Literal["pcm16", "wav"]
+
+
+@dataclass(frozen=True)
+class Job:
+    """One validated synthesis request: built once at the ingress, handed to the engine unchanged."""
+
+    req_id: str
+    text: str
+    voice: str | None
+    sampling: SamplingParams  # the model's defaults with the client's fields applied
+    ttfa_deadline_s: float
+    output_format: OutputFormat = "pcm16"
+    text_field: str = "text"  # the text field as the client spelled it ("input" over HTTP)
+
+
+@dataclass(frozen=True)
+class TokenChunk:
+    """Frames [window_start, window_end) of one request; samples of the kept frames are emitted.
+
+    `frames` holds every frame of the window (context included) as lists of K codes.
+    """
+
+    req_id: str
+    seq: int
+    frames: list[list[int]]
+    window_start: int
+    keep_start: int
+    keep_end: int
+    is_final: bool
+    deadline_s: float | None = None  # wall-clock time the client's buffer runs dry; None = startup (ASAP)
+
+    @property
+    def num_frames(self) -> int:
+        return len(self.frames)
+
+
+@dataclass
+class AudioChunk:
+    """PCM16 mono audio for one chunk of one request."""
+
+    req_id: str
+    seq: int
+    pcm16: bytes
+    sample_rate_hz: int
+    is_final: bool
+    detok_replica: str = ""  # set by the DetokStage deployment
+    num_frames: int = 0  # codec frames the audio covers (0 = unknown)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.pcm16) // 2
+
+    @property
+    def duration_s(self) -> float:
+        return self.num_samples / self.sample_rate_hz
+
+
+# ---- stream events: LLM replica -> router --------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """The job runs now on `llm_replica`; Audio events follow."""
+
+    llm_replica: str
+
+
+@dataclass(frozen=True)
+class Queued:
+    """The job waits for a KV slot on `llm_replica` (its deadline can still be met); Audio follows."""
+
+    llm_replica: str
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """The replica is full: the client should retry after `retry_after_s`."""
+
+    retry_after_s: float
+
+
+@dataclass(frozen=True)
+class Invalid:
+    """The job cannot be served as asked: `field` is named as the client spelled it."""
+
+    field: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Audio:
+    """One decoded chunk, in seq order; `audio.is_final` ends the stream."""
+
+    audio: AudioChunk
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The stream broke inside the cluster (engine or detokenizer failure); nothing more follows."""
+
+    message: str
+
+
+StreamHead = Admitted | Queued | Rejected | Invalid | Failed
+StreamEvent = Admitted | Queued | Rejected | Invalid | Audio | Failed
