@@ -1,8 +1,7 @@
 """The sampler on the host CPU, in numpy: same semantics as `llm_stage.sampler`'s torch path.
 
 On CPU a step's sampling is a few dozen small ops on [rows, ~4k] arrays, so per-op overhead
-dominates, and torch's is several times numpy's: the torch path cost 1.5-3 ms of a ~9 ms 4-row
-Orpheus step (BENCHMARKS "Sampling on the host"). Here each row's filters (top-k, top-p over
+dominates, and torch's is several times numpy's. Here each row's filters (top-k, top-p over
 the top-k mass, min-p) run on its weights exp(logit - max) sorted by value only, which gives
 the smallest kept weight; the draw is then an inverse-CDF search over the kept weights in
 column order (no sort with indices, no per-column noise), with one uniform from the row's own

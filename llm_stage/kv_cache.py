@@ -39,7 +39,7 @@ class SlotKVCache:
         """Keys and values of the first `length` positions of each slot: [B, kv_heads, length, head_dim].
 
         `index_select` on the narrowed view, not `keys[layer, slots, :, :length]`: advanced indexing
-        runs a per-element gather kernel, 4x slower on CPU, and was a third of a 4-row decode step
-        (BENCHMARKS "KV reads by index_select")."""
+        runs a per-element gather kernel, several times slower on CPU, and large enough to be a
+        visible share of a small decode step."""
         keys = self.keys[layer, :, :, :length].index_select(0, slots)
         return keys, self.values[layer, :, :, :length].index_select(0, slots)

@@ -3,18 +3,14 @@
 DAC's decoder is non-causal, so it decodes stateless windows: a chunk's kept frames plus left
 and right context. Its receptive field is `RECEPTIVE_FIELD_FRAMES` on each side (measured in
 tests/detok_stage/test_dac.py); with that much context streamed audio equals offline decoding.
-Real weights load from a local HF directory; the tiny preset is built in code.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from transformers import DacConfig, DacModel
 
-from core.config import ModelConfig
-from detok_stage.codecs.base import CodecAdapter
+from detok_stage.codecs.hf_codec import HFCodec
 
 # Frames on each side that influence a frame's samples, for the (2, 4, 8, 8) upsampling stack
 # (input conv, transposed convs and dilated residual units); it depends on the strides only, so
@@ -31,34 +27,17 @@ def tiny_dac_config(num_codebooks: int = 4, codebook_size: int = 64) -> DacConfi
     )  # fmt: skip
 
 
-def load_dac(codec_dir: Path | None, seed: int) -> DacModel:
-    if codec_dir is not None:
-        return DacModel.from_pretrained(str(codec_dir), local_files_only=True).eval()
-    torch.manual_seed(seed)
-    model = DacModel(tiny_dac_config())
-    with torch.no_grad():  # random init decodes to ~1e-3 amplitude; bring it to a audible range
-        model.decoder.conv2.weight.mul_(50.0)
-    return model.eval()
-
-
-class DacCodec(CodecAdapter):
+class DacCodec(HFCodec):
+    model_cls = DacModel
     receptive_field_frames = RECEPTIVE_FIELD_FRAMES
 
-    def __init__(self, model: DacModel, device: str = "cpu") -> None:
-        self.model = model.to(device)
-        self.device = device
-        cfg = model.config
-        self.codes_per_frame = cfg.n_codebooks
-        self.samples_per_frame = cfg.hop_length
-        self.sample_rate_hz = cfg.sampling_rate
-        self.codebook_size = cfg.codebook_size
+    @staticmethod
+    def layout(config: DacConfig) -> tuple[int, int, int, int]:
+        return config.n_codebooks, config.hop_length, config.sampling_rate, config.codebook_size
 
     @classmethod
-    def build(cls, model_config: ModelConfig, device: str = "cpu") -> DacCodec:
-        return cls(load_dac(model_config.codec_dir, model_config.seed), device)
-
-    @torch.inference_mode()
-    def decode(self, frames: torch.Tensor) -> torch.Tensor:
-        """frames [B, n, K] -> audio [B, n * hop]."""
-        audio = self.model.decode(audio_codes=frames.transpose(1, 2).to(self.device)).audio_values  # [B, n * hop]
-        return audio.float().cpu()
+    def preset(cls) -> DacModel:
+        model = DacModel(tiny_dac_config())
+        with torch.no_grad():  # random init decodes to ~1e-3 amplitude; bring it to an audible range
+            model.decoder.conv2.weight.mul_(50.0)
+        return model

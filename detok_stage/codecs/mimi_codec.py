@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache, MimiConfig, MimiModel
 
+from core.checkpoints import hf_loader, load_or_preset
 from core.config import ModelConfig
 from core.messages import TokenChunk
 from detok_stage.codecs.base import CodecAdapter
@@ -42,10 +43,10 @@ def tiny_mimi_config(num_quantizers: int) -> dict:
 
 
 def load_mimi(codec_dir: Path | None, seed: int, preset: dict | None) -> MimiModel:
-    if codec_dir is not None:
-        return MimiModel.from_pretrained(str(codec_dir), local_files_only=True).eval()
-    torch.manual_seed(seed)
-    return MimiModel(MimiConfig(**(preset or {}))).eval()
+    model = load_or_preset(
+        codec_dir, load=hf_loader(MimiModel), preset=lambda: MimiModel(MimiConfig(**(preset or {}))), seed=seed
+    )
+    return model.eval()
 
 
 class MimiCodec(CodecAdapter):

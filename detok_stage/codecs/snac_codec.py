@@ -14,6 +14,7 @@ import torch
 from snac import SNAC
 from torch.nn.utils import parametrize
 
+from core.checkpoints import load_or_preset
 from core.config import ModelConfig
 from detok_stage.codecs.base import CodecAdapter
 
@@ -39,14 +40,15 @@ def _strip_weight_norm(model: torch.nn.Module) -> None:
             parametrize.remove_parametrizations(module, "weight", leave_parametrized=True)
 
 
+def _load_snac_dir(codec_dir: Path) -> SNAC:
+    """The `snac` package's published layout: config.json (constructor kwargs) + pytorch_model.bin."""
+    model = SNAC(**json.loads((codec_dir / "config.json").read_text()))
+    model.load_state_dict(torch.load(codec_dir / "pytorch_model.bin", map_location="cpu", weights_only=True))
+    return model
+
+
 def load_snac(codec_dir: Path | None, seed: int, preset: dict | None = None) -> SNAC:
-    if codec_dir is None:
-        torch.manual_seed(seed)
-        model = SNAC(**(preset or TINY_SNAC))
-    else:
-        model = SNAC(**json.loads((Path(codec_dir) / "config.json").read_text()))
-        state = torch.load(Path(codec_dir) / "pytorch_model.bin", map_location="cpu", weights_only=True)
-        model.load_state_dict(state)
+    model = load_or_preset(codec_dir, load=_load_snac_dir, preset=lambda: SNAC(**(preset or TINY_SNAC)), seed=seed)
     _strip_weight_norm(model)
     return model.eval()
 

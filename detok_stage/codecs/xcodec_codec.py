@@ -1,19 +1,14 @@
 """X-Codec detokenizer (transformers `XcodecModel`) for parallel-heads models (Bagpiper style).
 
 A frame is one code per quantizer (8 at 4 kbps) and decodes to `hop_length` samples of 16 kHz
-audio through the DAC acoustic decoder; the HuBERT semantic branch only serves encoding. Real
-weights load from a local HF directory; the tiny preset (tiny DAC + tiny HuBERT) is built in code.
+audio through the DAC acoustic decoder; the HuBERT semantic branch only serves encoding.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import torch
 from transformers import XcodecConfig, XcodecModel
 
-from core.config import ModelConfig
-from detok_stage.codecs.base import CodecAdapter
+from detok_stage.codecs.hf_codec import HFCodec
 
 
 def tiny_xcodec_config() -> XcodecConfig:
@@ -33,29 +28,13 @@ def tiny_xcodec_config() -> XcodecConfig:
     )
 
 
-def load_xcodec(codec_dir: Path | None, seed: int) -> XcodecModel:
-    if codec_dir is not None:
-        return XcodecModel.from_pretrained(str(codec_dir), local_files_only=True).eval()
-    torch.manual_seed(seed)
-    return XcodecModel(tiny_xcodec_config()).eval()
+class XcodecCodec(HFCodec):
+    model_cls = XcodecModel
 
-
-class XcodecCodec(CodecAdapter):
-    def __init__(self, model: XcodecModel, device: str = "cpu") -> None:
-        self.model = model.to(device)
-        self.device = device
-        cfg = model.config
-        self.codes_per_frame = cfg.num_quantizers
-        self.samples_per_frame = cfg.hop_length
-        self.sample_rate_hz = cfg.sample_rate
-        self.codebook_size = cfg.codebook_size
+    @staticmethod
+    def layout(config: XcodecConfig) -> tuple[int, int, int, int]:
+        return config.num_quantizers, config.hop_length, config.sample_rate, config.codebook_size
 
     @classmethod
-    def build(cls, model_config: ModelConfig, device: str = "cpu") -> XcodecCodec:
-        return cls(load_xcodec(model_config.codec_dir, model_config.seed), device)
-
-    @torch.inference_mode()
-    def decode(self, frames: torch.Tensor) -> torch.Tensor:
-        """frames [B, n, Q] -> audio [B, n * hop]."""
-        audio = self.model.decode(frames.transpose(1, 2).to(self.device)).audio_values  # [B, 1, n * hop]
-        return audio[:, 0, :].float().cpu()
+    def preset(cls) -> XcodecModel:
+        return XcodecModel(tiny_xcodec_config())

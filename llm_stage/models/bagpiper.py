@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from core.checkpoints import load_or_preset
 from core.config import ModelConfig
 from core.messages import SamplingParams
 from detok_stage.codecs.xcodec_codec import XcodecCodec
@@ -101,21 +102,28 @@ def save_parallel_heads(directory: Path, lm: Qwen3ForCausalLM, heads: ParallelHe
 
 def load_parallel_heads(config: ModelConfig) -> tuple[Qwen3ForCausalLM, ParallelHeads, StreamLayout]:
     """Local HF checkpoint (see `save_parallel_heads`), or the tiny preset with random weights."""
+    lm, heads, layout = load_or_preset(
+        config.checkpoint_dir, load=_load_parallel_heads_dir, preset=_parallel_heads_preset, seed=config.seed
+    )
     dtype = getattr(torch, config.dtype)
-    if config.checkpoint_dir is None:
-        torch.manual_seed(config.seed)
-        layout, lm = StreamLayout(), Qwen3ForCausalLM(tiny_qwen3_config())
-        heads = ParallelHeads(layout, lm.config.hidden_size)
-        with torch.no_grad():  # wider than HF's init so greedy picks are not near-ties
-            heads.heads.weight.normal_(0, 0.2)
-    else:
-        directory = Path(config.checkpoint_dir)
-        layout_dict = json.loads((directory / LAYOUT_FILE).read_text())
-        layout = StreamLayout(**{**layout_dict, "delays": tuple(layout_dict["delays"])})
-        lm = Qwen3ForCausalLM.from_pretrained(str(directory), local_files_only=True)
-        heads = ParallelHeads(layout, lm.config.hidden_size)
-        heads.load_state_dict(load_file(str(directory / HEADS_FILE)))
     return lm.to(config.device, dtype).eval(), heads.to(config.device, dtype).eval(), layout
+
+
+def _parallel_heads_preset() -> tuple[Qwen3ForCausalLM, ParallelHeads, StreamLayout]:
+    layout, lm = StreamLayout(), Qwen3ForCausalLM(tiny_qwen3_config())
+    heads = ParallelHeads(layout, lm.config.hidden_size)
+    with torch.no_grad():  # wider than HF's init so greedy picks are not near-ties
+        heads.heads.weight.normal_(0, 0.2)
+    return lm, heads, layout
+
+
+def _load_parallel_heads_dir(directory: Path) -> tuple[Qwen3ForCausalLM, ParallelHeads, StreamLayout]:
+    layout_dict = json.loads((directory / LAYOUT_FILE).read_text())
+    layout = StreamLayout(**{**layout_dict, "delays": tuple(layout_dict["delays"])})
+    lm = Qwen3ForCausalLM.from_pretrained(str(directory), local_files_only=True)
+    heads = ParallelHeads(layout, lm.config.hidden_size)
+    heads.load_state_dict(load_file(str(directory / HEADS_FILE)))
+    return lm, heads, layout
 
 
 def text_tokenizer(directory: Path | None, layout: StreamLayout) -> TextTokenizer:

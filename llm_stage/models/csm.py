@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import torch
 from transformers import CsmConfig, CsmForConditionalGeneration, DynamicCache
 
+from core.checkpoints import hf_loader, load_or_preset
 from core.config import ModelConfig
 from core.messages import SamplingParams
 from detok_stage.codecs.mimi_codec import MimiCodec, tiny_mimi_config
@@ -43,13 +44,13 @@ def tiny_csm_config(num_codebooks: int = 8) -> CsmConfig:
 
 def load_csm(config: ModelConfig) -> CsmForConditionalGeneration:
     """Local HF checkpoint (e.g. sesame/csm-1b downloaded beforehand) or the tiny random preset."""
-    dtype = getattr(torch, config.dtype)
-    if config.checkpoint_dir is not None:
-        model = CsmForConditionalGeneration.from_pretrained(str(config.checkpoint_dir), local_files_only=True)
-    else:
-        torch.manual_seed(config.seed)
-        model = CsmForConditionalGeneration(tiny_csm_config())
-    return model.to(config.device, dtype).eval()
+    model = load_or_preset(
+        config.checkpoint_dir,
+        load=hf_loader(CsmForConditionalGeneration),
+        preset=lambda: CsmForConditionalGeneration(tiny_csm_config()),
+        seed=config.seed,
+    )
+    return model.to(config.device, getattr(torch, config.dtype)).eval()
 
 
 class CsmFrameBuilder(FrameBuilder):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from transformers import DiaConfig, DiaForConditionalGeneration
 
+from core.checkpoints import hf_loader, load_or_preset
 from core.config import ModelConfig
 from core.errors import InvalidArgumentError
 from core.messages import SamplingParams
@@ -46,17 +47,19 @@ def tiny_dia_config(codebook_size: int = 64, delays: tuple[int, ...] = (0, 3, 4,
 
 def load_dia(config: ModelConfig) -> DiaForConditionalGeneration:
     """Local HF checkpoint (e.g. nari-labs/Dia-1.6B-0626 downloaded beforehand) or the tiny random preset."""
-    dtype = getattr(torch, config.dtype)
-    if config.checkpoint_dir is not None:
-        model = DiaForConditionalGeneration.from_pretrained(str(config.checkpoint_dir), local_files_only=True)
-    else:
-        torch.manual_seed(config.seed)
-        model = DiaForConditionalGeneration(tiny_dia_config())
-        with torch.no_grad():  # wider than HF's init so greedy picks are not near-ties
-            for p in model.parameters():
-                if p.dim() > 1:
-                    p.normal_(0, 0.2)
-    return model.to(config.device, dtype).eval()
+    model = load_or_preset(
+        config.checkpoint_dir, load=hf_loader(DiaForConditionalGeneration), preset=_dia_preset, seed=config.seed
+    )
+    return model.to(config.device, getattr(torch, config.dtype)).eval()
+
+
+def _dia_preset() -> DiaForConditionalGeneration:
+    model = DiaForConditionalGeneration(tiny_dia_config())
+    with torch.no_grad():  # wider than HF's init so greedy picks are not near-ties
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    return model
 
 
 def encode_dia_text(text: str) -> list[int]:

@@ -7,9 +7,9 @@ different lengths run in one forward. Used by LM adapters of Llama/Qwen-architec
 Per layer the q/k/v projections run as one matmul, and so do gate/up: the model's projection
 weights are rebound to row slices of one fused tensor (no extra memory; transformers' modules
 read the same numbers). fp32 norms are `F.rms_norm` (the same arithmetic as transformers' RMSNorm
-in fp32) and static rotary tables are built once per cache length: a decode step on the small
-CPU preset is dominated by per-op overhead and by streaming weights from memory (BENCHMARKS
-"Decode step cost"), hence also the weight-major `project` for decode-sized inputs on CPU.
+in fp32) and static rotary tables are built once per cache length: a decode step of a small
+model on CPU is dominated by per-op overhead and by streaming weights from memory, hence also
+the weight-major `project` for decode-sized inputs on CPU.
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ DECODE_ROWS = 8  # inputs up to this many rows take `project`'s weight-major pro
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias). On CPU in fp32, for 2..DECODE_ROWS rows, as (weight @ x^T)^T:
     once the weight is out of cache (every decode step: the slot heads evict it) MKL multiplies
-    the row-major weight by a few columns ~1.5x faster than the transposed-weight form F.linear
-    uses (BENCHMARKS "Weight-major decode projections"; bf16 / fp16 showed no such gain)."""
+    the row-major weight by a few columns faster than the transposed-weight form F.linear uses.
+    bf16 / fp16 weights gain nothing from it, so they keep F.linear."""
     rows = x.numel() // x.shape[-1]
     if x.device.type != "cpu" or weight.dtype != torch.float32 or not 1 < rows <= DECODE_ROWS:
         return F.linear(x, weight, bias)

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from core.checkpoints import hf_loader, load_or_preset
 from core.config import ModelConfig
 from core.messages import SamplingParams
 from detok_stage.codecs.snac_codec import SnacCodec
@@ -56,11 +57,12 @@ def tiny_llama_config(max_positions: int = 4096) -> LlamaConfig:
 def build_llama(config: ModelConfig, preset: LlamaConfig) -> LlamaForCausalLM:
     """Load a local HF checkpoint, or build the preset with random weights from `config.seed`."""
     dtype = getattr(torch, config.dtype)
-    if config.checkpoint_dir is not None:
-        model = LlamaForCausalLM.from_pretrained(str(config.checkpoint_dir), dtype=dtype, local_files_only=True)
-    else:
-        torch.manual_seed(config.seed)
-        model = LlamaForCausalLM(preset).to(dtype)
+    model = load_or_preset(
+        config.checkpoint_dir,
+        load=hf_loader(LlamaForCausalLM, dtype=dtype),
+        preset=lambda: LlamaForCausalLM(preset).to(dtype),
+        seed=config.seed,
+    )
     return model.to(config.device).eval()
 
 
@@ -127,9 +129,9 @@ class OrpheusAdapter(LMAdapter):
         return out, self._candidates(hidden.device)[slots]
 
     def _slot_logits(self, hidden: torch.Tensor, slot: int) -> torch.Tensor:
-        """[R, 4096] for R rows on one frame slot. MKL on this project's CPUs is 2-3x faster per
-        row on the transposed copy for up to SMALL_GROUP rows, and on lm_head's own rows (as
-        W @ h^T) for more (BENCHMARKS.md "Decode step cost")."""
+        """[R, 4096] for R rows on one frame slot: up to SMALL_GROUP rows multiply the slot's
+        transposed copy (MKL's fastest form for a few rows), more multiply lm_head's own rows as
+        W @ h^T (faster once the rows amortise reading the weight)."""
         if hidden.shape[0] <= SMALL_GROUP:
             return hidden @ self.slot_heads[slot]
         start = AUDIO_TOKEN_BASE + slot * CODES_PER_SLOT

@@ -1,0 +1,53 @@
+"""Stateless transformers codecs (DAC, X-Codec): `decode(audio_codes [B, K, n])` -> `audio_values`.
+
+Both decode a window of frames in one forward with no state carried between chunks; they
+differ only in their model class, their preset and where their config keeps the frame layout,
+which each subclass declares.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from core.checkpoints import hf_loader, load_or_preset
+from core.config import ModelConfig
+from detok_stage.codecs.base import CodecAdapter
+
+
+class HFCodec(CodecAdapter):
+    model_cls: ClassVar[Any]
+
+    def __init__(self, model: Any, device: str = "cpu") -> None:
+        self.model = model.to(device).eval()
+        self.device = device
+        self.codes_per_frame, self.samples_per_frame, self.sample_rate_hz, self.codebook_size = self.layout(
+            model.config
+        )
+
+    @staticmethod
+    def layout(config: Any) -> tuple[int, int, int, int]:
+        """(codes per frame, samples per frame, sample rate, codebook size) from the model's config."""
+        raise NotImplementedError
+
+    @classmethod
+    def preset(cls) -> Any:
+        """The tiny random-weight model used when no codec directory is configured."""
+        raise NotImplementedError
+
+    @classmethod
+    def load(cls, model_config: ModelConfig) -> Any:
+        return load_or_preset(
+            model_config.codec_dir, load=hf_loader(cls.model_cls), preset=cls.preset, seed=model_config.seed
+        )
+
+    @classmethod
+    def build(cls, model_config: ModelConfig, device: str = "cpu") -> HFCodec:
+        return cls(cls.load(model_config), device)
+
+    @torch.inference_mode()
+    def decode(self, frames: torch.Tensor) -> torch.Tensor:
+        """frames [B, n, K] -> audio [B, n * samples_per_frame]."""
+        audio = self.model.decode(audio_codes=frames.transpose(1, 2).to(self.device)).audio_values
+        return audio.reshape(audio.shape[0], -1).float().cpu()  # DAC gives [B, T], X-Codec [B, 1, T]
