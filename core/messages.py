@@ -72,6 +72,18 @@ class Job:
 
 
 @dataclass(frozen=True)
+class HopTimes:
+    """Wall-clock stamps (Unix seconds) of one chunk along the stage path; 0 = not reached yet.
+
+    They let the router report where a chunk's time went (engine -> detokenizer -> audio ->
+    client) without a tracing system; stages on other hosts skew them by the clock offset."""
+
+    chunk_ready_unix_s: float = 0.0  # the LLM engine cut the TokenChunk
+    detok_received_unix_s: float = 0.0  # the detokenizer engine queued it
+    audio_ready_unix_s: float = 0.0  # its audio left the codec
+
+
+@dataclass(frozen=True)
 class TokenChunk:
     """Frames [window_start, window_end) of one request; samples of the kept frames are emitted.
 
@@ -86,6 +98,7 @@ class TokenChunk:
     keep_end: int
     is_final: bool
     deadline_s: float | None = None  # wall-clock time the client's buffer runs dry; None = startup (ASAP)
+    hops: HopTimes = HopTimes()
 
     @property
     def num_frames(self) -> int:
@@ -103,6 +116,7 @@ class AudioChunk:
     is_final: bool
     detok_replica: str = ""  # set by the DetokStage deployment
     num_frames: int = 0  # codec frames the audio covers (0 = unknown)
+    hops: HopTimes = HopTimes()
 
     @property
     def num_samples(self) -> int:

@@ -7,6 +7,7 @@ in per-request seq order; `release` drops a request's state. Usable in-process w
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -75,7 +76,8 @@ class DetokEngine:
         self.validate(chunk)
         if self.in_order:
             self._states[chunk.req_id]  # noqa: B018  (creates the state)
-        self._queue.append(_Pending(chunk, time.monotonic()))
+        hops = dataclasses.replace(chunk.hops, detok_received_unix_s=time.time())
+        self._queue.append(_Pending(dataclasses.replace(chunk, hops=hops), time.monotonic()))
 
     def release(self, req_id: str) -> int:
         """Forget a request; returns how many of its chunks were dropped undelivered."""
@@ -165,7 +167,8 @@ class DetokEngine:
     def _audio_chunk(self, chunk: TokenChunk, wave: torch.Tensor) -> AudioChunk:
         return AudioChunk(
             chunk.req_id, chunk.seq, to_pcm16(wave), self.codec.sample_rate_hz, chunk.is_final,
-            {"detok_done_s": time.time()}, num_frames=chunk.keep_end - chunk.keep_start,
+            num_frames=chunk.keep_end - chunk.keep_start,
+            hops=dataclasses.replace(chunk.hops, audio_ready_unix_s=time.time()),
         )  # fmt: skip
 
     def _release_in_order(self, decoded: list[AudioChunk]) -> list[AudioChunk]:

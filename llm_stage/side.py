@@ -11,7 +11,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 
-from core.messages import Job, TokenChunk
+from core.messages import HopTimes, Job, TokenChunk
 from core.policy import buffered_s
 from llm_stage.chunking import Chunker, ChunkSchedule
 from llm_stage.engine import LLMEngine, StepOutput
@@ -67,8 +67,8 @@ class LLMSide:
         if out.finished:
             chunks += chunker.finish()
             del self.chunkers[out.req_id]
-        deadline = self._deadline_wall_s(req)
-        return [dataclasses.replace(c, deadline_s=deadline) for c in chunks]
+        deadline, hops = self._deadline_wall_s(req), HopTimes(chunk_ready_unix_s=time.time())
+        return [dataclasses.replace(c, deadline_s=deadline, hops=hops) for c in chunks]
 
     def _frame_budget(self, req: Request | None) -> int | None:
         """Frames the client's buffer can wait for before the next chunk must be out (None = no limit)."""

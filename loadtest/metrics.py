@@ -21,6 +21,29 @@ class RequestRecord:
     scheduled_at_s: float = 0.0  # intended send time, relative to the start of its rate step
     send_lag_s: float = 0.0  # actual send - intended send (client-side queueing)
     text_chars: int = 0
+    hops_s: list[list[float]] = field(default_factory=list)  # per chunk, seconds on each of HOPS
+
+
+# A chunk's path through the cluster, from the server's wall-clock stamps and the client's receipt.
+HOPS = ("llm -> detok", "detok queue + decode", "detok -> router -> proxy", "proxy -> client")
+
+
+def chunk_hops_s(stamps_unix_s: tuple[float, float, float, float], received_unix_s: float) -> list[float] | None:
+    """Seconds on each of HOPS for one chunk: stamps = (chunk ready, detok received, audio ready,
+    router sent); None when a stage did not stamp it (a baseline server)."""
+    points = [*stamps_unix_s, received_unix_s]
+    if min(stamps_unix_s) <= 0:
+        return None
+    return [b - a for a, b in zip(points, points[1:], strict=False)]
+
+
+def hop_breakdown(records: list[RequestRecord]) -> dict[str, dict[str, float]]:
+    """p50 / p90 milliseconds of each hop over every stamped chunk of `records`."""
+    columns = list(zip(*[h for r in records for h in r.hops_s], strict=False))
+    return {
+        name: {"p50_ms": 1000 * (percentile(list(col), 50) or 0.0), "p90_ms": 1000 * (percentile(list(col), 90) or 0.0)}
+        for name, col in zip(HOPS, columns, strict=False)
+    }
 
 
 def audio_chunks(arrivals_s: list[float], durations_s: list[float]) -> list[tuple[float, float]]:

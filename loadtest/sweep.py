@@ -19,9 +19,9 @@ from pathlib import Path
 import grpc
 
 from cluster.client import make_request
-from loadtest.metrics import RateSummary, RequestRecord, capacity_at_slo, meets_slo, summarize
+from loadtest.metrics import RateSummary, RequestRecord, capacity_at_slo, chunk_hops_s, meets_slo, summarize
 from loadtest.workload import arrival_offsets_s, check_target, load_prompts, max_tokens_for
-from protos import voxray_pb2_grpc
+from protos import voxray_pb2, voxray_pb2_grpc
 
 
 @dataclass(frozen=True)
@@ -64,9 +64,17 @@ def run_one(stub: voxray_pb2_grpc.SpeechStub, text: str, seed: int, cfg: SweepCo
         for chunk in stub.Synthesize(request, metadata=(("application", cfg.app_name),), timeout=cfg.request_timeout_s):
             record.arrivals_s.append(time.perf_counter() - start)
             record.durations_s.append(chunk.duration_s)
+            hops = chunk_hops_s(_stamps(chunk.timings), time.time())
+            if hops is not None:
+                record.hops_s.append(hops)
     except grpc.RpcError as err:
         record.is_ok, record.error = False, err.code().name
     return record
+
+
+def _stamps(timings: voxray_pb2.ServerTimings) -> tuple[float, float, float, float]:
+    return (timings.chunk_ready_unix_s, timings.detok_received_unix_s, timings.audio_ready_unix_s,
+            timings.router_sent_unix_s)  # fmt: skip
 
 
 def run_rate(

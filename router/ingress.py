@@ -149,7 +149,14 @@ def _to_proto(job: Job, sent: SentChunk, header: bytes) -> voxray_pb2.AudioChunk
         sample_rate_hz=audio.sample_rate_hz,
         duration_s=audio.duration_s,
         final=audio.is_final,
-        timings=voxray_pb2.ServerTimings(ttfa_s=sent.ttfa_s or 0.0, elapsed_s=sent.elapsed_s),
+        timings=voxray_pb2.ServerTimings(
+            ttfa_s=sent.ttfa_s or 0.0,
+            elapsed_s=sent.elapsed_s,
+            chunk_ready_unix_s=audio.hops.chunk_ready_unix_s,
+            detok_received_unix_s=audio.hops.detok_received_unix_s,
+            audio_ready_unix_s=audio.hops.audio_ready_unix_s,
+            router_sent_unix_s=time.time(),
+        ),
         llm_replica=sent.llm_replica,
         detok_replica=audio.detok_replica,
     )
