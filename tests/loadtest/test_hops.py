@@ -26,7 +26,7 @@ def test_breakdown_percentiles_per_hop():
 
 
 def test_stages_stamp_hops_in_order():
-    config = EngineConfig(model=ModelConfig(name="orpheus-tiny"), cache=CacheConfig(num_slots=16, max_seq_len=256))
+    config = EngineConfig(model=ModelConfig(name="orpheus-tiny"), cache=CacheConfig(num_slots=64, max_seq_len=256))
     pipeline = InProcessPipeline(config)
     try:
         pipeline.submit("r", "hello there", None, {"max_tokens": 56, "seed": 0})
