@@ -11,9 +11,11 @@ import sys
 import time
 from pathlib import Path
 
-from core.config import DetokConfig, EngineConfig, ModelConfig, load_engine_config
+from core.checkpoints import cached_snapshot, download_command
+from core.config import DetokConfig, EngineConfig, load_engine_config
 from core.errors import InvalidArgumentError
-from llm_stage.registry import get_entry, model_names
+from llm_stage.models.base import ModelFamily
+from llm_stage.registry import families, model_config_for
 
 
 def _synthesize(args: argparse.Namespace) -> int:
@@ -23,7 +25,8 @@ def _synthesize(args: argparse.Namespace) -> int:
     if args.config:
         config = load_engine_config(args.config)
     else:
-        config = EngineConfig(model=ModelConfig(name=args.model), detok=DetokConfig(schedule=args.schedule))
+        model = model_config_for(args.model, args.codec)
+        config = EngineConfig(model=model, detok=DetokConfig(schedule=args.schedule))
     pipeline = InProcessPipeline(config)
     sampling = {"seed": args.seed, "max_tokens": args.max_tokens} if args.max_tokens else {"seed": args.seed}
     start = time.perf_counter()
@@ -41,6 +44,10 @@ def _serve(args: argparse.Namespace) -> int:
     from core.config import ServeConfig, load_serve_config
 
     config = load_serve_config(args.config) if args.config else ServeConfig()
+    if args.model is not None:  # --model / --codec replace the config's model references
+        kept = config.engine.model.model_dump(exclude={"name", "checkpoint_dir", "codec_dir"})
+        engine = config.engine.model_copy(update={"model": model_config_for(args.model, args.codec, **kept)})
+        config = config.model_copy(update={"engine": engine})
     endpoints = deploy(config, address=args.address)
     print(f"VoxRay serving {config.engine.model.name} (app {endpoints.app_name!r})")
     print(f"  gRPC: {endpoints.grpc_target}  (metadata application={endpoints.app_name})")
@@ -78,7 +85,7 @@ def _say(args: argparse.Namespace) -> int:
 def _batch(args: argparse.Namespace) -> int:
     from cluster.batch import read_items, run_batch
 
-    config = load_engine_config(args.config) if args.config else EngineConfig(model=ModelConfig(name=args.model))
+    config = load_engine_config(args.config) if args.config else EngineConfig(model=model_config_for(args.model))
     items = read_items(args.prompts)
     sampling = {"max_tokens": args.max_tokens} if args.max_tokens else None
     report = run_batch(config, items, args.out, sampling)
@@ -88,9 +95,39 @@ def _batch(args: argparse.Namespace) -> int:
 
 
 def _models(_: argparse.Namespace) -> int:
-    for name in model_names():
-        print(f"{name:16s} {get_entry(name).description}")
+    for family in families():
+        print("\n".join(describe_family(family)))
     return 0
+
+
+def describe_family(family: ModelFamily) -> list[str]:
+    """`voxray models`: what a family loads and from where, voices, rates, and whether its published
+    repos are in the local Hugging Face cache."""
+    lm = family.lm
+    voices = ", ".join(lm.voices) if lm.voices else "none (speakers, if any, are tagged in the text)"
+    lines = [
+        f"{family.name}  (and {family.name}-tiny: {family.preset_description})",
+        f"  loads:  {family.description}",
+        f"  voices: {voices}",
+        f"  audio:  {family.sample_rate_hz} Hz; {family.frame_rate_hz:.2f} codec frames/s; "
+        f"{family.tokens_per_s:.1f} LM steps/s of audio ({lm.tokens_per_frame} per frame)",
+    ]
+    repos = [("model", family.repo_id), ("codec", family.codec_repo_id)]
+    for role, repo in repos:
+        if repo is not None:
+            snapshot = cached_snapshot(repo)
+            where = f"in the local cache: {snapshot}" if snapshot else f"not cached; `{download_command(repo)}`"
+            lines.append(f"  {role}:  {repo}  ({where})")
+    if family.repo_id is None:
+        lines.append("  model:  our own layout, no published checkpoint; give --model DIR")
+    return lines
+
+
+MODEL_HELP = (
+    "a model name (orpheus-tiny, see `voxray models`), a Hugging Face repo id in the local cache "
+    "(canopylabs/orpheus-3b-0.1-ft, sesame/csm-1b, nari-labs/Dia-1.6B-0626) or a checkpoint directory"
+)
+CODEC_HELP = "codec repo id or directory (default: the family's published codec, e.g. hubertsiuzdak/snac_24khz)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     synth = sub.add_parser("synthesize", help="synthesize one text in-process (no Ray)")
-    synth.add_argument("--model", default="orpheus-tiny")
+    synth.add_argument("--model", default="orpheus-tiny", help=MODEL_HELP)
+    synth.add_argument("--codec", default=None, help=CODEC_HELP)
     synth.add_argument("--config", type=Path, help="EngineConfig YAML (overrides --model/--schedule)")
     synth.add_argument("--text", required=True)
     synth.add_argument("--voice", default=None)
@@ -111,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve_cmd = sub.add_parser("serve", help="start the cluster (embedded local Ray unless --address)")
     serve_cmd.add_argument("--config", type=Path, help="ServeConfig YAML (default: embedded orpheus-tiny on CPU)")
     serve_cmd.add_argument("--address", default=None, help="existing Ray cluster address, e.g. auto or ray://...")
+    serve_cmd.add_argument("--model", default=None, help=MODEL_HELP + " (replaces the config's model)")
+    serve_cmd.add_argument("--codec", default=None, help=CODEC_HELP)
     serve_cmd.add_argument("--no-block", action="store_true", help="return after deploying")
     serve_cmd.set_defaults(func=_serve)
 
@@ -127,12 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
     batch = sub.add_parser("batch", help="synthesize a JSONL file of texts to WAVs (throughput mode, in-process)")
     batch.add_argument("prompts", type=Path, help='JSONL: {"text": ..., "voice": ..., "id": ...} per line')
     batch.add_argument("--out", type=Path, required=True, help="directory for <id>.wav")
-    batch.add_argument("--model", default="orpheus-tiny")
+    batch.add_argument("--model", default="orpheus-tiny", help=MODEL_HELP)
     batch.add_argument("--config", type=Path, help="EngineConfig YAML")
     batch.add_argument("--max-tokens", type=int, default=None)
     batch.set_defaults(func=_batch)
 
-    models = sub.add_parser("models", help="list registered models")
+    models = sub.add_parser("models", help="list model families: what they load, voices, rates, cache status")
     models.set_defaults(func=_models)
     return parser
 

@@ -21,8 +21,17 @@ class ModelConfig(_Strict):
     """Which model family to run and where its weights live."""
 
     name: str = Field("orpheus-tiny", description="Registry name of the model (see `voxray models`).")
-    checkpoint_dir: Path | None = Field(None, description="Local HF-format LM checkpoint; None = preset weights.")
-    codec_dir: Path | None = Field(None, description="Local codec checkpoint dir; None = preset weights.")
+    checkpoint_dir: Path | str | None = Field(
+        None,
+        description="LM checkpoint: a local directory or a Hugging Face repo id (e.g. canopylabs/orpheus-3b-0.1-ft) "
+        "resolved from the local HF cache, never downloaded; None = preset weights.",
+    )
+    codec_dir: Path | str | None = Field(
+        None,
+        description="Codec checkpoint: a local directory or a repo id (e.g. hubertsiuzdak/snac_24khz) in the local HF "
+        "cache; None = the family's published codec for a checkpoint model (see `voxray models`), preset weights "
+        "for a -tiny model.",
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = Field("cpu", description="torch device for this stage, e.g. 'cpu' or 'cuda'.")
     seed: int = Field(0, description="Seed for preset random weights and unseeded sampling.")

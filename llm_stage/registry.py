@@ -1,18 +1,23 @@
 """Model registry: served model names -> the family that declares them, imported on first use.
 
 Every family declares itself once, next to its LM adapter (`FAMILY` in `llm_stage/models/<name>.py`:
-adapter, codec, sample rate, descriptions; voices, sampling defaults and token layout are the
-adapter's own attributes). Each family serves two names: `<family>` loads weights from local
-directories, `<family>-tiny` builds random preset weights in code. Engines, deployments, the
-router and the CLI resolve `ModelConfig.name` here; unknown names raise an error listing the
-valid ones.
+adapter, codec, sample rate, published repo ids, descriptions; voices, sampling defaults and token
+layout are the adapter's own attributes). Each family serves two names: `<family>` loads a
+checkpoint (a local directory or a Hugging Face repo id from the local cache), `<family>-tiny`
+builds random preset weights in code. Engines, deployments, the router and the CLI resolve
+`ModelConfig.name` here; unknown names raise an error listing the valid ones. `model_config_for`
+turns a CLI `--model REF` (a name, a repo id or a directory) into a ModelConfig, finding the family
+from the checkpoint's config.json.
 """
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
+from core.checkpoints import ModelRef, read_config, resolve_model_ref
 from core.config import ModelConfig
 from core.errors import InvalidArgumentError
 from core.messages import SamplingParams
@@ -22,7 +27,7 @@ from llm_stage.models.base import LMAdapter, ModelFamily
 FAMILY_MODULES = {
     "orpheus": "llm_stage.models.orpheus",
     "csm": "llm_stage.models.csm",
-    "bagpiper": "llm_stage.models.bagpiper",
+    "parallel-heads": "llm_stage.models.parallel_heads",
     "dia": "llm_stage.models.dia",
 }
 PRESET_SUFFIX = "-tiny"
@@ -65,11 +70,18 @@ class ModelEntry:
         """KV slots and batch rows one stream may hold: two when the family runs CFG (a twin)."""
         return 2 if self.family.lm.guidance is not None else 1
 
+    def with_defaults(self, config: ModelConfig) -> ModelConfig:
+        """`config` with the family's published codec filled in for a checkpoint model that names none."""
+        codec = self.family.codec_repo_id
+        if self.is_preset or config.codec_dir is not None or codec is None:
+            return config
+        return config.model_copy(update={"codec_dir": codec})
+
     def build_lm(self, config: ModelConfig) -> LMAdapter:
-        return self.family.lm.build(config)
+        return self.family.lm.build(self.with_defaults(config))
 
     def build_codec(self, config: ModelConfig, device: str) -> CodecAdapter:
-        return self.family.codec.build(config, device)
+        return self.family.codec.build(self.with_defaults(config), device)
 
 
 def model_names() -> list[str]:
@@ -89,9 +101,45 @@ def get_entry(name: str) -> ModelEntry:
     return ModelEntry(name, load_family(family_name), is_preset=name != family_name)
 
 
+def families() -> list[ModelFamily]:
+    return [load_family(name) for name in FAMILY_MODULES]
+
+
 def check_model_config(config: ModelConfig) -> ModelEntry:
-    """Resolve the entry and check that checkpoint-backed models name their directories."""
+    """Resolve the entry; for a checkpoint model, resolve its references (missing ones raise with the
+    download command) and check that the checkpoint is this family's."""
     entry = get_entry(config.name)
-    if entry.needs_checkpoint and (config.checkpoint_dir is None or config.codec_dir is None):
-        raise InvalidArgumentError("model.checkpoint_dir", f"{config.name} loads weights from local directories")
+    if entry.is_preset:
+        return entry
+    family = entry.family
+    if config.checkpoint_dir is None:
+        hint = f" (e.g. {family.repo_id})" if family.repo_id else ""
+        raise InvalidArgumentError(
+            "model.checkpoint_dir", f"{config.name} needs a checkpoint: a directory or repo id{hint}"
+        )
+    found = family_of_checkpoint(resolve_model_ref(config.checkpoint_dir))
+    if found is not None and found.name != family.name:
+        raise InvalidArgumentError("model.checkpoint_dir", f"{config.checkpoint_dir} is a {found.name} checkpoint")
+    codec = entry.with_defaults(config).codec_dir
+    if codec is not None:
+        resolve_model_ref(codec, field="model.codec_dir")
+    elif not family.codec_in_checkpoint:
+        raise InvalidArgumentError("model.codec_dir", f"{config.name} needs a codec checkpoint (directory or repo id)")
     return entry
+
+
+def family_of_checkpoint(directory: Path) -> ModelFamily | None:
+    """The family whose `is_checkpoint` accepts the directory's config.json, if any."""
+    config = read_config(directory)
+    return next((family for family in families() if family.is_checkpoint(config)), None)
+
+
+def model_config_for(model: ModelRef, codec: ModelRef | None = None, **fields: Any) -> ModelConfig:
+    """A served name (`orpheus-tiny`), or a checkpoint reference whose family is found from its config.json."""
+    if str(model) in model_names():
+        return ModelConfig(name=str(model), codec_dir=codec, **fields)
+    family = family_of_checkpoint(resolve_model_ref(model, field="model"))
+    if family is None:
+        known = ", ".join(f.name for f in families())
+        raise InvalidArgumentError("model", f"{model} is no checkpoint of a known family ({known}) nor a model name")
+    return ModelConfig(name=family.name, checkpoint_dir=model, codec_dir=codec, **fields)

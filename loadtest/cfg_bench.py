@@ -61,7 +61,7 @@ def _sync(device: str) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="bagpiper-tiny")
+    parser.add_argument("--model", default="parallel-heads-tiny")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=200)
     parser.add_argument("--guidance-scale", type=float, default=3.0)

@@ -39,7 +39,11 @@ class HFCodec(CodecAdapter):
     @classmethod
     def load(cls, model_config: ModelConfig) -> Any:
         return load_or_preset(
-            model_config.codec_dir, load=hf_loader(cls.model_cls), preset=cls.preset, seed=model_config.seed
+            model_config.codec_dir,
+            load=hf_loader(cls.model_cls),
+            preset=cls.preset,
+            seed=model_config.seed,
+            field="model.codec_dir",
         )
 
     @classmethod

@@ -5,17 +5,28 @@ latent frame) -> sliding-window transformer (KV cache carried across a request's
 SEANet convs (fed the last `conv_context_steps` transformer outputs again as left context).
 A chunk that finds no state (first chunk, or a replica that never saw the request) warms a
 fresh state on its left-context frames: exact from the stream start, approximate mid-stream.
+Weights: `kyutai/mimi` (or a dir) as `codec_dir`, else the Mimi inside the CSM checkpoint; one
+MimiModel per process, shared with CSM's LM adapter (`shared_mimi`).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import DynamicCache, MimiConfig, MimiModel
 
-from core.checkpoints import hf_loader, load_or_preset
+from core.checkpoints import (
+    ModelRef,
+    hf_loader,
+    load_or_preset,
+    load_prefixed_state,
+    read_config,
+    resolve_model_ref,
+    shared,
+)
 from core.config import ModelConfig
 from core.messages import TokenChunk
 from detok_stage.codecs.base import CodecAdapter
@@ -42,11 +53,36 @@ def tiny_mimi_config(num_quantizers: int) -> dict:
     }  # fmt: skip
 
 
-def load_mimi(codec_dir: Path | None, seed: int, preset: dict | None) -> MimiModel:
+def load_mimi(codec_dir: ModelRef | None, seed: int, preset: dict | None) -> MimiModel:
     model = load_or_preset(
-        codec_dir, load=hf_loader(MimiModel), preset=lambda: MimiModel(MimiConfig(**(preset or {}))), seed=seed
+        codec_dir,
+        load=hf_loader(MimiModel),
+        preset=lambda: MimiModel(MimiConfig(**(preset or {}))),
+        seed=seed,
+        field="model.codec_dir",
     )
     return model.eval()
+
+
+def load_mimi_from_csm(checkpoint: Path) -> MimiModel:
+    """The Mimi inside a CSM checkpoint (`codec_config` in its config.json, `codec_model.*` tensors)."""
+    model = MimiModel(MimiConfig.from_dict(read_config(checkpoint)["codec_config"]))
+    model.load_state_dict(load_prefixed_state(checkpoint, "codec_model."))
+    return model.eval()
+
+
+def shared_mimi(model_config: ModelConfig, preset: dict | None = None, loaded: MimiModel | None = None) -> MimiModel:
+    """This process's one Mimi for `model_config`, shared by its encoder user (CSM's `codec_model`) and
+    the detokenizer: from `codec_dir` (e.g. kyutai/mimi) when given, else from the CSM checkpoint's own
+    codec weights (`loaded` when the caller already holds them), else the seeded preset."""
+    if model_config.codec_dir is not None:
+        path = resolve_model_ref(model_config.codec_dir, field="model.codec_dir")
+        return shared(("mimi", str(path)), lambda: load_mimi(path, model_config.seed, preset))
+    if model_config.checkpoint_dir is not None:
+        path = resolve_model_ref(model_config.checkpoint_dir)
+        return shared(("mimi", str(path), "codec_model"), lambda: loaded or load_mimi_from_csm(path))
+    key = ("mimi-preset", model_config.seed, json.dumps(preset, sort_keys=True))
+    return shared(key, lambda: load_mimi(None, model_config.seed, preset))
 
 
 class MimiCodec(CodecAdapter):
@@ -68,7 +104,7 @@ class MimiCodec(CodecAdapter):
 
     @classmethod
     def build(cls, model_config: ModelConfig, device: str = "cpu", preset: dict | None = None) -> MimiCodec:
-        return cls(load_mimi(model_config.codec_dir, model_config.seed, preset or tiny_mimi_config(8)), device)
+        return cls(shared_mimi(model_config, preset or tiny_mimi_config(8)), device)
 
     @torch.inference_mode()
     def decode(self, frames: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -131,3 +131,14 @@ class ModelFamily:
     lm: type[LMAdapter]
     codec: type[CodecAdapter]
     sample_rate_hz: int  # of the codec's output, checkpoint and preset alike
+    frame_rate_hz: float  # codec frames per second of the published codec (the preset may differ)
+    repo_id: str | None = None  # the published checkpoint this family serves, e.g. canopylabs/orpheus-3b-0.1-ft
+    codec_repo_id: str | None = None  # the published codec, loaded when `ModelConfig.codec_dir` is None
+    codec_in_checkpoint: bool = False  # the checkpoint carries its codec's weights (CSM's Mimi)
+    # whether a checkpoint's config.json is this family's (so `--model REF` finds the family)
+    is_checkpoint: Callable[[dict[str, Any]], bool] = lambda config: False
+
+    @property
+    def tokens_per_s(self) -> float:
+        """LM steps per second of audio (each step samples `num_codebooks` ids at once)."""
+        return self.frame_rate_hz * self.lm.tokens_per_frame

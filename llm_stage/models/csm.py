@@ -9,16 +9,15 @@ sum of their K codebook embeddings. A frame whose codebooks 0..K-2 are all EOS s
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 from transformers import CsmConfig, CsmForConditionalGeneration, DynamicCache
 
-from core.checkpoints import hf_loader, load_or_preset
+from core.checkpoints import hf_loader, load_or_preset, resolve_model_ref
 from core.config import ModelConfig
 from core.messages import SamplingParams
-from detok_stage.codecs.mimi_codec import MimiCodec, tiny_mimi_config
+from detok_stage.codecs.mimi_codec import MimiCodec, shared_mimi, tiny_mimi_config
 from llm_stage.models.base import DrawFn, FrameBuilder, LMAdapter, ModelFamily
 from llm_stage.models.llama import LlamaBackbone
 from llm_stage.models.tokenizers import ByteTokenizer, HFTokenizer, TextTokenizer
@@ -43,14 +42,20 @@ def tiny_csm_config(num_codebooks: int = 8) -> CsmConfig:
 
 
 def load_csm(config: ModelConfig) -> CsmForConditionalGeneration:
-    """Local HF checkpoint (e.g. sesame/csm-1b downloaded beforehand) or the tiny random preset."""
+    """sesame/csm-1b (a repo id in the local HF cache, or a dir) or the tiny random preset.
+
+    The checkpoint's Mimi (`codec_model`, CSM's audio encoder) becomes this process's shared Mimi,
+    the detokenizer's too (`shared_mimi`), so it is held once and kept in float32."""
     model = load_or_preset(
         config.checkpoint_dir,
         load=hf_loader(CsmForConditionalGeneration),
         preset=lambda: CsmForConditionalGeneration(tiny_csm_config()),
         seed=config.seed,
     )
-    return model.to(config.device, getattr(torch, config.dtype)).eval()
+    own_mimi, model.codec_model = model.codec_model, None
+    model = model.to(config.device, getattr(torch, config.dtype)).eval()
+    model.codec_model = shared_mimi(config, tiny_mimi_config(model.config.num_codebooks), loaded=own_mimi)
+    return model
 
 
 class CsmFrameBuilder(FrameBuilder):
@@ -70,6 +75,9 @@ class CsmAdapter(LMAdapter):
         shim = SimpleNamespace(config=model.config, model=model.backbone_model, lm_head=model.lm_head)
         super().__init__(LlamaBackbone(shim))  # type: ignore[arg-type]
         self.model, self.tokenizer = model, tokenizer
+        self.bos_id, self.eos_id = model.config.bos_token_id, model.config.eos_token_id
+        if isinstance(tokenizer, HFTokenizer):  # the checkpoint's own special ids (Llama 3: 128000 / 128001)
+            self.bos_id, self.eos_id = tokenizer.bos_id, tokenizer.eos_id
         self.num_codebooks = model.config.num_codebooks
         self.input_width = self.num_codebooks + 1
         self.pad_token = (0,) * self.num_codebooks + (model.config.pad_token_id,)
@@ -79,12 +87,16 @@ class CsmAdapter(LMAdapter):
     def build(cls, config: ModelConfig) -> CsmAdapter:
         model = load_csm(config)
         if config.checkpoint_dir is not None:
-            return cls(model, HFTokenizer(Path(config.checkpoint_dir)))
-        return cls(model, ByteTokenizer(offset=4, bos_id=model.config.bos_token_id))
+            return cls(model, HFTokenizer(resolve_model_ref(config.checkpoint_dir), add_special_tokens=False))
+        return cls(model, ByteTokenizer(offset=4, bos_id=None))
+
+    def text_ids(self, text: str, voice: str | None) -> list[int]:
+        """CsmProcessor's chat template for one text-only turn: BOS `[speaker]text` EOS."""
+        return [self.bos_id, *self.tokenizer.encode(f"[{voice}]{text}"), self.eos_id]
 
     def format_prompt(self, text: str, voice: str | None) -> list[Token]:
-        """CSM's text turn `[speaker]text`; generation continues with audio frames."""
-        return [(0,) * self.num_codebooks + (i,) for i in self.tokenizer.encode(f"[{voice}]{text}")]
+        """The speaker's text turn as text positions; generation continues with audio frames."""
+        return [(0,) * self.num_codebooks + (i,) for i in self.text_ids(text, voice)]
 
     def token_lanes(self, token: Token) -> list[int]:
         lanes = list(token)  # type: ignore[arg-type]
@@ -125,9 +137,14 @@ class CsmAdapter(LMAdapter):
 
 FAMILY = ModelFamily(
     name="csm",
-    description="Sesame CSM-1B (HF CsmForConditionalGeneration dir) + Mimi (HF MimiModel dir), local",
+    description="Sesame CSM-1B: CsmForConditionalGeneration checkpoint (safetensors + tokenizer); Mimi from its "
+    "codec_model weights (or --codec kyutai/mimi)",
     preset_description="CSM layout: Llama backbone + depth decoder over 8 codebooks, small Mimi, random tiny weights",
     lm=CsmAdapter,
     codec=MimiCodec,
     sample_rate_hz=24000,
+    frame_rate_hz=12.5,
+    repo_id="sesame/csm-1b",
+    codec_in_checkpoint=True,
+    is_checkpoint=lambda config: config.get("model_type") == "csm",
 )

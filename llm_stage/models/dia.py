@@ -46,7 +46,7 @@ def tiny_dia_config(codebook_size: int = 64, delays: tuple[int, ...] = (0, 3, 4,
 
 
 def load_dia(config: ModelConfig) -> DiaForConditionalGeneration:
-    """Local HF checkpoint (e.g. nari-labs/Dia-1.6B-0626 downloaded beforehand) or the tiny random preset."""
+    """nari-labs/Dia-1.6B-0626 (a repo id in the local HF cache, or a dir) or the tiny random preset."""
     model = load_or_preset(
         config.checkpoint_dir, load=hf_loader(DiaForConditionalGeneration), preset=_dia_preset, seed=config.seed
     )
@@ -191,9 +191,13 @@ class DiaAdapter(LMAdapter):
 
 FAMILY = ModelFamily(
     name="dia",
-    description="Nari Labs Dia (HF DiaForConditionalGeneration dir) + DAC 44.1 kHz (HF DacModel dir), local",
+    description="Nari Labs Dia 1.6B: DiaForConditionalGeneration checkpoint (safetensors) + DAC 44.1 kHz (DacModel)",
     preset_description="Dia layout: byte text encoder + decoder over 4 delayed DAC channels, CFG, random tiny weights",
     lm=DiaAdapter,
     codec=DacCodec,
     sample_rate_hz=44100,
+    frame_rate_hz=44100 / 512,
+    repo_id="nari-labs/Dia-1.6B-0626",
+    codec_repo_id="descript/dac_44khz",
+    is_checkpoint=lambda config: config.get("model_type") == "dia",
 )

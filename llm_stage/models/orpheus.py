@@ -9,12 +9,11 @@ candidate columns (a contiguous slice of lm_head), which is the hot-path saving 
 from __future__ import annotations
 
 from functools import cached_property
-from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from core.checkpoints import hf_loader, load_or_preset
+from core.checkpoints import hf_loader, load_or_preset, resolve_model_ref
 from core.config import ModelConfig
 from core.messages import SamplingParams
 from detok_stage.codecs.snac_codec import SnacCodec
@@ -102,7 +101,8 @@ class OrpheusAdapter(LMAdapter):
     @classmethod
     def build(cls, config: ModelConfig) -> OrpheusAdapter:
         model = build_llama(config, tiny_llama_config())
-        tokenizer = HFTokenizer(Path(config.checkpoint_dir)) if config.checkpoint_dir else ByteTokenizer()
+        has_checkpoint = config.checkpoint_dir is not None
+        tokenizer = HFTokenizer(resolve_model_ref(config.checkpoint_dir)) if has_checkpoint else ByteTokenizer()
         return cls(LlamaBackbone(model), tokenizer)
 
     @cached_property
@@ -175,11 +175,21 @@ def allowed_token_ids(num_generated: int) -> list[int]:
     return ids
 
 
+def is_orpheus_checkpoint(config: dict) -> bool:
+    """A Llama checkpoint whose vocab holds Orpheus' 7 x 4096 audio tokens."""
+    return config.get("model_type") == "llama" and config.get("vocab_size", 0) >= AUDIO_TOKEN_BASE + 7 * CODES_PER_SLOT
+
+
 FAMILY = ModelFamily(
     name="orpheus",
-    description="Orpheus 3B (Llama-3.2-3B HF checkpoint) + SNAC 24 kHz, from local directories",
+    description="Orpheus 3B: LlamaForCausalLM checkpoint (sharded safetensors + tokenizer) + SNAC 24 kHz "
+    "(config.json + pytorch_model.bin)",
     preset_description="Orpheus layout, small random-weight Llama + small SNAC (built in code)",
     lm=OrpheusAdapter,
     codec=SnacCodec,
     sample_rate_hz=24000,
+    frame_rate_hz=24000 / 2048,
+    repo_id="canopylabs/orpheus-3b-0.1-ft",
+    codec_repo_id="hubertsiuzdak/snac_24khz",
+    is_checkpoint=is_orpheus_checkpoint,
 )

@@ -24,12 +24,17 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A tokenizer loaded from a local checkpoint directory; never touches the hub."""
+    """A tokenizer loaded from a local checkpoint directory; never touches the hub.
 
-    def __init__(self, directory: Path) -> None:
+    `add_special_tokens=False` encodes the bare text (the caller frames it, e.g. CSM's BOS / EOS)."""
+
+    def __init__(self, directory: Path, add_special_tokens: bool = True) -> None:
         from transformers import AutoTokenizer
 
         self._tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        self.add_special_tokens = add_special_tokens
+        self.bos_id: int | None = self._tok.bos_token_id
+        self.eos_id: int | None = self._tok.eos_token_id
 
     def encode(self, text: str) -> list[int]:
-        return list(self._tok(text).input_ids)
+        return list(self._tok(text, add_special_tokens=self.add_special_tokens).input_ids)

@@ -1,4 +1,4 @@
-"""X-Codec detokenizer and the bagpiper-tiny model end to end in-process (CFG on)."""
+"""X-Codec detokenizer and the parallel-heads-tiny model end to end in-process (CFG on)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from detok_stage.codecs.xcodec_codec import XcodecCodec
 
 @functools.cache
 def codec() -> XcodecCodec:
-    return XcodecCodec.build(ModelConfig(name="bagpiper-tiny"))
+    return XcodecCodec.build(ModelConfig(name="parallel-heads-tiny"))
 
 
 def test_xcodec_frame_layout_and_batched_decode_matches_single():
@@ -24,9 +24,9 @@ def test_xcodec_frame_layout_and_batched_decode_matches_single():
     torch.testing.assert_close(batched[1], codec().decode(frames[1:2])[0], atol=1e-5, rtol=0)
 
 
-def test_bagpiper_tiny_synthesizes_with_cfg():
+def test_parallel_heads_tiny_synthesizes_with_cfg():
     config = EngineConfig(
-        model=ModelConfig(name="bagpiper-tiny"), cache=CacheConfig(num_slots=4, max_seq_len=256),
+        model=ModelConfig(name="parallel-heads-tiny"), cache=CacheConfig(num_slots=4, max_seq_len=256),
         scheduler=SchedulerConfig(max_batch_size=4),
     )  # fmt: skip
     pipeline = InProcessPipeline(config)

@@ -11,13 +11,13 @@ import torch
 from core.config import CacheConfig, ModelConfig, SchedulerConfig
 from core.messages import SamplingParams
 from llm_stage.engine import LLMEngine
-from llm_stage.models.bagpiper import ParallelHeadsAdapter, save_parallel_heads
+from llm_stage.models.parallel_heads import ParallelHeadsAdapter, save_parallel_heads
 from llm_stage.request import Request
 
 
 @functools.cache
 def adapter() -> ParallelHeadsAdapter:
-    return ParallelHeadsAdapter.build(ModelConfig(name="bagpiper-tiny", seed=3))
+    return ParallelHeadsAdapter.build(ModelConfig(name="parallel-heads-tiny", seed=3))
 
 
 def engine(num_slots: int = 8, budget: int = 16, async_steps: bool = False) -> LLMEngine:
@@ -127,7 +127,7 @@ def test_eos_on_stream0_cascades_through_the_delays_then_stops():
 def test_checkpoint_round_trip(tmp_path):
     ad = adapter()
     save_parallel_heads(tmp_path, ad.backbone.hf_model, ad.heads, ad.layout)
-    loaded = ParallelHeadsAdapter.build(ModelConfig(name="bagpiper", checkpoint_dir=tmp_path, codec_dir=tmp_path))
+    loaded = ParallelHeadsAdapter.build(ModelConfig(name="parallel-heads", checkpoint_dir=tmp_path, codec_dir=tmp_path))
     prompt = ad.format_prompt("round trip", None)
     torch.testing.assert_close(last_logits(loaded, prompt), last_logits(ad, prompt))
     assert loaded.layout == ad.layout

@@ -1,10 +1,14 @@
-"""Parallel-heads SpeechLM in the Bagpiper / OpusLM style: Qwen3 backbone, K codec streams.
+"""Parallel-heads SpeechLM in VoxRay's own checkpoint layout (Bagpiper / OpusLM-style architecture).
 
 A position is K audio lanes plus one text lane; its embedding is the text embedding plus the
 sum of the K stream embeddings. K output heads predict one id per stream per step, under a
 delay pattern (stream k lags by delays[k]); only stream 0 may end the utterance, the others
 then follow with EOS at their delays. CFG merges `uncond + g * (cond - uncond)`, the twin's
 prompt being the same framing with no text. Frames go to an X-Codec detokenizer.
+
+The checkpoint is our own layout (`save_parallel_heads`: a Qwen3 HF checkpoint plus
+parallel_heads.safetensors / parallel_heads.json); it does not load published ESPnet / OpusLM
+(Bagpiper) checkpoints, whose layout has no converter here, hence the family's name.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from core.checkpoints import load_or_preset
+from core.checkpoints import ModelRef, load_or_preset, resolve_model_ref
 from core.config import ModelConfig
 from core.messages import SamplingParams
 from detok_stage.codecs.xcodec_codec import XcodecCodec
@@ -126,12 +130,12 @@ def _load_parallel_heads_dir(directory: Path) -> tuple[Qwen3ForCausalLM, Paralle
     return lm, heads, layout
 
 
-def text_tokenizer(directory: Path | None, layout: StreamLayout) -> TextTokenizer:
+def text_tokenizer(directory: ModelRef | None, layout: StreamLayout) -> TextTokenizer:
     """The checkpoint's own tokenizer when it ships one, else the preset's byte tokenizer."""
     if directory is not None and any(
-        (Path(directory) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")
+        (resolve_model_ref(directory) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")
     ):
-        return HFTokenizer(Path(directory))
+        return HFTokenizer(resolve_model_ref(directory))
     return ByteTokenizer(offset=layout.text_offset, bos_id=layout.text_bos_id)
 
 
@@ -149,7 +153,7 @@ class ParallelHeadsFrameBuilder(FrameBuilder):
 
 
 class ParallelHeadsAdapter(LMAdapter):
-    family = "bagpiper"
+    family = "parallel-heads"
     guidance = GuidanceFormula.LINEAR
     default_sampling = SamplingParams(temperature=0.9, top_k=50, max_tokens=1500)
 
@@ -224,10 +228,12 @@ class ParallelHeadsAdapter(LMAdapter):
 
 
 FAMILY = ModelFamily(
-    name="bagpiper",
-    description="Parallel-heads Qwen3 checkpoint (+ parallel_heads.*) and an HF X-Codec dir, local",
+    name="parallel-heads",
+    description="VoxRay's own parallel-heads layout: Qwen3 HF checkpoint + parallel_heads.safetensors/.json "
+    "(save_parallel_heads; not a published ESPnet / OpusLM checkpoint) + an X-Codec (XcodecModel) --codec",
     preset_description="Parallel heads + delay pattern + CFG (Qwen3, 8 X-Codec streams), random tiny weights",
     lm=ParallelHeadsAdapter,
     codec=XcodecCodec,
     sample_rate_hz=16000,
+    frame_rate_hz=50.0,
 )

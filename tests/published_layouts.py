@@ -1,0 +1,237 @@
+"""Tiny random models written in the exact layouts their publishers use on the Hugging Face hub
+(file names, sharded safetensors with their index, config fields, tokenizer files, weight key
+names), and a local HF cache laid out the way `hf download` leaves it. Tests load them back
+through the real loaders and compare with the same models built in memory."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+from snac import SNAC
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import (
+    CsmForConditionalGeneration,
+    CsmProcessor,
+    DacFeatureExtractor,
+    DacModel,
+    DiaFeatureExtractor,
+    DiaForConditionalGeneration,
+    DiaTokenizer,
+    EncodecFeatureExtractor,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MimiConfig,
+    MimiModel,
+    PreTrainedTokenizerFast,
+    XcodecModel,
+)
+
+from detok_stage.codecs.dac_codec import tiny_dac_config
+from detok_stage.codecs.mimi_codec import tiny_mimi_config
+from detok_stage.codecs.snac_codec import TINY_SNAC
+from detok_stage.codecs.xcodec_codec import tiny_xcodec_config
+from llm_stage.models.csm import tiny_csm_config
+from llm_stage.models.dia import tiny_dia_config
+from llm_stage.models.orpheus import VOCAB_SIZE
+
+ORPHEUS_REPO, SNAC_REPO = "canopylabs/orpheus-3b-0.1-ft", "hubertsiuzdak/snac_24khz"
+CSM_REPO, MIMI_REPO = "sesame/csm-1b", "kyutai/mimi"
+DIA_REPO, DAC_REPO = "nari-labs/Dia-1.6B-0626", "descript/dac_44khz"
+LLAMA3_SPECIALS = {"<|begin_of_text|>": 128000, "<|end_of_text|>": 128001, "<|eot_id|>": 128009}
+CSM_SPECIALS = {"<|begin_of_text|>": 128000, "<|end_of_text|>": 128001, "<|AUDIO|>": 128002, "<|audio_eos|>": 128003}
+# CsmProcessor's chat template as sesame/csm-1b ships it, reduced to its framing (written here, not copied):
+# per turn BOS, "[speaker]", the text, EOS, then an audio placeholder when the turn carries audio.
+CSM_CHAT_TEMPLATE = (
+    "{%- for message in messages %}{{- bos_token }}{{- '[' + message['role'] + ']' }}"
+    "{{- message['content'][0]['text'] }}{{- eos_token }}"
+    "{%- if message['content']|length > 1 %}{{- '<|AUDIO|><|audio_eos|>' }}{%- endif %}{%- endfor %}"
+)
+
+
+def seeded(seed: int) -> None:
+    torch.manual_seed(seed)
+
+
+def llama3_tokenizer(specials: dict[str, int], template: str) -> PreTrainedTokenizerFast:
+    """A Llama-3-style byte-level BPE (no merges: one token per byte) with the special tokens at their
+    Llama 3 ids and a TemplateProcessing post-processor (`template`, e.g. "BOS $A" or "BOS $A EOS")."""
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab.update(specials)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    ids = [(t, specials[t]) for t in ("<|begin_of_text|>", "<|end_of_text|>")]
+    tok.post_processor = processors.TemplateProcessing(single=template, special_tokens=ids)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>", pad_token="<|end_of_text|>"
+    )
+
+
+def _save_tokenizer(tokenizer: PreTrainedTokenizerFast, directory: Path) -> None:
+    tokenizer.save_pretrained(str(directory))
+    specials = {"bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token, "pad_token": tokenizer.pad_token}
+    (directory / "special_tokens_map.json").write_text(json.dumps(specials))
+
+
+def orpheus_llama(seed: int = 0) -> LlamaForCausalLM:
+    """Orpheus 3B's config.json fields (Llama 3.2 body, llama3 rope, tied embeddings, 156940-token vocab),
+    at toy width; weights rounded to bf16 as published."""
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=131072, tie_word_embeddings=True,
+        rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "high_freq_factor": 4.0,
+            "low_freq_factor": 1.0, "original_max_position_embeddings": 8192,
+        },
+        bos_token_id=128000, eos_token_id=128009, rms_norm_eps=1e-5, dtype="bfloat16",
+    )  # fmt: skip
+    seeded(seed)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+            p.copy_(p.to(torch.bfloat16))  # parameters only: rotary buffers stay float32, as on load
+    return model
+
+
+def write_orpheus(directory: Path, model: LlamaForCausalLM) -> Path:
+    """canopylabs/orpheus-3b-0.1-ft: config.json, generation_config.json, model-0000k-of-00002.safetensors +
+    model.safetensors.index.json (bf16), tokenizer.json / tokenizer_config.json / special_tokens_map.json."""
+    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(str(directory), max_shard_size="12MB")
+    _save_tokenizer(llama3_tokenizer(LLAMA3_SPECIALS, "<|begin_of_text|>:0 $A:0"), directory)
+    return directory
+
+
+def snac_published_config() -> dict:
+    """hubertsiuzdak/snac_24khz's config.json at toy width (noise on, as published)."""
+    return {**TINY_SNAC, "noise": True}
+
+
+def snac_model(seed: int = 0) -> SNAC:
+    seeded(seed)
+    return SNAC(**snac_published_config()).eval()
+
+
+def write_snac(directory: Path, model: SNAC) -> Path:
+    """config.json + pytorch_model.bin with the old weight-norm keys (`weight_g` / `weight_v`) the
+    published file has (torch's current weight_norm saves `parametrizations.weight.original0/1`)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(snac_published_config()))
+    renamed = {
+        key.replace(".parametrizations.weight.original0", ".weight_g").replace(
+            ".parametrizations.weight.original1", ".weight_v"
+        ): value
+        for key, value in model.state_dict().items()
+    }
+    torch.save(renamed, directory / "pytorch_model.bin")
+    return directory
+
+
+def csm_model(seed: int = 0) -> CsmForConditionalGeneration:
+    """sesame/csm-1b's config fields (Llama 3 text vocab and special ids, Mimi codec_config) at toy size."""
+    config = tiny_csm_config()
+    for name, value in {
+        "text_vocab_size": 128256, "bos_token_id": 128000, "eos_token_id": None, "pad_token_id": 128002,
+        "audio_token_id": 128002, "audio_eos_token_id": 128003,
+    }.items():  # fmt: skip
+        setattr(config, name, value)
+    seeded(seed)
+    model = CsmForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    return model
+
+
+def write_csm(directory: Path, model: CsmForConditionalGeneration) -> Path:
+    """Model (sharded safetensors, `codec_model.*` holding Mimi), generation config, the Llama 3 tokenizer
+    with sesame's BOS $A EOS post-processor, and CsmProcessor's files (chat template, feature extractor)."""
+    model.save_pretrained(str(directory), max_shard_size="10MB")
+    tokenizer = llama3_tokenizer(CSM_SPECIALS, "<|begin_of_text|>:0 $A:0 <|end_of_text|>:0")
+    extractor = EncodecFeatureExtractor(feature_size=1, sampling_rate=24000)
+    CsmProcessor(extractor, tokenizer, chat_template=CSM_CHAT_TEMPLATE).save_pretrained(str(directory))
+    return directory
+
+
+def mimi_model(seed: int = 0) -> MimiModel:
+    seeded(seed)
+    return MimiModel(MimiConfig(**tiny_mimi_config(8))).eval()
+
+
+def write_mimi(directory: Path, model: MimiModel) -> Path:
+    """kyutai/mimi: config.json, model.safetensors, preprocessor_config.json."""
+    model.save_pretrained(str(directory))
+    EncodecFeatureExtractor(feature_size=1, sampling_rate=24000).save_pretrained(str(directory))
+    return directory
+
+
+def dia_model(seed: int = 0) -> DiaForConditionalGeneration:
+    seeded(seed)
+    model = DiaForConditionalGeneration(tiny_dia_config()).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    return model
+
+
+def write_dia(directory: Path, model: DiaForConditionalGeneration) -> Path:
+    """nari-labs/Dia-1.6B-0626 (transformers format): config.json, model.safetensors,
+    generation_config.json, the byte-level DiaTokenizer's files and preprocessor_config.json."""
+    model.save_pretrained(str(directory))
+    DiaTokenizer().save_pretrained(str(directory))
+    DiaFeatureExtractor().save_pretrained(str(directory))
+    return directory
+
+
+def dac_model(seed: int = 0) -> DacModel:
+    seeded(seed)
+    model = DacModel(tiny_dac_config()).eval()
+    with torch.no_grad():
+        model.decoder.conv2.weight.mul_(50.0)
+    return model
+
+
+def write_dac(directory: Path, model: DacModel) -> Path:
+    """descript/dac_44khz: config.json, model.safetensors, preprocessor_config.json."""
+    model.save_pretrained(str(directory))
+    DacFeatureExtractor(sampling_rate=44100, hop_length=512).save_pretrained(str(directory))
+    return directory
+
+
+def xcodec_model(seed: int = 0) -> XcodecModel:
+    seeded(seed)
+    return XcodecModel(tiny_xcodec_config()).eval()
+
+
+def write_xcodec(directory: Path, model: XcodecModel) -> Path:
+    """hf-audio/xcodec-*: config.json, model.safetensors, preprocessor_config.json (DAC's extractor)."""
+    model.save_pretrained(str(directory))
+    DacFeatureExtractor(sampling_rate=16000, hop_length=320).save_pretrained(str(directory))
+    return directory
+
+
+def put_in_hf_cache(cache: Path, repo_id: str, source: Path, commit: str = "0123456789abcdef" * 2 + "01234567") -> Path:
+    """Lay `source`'s files out as the hub cache does: blobs by hash, a snapshot of relative symlinks,
+    refs/main naming the commit. Returns the snapshot directory."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    for file in sorted(p for p in source.rglob("*") if p.is_file()):
+        data = file.read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        link = snapshot / file.relative_to(source)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+    return snapshot
