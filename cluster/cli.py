@@ -12,10 +12,10 @@ import time
 from pathlib import Path
 
 from core.checkpoints import cached_snapshot, download_command
-from core.config import DetokConfig, EngineConfig, load_engine_config
+from core.config import DetokConfig, EngineConfig, ServeConfig, load_engine_config, load_serve_config
 from core.errors import InvalidArgumentError
 from llm_stage.models.base import ModelFamily
-from llm_stage.registry import families, model_config_for
+from llm_stage.registry import check_model_config, families, model_config_for
 
 
 def _synthesize(args: argparse.Namespace) -> int:
@@ -39,15 +39,22 @@ def _synthesize(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from cluster.server import deploy
-    from core.config import ServeConfig, load_serve_config
-
+def serve_config(args: argparse.Namespace) -> ServeConfig:
+    """The ServeConfig `voxray serve` deploys: `--config` (or the default), its model replaced by
+    `--model` / `--codec`; model references are resolved here, so a missing model fails before Ray starts."""
     config = load_serve_config(args.config) if args.config else ServeConfig()
-    if args.model is not None:  # --model / --codec replace the config's model references
+    if args.model is not None:
         kept = config.engine.model.model_dump(exclude={"name", "checkpoint_dir", "codec_dir"})
         engine = config.engine.model_copy(update={"model": model_config_for(args.model, args.codec, **kept)})
-        config = config.model_copy(update={"engine": engine})
+        config = ServeConfig.model_validate({**config.model_dump(), "engine": engine.model_dump()})
+    check_model_config(config.engine.model)
+    return config
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from cluster.server import deploy
+
+    config = serve_config(args)
     endpoints = deploy(config, address=args.address)
     print(f"VoxRay serving {config.engine.model.name} (app {endpoints.app_name!r})")
     print(f"  gRPC: {endpoints.grpc_target}  (metadata application={endpoints.app_name})")
