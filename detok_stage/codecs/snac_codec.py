@@ -75,10 +75,10 @@ def keyed_normal(keys: torch.Tensor, per_frame: int, salt: int) -> torch.Tensor:
     base = _mix32(keys ^ salt).unsqueeze(-1)  # [B, n, 1]
     bits_a = _mix32(base ^ offsets)
     bits_b = _mix32(bits_a ^ 0x68E31DA4)
-    uniform_a = (bits_a.double() + 0.5) / 2**32  # (0, 1)
-    uniform_b = bits_b.double() / 2**32
+    uniform_a = ((bits_a >> 8).float() + 0.5) / 2**24  # 24-bit uniforms, exact in float32; (0, 1)
+    uniform_b = (bits_b >> 8).float() / 2**24
     normal = torch.sqrt(-2 * torch.log(uniform_a)) * torch.cos(2 * torch.pi * uniform_b)  # Box-Muller
-    return normal.flatten(1).float()
+    return normal.flatten(1)
 
 
 class FrameKeys:

@@ -139,3 +139,17 @@ def test_readme_real_model_commands_run_on_the_stand_ins(tmp_path, monkeypatch, 
     (synth,) = re.findall(r"voxray (synthesize .+)\n", section)
     argv = [arg if arg != "hello.wav" else str(tmp_path / "hello.wav") for arg in shlex.split(synth)]
     assert main([*argv, "--max-tokens", "14"]) == 0 and (tmp_path / "hello.wav").is_file()
+
+
+def test_a_config_file_takes_repo_ids_and_fills_in_the_published_codec(tmp_path, monkeypatch, full_cache):
+    from core.config import load_serve_config
+    from llm_stage.registry import check_model_config
+
+    use_cache(monkeypatch, full_cache)
+    path = tmp_path / "serve.yaml"
+    path.write_text(f"engine:\n  model:\n    name: orpheus\n    checkpoint_dir: {ORPHEUS_REPO}\n")
+    model = load_serve_config(path).engine.model
+    entry = check_model_config(model)
+    assert entry.with_defaults(model).codec_dir == SNAC_REPO
+    codec = entry.build_codec(model, "cpu")
+    assert codec.noise_keys is not None  # the published SNAC config's noise blocks, keyed per frame
