@@ -92,7 +92,8 @@ def test_csm_published_layout_frames_like_csm_processor_and_shares_mimi(tmp_path
     with torch.no_grad():
         torch.testing.assert_close(loaded.model(input_ids=ids).logits, model(input_ids=ids).logits)
     in_memory = CsmAdapter(model, loaded.tokenizer)
-    assert greedy_frames(loaded, prompt, 3) == greedy_frames(in_memory, prompt, 3)
+    frames = greedy_frames(loaded, prompt, 3)
+    assert len(frames) == 3 and frames == greedy_frames(in_memory, prompt, 3)
 
 
 def test_csm_with_a_separate_mimi_repo_uses_that_mimi_for_both_users(tmp_path):
@@ -107,7 +108,7 @@ def test_csm_with_a_separate_mimi_repo_uses_that_mimi_for_both_users(tmp_path):
 
 
 def test_dia_published_layout_loads_and_its_tokenizer_matches_ours(tmp_path):
-    model = dia_model(seed=3)
+    model = dia_model(seed=1)  # (seed 3 happens to end at its first step)
     directory = write_dia(tmp_path / "dia", model)
     loaded = DiaAdapter.build(ModelConfig(name="dia", checkpoint_dir=directory))
     assert_same_weights(loaded.model, model)
@@ -119,7 +120,7 @@ def test_dia_published_layout_loads_and_its_tokenizer_matches_ours(tmp_path):
         want = model(input_ids=ids, decoder_input_ids=decoder_ids).logits
         torch.testing.assert_close(loaded.model(input_ids=ids, decoder_input_ids=decoder_ids).logits, want)
     prompt = loaded.format_prompt(text, None)
-    sampling = loaded.default_sampling.model_copy(update={"temperature": 0.0, "max_tokens": 12})
+    sampling = loaded.default_sampling.model_copy(update={"temperature": 0.0, "max_tokens": 16})
     engines = [LLMEngine(a, CacheConfig(num_slots=4, max_seq_len=256), SchedulerConfig(max_batch_size=4))
                for a in (loaded, DiaAdapter(model))]  # fmt: skip
     runs = []
