@@ -15,9 +15,9 @@ from pathlib import Path
 import yaml
 
 from core.config import ServeConfig, StageDeploymentConfig, load_serve_config
+from router.grpc_service import SPEECH_SERVICER as GRPC_SERVICER
 
 IMPORT_PATH = "deployments.app:app_builder"
-GRPC_SERVICER = "protos.voxray_pb2_grpc.add_SpeechServicer_to_server"
 PROXY_LOCATION = "EveryNode"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -144,6 +144,24 @@ class AdmissionConfig(_Strict):
     retry_after_s: float = Field(1.0, gt=0, description="Hint sent with RESOURCE_EXHAUSTED / 429.")
 
 
+class AuthConfig(_Strict):
+    """API keys and per-key quotas, checked by the Router on both protocols (HTTP `Authorization:
+    Bearer <key>`, gRPC `authorization: Bearer <key>` metadata)."""
+
+    api_keys_file: Path | None = Field(
+        None,
+        description="File of the accepted keys' sha256 hex digests, one per line as `<sha256-hex> [name]` ('#' "
+        "comments), e.g. a k8s Secret mounted as a file; re-read when it changes. None = open: every client is "
+        "served without a key (the loopback embedded default; the Router logs it at start).",
+    )
+    max_streams_per_key: int = Field(8, ge=1, description="Concurrent synthesis streams one key holds (per Router).")
+    requests_per_s_per_key: float = Field(
+        10.0, gt=0, le=1e6, description="Sustained requests per second one key may make (token bucket, per Router)."
+    )
+    burst_per_key: int = Field(20, ge=1, description="Requests one key may make at once above its sustained rate.")
+    reload_interval_s: float = Field(5.0, gt=0, description="How often the Router checks the keys file for changes.")
+
+
 class ServeConfig(_Strict):
     """The whole cluster app: engines, the three deployments, admission, ports."""
 
@@ -160,6 +178,7 @@ class ServeConfig(_Strict):
     detok: StageDeploymentConfig = StageDeploymentConfig()
     router: StageDeploymentConfig = StageDeploymentConfig(num_cpus=0.25, max_ongoing_requests=1024)
     admission: AdmissionConfig = AdmissionConfig()
+    auth: AuthConfig = AuthConfig()
 
     @model_validator(mode="after")
     def _streams_fit_cache(self) -> ServeConfig:

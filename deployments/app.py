@@ -12,9 +12,10 @@ from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 from core.config import ServeConfig, StageDeploymentConfig
 from deployments.detok_stage import DetokStage
 from deployments.llm_stage import LLMStage
+from router.grpc_service import SPEECH_SERVICER
 from router.ingress import Router
 
-GRPC_SERVICER = "protos.voxray_pb2_grpc.add_SpeechServicer_to_server"
+GRPC_SERVICER = SPEECH_SERVICER  # raw-bytes requests: the Router answers malformed ones INVALID_ARGUMENT
 
 
 def deployment_options(stage: StageDeploymentConfig) -> dict:

@@ -1,37 +1,94 @@
 """Validate a synthesis request into a `Job`, once, against the served model's own limits.
 
-Every ingress calls `build_job`: the Router for gRPC and HTTP, the CLI and batch mode
-in-process, `LLMEngine.add_request` for callers that hand it raw fields. Limits come from the
-model family (voices, text length, sampling defaults and ranges, sample rate); the only later
-check is the tokenized prompt against the KV context, which needs the tokenizer
-(`LLMEngine.add_job`). Every error is an InvalidArgumentError naming the field as the client
-spelled it.
+Every ingress calls `build_job`: the Router for gRPC and HTTP (after `router.jobs` has mapped
+the wire format to fields), the CLI and batch mode in-process, `LLMEngine.add_request` for
+callers that hand it raw fields. Limits come from the model family (voices, text length,
+sampling defaults and ranges); the only later check is the tokenized prompt against the KV
+context, which needs the tokenizer (`LLMEngine.add_job`). Checks are strict: exact types (no
+bool for a number, no string for a number), finite numbers within bounds, text that is valid
+Unicode without control characters, request ids of printable ASCII. Every error is an
+InvalidArgumentError naming the field as the client spelled it.
 """
 
 from __future__ import annotations
 
 import math
+import re
 import uuid
 
-from core.errors import InvalidArgumentError
+import pydantic
+
+from core.errors import InvalidArgumentError, from_validation_error
 from core.messages import Job, OutputFormat, SamplingParams
 from llm_stage.models.base import LMAdapter
 
 MAX_REQUEST_ID_CHARS = 128
+MAX_NAME_CHARS = 128  # model and voice names
+MAX_TTFA_DEADLINE_S = 300.0
+REQUEST_ID = re.compile(r"[!-~]+")  # printable ASCII, no space: safe in headers, metadata and log lines
+TEXT_WHITESPACE = frozenset("\t\n\r")  # the only control characters prose may carry
+
+
+def check_unicode(value: str, field: str) -> str:
+    """`value` as valid Unicode: no lone surrogates (not encodable as UTF-8) and no control
+    characters other than tab / line breaks."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidArgumentError(field, "is not valid Unicode (lone surrogate)") from None
+    bad = next((ch for ch in value if _is_control(ch) and ch not in TEXT_WHITESPACE), None)
+    if bad is not None:
+        raise InvalidArgumentError(field, f"contains the control character U+{ord(bad):04X}")
+    return value
+
+
+def _is_control(ch: str) -> bool:
+    code = ord(ch)
+    return code < 0x20 or 0x7F <= code < 0xA0
+
+
+def printable_name(name: str) -> str:
+    """A client-chosen key as it may appear in an error message: printable ASCII, bounded."""
+    return name if 0 < len(name) <= 64 and name.isascii() and name.isprintable() else ascii(name[:64])
 
 
 def check_text(adapter: type[LMAdapter] | LMAdapter, text: object, field: str) -> str:
     if not isinstance(text, str):
         raise InvalidArgumentError(field, "must be a string")
-    if not text.strip():
-        raise InvalidArgumentError(field, "must not be empty")
     if len(text) > adapter.max_text_chars:
         raise InvalidArgumentError(field, f"is {len(text)} characters; the limit is {adapter.max_text_chars}")
+    check_unicode(text, field)
+    if not text.strip():
+        raise InvalidArgumentError(field, "must not be empty")
     return text
+
+
+def check_name(value: object, field: str) -> str:
+    """A short name (model, voice): a string, bounded, valid Unicode without line breaks."""
+    if not isinstance(value, str):
+        raise InvalidArgumentError(field, "must be a string")
+    if len(value) > MAX_NAME_CHARS:
+        raise InvalidArgumentError(field, f"longer than {MAX_NAME_CHARS} characters")
+    if any(ch in TEXT_WHITESPACE for ch in value):
+        raise InvalidArgumentError(field, "must not contain tabs or line breaks")
+    return check_unicode(value, field)
+
+
+def check_request_id(req_id: object, field: str = "request_id") -> str:
+    """A client's request id: 1-128 printable ASCII characters (no space); '' = none given."""
+    if not isinstance(req_id, str):
+        raise InvalidArgumentError(field, "must be a string")
+    if len(req_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidArgumentError(field, f"longer than {MAX_REQUEST_ID_CHARS} characters")
+    if req_id and not REQUEST_ID.fullmatch(req_id):
+        raise InvalidArgumentError(field, "must be printable ASCII without spaces")
+    return req_id
 
 
 def check_voice(adapter: type[LMAdapter] | LMAdapter, voice: str | None) -> str | None:
     """The voice to use (the family's default when none is named)."""
+    if voice:
+        check_name(voice, "voice")
     if not adapter.voices:
         if voice:
             raise InvalidArgumentError("voice", f"{adapter.family} has no voices; leave it empty")
@@ -40,6 +97,32 @@ def check_voice(adapter: type[LMAdapter] | LMAdapter, voice: str | None) -> str 
     if voice not in adapter.voices:
         raise InvalidArgumentError("voice", f"unknown voice {voice!r}; valid voices: {', '.join(adapter.voices)}")
     return voice
+
+
+def check_sampling(sampling: SamplingParams | dict | None, default: SamplingParams) -> SamplingParams:
+    """The client's sampling fields over the model's default, with exact types: an integer field
+    takes only an integer, a float field an integer or a finite float, never a bool or a string."""
+    if sampling is None or isinstance(sampling, SamplingParams):
+        return SamplingParams.resolve(sampling, default)
+    if not isinstance(sampling, dict):
+        raise InvalidArgumentError("sampling", "must be an object of sampling fields")
+    for name, value in sampling.items():
+        if name not in SamplingParams.model_fields:
+            raise InvalidArgumentError(f"sampling.{printable_name(name)}", "unknown field")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise InvalidArgumentError(f"sampling.{name}", "must be a finite number")
+    try:
+        return SamplingParams.model_validate({**default.model_dump(), **sampling}, strict=True)
+    except pydantic.ValidationError as err:
+        raise from_validation_error(err, "sampling") from None
+
+
+def check_deadline(ttfa_deadline_s: object) -> float:
+    if isinstance(ttfa_deadline_s, bool) or not isinstance(ttfa_deadline_s, (int, float)):
+        raise InvalidArgumentError("ttfa_deadline_s", "must be a number")
+    if not math.isfinite(ttfa_deadline_s) or not 0 <= ttfa_deadline_s <= MAX_TTFA_DEADLINE_S:
+        raise InvalidArgumentError("ttfa_deadline_s", f"must be a finite number in [0, {MAX_TTFA_DEADLINE_S:g}]")
+    return float(ttfa_deadline_s)
 
 
 def build_job(
@@ -55,15 +138,13 @@ def build_job(
     text_field: str = "text",
 ) -> Job:
     """A Job for `adapter`'s family (its class or an instance); empty fields take the defaults."""
-    if not math.isfinite(ttfa_deadline_s) or ttfa_deadline_s < 0:
-        raise InvalidArgumentError("ttfa_deadline_s", "must be a finite number >= 0")
-    if len(req_id) > MAX_REQUEST_ID_CHARS:
-        raise InvalidArgumentError("request_id", f"longer than {MAX_REQUEST_ID_CHARS} characters")
+    ttfa_deadline_s = check_deadline(ttfa_deadline_s)
+    req_id = check_request_id(req_id)
     return Job(
         req_id=req_id or uuid.uuid4().hex,
         text=check_text(adapter, text, text_field),
         voice=check_voice(adapter, voice),
-        sampling=SamplingParams.resolve(sampling, adapter.default_sampling),
+        sampling=check_sampling(sampling, adapter.default_sampling),
         ttfa_deadline_s=ttfa_deadline_s or default_ttfa_deadline_s,
         output_format=output_format,
         text_field=text_field,

@@ -1,18 +1,24 @@
 """Router deployment: the ingress for gRPC (`voxray.Speech`) and HTTP (OpenAI `/v1/audio/speech`).
 
-It validates requests, dispatches them to an LLMStage replica (picked by `PredictedTTFARouter`),
-awaits each chunk's audio ObjectRef in seq order and streams it out, mapping admission results
-to RESOURCE_EXHAUSTED / 429 and bad input to INVALID_ARGUMENT / 400 naming the field.
+It authenticates (`router.auth`), validates requests (`router.jobs`), dispatches them to an
+LLMStage replica (picked by `PredictedTTFARouter`), awaits each chunk's audio ObjectRef in seq
+order and streams it out. Failures become a status and a short message with the request id
+(`router.replies`): UNAUTHENTICATED / 401, INVALID_ARGUMENT / 400 naming the field,
+RESOURCE_EXHAUSTED / 429 with a retry hint, INTERNAL / 500 without internals. A stream that
+fails after admission is closed, so the LLM replica frees it.
 """
 
 import time
 from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, aclosing
 from dataclasses import dataclass
 
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
+from ray.exceptions import RayError
+from starlette.background import BackgroundTask
 
 from core.config import ServeConfig
 from core.errors import InvalidArgumentError
@@ -20,10 +26,20 @@ from core.messages import Admitted, Audio, AudioChunk, Failed, Invalid, Job, Que
 from llm_stage.registry import ModelEntry, get_entry
 from protos import voxray_pb2
 from router.audio_format import streaming_wav_header
+from router.auth import ApiKeys, QuotaExceeded, Unauthenticated
 from router.dispatch import estimated_loads
-from router.jobs import job_from_fields, sampling_from_proto
+from router.grpc_service import GrpcAbort, pack_trailers, quiet_serve_aborts
+from router.jobs import (
+    MAX_BODY_BYTES,
+    fields_from_json,
+    fields_from_proto,
+    job_from_fields,
+    parse_proto,
+    reply_request_id,
+)
 from router.metrics import RouterMetrics
 from router.playback import PlaybackTracker
+from router.replies import Failure, http_error, log_failure, with_request_id
 
 http_app = FastAPI(title="VoxRay")
 
@@ -162,59 +178,95 @@ def _to_proto(job: Job, sent: SentChunk, header: bytes) -> voxray_pb2.AudioChunk
     )
 
 
-async def _http_body(first: SentChunk, rest: AsyncIterator[SentChunk], header: bytes) -> AsyncIterator[bytes]:
-    yield header + first.audio.pcm16
-    async for sent in rest:
-        yield sent.audio.pcm16
+async def _http_body(
+    first: SentChunk, rest: AsyncIterator[SentChunk], header: bytes, lease: AsyncExitStack
+) -> AsyncIterator[bytes]:
+    """The response body; `lease` (the cluster stream, the key's stream slot) is released when it
+    ends, fails or is abandoned."""
+    try:
+        yield header + first.audio.pcm16
+        async for sent in rest:
+            yield sent.audio.pcm16
+    finally:
+        await lease.aclose()
 
 
-OPENAI_FORMATS = {"pcm": "pcm16", "wav": "wav"}
-
-
-async def _speech_fields(request: Request) -> dict:
+async def _read_body(request: Request) -> bytes:
+    """The request body, refused past MAX_BODY_BYTES without reading the rest."""
     content_type = request.headers.get("content-type", "").split(";")[0].strip()
     if content_type != "application/json":
         raise InvalidArgumentError("content-type", f"expected application/json, got {content_type or 'nothing'!r}")
-    try:
-        body = await request.json()
-    except ValueError:
-        raise InvalidArgumentError("body", "is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise InvalidArgumentError("body", "must be a JSON object")
-    unknown = set(body) - {"model", "input", "voice", "response_format", "stream", "speed", "sampling", "request_id"}
-    if unknown:
-        raise InvalidArgumentError(sorted(unknown)[0], "unknown field")
-    fmt = body.get("response_format", "wav")
-    if fmt not in OPENAI_FORMATS:
-        raise InvalidArgumentError("response_format", f"{fmt!r} is not served; use one of: pcm, wav")
-    if body.get("speed", 1.0) != 1.0:
-        raise InvalidArgumentError("speed", "only 1.0 is served")
-    text, sampling = body.get("input"), body.get("sampling") or {}
-    if not isinstance(text, str) or not isinstance(sampling, dict):
-        raise InvalidArgumentError("input" if not isinstance(text, str) else "sampling", "has the wrong type")
-    return {
-        "text": text, "model": str(body.get("model") or ""), "voice": str(body.get("voice") or ""),
-        "sampling": sampling, "output_format": OPENAI_FORMATS[fmt], "sample_rate_hz": 0, "ttfa_deadline_s": 0.0,
-        "req_id": str(body.get("request_id") or ""), "text_field": "input",
-    }  # fmt: skip
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > MAX_BODY_BYTES:
+            raise InvalidArgumentError("body", f"larger than {MAX_BODY_BYTES} bytes")
+    return bytes(body)
 
 
-def _http_error(status: int, message: str, param: str | None, headers: dict | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": "invalid_request_error", "param": param}}
-    return JSONResponse(body, status_code=status, headers=headers)
+def _failure(err: Exception) -> tuple[Failure, Exception | None]:
+    """The reply for `err`, and the exception whose traceback to log (a failure of our own code)."""
+    code = grpc.StatusCode
+    match err:
+        case InvalidArgumentError(field=field):
+            return Failure(code.INVALID_ARGUMENT, str(err), field), None
+        case Unauthenticated():
+            return Failure(code.UNAUTHENTICATED, str(err), "authorization"), None
+        case AdmissionRejected(retry_after_s=retry_after_s) | QuotaExceeded(retry_after_s=retry_after_s):
+            return Failure(code.RESOURCE_EXHAUSTED, str(err), None, retry_after_s), None
+        case StreamFailed():
+            return Failure(code.INTERNAL, "synthesis failed", cause=str(err)[:500]), None
+        case RayError():  # a stage replica died or raised: it logged its own traceback
+            return Failure(code.INTERNAL, "synthesis failed", cause=type(err).__name__), None
+    return Failure(code.INTERNAL, "internal error"), err
 
 
-class GrpcAbort(Exception):
-    """Raised after setting the status on the context; Serve then answers with that code."""
+def _authorization(grpc_context) -> str | None:
+    """The gRPC `authorization` metadata value (at most one)."""
+    values = [v for k, v in grpc_context.invocation_metadata() if k == "authorization"] if grpc_context else []
+    if len(values) > 1:
+        raise Unauthenticated("authorization: given more than once")
+    return values[0] if values else None
 
 
-def _abort(grpc_context, code: grpc.StatusCode, details: str, retry_after_s: float | None = None) -> None:
+def _http_authorization(request: Request) -> str | None:
+    values = request.headers.getlist("authorization")
+    if len(values) > 1:
+        raise Unauthenticated("authorization: given more than once")
+    return values[0] if values else None
+
+
+def _abort(
+    grpc_context, code: grpc.StatusCode, details: str, retry_after_s: float | None = None, req_id: str = ""
+) -> None:
+    """End the call with `code`: Serve sends the status set on the context only for a call that raises."""
     if grpc_context is not None:
-        grpc_context.set_code(code)
-        grpc_context.set_details(details)
+        trailers = [("x-request-id", req_id)] if req_id else []
         if retry_after_s is not None:
-            grpc_context.set_trailing_metadata([("retry-after-s", f"{retry_after_s:.1f}")])
+            trailers.append(("retry-after-s", f"{retry_after_s:.1f}"))
+        grpc_context.set_code(code)
+        grpc_context.set_details(pack_trailers(details, trailers))  # Serve forwards only code and details
     raise GrpcAbort(f"{code.name}: {details}")
+
+
+def _grpc_fail(grpc_context, err: Exception, req_id: str) -> None:
+    failure, own = _failure(err)
+    log_failure(failure, req_id, "gRPC", own)
+    message = with_request_id(failure.message, req_id)
+    _abort(grpc_context, failure.code, message, failure.retry_after_s, req_id)
+
+
+def _http_fail(err: Exception, req_id: str) -> Response:
+    failure, own = _failure(err)
+    log_failure(failure, req_id, "HTTP", own)
+    return http_error(failure, req_id, echo_id=req_id != _serve_request_id())
+
+
+def _serve_request_id() -> str:
+    """Serve's id for this HTTP request: the client's X-Request-Id, else one Serve made and returns
+    in its own X-Request-Id response header (so ours is added only when it differs)."""
+    context = serve.context._serve_request_context.get()
+    return (context.request_id or "") if context is not None else ""
 
 
 # Defined last: serve.ingress freezes the FastAPI app (and these methods) at class creation,
@@ -225,33 +277,42 @@ class Router:
 
     def __init__(self, config: dict, llm_handle) -> None:
         self.core = RouterCore(config, llm_handle)
+        self.auth = ApiKeys(self.core.config.auth)
+        quiet_serve_aborts()
 
     # ---- gRPC -----------------------------------------------------------------------------
-    async def Synthesize(self, request: voxray_pb2.SynthesizeRequest, grpc_context=None):  # noqa: N802
+    async def Synthesize(self, request: voxray_pb2.SynthesizeRequest | bytes, grpc_context=None):  # noqa: N802
+        req_id = reply_request_id("")
         try:
-            job = self.core.job(
-                text=request.text, model=request.model, voice=request.voice,
-                sampling=sampling_from_proto(request.sampling), sample_rate_hz=request.sample_rate_hz,
-                output_format="wav" if request.format == voxray_pb2.AUDIO_FORMAT_WAV else "pcm16",
-                ttfa_deadline_s=request.ttfa_deadline_s, req_id=request.request_id,
-            )  # fmt: skip
+            key = self.auth.check(_authorization(grpc_context))
+            fields = fields_from_proto(request)
+            req_id = reply_request_id(fields["req_id"])
+            job = self.core.job(**fields)
             header = streaming_wav_header(self.core.entry.sample_rate_hz) if job.output_format == "wav" else b""
-            async for sent in self.core.run(job):
-                yield _to_proto(job, sent, header if sent.seq == 0 else b"")
-        except InvalidArgumentError as err:
-            _abort(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        except AdmissionRejected as err:
-            _abort(grpc_context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(err), err.retry_after_s)
-        except StreamFailed as err:
-            _abort(grpc_context, grpc.StatusCode.INTERNAL, f"synthesis failed: {err}")
+            with self.auth.hold_stream(key):
+                async with aclosing(self.core.run(job)) as stream:  # closed on any failure: the replica frees it
+                    async for sent in stream:
+                        yield _to_proto(job, sent, header if sent.seq == 0 else b"")
+        except Exception as err:  # every failure gets a status, a short message and one log line
+            _grpc_fail(grpc_context, err, req_id)
 
-    async def ListModels(self, request: voxray_pb2.ListModelsRequest, grpc_context=None):  # noqa: N802
+    async def ListModels(self, request: voxray_pb2.ListModelsRequest | bytes, grpc_context=None):  # noqa: N802
+        try:
+            self.auth.check(_authorization(grpc_context))
+            parse_proto(voxray_pb2.ListModelsRequest, request)
+        except Exception as err:
+            _grpc_fail(grpc_context, err, reply_request_id(""))
         return models_response(self.core.entry)
 
-    async def ListVoices(self, request: voxray_pb2.ListVoicesRequest, grpc_context=None):  # noqa: N802
+    async def ListVoices(self, request: voxray_pb2.ListVoicesRequest | bytes, grpc_context=None):  # noqa: N802
         entry = self.core.entry
-        if request.model and request.model != entry.name:
-            _abort(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, f"model: unknown model {request.model!r}")
+        try:
+            self.auth.check(_authorization(grpc_context))
+            request = parse_proto(voxray_pb2.ListVoicesRequest, request)
+            if request.model and request.model != entry.name:
+                raise InvalidArgumentError("model", f"unknown model; this server serves {entry.name!r}")
+        except Exception as err:
+            _grpc_fail(grpc_context, err, reply_request_id(""))
         return voices_response(entry)
 
     # ---- HTTP -----------------------------------------------------------------------------
@@ -260,26 +321,31 @@ class Router:
         return {"status": "ok", "model": self.core.entry.name}
 
     @http_app.get("/v1/models")
-    async def models(self) -> dict:
-        return {"object": "list", "data": [{"id": self.core.entry.name, "object": "model"}]}
+    async def models(self, request: Request) -> Response:
+        try:
+            self.auth.check(_http_authorization(request))
+        except Exception as err:
+            return _http_fail(err, reply_request_id(_serve_request_id()))
+        body = {"object": "list", "data": [{"id": self.core.entry.name, "object": "model"}]}
+        return JSONResponse(body)
 
     @http_app.post("/v1/audio/speech")
     async def speech(self, request: Request) -> Response:
+        req_id = reply_request_id(_serve_request_id())
+        lease = AsyncExitStack()  # what an admitted stream holds; released by the body, or here on failure
         try:
-            job = self.core.job(**await _speech_fields(request))
-            stream = self.core.run(job)
-            first = await stream.__anext__()  # admission and validation happen before any byte is sent
-        except InvalidArgumentError as err:
-            param = err.field
-            status = 415 if param == "content-type" else 400
-            return _http_error(status, str(err), param)
-        except AdmissionRejected as err:
-            headers = {"Retry-After": str(max(1, round(err.retry_after_s)))}
-            return _http_error(429, str(err), None, headers)
-        except StreamFailed as err:
-            return _http_error(500, f"synthesis failed: {err}", None)
-        media = "audio/wav" if job.output_format == "wav" else "audio/pcm"
-        header = streaming_wav_header(self.core.entry.sample_rate_hz) if job.output_format == "wav" else b""
-        return StreamingResponse(
-            _http_body(first, stream, header), media_type=media, headers={"X-Request-Id": job.req_id}
-        )
+            key = self.auth.check(_http_authorization(request))
+            fields = fields_from_json(await _read_body(request), request.headers.getlist("x-request-id"))
+            req_id = reply_request_id(fields["req_id"] or req_id)
+            job = self.core.job(**{**fields, "req_id": fields["req_id"] or req_id})
+            lease.enter_context(self.auth.hold_stream(key))
+            stream = await lease.enter_async_context(aclosing(self.core.run(job)))
+            first = await anext(stream)  # admission and validation happen before any byte is sent
+            media = "audio/wav" if job.output_format == "wav" else "audio/pcm"
+            header = streaming_wav_header(self.core.entry.sample_rate_hz) if job.output_format == "wav" else b""
+            body = _http_body(first, stream, header, lease)
+            headers = {"X-Request-Id": job.req_id} if job.req_id != _serve_request_id() else {}
+            return StreamingResponse(body, media_type=media, headers=headers, background=BackgroundTask(lease.aclose))
+        except Exception as err:
+            await lease.aclose()
+            return _http_fail(err, req_id)

@@ -1,18 +1,33 @@
-"""Turn a client's request (gRPC message or HTTP JSON fields) into a validated `Job`.
+"""Turn a client's request (gRPC message bytes or HTTP JSON body) into a validated `Job`.
 
-The served-model check is the router's own; every other field is validated by
-`llm_stage.jobs.build_job` against the model family's limits, once. Every rejection is an
-InvalidArgumentError naming the field as the client spelled it, which the ingresses map to gRPC
-INVALID_ARGUMENT / HTTP 400.
+`fields_from_proto` parses and checks the wire format of `voxray.SynthesizeRequest`
+(garbage bytes, unknown fields, unknown enum values); `fields_from_json` does the same for the
+OpenAI-style JSON body (size, UTF-8, duplicate keys, NaN literals, nesting, field types, the
+request id from the body or the X-Request-Id header). The served-model check is the router's
+own; every other field is validated by `llm_stage.jobs.build_job` against the model family's
+limits, once. Every rejection is an InvalidArgumentError naming the field as the client
+spelled it, which the ingresses map to gRPC INVALID_ARGUMENT / HTTP 400.
 """
 
 from __future__ import annotations
 
+import json
+import uuid
+
+from google.protobuf.message import DecodeError, Message
+from google.protobuf.unknown_fields import UnknownFieldSet
+
 from core.config import AdmissionConfig
 from core.errors import InvalidArgumentError
 from core.messages import Job, OutputFormat
-from llm_stage.jobs import build_job
+from llm_stage.jobs import build_job, check_name, check_request_id, printable_name
 from llm_stage.registry import ModelEntry
+from protos import voxray_pb2
+
+MAX_BODY_BYTES = 64 * 1024  # 4000 characters of text, each escaped as \uXXXX, fit with room to spare
+HTTP_FIELDS = frozenset({"model", "input", "voice", "response_format", "stream", "speed", "sampling", "request_id"})
+OPENAI_FORMATS: dict[str, OutputFormat] = {"pcm": "pcm16", "wav": "wav"}
+PROTO_FORMATS: dict[int, OutputFormat] = {voxray_pb2.AUDIO_FORMAT_PCM16: "pcm16", voxray_pb2.AUDIO_FORMAT_WAV: "wav"}
 
 
 def job_from_fields(
@@ -29,7 +44,7 @@ def job_from_fields(
     req_id: str,
     text_field: str = "text",
 ) -> Job:
-    if model and model != entry.name:
+    if model and check_name(model, "model") != entry.name:
         raise InvalidArgumentError("model", f"unknown model {model!r}; this server serves {entry.name!r}")
     if sample_rate_hz not in (0, entry.sample_rate_hz):
         raise InvalidArgumentError("sample_rate_hz", f"only {entry.sample_rate_hz} Hz is served")
@@ -40,6 +55,134 @@ def job_from_fields(
     )  # fmt: skip
 
 
+def parse_proto(message_type: type[Message], request: Message | bytes) -> Message:
+    """The request message, parsed from raw bytes (the gRPC proxy forwards them unparsed) or as
+    given; garbage, truncated or non-UTF-8 bytes and fields this server does not know are refused."""
+    if isinstance(request, (bytes, bytearray)):
+        if len(request) > MAX_BODY_BYTES:
+            raise InvalidArgumentError("request", f"larger than {MAX_BODY_BYTES} bytes")
+        try:
+            request = message_type.FromString(bytes(request))
+        except DecodeError:
+            raise InvalidArgumentError("request", f"is not a valid {message_type.DESCRIPTOR.full_name}") from None
+    _check_no_unknown_fields(request, "request")
+    return request
+
+
+def _check_no_unknown_fields(message: Message, field: str) -> None:
+    unknown = UnknownFieldSet(message)
+    if len(unknown):
+        raise InvalidArgumentError(field, f"unknown field number {unknown[0].field_number}")
+    for descriptor, value in message.ListFields():
+        if descriptor.message_type is not None and not descriptor.is_repeated:
+            _check_no_unknown_fields(value, descriptor.name)
+
+
+def fields_from_proto(request: voxray_pb2.SynthesizeRequest | bytes) -> dict:
+    """`job_from_fields` keyword arguments from a SynthesizeRequest (or its bytes)."""
+    request = parse_proto(voxray_pb2.SynthesizeRequest, request)
+    if request.format not in PROTO_FORMATS:
+        raise InvalidArgumentError(
+            "format", f"unknown value {request.format}; use AUDIO_FORMAT_PCM16 or AUDIO_FORMAT_WAV"
+        )
+    return {
+        "text": request.text, "model": request.model, "voice": request.voice,
+        "sampling": sampling_from_proto(request.sampling), "output_format": PROTO_FORMATS[request.format],
+        "sample_rate_hz": request.sample_rate_hz, "ttfa_deadline_s": request.ttfa_deadline_s,
+        "req_id": request.request_id,
+    }  # fmt: skip
+
+
 def sampling_from_proto(options) -> dict:
     """The fields the client set on a SamplingOptions message."""
     return {descriptor.name: value for descriptor, value in options.ListFields()}
+
+
+def fields_from_json(body: bytes, header_req_ids: list[str] = ()) -> dict:
+    """`job_from_fields` keyword arguments from a `/v1/audio/speech` JSON body and the request's
+    X-Request-Id header values (at most one; when the body names an id too, they must agree)."""
+    obj = parse_json_object(body)
+    unknown = set(obj) - HTTP_FIELDS
+    if unknown:
+        raise InvalidArgumentError(printable_name(sorted(unknown)[0]), "unknown field")
+    fmt = obj.get("response_format", "wav")
+    if not isinstance(fmt, str) or fmt not in OPENAI_FORMATS:
+        raise InvalidArgumentError("response_format", "must be one of: pcm, wav")
+    speed = obj.get("speed", 1.0)
+    if isinstance(speed, bool) or not isinstance(speed, (int, float)) or speed != 1.0:
+        raise InvalidArgumentError("speed", "must be the number 1.0 (the only speed served)")
+    if not isinstance(obj.get("stream", True), bool):
+        raise InvalidArgumentError("stream", "must be true or false")
+    sampling = obj.get("sampling", {})
+    if not isinstance(sampling, dict):
+        raise InvalidArgumentError("sampling", "must be an object of sampling fields")
+    return {
+        "text": obj.get("input"), "model": _optional_str(obj, "model"), "voice": _optional_str(obj, "voice"),
+        "sampling": sampling, "output_format": OPENAI_FORMATS[fmt], "sample_rate_hz": 0, "ttfa_deadline_s": 0.0,
+        "req_id": http_request_id(obj.get("request_id"), header_req_ids), "text_field": "input",
+    }  # fmt: skip
+
+
+def parse_json_object(body: bytes) -> dict:
+    """A JSON object from at most MAX_BODY_BYTES of strict UTF-8 JSON: no duplicate keys, no
+    NaN / Infinity literals, no nesting deep enough to exhaust the parser."""
+    if len(body) > MAX_BODY_BYTES:
+        raise InvalidArgumentError("body", f"larger than {MAX_BODY_BYTES} bytes")
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidArgumentError("body", "is not valid UTF-8") from None
+    try:
+        obj = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+    except RecursionError:
+        raise InvalidArgumentError("body", "is nested too deeply") from None
+    except ValueError as err:
+        if isinstance(err, InvalidArgumentError):
+            raise
+        raise InvalidArgumentError("body", "is not valid JSON") from None
+    if not isinstance(obj, dict):
+        raise InvalidArgumentError("body", "must be a JSON object")
+    return obj
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        dup = next(key for key, _ in pairs if key in seen or seen.add(key))
+        raise InvalidArgumentError(printable_name(dup), "given more than once")
+    return obj
+
+
+def _no_constant(name: str) -> float:
+    raise InvalidArgumentError("body", f"{name} is not a JSON number")
+
+
+def _optional_str(obj: dict, name: str) -> str:
+    value = obj.get(name)
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise InvalidArgumentError(name, "must be a string")
+    return value
+
+
+def http_request_id(body_value: object, header_values: list[str]) -> str:
+    """The one request id of an HTTP request: from the body's `request_id` or the X-Request-Id
+    header (decoded as latin-1 by the server, so non-ASCII bytes fail the printable check)."""
+    if len(header_values) > 1:
+        raise InvalidArgumentError("X-Request-Id", "given more than once")
+    header = check_request_id(header_values[0], "X-Request-Id") if header_values else ""
+    body = "" if body_value is None else check_request_id(body_value, "request_id")
+    if header and body and header != body:
+        raise InvalidArgumentError("request_id", "differs from the X-Request-Id header")
+    return body or header
+
+
+def reply_request_id(candidate: object) -> str:
+    """The id to put on a reply: the client's when it is a valid one, else a fresh one."""
+    try:
+        given = check_request_id(candidate)
+    except InvalidArgumentError:
+        given = ""
+    return given or uuid.uuid4().hex

@@ -55,7 +55,7 @@ def test_deployments_follow_their_stage_config() -> None:
             assert entry["num_replicas"] == stage.num_replicas
     assert serve["grpc_options"] == {
         "port": config.grpc_port,
-        "grpc_servicer_functions": ["protos.voxray_pb2_grpc.add_SpeechServicer_to_server"],
+        "grpc_servicer_functions": ["router.grpc_service.add_speech_servicer"],
     }
 
 
