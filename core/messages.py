@@ -127,6 +127,20 @@ class AudioChunk:
         return self.num_samples / self.sample_rate_hz
 
 
+@dataclass(frozen=True)
+class AudioRef:
+    """A decoded chunk as the LLM replica sees it: what its playback clock needs, and a handle to
+    the audio, which stays in the detokenizer's object store until the router fetches it (the
+    audio never passes through the LLM replica)."""
+
+    req_id: str
+    seq: int
+    is_final: bool
+    duration_s: float
+    num_frames: int
+    handle: object  # ray.ObjectRef[AudioChunk] (core stays free of Ray)
+
+
 # ---- stream events: LLM replica -> router --------------------------------------------------
 
 
@@ -160,10 +174,11 @@ class Invalid:
 
 
 @dataclass(frozen=True)
-class Audio:
-    """One decoded chunk, in seq order; `audio.is_final` ends the stream."""
+class AudioReady:
+    """One decoded chunk, in seq order; `ref.is_final` ends the stream. The router fetches the
+    audio itself from `ref.handle`."""
 
-    audio: AudioChunk
+    ref: AudioRef
 
 
 @dataclass(frozen=True)
@@ -174,4 +189,4 @@ class Failed:
 
 
 StreamHead = Admitted | Queued | Rejected | Invalid | Failed
-StreamEvent = Admitted | Queued | Rejected | Invalid | Audio | Failed
+StreamEvent = Admitted | Queued | Rejected | Invalid | AudioReady | Failed

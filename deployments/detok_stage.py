@@ -1,8 +1,12 @@
 """DetokStage deployment: one detokenizer engine per replica (one accelerator).
 
-`decode` is called by LLMStage replicas once per TokenChunk; concurrent calls from many
-streams are batched into one codec forward by the engine thread. Chunks are self-describing,
-so any replica can decode any chunk (M:N routing); cancelling a call drops its chunk.
+An LLMStage replica calls `decode_batch` once per engine step with every chunk that step cut,
+of all its streams; chunks from concurrent calls are decoded together by the engine thread.
+Each decoded chunk's audio goes into this replica's object store and the caller gets an
+`AudioRef` (frames, duration, a handle): the router fetches the audio from here, so audio
+takes one hop to the ingress and never passes through the LLM replica. Chunks are
+self-describing, so any replica can decode any chunk (M:N routing); cancelling a call drops
+its chunks.
 """
 
 from __future__ import annotations
@@ -10,8 +14,10 @@ from __future__ import annotations
 import asyncio
 import time
 
+import ray
+
 from core.config import ServeConfig
-from core.messages import AudioChunk, TokenChunk
+from core.messages import AudioChunk, AudioRef, TokenChunk
 from deployments.engine_loop import EngineLoop, finish_on_thread, replica_tag
 from deployments.metrics import StageMetrics
 from llm_stage.wiring import build_detok_engine
@@ -25,6 +31,7 @@ class DetokStage:
         self.metrics = StageMetrics(with_kv=False)
         self.waiters: dict[tuple[str, int], asyncio.Future] = {}
         self.num_decoded_chunks = 0
+        self.num_batches = 0
         self.loop = EngineLoop(self._step, lambda: self.engine.has_work, self._fail_all, "detok-engine")
         self.loop.start()
 
@@ -48,29 +55,38 @@ class DetokStage:
         for key in list(self.waiters):
             self._resolve(key, RuntimeError(f"detokenizer failed: {err}"))
 
-    async def decode(self, chunk: TokenChunk) -> AudioChunk:
-        key = (chunk.req_id, chunk.seq)
-        future = asyncio.get_running_loop().create_future()
+    async def decode_batch(self, chunks: list[TokenChunk]) -> list[AudioRef]:
+        """Decode `chunks` (one LLM step's, any streams); each audio stays here behind its ref."""
+        self.num_batches += 1
+        loop = asyncio.get_running_loop()
+        futures = [loop.create_future() for _ in chunks]
         try:
-            await finish_on_thread(self._submit, chunk, key, future)  # a cancel mid-submit drops after it
-            audio = await future
-            audio.detok_replica = self.replica_tag
-            return audio
+            await finish_on_thread(self._submit, chunks, futures)  # a cancel mid-submit drops after it
+            decoded = await asyncio.gather(*futures)
         except asyncio.CancelledError:
-            await finish_on_thread(self._drop, chunk.req_id)
+            await finish_on_thread(self._drop, {chunk.req_id for chunk in chunks})
             raise
+        return [self._publish(audio) for audio in decoded]
 
-    def _submit(self, chunk: TokenChunk, key: tuple[str, int], future: asyncio.Future) -> None:
+    def _publish(self, audio: AudioChunk) -> AudioRef:
+        audio.detok_replica = self.replica_tag
+        handle = ray.put(audio)
+        return AudioRef(audio.req_id, audio.seq, audio.is_final, audio.duration_s, audio.num_frames, handle)
+
+    def _submit(self, chunks: list[TokenChunk], futures: list[asyncio.Future]) -> None:
         with self.loop.exclusive():
-            self.engine.submit(chunk)
-            self.waiters[key] = future
+            for chunk in chunks:
+                self.engine.submit(chunk)
+            for chunk, future in zip(chunks, futures, strict=True):
+                self.waiters[(chunk.req_id, chunk.seq)] = future
         self.loop.wake()
 
-    def _drop(self, req_id: str) -> None:
-        """Forget every queued chunk of `req_id` and cancel the calls still waiting for them."""
+    def _drop(self, req_ids: set[str]) -> None:
+        """Forget every queued chunk of `req_ids` and cancel the calls still waiting for them."""
         with self.loop.exclusive():
-            self.engine.release(req_id)
-            waiting = [self.waiters.pop(k) for k in [k for k in self.waiters if k[0] == req_id]]
+            for req_id in req_ids:
+                self.engine.release(req_id)
+            waiting = [self.waiters.pop(k) for k in [k for k in self.waiters if k[0] in req_ids]]
         for future in waiting:
             future.get_loop().call_soon_threadsafe(future.cancel)
 
@@ -83,6 +99,7 @@ class DetokStage:
             "engine_requests": self.engine.num_requests,
             "engine_pending": self.engine.has_work,
             "decoded_chunks": self.num_decoded_chunks,
+            "decode_calls": self.num_batches,
             "at_s": time.time(),  # wall clock of this reading
         }
 

@@ -1,9 +1,11 @@
 """LLMStage deployment: one LLM engine per replica (one accelerator), streaming token chunks.
 
-`generate(job)` answers with one head event (Admitted / Queued / Rejected / Invalid), queues
-the job in the engine and, for every ready TokenChunk, sends the chunk straight to a DetokStage
-replica (tokens never pass through the router) and yields the decoded audio to the router in
-seq order as Audio events (or one Failed event). Cancelling the stream frees the KV slot.
+`generate(job)` answers with one head event (Admitted / Queued / Rejected / Invalid) and queues
+the job in the engine. After every engine step, the chunks it cut (of all streams) go to a
+DetokStage replica in one `decode_batch` call; each stream then yields, in seq order, an
+AudioReady event carrying the chunk's `AudioRef`: duration and frames for this replica's
+playback clock, and a handle the router fetches the audio from. Audio never passes through
+this replica. Cancelling a stream frees its KV slot and drops its undecoded chunks.
 """
 
 from __future__ import annotations
@@ -15,7 +17,18 @@ from dataclasses import dataclass, field
 
 from core.config import ServeConfig
 from core.errors import InvalidArgumentError
-from core.messages import Admitted, Audio, Failed, Invalid, Job, Queued, Rejected, StreamEvent, TokenChunk
+from core.messages import (
+    Admitted,
+    AudioReady,
+    AudioRef,
+    Failed,
+    Invalid,
+    Job,
+    Queued,
+    Rejected,
+    StreamEvent,
+    TokenChunk,
+)
 from deployments.engine_loop import EngineLoop, finish_on_thread, replica_tag
 from deployments.metrics import StageMetrics
 from llm_stage.registry import check_model_config
@@ -24,21 +37,27 @@ from router.admission import Admission, ReplicaLoad, decide
 
 
 @dataclass
+class _Batch:
+    """One `decode_batch` call: the chunks of one engine step, shared by the streams they belong to."""
+
+    result: asyncio.Future  # -> list[AudioRef], index-aligned with the chunks sent
+    cancel: object  # cancels the call (DeploymentResponse.cancel)
+    num_waiting: int  # streams still waiting for a chunk of this batch
+
+    def release(self) -> None:
+        """A stream gave up on this batch; the last one cancels the call (its chunks are dropped)."""
+        self.num_waiting -= 1
+        if self.num_waiting == 0 and not self.result.done():
+            self.cancel()
+            self.result.cancel()
+
+
+@dataclass
 class _Stream:
-    queue: asyncio.Queue
-    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue  # (batch, index) per chunk in seq order, or the exception that ended the engine
     started_s: float = field(default_factory=time.monotonic)
+    pending: list[_Batch] = field(default_factory=list)  # a batch per chunk queued, not yet yielded
     is_done: bool = False
-
-
-def _drain(queue: asyncio.Queue) -> list:
-    """Responses still queued (not yet awaited) when a stream ends early."""
-    items = []
-    while not queue.empty():
-        response, _ = queue.get_nowait()
-        if not isinstance(response, BaseException):
-            items.append(response)
-    return items
 
 
 class LLMStage:
@@ -52,29 +71,54 @@ class LLMStage:
         self.replica_tag = replica_tag()
         self.metrics = StageMetrics(with_kv=True)
         self.streams: dict[str, _Stream] = {}
+        self.event_loop: asyncio.AbstractEventLoop | None = None  # the replica's, set by the first call
         self.avg_stream_s = 0.0
+        self.num_decode_calls = 0
+        self.num_audio_refs = 0
         self.loop = EngineLoop(self._step, lambda: self.side.engine.has_work, self._fail_all, "llm-engine")
         self.loop.start()
 
     # ---- engine thread -------------------------------------------------------------------
     def _step(self) -> None:
-        for chunk in self.side.step():
-            self._deliver(chunk.req_id, chunk)
+        chunks = self.side.step()
+        if chunks and self.event_loop is not None:
+            self.event_loop.call_soon_threadsafe(self._send, chunks)
         engine = self.side.engine
         self.metrics.batch_size.observe(engine.last_batch_size)
         self.metrics.queue_depth.set(len(engine.scheduler.waiting))
         self.metrics.active.set(len(self.streams))
         self.metrics.kv_used.set(engine.scheduler.slots.num_used)
 
-    def _deliver(self, req_id: str, item: TokenChunk | BaseException) -> None:
-        stream = self.streams.get(req_id)
-        if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
-
     def _fail_all(self, err: BaseException) -> None:
         for req_id in list(self.streams):
             self.side.cancel(req_id)
-            self._deliver(req_id, err)
+            if self.event_loop is not None:
+                self.event_loop.call_soon_threadsafe(self._fail_stream, req_id, err)
+
+    # ---- event loop: chunks out, audio refs back ------------------------------------------
+    def _send(self, chunks: list[TokenChunk]) -> None:
+        """One decode call for one engine step's chunks; each stream queues its share in seq order."""
+        live = [chunk for chunk in chunks if chunk.req_id in self.streams]
+        if not live:
+            return
+        response = self.detok.decode_batch.remote(live)
+        self.num_decode_calls += 1
+        batch = _Batch(asyncio.ensure_future(self._decoded(response)), response.cancel, len({c.req_id for c in live}))
+        for index, chunk in enumerate(live):
+            stream = self.streams[chunk.req_id]
+            stream.pending.append(batch)
+            stream.queue.put_nowait((batch, index))
+
+    async def _decoded(self, response) -> list[AudioRef]:
+        sent_s = time.perf_counter()
+        refs = await response
+        self.side.engine.timer.record_detok(time.perf_counter() - sent_s)
+        return refs
+
+    def _fail_stream(self, req_id: str, err: BaseException) -> None:
+        stream = self.streams.get(req_id)
+        if stream is not None:
+            stream.queue.put_nowait(err)
 
     # ---- replica API ----------------------------------------------------------------------
     def load(self) -> ReplicaLoad:
@@ -99,6 +143,8 @@ class LLMStage:
             "engine_requests": len(engine.requests),
             "kv_slots_used": engine.scheduler.slots.num_used,
             "kv_slots_total": engine.scheduler.slots.num_slots,
+            "decode_calls": self.num_decode_calls,  # one per engine step that cut chunks
+            "audio_refs": self.num_audio_refs,  # chunks forwarded by reference (their audio never came here)
             "at_s": time.time(),  # wall clock of this reading, for latency bounds measured from outside
         }
 
@@ -111,7 +157,8 @@ class LLMStage:
         if verdict is Admission.REJECT:
             yield Rejected(self.config.admission.retry_after_s)
             return
-        stream = _Stream(asyncio.Queue(), asyncio.get_running_loop())
+        self.event_loop = asyncio.get_running_loop()
+        stream = _Stream(asyncio.Queue())
         self.streams[job.req_id] = stream
         try:
             try:
@@ -125,44 +172,25 @@ class LLMStage:
         finally:
             await self._close(job.req_id, stream)
 
-    async def _audio(self, stream: _Stream) -> AsyncIterator[Audio | Failed]:
-        """Send each TokenChunk to a detok replica as soon as it is ready; yield the audio in seq order."""
-        decoding: asyncio.Queue = asyncio.Queue()
-        sender = asyncio.create_task(self._send_chunks(stream, decoding))
-        responses = []
-        try:
-            while True:
-                response, chunk = await decoding.get()
-                if isinstance(response, BaseException):
-                    yield Failed(f"LLM engine failed: {response}")
-                    return
-                responses.append(response)
-                waited_s = time.perf_counter()
-                try:
-                    audio = await response
-                except Exception as err:  # the detok replica failed this chunk: the stream ends, typed
-                    yield Failed(f"detokenizer failed: {err}")
-                    return
-                self.side.engine.timer.record_detok(time.perf_counter() - waited_s)
-                self.side.mark_audio_sent(chunk.req_id, audio.duration_s, audio.num_frames)
-                yield Audio(audio)
-                if chunk.is_final:
-                    stream.is_done = True
-                    return
-        finally:
-            sender.cancel()
-            if not stream.is_done:
-                for response in responses + _drain(decoding):
-                    response.cancel()
-
-    async def _send_chunks(self, stream: _Stream, decoding: asyncio.Queue) -> None:
+    async def _audio(self, stream: _Stream) -> AsyncIterator[AudioReady | Failed]:
+        """The stream's chunks' AudioRefs in seq order, as their decode calls return."""
         while True:
             item = await stream.queue.get()
-            if isinstance(item, BaseException):  # the consumer raises it: the stream fails, never hangs
-                decoding.put_nowait((item, None))
+            if isinstance(item, BaseException):  # the engine failed: the stream fails, never hangs
+                yield Failed(f"LLM engine failed: {item}")
                 return
-            decoding.put_nowait((self.detok.decode.remote(item), item))
-            if item.is_final:
+            batch, index = item
+            try:
+                ref: AudioRef = (await asyncio.shield(batch.result))[index]
+            except Exception as err:  # the detok replica failed this batch: the stream ends, typed
+                yield Failed(f"detokenizer failed: {err}")
+                return
+            stream.pending.remove(batch)
+            self.side.mark_audio_sent(ref.req_id, ref.duration_s, ref.num_frames)
+            self.num_audio_refs += 1
+            yield AudioReady(ref)
+            if ref.is_final:
+                stream.is_done = True
                 return
 
     def _add(self, job: Job) -> None:
@@ -176,6 +204,8 @@ class LLMStage:
         if stream.is_done:
             self.avg_stream_s = lifetime if not self.avg_stream_s else 0.8 * self.avg_stream_s + 0.2 * lifetime
         else:
+            for batch in {id(b): b for b in stream.pending}.values():
+                batch.release()
             await finish_on_thread(self._cancel, req_id)  # never withdrawn by a second cancel
 
     def _cancel(self, req_id: str) -> None:

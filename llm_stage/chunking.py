@@ -71,9 +71,14 @@ class Chunker:
 
     def _next_size(self, frame_budget: int | None) -> int:
         size = self.schedule.chunk_size(self._seq)
-        if frame_budget is not None and self.schedule.adaptive and self._seq > 0:
-            size = max(1, min(size, frame_budget))  # the client cannot wait for a bigger chunk
-        return size
+        if frame_budget is None or not self.schedule.adaptive or self._seq == 0:
+            return size
+        if frame_budget <= 0:
+            # The client's buffer is spent: it plays nothing until this chunk lands, so restart as a
+            # new stream does. Shrinking further would only multiply the context frames decoded per
+            # frame kept, and under load that extra detokenizer work starves every stream.
+            return min(size, self.schedule.first_chunk_frames)
+        return min(size, frame_budget)  # the client cannot wait for a bigger chunk
 
     def frames_to_next_chunk(self, frame_budget: int | None = None) -> int:
         end = self._emitted + self._next_size(frame_budget) + self.schedule.right_context_frames

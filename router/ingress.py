@@ -1,11 +1,12 @@
 """Router deployment: the ingress for gRPC (`voxray.Speech`) and HTTP (OpenAI `/v1/audio/speech`).
 
 It authenticates (`router.auth`), validates requests (`router.jobs`), dispatches them to an
-LLMStage replica (picked by `PredictedTTFARouter`), awaits each chunk's audio ObjectRef in seq
-order and streams it out. Failures become a status and a short message with the request id
-(`router.replies`): UNAUTHENTICATED / 401, INVALID_ARGUMENT / 400 naming the field,
-RESOURCE_EXHAUSTED / 429 with a retry hint, INTERNAL / 500 without internals. A stream that
-fails after admission is closed, so the LLM replica frees it.
+LLMStage replica (picked by `PredictedTTFARouter`), fetches each chunk's audio from the detok
+replica's object store in seq order (the LLM replica forwards only an `AudioRef`) and streams
+it out. Failures become a status and a short message with the request id (`router.replies`):
+UNAUTHENTICATED / 401, INVALID_ARGUMENT / 400 naming the field, RESOURCE_EXHAUSTED / 429 with a
+retry hint, INTERNAL / 500 without internals. A stream that fails after admission is closed, so
+the LLM replica frees it.
 """
 
 import time
@@ -22,7 +23,7 @@ from starlette.background import BackgroundTask
 
 from core.config import ServeConfig
 from core.errors import InvalidArgumentError
-from core.messages import Admitted, Audio, AudioChunk, Failed, Invalid, Job, Queued, Rejected, StreamHead
+from core.messages import Admitted, AudioChunk, AudioReady, Failed, Invalid, Job, Queued, Rejected, StreamHead
 from llm_stage.registry import ModelEntry, get_entry
 from protos import voxray_pb2
 from router.audio_format import streaming_wav_header
@@ -106,7 +107,7 @@ class RouterCore:
             async for event in stream:
                 if isinstance(event, Failed):
                     raise StreamFailed(event.message)
-                audio: AudioChunk = event.audio
+                audio = await self._fetch(event)
                 now = time.monotonic()
                 underrun = tracker.on_chunk(now, audio.duration_s)
                 if underrun is not None:
@@ -121,6 +122,14 @@ class RouterCore:
             if not finished:
                 stream.cancel()
 
+    @staticmethod
+    async def _fetch(event: AudioReady) -> AudioChunk:
+        """The chunk's audio, straight from the detok replica's object store."""
+        try:
+            return await event.ref.handle
+        except Exception as err:  # the detok replica died holding it
+            raise StreamFailed(f"audio of chunk {event.ref.seq} lost: {type(err).__name__}") from err
+
     def _record_finished(self, tracker: PlaybackTracker, now_s: float) -> None:
         metrics = self.metrics
         metrics.finished.inc()
@@ -131,7 +140,7 @@ class RouterCore:
         metrics.audio.inc(tracker.audio_sent_s)
         metrics.realtime.set(tracker.audio_sent_s / max(now_s - tracker.start_s, 1e-6))
 
-    def _check_head(self, head: StreamHead | Audio) -> str:
+    def _check_head(self, head: StreamHead | AudioReady) -> str:
         """The replica serving the job; raises for a head that refuses it."""
         match head:
             case Admitted(llm_replica=replica) | Queued(llm_replica=replica):

@@ -175,3 +175,43 @@ def test_duplicate_request_id_is_rejected_without_harming_the_running_stream(clu
         chunks += list(first)
     assert second.code == grpc.StatusCode.INVALID_ARGUMENT and second.details.startswith("request_id:")
     assert len(b"".join(c.audio for c in chunks)) == 10 * SPF * 2
+
+
+def _stage_stats(name: str, app_name: str) -> dict:
+    return serve.get_deployment_handle(name, app_name).stats.remote().result()
+
+
+def test_audio_bypasses_the_llm_replica_and_chunks_travel_in_step_batches(cluster):
+    """The LLM replica forwards AudioRefs, never audio: every chunk reaches the client from the
+    detok replica that decoded it. One decode call carries every chunk an engine step cut, so
+    concurrent streams share calls."""
+    ep = cluster["tight"]  # one LLM replica: its counters cover every stream below
+    before = _stage_stats("LLMStage", ep.app_name)
+    jobs = [{"request_id": f"byref-{i}", "text": f"by reference {i}", "sampling": {"seed": i, "max_tokens": 140}}
+            for i in range(2)]  # fmt: skip
+    with ThreadPoolExecutor(2) as pool:
+        outcomes = list(pool.map(lambda job: run_stream(ep.grpc_target, ep.app_name, **job), jobs))
+    assert all(o.code == grpc.StatusCode.OK for o in outcomes), [o.details for o in outcomes]
+    num_chunks = sum(len(o.chunks) for o in outcomes)
+    assert all(c.detok_replica.startswith("DetokStage#") for o in outcomes for c in o.chunks)
+    after = _stage_stats("LLMStage", ep.app_name)
+    assert after["audio_refs"] - before["audio_refs"] == num_chunks
+    assert 0 < after["decode_calls"] - before["decode_calls"] < num_chunks
+
+
+def test_llm_stage_events_carry_refs_not_audio(cluster):
+    import ray
+
+    from core.messages import Admitted, AudioReady, Job, SamplingParams
+
+    ep = cluster["tight"]
+    llm = serve.get_deployment_handle("LLMStage", ep.app_name).options(stream=True)
+    job = Job("events-1", "hello there", None, SamplingParams(max_tokens=70, seed=0), ttfa_deadline_s=30.0)
+    events = list(llm.generate.remote(job))
+    assert isinstance(events[0], Admitted)
+    assert events[1:] and all(isinstance(e, AudioReady) for e in events[1:])
+    assert all(isinstance(e.ref.handle, ray.ObjectRef) for e in events[1:])
+    audio = [ray.get(e.ref.handle) for e in events[1:]]
+    assert [a.seq for a in audio] == [e.ref.seq for e in events[1:]] == list(range(len(audio)))
+    assert sum(len(a.pcm16) for a in audio) == 10 * SPF * 2 and audio[-1].is_final
+    assert all(a.detok_replica.startswith("DetokStage#") for a in audio)

@@ -1,4 +1,4 @@
-"""DetokStage.decode cancelled while its chunk is still being submitted: nothing stays behind."""
+"""DetokStage.decode_batch cancelled while its chunk is still being submitted: nothing stays behind."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def test_cancel_during_submit_leaves_no_chunk_or_waiter_behind():
     chunk = TokenChunk("gone", 0, [[1] * 7, [2] * 7], 0, 0, 2, False)
 
     async def cancel_mid_submit() -> None:
-        task = asyncio.ensure_future(stage.decode(chunk))
+        task = asyncio.ensure_future(stage.decode_batch([chunk]))
         await asyncio.sleep(0.05)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):

@@ -145,6 +145,19 @@ def test_adaptive_chunks_double_up_to_steady_size_and_respect_frame_budget():
     assert sizes == [2, 3, 3]  # the first chunk keeps its size; later ones wait for at most 3 frames
 
 
+def test_a_spent_buffer_restarts_at_the_first_chunk_size_not_one_frame():
+    """An empty client buffer (budget <= 0) gets first-chunk-sized chunks: one-frame chunks would
+    decode 7 frames (3 + 1 + 3 with context) per frame kept and starve every stream under load."""
+    schedule = ChunkSchedule(
+        first_chunk_frames=4, chunk_frames=16, left_context_frames=3, right_context_frames=3, adaptive=True
+    )
+    spent = Chunker("r", schedule)
+    sizes = [c.keep_end - c.keep_start for c in spent.push([[0] * 7] * 30, frame_budget=0)]
+    assert sizes[1:] == [4] * (len(sizes) - 1) and sizes[0] == 4
+    low = Chunker("r", schedule)
+    assert [c.keep_end - c.keep_start for c in low.push([[0] * 7] * 12, frame_budget=2)][1:3] == [2, 2]
+
+
 def test_smallest_next_chunk_is_one_frame_after_the_first_for_adaptive_schedules():
     adaptive = ChunkSchedule(
         first_chunk_frames=4, chunk_frames=8, left_context_frames=3, right_context_frames=3, adaptive=True

@@ -1,0 +1,117 @@
+"""Stage-to-stage tensors (KV, conditioning): Ray Direct Transport or the object store.
+
+Each stage replica owns a `TensorEndpoint`, a plain synchronous actor that holds that replica's
+tensors by key (RDT's two-sided transports need synchronous actors; Serve replicas are asyncio
+actors, so the tensors live beside them, not in them). A `TensorTransport` joins endpoints in
+one collective group and moves a tensor between two of them: with `gloo` (CPU) or `nccl` (GPU)
+the tensor goes point to point over the group, outside the object store; with `object_store`
+it is serialized through Ray's object store (the fallback wherever RDT cannot run). RDT
+requires the process that created the group to submit every transfer, so one TensorTransport
+drives all moves of its group. Each endpoint counts what it sent and received.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from enum import Enum
+
+import ray
+import torch
+
+Tensors = torch.Tensor | dict[str, torch.Tensor]
+
+
+class TransportKind(str, Enum):
+    OBJECT_STORE = "object_store"
+    GLOO = "gloo"  # RDT over torch.distributed gloo: CPU tensors
+    NCCL = "nccl"  # RDT over NCCL: CUDA tensors
+
+    @property
+    def group_backend(self) -> str | None:
+        return {TransportKind.GLOO: "torch_gloo", TransportKind.NCCL: "nccl"}.get(self)
+
+
+def num_bytes(tensors: Tensors) -> int:
+    parts = tensors.values() if isinstance(tensors, dict) else [tensors]
+    return sum(t.numel() * t.element_size() for t in parts)
+
+
+@ray.remote(num_cpus=0)  # it holds and forwards tensors; the replica beside it owns the compute
+class TensorEndpoint:
+    """One replica's tensors by key, and its transfer counters."""
+
+    def __init__(self, name: str = "") -> None:
+        self.name = name
+        self.tensors: dict[str, Tensors] = {}
+        self.counters = {"sent": 0, "received": 0, "bytes_sent": 0, "bytes_received": 0}
+
+    def hold(self, key: str, tensors: Tensors) -> int:
+        self.tensors[key] = tensors
+        return num_bytes(tensors)
+
+    def get(self, key: str) -> Tensors:
+        return self.tensors[key]
+
+    def drop(self, key: str) -> bool:
+        return self.tensors.pop(key, None) is not None
+
+    def _send(self, key: str) -> Tensors:
+        tensors = self.tensors[key]
+        self.counters["sent"] += 1
+        self.counters["bytes_sent"] += num_bytes(tensors)
+        return tensors
+
+    @ray.method(tensor_transport="gloo")
+    def send_gloo(self, key: str) -> Tensors:
+        return self._send(key)
+
+    @ray.method(tensor_transport="nccl")
+    def send_nccl(self, key: str) -> Tensors:
+        return self._send(key)
+
+    def send_object_store(self, key: str) -> Tensors:
+        return self._send(key)
+
+    def receive(self, key: str, tensors: Tensors) -> int:
+        self.tensors[key] = tensors
+        self.counters["received"] += 1
+        self.counters["bytes_received"] += num_bytes(tensors)
+        return num_bytes(tensors)
+
+    def stats(self) -> dict:
+        return {"name": self.name, "held": len(self.tensors), **self.counters}
+
+
+@dataclass(frozen=True)
+class Transfer:
+    key: str
+    num_bytes: int
+    seconds: float
+
+
+class TensorTransport:
+    """Moves tensors between the endpoints of one group (create it in the process that will
+    submit the transfers: RDT refuses transfers submitted from anywhere else)."""
+
+    def __init__(self, endpoints: list, kind: TransportKind | str = TransportKind.OBJECT_STORE) -> None:
+        self.kind = TransportKind(kind)
+        self.endpoints = list(endpoints)
+        if self.kind.group_backend is not None:
+            from ray.experimental.collective import create_collective_group
+
+            create_collective_group(self.endpoints, backend=self.kind.group_backend)
+
+    def move(self, key: str, src, dst, timeout_s: float = 60.0) -> Transfer:
+        """`src`'s tensors under `key` now also live in `dst` under `key`."""
+        start = time.perf_counter()
+        sent = getattr(src, f"send_{self.kind.value}").remote(key)
+        received = ray.get(dst.receive.remote(key, sent), timeout=timeout_s)  # the ref must be a direct argument
+        return Transfer(key, received, time.perf_counter() - start)
+
+    def close(self) -> None:
+        if self.kind.group_backend is not None:
+            from ray.experimental.collective import destroy_collective_group, get_collective_groups
+
+            for group in get_collective_groups(self.endpoints):
+                destroy_collective_group(group)

@@ -1,0 +1,65 @@
+"""Tensors between stage endpoints over a real local Ray: RDT over gloo and the object store."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+import torch
+
+from deployments.transport import TensorEndpoint, TensorTransport, TransportKind, num_bytes
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    yield
+    if started:
+        ray.shutdown()
+
+
+def kv_of(positions: int) -> dict[str, torch.Tensor]:
+    """The CPU preset's KV layout for one request: [layers, kv_heads, positions, head_dim] each."""
+    return {"keys": torch.randn(2, 2, positions, 64), "values": torch.randn(2, 2, positions, 64)}
+
+
+@pytest.mark.parametrize("kind", [TransportKind.GLOO, TransportKind.OBJECT_STORE])
+def test_kv_crosses_from_one_stage_endpoint_to_another(local_ray, kind):
+    llm, detok = TensorEndpoint.remote("llm"), TensorEndpoint.remote("detok")
+    transport = TensorTransport([llm, detok], kind)
+    try:
+        kv = kv_of(64)
+        ray.get(llm.hold.remote("req-1/kv", kv))
+        transfer = transport.move("req-1/kv", llm, detok)
+        got = ray.get(detok.get.remote("req-1/kv"))
+        assert torch.equal(got["keys"], kv["keys"]) and torch.equal(got["values"], kv["values"])
+        sent, received = ray.get(llm.stats.remote()), ray.get(detok.stats.remote())
+        assert sent["sent"] == received["received"] == 1
+        assert sent["bytes_sent"] == received["bytes_received"] == transfer.num_bytes == num_bytes(kv)
+    finally:
+        transport.close()
+        for endpoint in (llm, detok):
+            ray.kill(endpoint)
+
+
+def test_gloo_refs_stay_out_of_the_object_store(local_ray):
+    """An RDT ref cannot be read back through the object store by a process outside the group:
+    the proof that the gloo path moved the tensor point to point."""
+    llm, detok = TensorEndpoint.remote("llm"), TensorEndpoint.remote("detok")
+    transport = TensorTransport([llm, detok], TransportKind.GLOO)
+    try:
+        ray.get(llm.hold.remote("cond", torch.randn(192)))
+        rdt_ref = llm.send_gloo.remote("cond")
+        plain_ref = llm.send_object_store.remote("cond")
+        assert ray.get(plain_ref).shape == (192,)
+        with pytest.raises(Exception, match="(?i)rdt|two-sided|not allowed"):
+            ray.get(rdt_ref, timeout=30)
+        ray.get(detok.receive.remote("cond", rdt_ref), timeout=30)  # the group's receiver gets it
+        assert ray.get(detok.stats.remote())["received"] == 1
+    finally:
+        transport.close()
+        for endpoint in (llm, detok):
+            ray.kill(endpoint)
