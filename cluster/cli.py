@@ -92,7 +92,10 @@ def _say(args: argparse.Namespace) -> int:
 def _batch(args: argparse.Namespace) -> int:
     from cluster.batch import read_items, run_batch
 
-    config = load_engine_config(args.config) if args.config else EngineConfig(model=model_config_for(args.model))
+    if args.config:
+        config = load_engine_config(args.config)
+    else:
+        config = EngineConfig(model=model_config_for(args.model, args.codec))
     items = read_items(args.prompts)
     sampling = {"max_tokens": args.max_tokens} if args.max_tokens else None
     report = run_batch(config, items, args.out, sampling)
@@ -175,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("prompts", type=Path, help='JSONL: {"text": ..., "voice": ..., "id": ...} per line')
     batch.add_argument("--out", type=Path, required=True, help="directory for <id>.wav")
     batch.add_argument("--model", default="orpheus-tiny", help=MODEL_HELP)
+    batch.add_argument("--codec", default=None, help=CODEC_HELP)
     batch.add_argument("--config", type=Path, help="EngineConfig YAML")
     batch.add_argument("--max-tokens", type=int, default=None)
     batch.set_defaults(func=_batch)
