@@ -79,6 +79,28 @@ def _save_tokenizer(tokenizer: PreTrainedTokenizerFast, directory: Path) -> None
     (directory / "special_tokens_map.json").write_text(json.dumps(specials))
 
 
+def as_transformers4_config(directory: Path) -> None:
+    """Rewrite config.json the way the published checkpoints have it (saved by transformers 4.x):
+    `rope_theta` + `rope_scaling` instead of v5's `rope_parameters`, `torch_dtype` instead of `dtype`,
+    in nested sub-configs too."""
+
+    def legacy(config: dict) -> dict:
+        out = {}
+        for key, value in config.items():
+            if key == "rope_parameters" and isinstance(value, dict):
+                rope = dict(value)
+                out["rope_theta"] = rope.pop("rope_theta", 10000.0)
+                out["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
+            elif key == "dtype":
+                out["torch_dtype"] = value
+            else:
+                out[key] = legacy(value) if isinstance(value, dict) else value
+        return out
+
+    path = directory / "config.json"
+    path.write_text(json.dumps({**legacy(json.loads(path.read_text())), "transformers_version": "4.51.3"}, indent=2))
+
+
 def orpheus_llama(seed: int = 0) -> LlamaForCausalLM:
     """Orpheus 3B's config.json fields (Llama 3.2 body, llama3 rope, tied embeddings, 156940-token vocab),
     at toy width; weights rounded to bf16 as published."""
@@ -106,6 +128,7 @@ def write_orpheus(directory: Path, model: LlamaForCausalLM) -> Path:
     model.safetensors.index.json (bf16), tokenizer.json / tokenizer_config.json / special_tokens_map.json."""
     copy.deepcopy(model).to(torch.bfloat16).save_pretrained(str(directory), max_shard_size="12MB")
     _save_tokenizer(llama3_tokenizer(LLAMA3_SPECIALS, "<|begin_of_text|>:0 $A:0"), directory)
+    as_transformers4_config(directory)
     return directory
 
 
@@ -158,6 +181,7 @@ def write_csm(directory: Path, model: CsmForConditionalGeneration) -> Path:
     tokenizer = llama3_tokenizer(CSM_SPECIALS, "<|begin_of_text|>:0 $A:0 <|end_of_text|>:0")
     extractor = EncodecFeatureExtractor(feature_size=1, sampling_rate=24000)
     CsmProcessor(extractor, tokenizer, chat_template=CSM_CHAT_TEMPLATE).save_pretrained(str(directory))
+    as_transformers4_config(directory)
     return directory
 
 
@@ -189,6 +213,7 @@ def write_dia(directory: Path, model: DiaForConditionalGeneration) -> Path:
     model.save_pretrained(str(directory))
     DiaTokenizer().save_pretrained(str(directory))
     DiaFeatureExtractor().save_pretrained(str(directory))
+    as_transformers4_config(directory)
     return directory
 
 
