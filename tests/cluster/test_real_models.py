@@ -153,3 +153,16 @@ def test_a_config_file_takes_repo_ids_and_fills_in_the_published_codec(tmp_path,
     assert entry.with_defaults(model).codec_dir == SNAC_REPO
     codec = entry.build_codec(model, "cpu")
     assert codec.noise_keys is not None  # the published SNAC config's noise blocks, keyed per frame
+
+
+def test_model_flag_takes_a_directory_and_rejects_one_of_no_known_family(monkeypatch, full_cache):
+    from core.checkpoints import resolve_model_ref
+    from llm_stage.registry import model_config_for
+
+    use_cache(monkeypatch, full_cache)
+    directory = resolve_model_ref(CSM_REPO)
+    model = model_config_for(str(directory))
+    assert (model.name, model.checkpoint_dir) == ("csm", str(directory))
+    with pytest.raises(InvalidArgumentError, match="no checkpoint of a known family") as err:
+        model_config_for(str(resolve_model_ref(SNAC_REPO)))  # a codec is no model
+    assert err.value.field == "model"
