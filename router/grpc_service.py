@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+from contextlib import aclosing
 
 import grpc
 
@@ -38,10 +39,15 @@ class GrpcAbort(Exception):
 
 
 class QuietAborts(logging.Filter):
-    """Drops Serve's records of a GrpcAbort (raw, or wrapped in Serve's gRPCStatusError)."""
+    """Drops Serve's records of a GrpcAbort (raw, or wrapped in Serve's gRPCStatusError), and the
+    traceback from its one line for a stream the client left (GeneratorExit in the proxy)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, GeneratorExit):
+            record.exc_info, record.exc_text = None, None
+            record.msg = f"{record.msg} (client went away)"
+            return True
         original = getattr(exc, "original_exception", exc)
         return not isinstance(original, GrpcAbort)
 
@@ -82,8 +88,9 @@ def _with_trailers(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     unary_stream, unary_unary = handler.unary_stream, handler.unary_unary
 
     async def stream_then_unpack(request, context):
-        async for message in unary_stream(request, context):
-            yield message
+        async with aclosing(unary_stream(request, context)) as messages:  # closed with this one (client gone)
+            async for message in messages:
+                yield message
         unpack_trailers(context)
 
     async def call_then_unpack(request, context):

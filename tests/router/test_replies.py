@@ -11,7 +11,7 @@ from ray.exceptions import RayActorError
 
 from core.errors import InvalidArgumentError
 from router.auth import QuotaExceeded, Unauthenticated
-from router.grpc_service import TRAILERS_SEPARATOR, pack_trailers
+from router.grpc_service import TRAILERS_SEPARATOR, GrpcAbort, QuietAborts, pack_trailers
 from router.ingress import AdmissionRejected, StreamFailed, _failure
 from router.replies import http_error, log_failure
 
@@ -62,3 +62,15 @@ def test_trailers_ride_in_the_details_after_a_separator():
     assert message == "text: empty (request id r)" and separator
     assert json.loads(blob) == [["x-request-id", "r"], ["grpc-status-details-bin", "CAM="]]
     assert pack_trailers("plain", []) == "plain"
+
+
+def test_serve_records_of_answered_aborts_are_dropped_and_client_gone_loses_its_traceback():
+    quiet = QuietAborts()
+
+    def record(exc: BaseException) -> logging.LogRecord:
+        return logging.LogRecord("ray.serve", logging.ERROR, __file__, 1, "Request failed.", (), (type(exc), exc, None))
+
+    assert not quiet.filter(record(GrpcAbort("INVALID_ARGUMENT: text: must not be empty")))
+    gone = record(GeneratorExit())
+    assert quiet.filter(gone) and gone.exc_info is None and "client went away" in gone.getMessage()
+    assert quiet.filter(record(KeyError("a real bug")))
