@@ -24,6 +24,7 @@ from core.config import AuthConfig
 
 logger = logging.getLogger("ray.serve.voxray.auth")  # under Serve's logger: lines land in the replica log
 SHA256_HEX_CHARS = 64
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
 class Unauthenticated(Exception):
@@ -87,16 +88,20 @@ def bearer_key(authorization: str | None) -> str:
 class ApiKeys:
     """The Router's key check and per-key quotas (state is per Router replica)."""
 
-    def __init__(self, config: AuthConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, config: AuthConfig, clock: Callable[[], float] = time.monotonic, listen_host: str = "127.0.0.1"
+    ) -> None:
         self.config = config
         self.clock = clock
         self.usage: dict[str, KeyUsage] = {}
         self.keys = KeyFile()
         self.checked_at_s = float("-inf")
         if self.is_open:
-            logger.warning(
-                "auth: no api_keys_file configured; the server is OPEN (every client is served without a key). "
-                "Set auth.api_keys_file before exposing it beyond loopback."
+            log = logger.warning if listen_host in LOOPBACK_HOSTS else logger.error
+            log(
+                "auth: no api_keys_file configured; the server is OPEN (every client is served without a key) "
+                "and HTTP listens on %s. Set auth.api_keys_file before exposing it beyond loopback.",
+                listen_host,
             )
         else:
             self._reload()

@@ -286,7 +286,7 @@ class Router:
 
     def __init__(self, config: dict, llm_handle) -> None:
         self.core = RouterCore(config, llm_handle)
-        self.auth = ApiKeys(self.core.config.auth)
+        self.auth = ApiKeys(self.core.config.auth, listen_host=self.core.config.http_host)
         quiet_serve_aborts()
 
     # ---- gRPC -----------------------------------------------------------------------------

@@ -39,7 +39,9 @@ def make_keys(path, clock, **limits) -> ApiKeys:
 def test_open_without_a_keys_file_and_says_so(caplog):
     with caplog.at_level(logging.WARNING, logger="ray.serve.voxray.auth"):
         keys = ApiKeys(AuthConfig())
-    assert keys.is_open and "OPEN" in caplog.text
+    assert keys.is_open and "OPEN" in caplog.text and caplog.records[-1].levelno == logging.WARNING
+    ApiKeys(AuthConfig(), listen_host="0.0.0.0")
+    assert caplog.records[-1].levelno == logging.ERROR and "0.0.0.0" in caplog.text
     assert keys.check(None) is None
     with keys.hold_stream(None):
         pass
