@@ -24,6 +24,7 @@ from starlette.background import BackgroundTask
 from core.config import ServeConfig
 from core.errors import InvalidArgumentError
 from core.messages import Admitted, AudioChunk, AudioReady, Failed, Invalid, Job, Queued, Rejected, StreamHead
+from llm_stage.jobs import printable_name
 from llm_stage.registry import ModelEntry, get_entry
 from protos import voxray_pb2
 from router.audio_format import streaming_wav_header
@@ -204,7 +205,8 @@ async def _read_body(request: Request) -> bytes:
     """The request body, refused past MAX_BODY_BYTES without reading the rest."""
     content_type = request.headers.get("content-type", "").split(";")[0].strip()
     if content_type != "application/json":
-        raise InvalidArgumentError("content-type", f"expected application/json, got {content_type or 'nothing'!r}")
+        got = printable_name(content_type) if content_type else "nothing"
+        raise InvalidArgumentError("content-type", f"expected application/json, got {got}")
     body = bytearray()
     async for part in request.stream():
         body += part
