@@ -360,3 +360,6 @@ class Router:
         except Exception as err:
             await lease.aclose()
             return _http_fail(err, req_id)
+        except BaseException:  # cancelled: the client left before the response started
+            await lease.aclose()
+            raise

@@ -24,7 +24,7 @@ from tests.deployments.conftest import small_config
 from tests.deployments.grpc_helpers import StreamOutcome, run_stream
 
 pytestmark = pytest.mark.slow
-KEYS = ["k-grpc", "k-http", "k-rate-grpc", "k-rate-http", "k-streams"]
+KEYS = ["k-grpc", "k-http", "k-rate-grpc", "k-rate-http", "k-streams", "k-gone"]
 AUTH_APP = "voxray-auth"
 
 
@@ -125,6 +125,26 @@ def test_per_key_concurrent_streams(auth_app):
         second = _run_stream_with_key(auth_app, "k-streams", "two", sampling={"max_tokens": 7})
         first.cancel()
     assert second.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "concurrent streams" in second.details
+
+
+def test_http_client_gone_before_the_first_byte_gives_back_its_stream_slot(auth_app):
+    """Two clients with the same key (1 stream) leave while their request is read, admitted or
+    starting; the key's slot must come back, so a third request is served."""
+    body = json.dumps({"input": "a long one", "sampling": {"max_tokens": 700}}).encode()
+    parsed = urlparse(auth_app.http_url)
+    for wait_s in (0.05, 0.2):
+        conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=30)
+        headers = {"content-type": "application/json", "authorization": "Bearer k-gone"}
+        conn.request("POST", "/auth/v1/audio/speech", body=body, headers=headers)
+        time.sleep(wait_s)
+        conn.sock.shutdown(2)
+        conn.close()
+    time.sleep(1.0)
+    resp = requests.post(
+        auth_app.http_url + "/auth/v1/audio/speech", json={"input": "next", "sampling": {"max_tokens": 7}},
+        headers={"Authorization": "Bearer k-gone"}, timeout=120,
+    )  # fmt: skip
+    assert resp.status_code == 200, resp.text
 
 
 # ---- malformed input from the wire --------------------------------------------------------
