@@ -18,7 +18,7 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
-from ray.exceptions import RayError
+from ray.exceptions import ObjectLostError, RayError
 from starlette.background import BackgroundTask
 
 from core.config import ServeConfig
@@ -67,11 +67,13 @@ class SentChunk:
 class RouterCore:
     """Transport-independent part of the router: validation, dispatch, ordered streaming."""
 
-    def __init__(self, config: dict, llm_handle) -> None:
+    def __init__(self, config: dict, llm_handle, detok_handle) -> None:
         self.config = ServeConfig.model_validate(config)
         self.entry = get_entry(self.config.engine.model.name)
         self.llm = llm_handle.options(stream=True)
+        self.detok = detok_handle  # decodes a chunk again when the replica holding its audio is lost
         self.open_streams = 0
+        self.num_redecoded = 0
         self.metrics = RouterMetrics()
 
     def job(self, **fields) -> Job:
@@ -122,12 +124,18 @@ class RouterCore:
             if not finished:
                 stream.cancel()
 
-    @staticmethod
-    async def _fetch(event: AudioReady) -> AudioChunk:
-        """The chunk's audio, straight from the detok replica's object store."""
+    async def _fetch(self, event: AudioReady) -> AudioChunk:
+        """The chunk's audio, straight from the detok replica's object store; if that replica died
+        holding it, another one decodes the (self-describing) chunk again."""
         try:
             return await event.ref.handle
-        except Exception as err:  # the detok replica died holding it
+        except ObjectLostError:
+            pass
+        self.num_redecoded += 1
+        try:
+            [ref] = await self.detok.decode_batch.remote([event.ref.chunk])
+            return await ref.handle
+        except Exception as err:
             raise StreamFailed(f"audio of chunk {event.ref.seq} lost: {type(err).__name__}") from err
 
     def _record_finished(self, tracker: PlaybackTracker, now_s: float) -> None:
@@ -284,8 +292,8 @@ def _serve_request_id() -> str:
 class Router:
     """Serve ingress class (FastAPI routes + gRPC methods); deployed by `deployments.app`."""
 
-    def __init__(self, config: dict, llm_handle) -> None:
-        self.core = RouterCore(config, llm_handle)
+    def __init__(self, config: dict, llm_handle, detok_handle) -> None:
+        self.core = RouterCore(config, llm_handle, detok_handle)
         self.auth = ApiKeys(self.core.config.auth)
         quiet_serve_aborts()
 
