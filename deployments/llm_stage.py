@@ -12,6 +12,7 @@ Cancelling a stream frees its KV slot and drops its undecoded chunks.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -38,7 +39,10 @@ from llm_stage.registry import check_model_config
 from llm_stage.wiring import build_llm_side, size_for_streams
 from router.admission import Admission, ReplicaLoad, decide
 
-DETOK_ATTEMPTS = 3  # a decode call is sent at most this often when detok replicas die under it
+# A decode call whose detok replica died is resent, backing off, for this long: long enough for
+# Serve to replace the only replica of a small deployment (10-17 s measured on 2 cores).
+DETOK_RETRY_WINDOW_S = 30.0
+DETOK_RETRY_BACKOFF_S = (0.05, 0.2, 0.5, 1.0)
 
 
 @dataclass
@@ -118,20 +122,21 @@ class LLMStage:
     async def _decoded(self, batch: _Batch) -> list[AudioRef]:
         """Decode `batch`'s chunks; a detok replica lost mid-call costs a resend to another one
         (chunks are self-describing, so any replica decodes them to the same audio)."""
-        for attempt in range(DETOK_ATTEMPTS):
+        give_up_s = time.monotonic() + DETOK_RETRY_WINDOW_S
+        for attempt in itertools.count():
             batch.response = self.detok.decode_batch.remote(batch.chunks)
             self.num_decode_calls += 1
             sent_s = time.perf_counter()
             try:
                 refs = await batch.response
             except (RayActorError, ActorUnavailableError):
-                if attempt == DETOK_ATTEMPTS - 1:
+                if time.monotonic() >= give_up_s:
                     raise
                 self.num_detok_retries += 1
+                await asyncio.sleep(DETOK_RETRY_BACKOFF_S[min(attempt, len(DETOK_RETRY_BACKOFF_S) - 1)])
                 continue
             self.side.engine.timer.record_detok(time.perf_counter() - sent_s)
             return refs
-        raise AssertionError("unreachable")
 
     def _fail_stream(self, req_id: str, err: BaseException) -> None:
         stream = self.streams.get(req_id)

