@@ -75,6 +75,7 @@ class LLMStage:
         self.config = ServeConfig.model_validate(config)
         entry = check_model_config(self.config.engine.model)
         engine_cfg = size_for_streams(self.config.engine, entry, self.config.admission.max_streams_per_replica)
+        self.rows_per_stream = entry.rows_per_stream
         self.side = build_llm_side(engine_cfg)
         self.schedule = self.side.schedule
         self.detok = detok_handle
@@ -147,6 +148,8 @@ class LLMStage:
     def load(self) -> ReplicaLoad:
         admission = self.config.admission
         first_tokens = self.schedule.chunk_size(0) + self.schedule.right_context_frames
+        timer, rows_per_stream = self.side.engine.timer, self.rows_per_stream
+        real_time_rows = timer.measured_real_time_rows() or 0.0
         return ReplicaLoad(
             num_active=len(self.streams),
             max_streams=admission.max_streams_per_replica,
@@ -154,6 +157,8 @@ class LLMStage:
             step_s=self.side.engine.timer.step_s,  # the estimate the policy uses too
             first_chunk_tokens=first_tokens * self.side.engine.adapter.tokens_per_frame,
             avg_stream_s=self.avg_stream_s,
+            real_time_streams=real_time_rows / rows_per_stream,
+            measured_streams=max(timer.step_s_by_rows, default=0) // rows_per_stream,
         )
 
     def record_routing_stats(self) -> dict:

@@ -26,6 +26,7 @@ from core.errors import InvalidArgumentError
 from core.messages import Admitted, AudioChunk, AudioReady, Failed, Invalid, Job, Queued, Rejected, StreamHead
 from llm_stage.registry import ModelEntry, get_entry
 from protos import voxray_pb2
+from router.admission import stream_limit
 from router.audio_format import streaming_wav_header
 from router.auth import ApiKeys, QuotaExceeded, Unauthenticated
 from router.dispatch import estimated_loads
@@ -85,7 +86,7 @@ class RouterCore:
         loads = estimated_loads(self.config.app_name)
         if not loads:
             return
-        capacity = sum(load.max_streams + load.max_queued for load in loads)
+        capacity = sum(stream_limit(load) + load.max_queued for load in loads)
         active = max(self.open_streams, sum(load.num_active for load in loads))
         if active >= capacity:
             self.metrics.rejections.inc()
