@@ -131,7 +131,8 @@ class AudioChunk:
 class AudioRef:
     """A decoded chunk as the LLM replica sees it: what its playback clock needs, and a handle to
     the audio, which stays in the detokenizer's object store until the router fetches it (the
-    audio never passes through the LLM replica)."""
+    audio never passes through the LLM replica). `chunk` decodes it again if the replica that
+    holds the audio is lost before the router fetched it."""
 
     req_id: str
     seq: int
@@ -139,6 +140,7 @@ class AudioRef:
     duration_s: float
     num_frames: int
     handle: object  # ray.ObjectRef[AudioChunk] (core stays free of Ray)
+    chunk: TokenChunk
 
 
 # ---- stream events: LLM replica -> router --------------------------------------------------

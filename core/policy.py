@@ -117,6 +117,15 @@ class StepTimer:
         if frames > 0 and duration_s > 0:
             self.frame_s = duration_s / frames
 
+    def measured_real_time_rows(self) -> float | None:
+        """Rows the largest decode batch measured so far keeps at real time: that batch's rows x
+        their speed (None until a decode-only step and a frame's duration are known). Unlike
+        `sustainable_streams` it never assumes a larger batch steps as fast as a measured one."""
+        if self.frame_s is None or not self.step_s_by_rows:
+            return None
+        rows = max(self.step_s_by_rows)
+        return rows * self.frame_s / (self.tokens_per_frame * self.step_s_by_rows[rows])
+
     def sustainable_streams(self, max_rows: int) -> float | None:
         """Rows (single-row streams) a full batch keeps at real time: rows x per-row speed at the
         largest decode batch measured up to `max_rows` (None until a decode-only step and a

@@ -44,7 +44,7 @@ def build_app(config: ServeConfig) -> serve.Application:
     llm = serve.deployment(
         LLMStage, name="LLMStage", request_router_config=llm_router, **deployment_options(config.llm)
     ).bind(args, detok)
-    return serve.deployment(Router, name="Router", **deployment_options(config.router)).bind(args, llm)
+    return serve.deployment(Router, name="Router", **deployment_options(config.router)).bind(args, llm, detok)
 
 
 def app_builder(args: dict) -> serve.Application:

@@ -66,12 +66,12 @@ class DetokStage:
         except asyncio.CancelledError:
             await finish_on_thread(self._drop, {chunk.req_id for chunk in chunks})
             raise
-        return [self._publish(audio) for audio in decoded]
+        return [self._publish(chunk, audio) for chunk, audio in zip(chunks, decoded, strict=True)]
 
-    def _publish(self, audio: AudioChunk) -> AudioRef:
+    def _publish(self, chunk: TokenChunk, audio: AudioChunk) -> AudioRef:
         audio.detok_replica = self.replica_tag
         handle = ray.put(audio)
-        return AudioRef(audio.req_id, audio.seq, audio.is_final, audio.duration_s, audio.num_frames, handle)
+        return AudioRef(audio.req_id, audio.seq, audio.is_final, audio.duration_s, audio.num_frames, handle, chunk)
 
     def _submit(self, chunks: list[TokenChunk], futures: list[asyncio.Future]) -> None:
         with self.loop.exclusive():

@@ -5,15 +5,19 @@ the job in the engine. After every engine step, the chunks it cut (of all stream
 DetokStage replica in one `decode_batch` call; each stream then yields, in seq order, an
 AudioReady event carrying the chunk's `AudioRef`: duration and frames for this replica's
 playback clock, and a handle the router fetches the audio from. Audio never passes through
-this replica. Cancelling a stream frees its KV slot and drops its undecoded chunks.
+this replica. A decode call whose detok replica dies is resent (chunks are self-describing).
+Cancelling a stream frees its KV slot and drops its undecoded chunks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+
+from ray.exceptions import ActorUnavailableError, RayActorError
 
 from core.config import ServeConfig
 from core.errors import InvalidArgumentError
@@ -35,20 +39,26 @@ from llm_stage.registry import check_model_config
 from llm_stage.wiring import build_llm_side, size_for_streams
 from router.admission import Admission, ReplicaLoad, decide
 
+# A decode call whose detok replica died is resent, backing off, for this long: long enough for
+# Serve to replace the only replica of a small deployment (10-17 s measured on 2 cores).
+DETOK_RETRY_WINDOW_S = 30.0
+DETOK_RETRY_BACKOFF_S = (0.05, 0.2, 0.5, 1.0)
+
 
 @dataclass
 class _Batch:
-    """One `decode_batch` call: the chunks of one engine step, shared by the streams they belong to."""
+    """One step's chunks, shared by the streams they belong to, and the decode call carrying them."""
 
-    result: asyncio.Future  # -> list[AudioRef], index-aligned with the chunks sent
-    cancel: object  # cancels the call (DeploymentResponse.cancel)
+    chunks: list[TokenChunk]
     num_waiting: int  # streams still waiting for a chunk of this batch
+    response: object = None  # the current DeploymentResponse (a retry replaces it)
+    result: asyncio.Future | None = None  # -> list[AudioRef], index-aligned with `chunks`
 
     def release(self) -> None:
         """A stream gave up on this batch; the last one cancels the call (its chunks are dropped)."""
         self.num_waiting -= 1
         if self.num_waiting == 0 and not self.result.done():
-            self.cancel()
+            self.response.cancel()
             self.result.cancel()
 
 
@@ -65,6 +75,7 @@ class LLMStage:
         self.config = ServeConfig.model_validate(config)
         entry = check_model_config(self.config.engine.model)
         engine_cfg = size_for_streams(self.config.engine, entry, self.config.admission.max_streams_per_replica)
+        self.rows_per_stream = entry.rows_per_stream
         self.side = build_llm_side(engine_cfg)
         self.schedule = self.side.schedule
         self.detok = detok_handle
@@ -75,6 +86,7 @@ class LLMStage:
         self.avg_stream_s = 0.0
         self.num_decode_calls = 0
         self.num_audio_refs = 0
+        self.num_detok_retries = 0
         self.loop = EngineLoop(self._step, lambda: self.side.engine.has_work, self._fail_all, "llm-engine")
         self.loop.start()
 
@@ -101,19 +113,31 @@ class LLMStage:
         live = [chunk for chunk in chunks if chunk.req_id in self.streams]
         if not live:
             return
-        response = self.detok.decode_batch.remote(live)
-        self.num_decode_calls += 1
-        batch = _Batch(asyncio.ensure_future(self._decoded(response)), response.cancel, len({c.req_id for c in live}))
+        batch = _Batch(live, len({c.req_id for c in live}))
+        batch.result = asyncio.ensure_future(self._decoded(batch))
         for index, chunk in enumerate(live):
             stream = self.streams[chunk.req_id]
             stream.pending.append(batch)
             stream.queue.put_nowait((batch, index))
 
-    async def _decoded(self, response) -> list[AudioRef]:
-        sent_s = time.perf_counter()
-        refs = await response
-        self.side.engine.timer.record_detok(time.perf_counter() - sent_s)
-        return refs
+    async def _decoded(self, batch: _Batch) -> list[AudioRef]:
+        """Decode `batch`'s chunks; a detok replica lost mid-call costs a resend to another one
+        (chunks are self-describing, so any replica decodes them to the same audio)."""
+        give_up_s = time.monotonic() + DETOK_RETRY_WINDOW_S
+        for attempt in itertools.count():
+            batch.response = self.detok.decode_batch.remote(batch.chunks)
+            self.num_decode_calls += 1
+            sent_s = time.perf_counter()
+            try:
+                refs = await batch.response
+            except (RayActorError, ActorUnavailableError):
+                if time.monotonic() >= give_up_s:
+                    raise
+                self.num_detok_retries += 1
+                await asyncio.sleep(DETOK_RETRY_BACKOFF_S[min(attempt, len(DETOK_RETRY_BACKOFF_S) - 1)])
+                continue
+            self.side.engine.timer.record_detok(time.perf_counter() - sent_s)
+            return refs
 
     def _fail_stream(self, req_id: str, err: BaseException) -> None:
         stream = self.streams.get(req_id)
@@ -124,6 +148,8 @@ class LLMStage:
     def load(self) -> ReplicaLoad:
         admission = self.config.admission
         first_tokens = self.schedule.chunk_size(0) + self.schedule.right_context_frames
+        timer, rows_per_stream = self.side.engine.timer, self.rows_per_stream
+        real_time_rows = timer.measured_real_time_rows() or 0.0
         return ReplicaLoad(
             num_active=len(self.streams),
             max_streams=admission.max_streams_per_replica,
@@ -131,6 +157,8 @@ class LLMStage:
             step_s=self.side.engine.timer.step_s,  # the estimate the policy uses too
             first_chunk_tokens=first_tokens * self.side.engine.adapter.tokens_per_frame,
             avg_stream_s=self.avg_stream_s,
+            real_time_streams=real_time_rows / rows_per_stream,
+            measured_streams=max(timer.step_s_by_rows, default=0) // rows_per_stream,
         )
 
     def record_routing_stats(self) -> dict:
@@ -145,6 +173,7 @@ class LLMStage:
             "kv_slots_total": engine.scheduler.slots.num_slots,
             "decode_calls": self.num_decode_calls,  # one per engine step that cut chunks
             "audio_refs": self.num_audio_refs,  # chunks forwarded by reference (their audio never came here)
+            "detok_retries": self.num_detok_retries,  # decode calls resent after losing a detok replica
             "at_s": time.time(),  # wall clock of this reading, for latency bounds measured from outside
         }
 

@@ -1,15 +1,19 @@
 """Admission and TTFA prediction (pure functions over replica stats).
 
 The LLMStage replica decides admit / queue / reject with `decide`; the request router ranks
-replicas with `predict_ttfa_s`. Both read the same `ReplicaLoad` the replica publishes.
+replicas with `predict_ttfa_s`. Both read the same `ReplicaLoad` the replica publishes. How
+many streams a replica takes comes from its measured pace (`stream_limit`), capped by its KV
+slots: a fixed count is either too cautious on a fast machine or too bold on a slow one.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import asdict, dataclass
 
 DEFAULT_STEP_S = 0.02  # prior before the first measured step
+REAL_TIME_MARGIN = 0.85  # share of the streams the measured pace keeps at real time that are admitted
 
 
 class Admission(enum.Enum):
@@ -28,6 +32,8 @@ class ReplicaLoad:
     step_s: float  # EMA of one engine step
     first_chunk_tokens: int  # tokens before the first chunk can be decoded
     avg_stream_s: float  # EMA of a stream's lifetime in the engine; 0 = unknown
+    real_time_streams: float = 0.0  # streams its largest measured batch keeps at real time; 0 = unknown
+    measured_streams: int = 0  # streams in that batch
 
     def to_stats(self) -> dict:
         return asdict(self)
@@ -40,21 +46,33 @@ class ReplicaLoad:
             return None
 
 
+def stream_limit(load: ReplicaLoad) -> int:
+    """Streams the replica runs at once: its KV cap, and once its pace is measured, a margin under
+    what its largest measured batch keeps at real time, probing one stream past that batch (the
+    limit grows as larger batches are measured, and shrinks when steps slow down)."""
+    if load.real_time_streams <= 0:
+        return load.max_streams
+    paced = min(math.floor(REAL_TIME_MARGIN * load.real_time_streams), load.measured_streams + 1)
+    return max(1, min(load.max_streams, paced))
+
+
 def predict_ttfa_s(load: ReplicaLoad, extra_requests: int = 0) -> float:
     """Predicted time to first audio for one more request on this replica."""
     step_s = load.step_s or DEFAULT_STEP_S
     generate_s = (load.first_chunk_tokens + 1) * step_s
-    position = load.num_active + extra_requests - load.max_streams  # >= 0: waits for a slot
+    limit = stream_limit(load)
+    position = load.num_active + extra_requests - limit  # >= 0: waits for a running stream to end
     if position < 0:
         return generate_s
-    wait_per_slot_s = (load.avg_stream_s or load.first_chunk_tokens * 10 * step_s) / max(1, load.max_streams)
+    wait_per_slot_s = (load.avg_stream_s or load.first_chunk_tokens * 10 * step_s) / max(1, limit)
     return generate_s + (position + 1) * wait_per_slot_s
 
 
 def decide(load: ReplicaLoad, deadline_s: float) -> Admission:
-    """Admit while a slot is free; queue while the queue has room and the deadline can be met."""
-    if load.num_active < load.max_streams:
+    """Admit under the stream limit; queue while the queue has room and the deadline can be met."""
+    limit = stream_limit(load)
+    if load.num_active < limit:
         return Admission.ADMIT
-    if load.num_active - load.max_streams >= load.max_queued:
+    if load.num_active - limit >= load.max_queued:
         return Admission.REJECT
     return Admission.QUEUE if predict_ttfa_s(load) <= deadline_s else Admission.REJECT

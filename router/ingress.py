@@ -18,7 +18,7 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
-from ray.exceptions import RayError
+from ray.exceptions import ObjectLostError, RayError
 from starlette.background import BackgroundTask
 
 from core.config import ServeConfig
@@ -27,6 +27,7 @@ from core.messages import Admitted, AudioChunk, AudioReady, Failed, Invalid, Job
 from llm_stage.jobs import printable_name
 from llm_stage.registry import ModelEntry, get_entry
 from protos import voxray_pb2
+from router.admission import stream_limit
 from router.audio_format import streaming_wav_header
 from router.auth import ApiKeys, QuotaExceeded, Unauthenticated
 from router.dispatch import estimated_loads
@@ -68,11 +69,13 @@ class SentChunk:
 class RouterCore:
     """Transport-independent part of the router: validation, dispatch, ordered streaming."""
 
-    def __init__(self, config: dict, llm_handle) -> None:
+    def __init__(self, config: dict, llm_handle, detok_handle) -> None:
         self.config = ServeConfig.model_validate(config)
         self.entry = get_entry(self.config.engine.model.name)
         self.llm = llm_handle.options(stream=True)
+        self.detok = detok_handle  # decodes a chunk again when the replica holding its audio is lost
         self.open_streams = 0
+        self.num_redecoded = 0
         self.metrics = RouterMetrics()
 
     def job(self, **fields) -> Job:
@@ -84,7 +87,7 @@ class RouterCore:
         loads = estimated_loads(self.config.app_name)
         if not loads:
             return
-        capacity = sum(load.max_streams + load.max_queued for load in loads)
+        capacity = sum(stream_limit(load) + load.max_queued for load in loads)
         active = max(self.open_streams, sum(load.num_active for load in loads))
         if active >= capacity:
             self.metrics.rejections.inc()
@@ -123,12 +126,18 @@ class RouterCore:
             if not finished:
                 stream.cancel()
 
-    @staticmethod
-    async def _fetch(event: AudioReady) -> AudioChunk:
-        """The chunk's audio, straight from the detok replica's object store."""
+    async def _fetch(self, event: AudioReady) -> AudioChunk:
+        """The chunk's audio, straight from the detok replica's object store; if that replica died
+        holding it, another one decodes the (self-describing) chunk again."""
         try:
             return await event.ref.handle
-        except Exception as err:  # the detok replica died holding it
+        except ObjectLostError:
+            pass
+        self.num_redecoded += 1
+        try:
+            [ref] = await self.detok.decode_batch.remote([event.ref.chunk])
+            return await ref.handle
+        except Exception as err:
             raise StreamFailed(f"audio of chunk {event.ref.seq} lost: {type(err).__name__}") from err
 
     def _record_finished(self, tracker: PlaybackTracker, now_s: float) -> None:
@@ -286,8 +295,8 @@ def _serve_request_id() -> str:
 class Router:
     """Serve ingress class (FastAPI routes + gRPC methods); deployed by `deployments.app`."""
 
-    def __init__(self, config: dict, llm_handle) -> None:
-        self.core = RouterCore(config, llm_handle)
+    def __init__(self, config: dict, llm_handle, detok_handle) -> None:
+        self.core = RouterCore(config, llm_handle, detok_handle)
         self.auth = ApiKeys(self.core.config.auth, listen_host=self.core.config.http_host)
         quiet_serve_aborts()
 

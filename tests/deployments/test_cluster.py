@@ -14,6 +14,7 @@ from ray import serve
 
 from cluster.client import make_request
 from cluster.pipeline import InProcessPipeline
+from core.config import EngineConfig
 from protos import voxray_pb2, voxray_pb2_grpc
 from tests.deployments.conftest import DATA_PARALLEL, TIGHT
 from tests.deployments.grpc_helpers import run_stream
@@ -22,8 +23,8 @@ pytestmark = pytest.mark.slow
 SPF = 2048
 
 
-def in_process_audio(jobs: list[dict]) -> dict[str, bytes]:
-    pipeline = InProcessPipeline(DATA_PARALLEL.engine)
+def in_process_audio(jobs: list[dict], engine: EngineConfig = DATA_PARALLEL.engine) -> dict[str, bytes]:
+    pipeline = InProcessPipeline(engine)
     for job in jobs:
         pipeline.submit(job["request_id"], job["text"], job["voice"], job["sampling"])
     audio: dict[str, bytes] = {job["request_id"]: b"" for job in jobs}
