@@ -138,7 +138,18 @@ class StageDeploymentConfig(_Strict):
 class AdmissionConfig(_Strict):
     """Router-side admission: admit, queue briefly, or reject with a retry hint."""
 
-    max_streams_per_replica: int = Field(16, ge=1, description="Active streams one LLM replica serves at once.")
+    max_streams_per_replica: int = Field(
+        16,
+        ge=1,
+        description="Most streams one LLM replica serves at once (its KV cap; the measured pace may admit fewer).",
+    )
+    real_time_margin: float = Field(
+        0.85,
+        gt=0,
+        le=1,
+        description="Share of the streams the replica's measured steps keep at real time that it admits; "
+        "the rest is headroom for new streams' first chunks.",
+    )
     max_queued_per_replica: int = Field(8, ge=0, description="Requests waiting for a slot on one LLM replica.")
     default_ttfa_deadline_s: float = Field(5.0, gt=0, description="Deadline when the request names none.")
     retry_after_s: float = Field(1.0, gt=0, description="Hint sent with RESOURCE_EXHAUSTED / 429.")

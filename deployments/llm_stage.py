@@ -159,6 +159,7 @@ class LLMStage:
             avg_stream_s=self.avg_stream_s,
             real_time_streams=real_time_rows / rows_per_stream,
             measured_streams=max(timer.step_s_by_rows, default=0) // rows_per_stream,
+            real_time_margin=admission.real_time_margin,
         )
 
     def record_routing_stats(self) -> dict:

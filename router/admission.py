@@ -13,7 +13,6 @@ import math
 from dataclasses import asdict, dataclass
 
 DEFAULT_STEP_S = 0.02  # prior before the first measured step
-REAL_TIME_MARGIN = 0.85  # share of the streams the measured pace keeps at real time that are admitted
 
 
 class Admission(enum.Enum):
@@ -34,6 +33,7 @@ class ReplicaLoad:
     avg_stream_s: float  # EMA of a stream's lifetime in the engine; 0 = unknown
     real_time_streams: float = 0.0  # streams its largest measured batch keeps at real time; 0 = unknown
     measured_streams: int = 0  # streams in that batch
+    real_time_margin: float = 0.85  # share of `real_time_streams` admitted (AdmissionConfig)
 
     def to_stats(self) -> dict:
         return asdict(self)
@@ -52,7 +52,7 @@ def stream_limit(load: ReplicaLoad) -> int:
     limit grows as larger batches are measured, and shrinks when steps slow down)."""
     if load.real_time_streams <= 0:
         return load.max_streams
-    paced = min(math.floor(REAL_TIME_MARGIN * load.real_time_streams), load.measured_streams + 1)
+    paced = min(math.floor(load.real_time_margin * load.real_time_streams), load.measured_streams + 1)
     return max(1, min(load.max_streams, paced))
 
 
