@@ -10,8 +10,8 @@ import torch
 from cluster.pipeline import InProcessPipeline
 from core.config import CacheConfig, DetokConfig, EngineConfig, ModelConfig, SchedulerConfig
 from detok_stage.codecs.mimi_codec import MimiCodec
-from detok_stage.engine import DetokEngine, pcm16_to_float
 from llm_stage.chunking import Chunker, ChunkSchedule
+from tests.detok_stage.interleaved import stream_interleaved
 
 
 @functools.cache
@@ -24,29 +24,9 @@ def streams(lengths: list[int]) -> dict[str, torch.Tensor]:
     return {f"r{i}": torch.randint(0, 64, (n, 8), generator=gen) for i, n in enumerate(lengths)}
 
 
-def stream_through_engine(frames_by_req: dict[str, torch.Tensor], config: DetokConfig) -> dict[str, torch.Tensor]:
-    """Requests interleaved frame by frame, as an LLM stage emits them, through one DetokEngine."""
-    engine = DetokEngine(codec(), config)
-    chunkers = {rid: Chunker(rid, ChunkSchedule.from_config(config)) for rid in frames_by_req}
-    pcm: dict[str, list[bytes]] = {rid: [] for rid in frames_by_req}
-    for t in range(max(len(f) for f in frames_by_req.values())):
-        for rid, frames in frames_by_req.items():
-            if t < len(frames):
-                chunks = chunkers[rid].push([frames[t].tolist()])
-                chunks += chunkers[rid].finish() if t == len(frames) - 1 else []
-                for chunk in chunks:
-                    engine.submit(chunk)
-        for out in engine.step():
-            pcm[out.req_id].append(out.pcm16)
-    while engine.has_work:
-        for out in engine.step():
-            pcm[out.req_id].append(out.pcm16)
-    return {rid: torch.from_numpy(pcm16_to_float(b"".join(parts))) for rid, parts in pcm.items()}
-
-
 def test_streamed_equals_offline_on_kept_samples():
     frames_by_req = streams([1, 7, 19, 33])
-    got = stream_through_engine(frames_by_req, DetokConfig(first_chunk_frames=1, chunk_frames=4))
+    got = stream_interleaved(codec(), frames_by_req, DetokConfig(first_chunk_frames=1, chunk_frames=4))
     spf = codec().samples_per_frame
     for rid, frames in frames_by_req.items():
         offline = codec().decode(frames.unsqueeze(0))[0].clamp(-1, 1)

@@ -13,8 +13,7 @@ from detok_stage.codecs.dac_codec import DacCodec
 from detok_stage.codecs.mimi_codec import MimiCodec
 from detok_stage.codecs.snac_codec import FrameKeyedNoise, SnacCodec, frame_keys, keyed_normal
 from detok_stage.codecs.xcodec_codec import XcodecCodec
-from detok_stage.engine import DetokEngine, pcm16_to_float
-from llm_stage.chunking import Chunker, ChunkSchedule
+from tests.detok_stage.interleaved import stream_interleaved
 from tests.published_layouts import (
     dac_model,
     mimi_model,
@@ -36,26 +35,6 @@ def snac_dir(tmp_path_factory):
 
 def snac_frames(num_frames: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 4096, (num_frames, 7), generator=torch.Generator().manual_seed(seed))
-
-
-def streamed(codec, frames_by_req: dict[str, torch.Tensor], config: DetokConfig) -> dict[str, torch.Tensor]:
-    """Requests interleaved frame by frame through one DetokEngine (many windows per forward)."""
-    engine = DetokEngine(codec, config)
-    chunkers = {rid: Chunker(rid, ChunkSchedule.from_config(config)) for rid in frames_by_req}
-    pcm: dict[str, list[bytes]] = {rid: [] for rid in frames_by_req}
-    for t in range(max(len(f) for f in frames_by_req.values())):
-        for rid, frames in frames_by_req.items():
-            if t < len(frames):
-                chunks = chunkers[rid].push([frames[t].tolist()])
-                chunks += chunkers[rid].finish() if t == len(frames) - 1 else []
-                for chunk in chunks:
-                    engine.submit(chunk)
-        for out in engine.step():
-            pcm[out.req_id].append(out.pcm16)
-    while engine.has_work:
-        for out in engine.step():
-            pcm[out.req_id].append(out.pcm16)
-    return {rid: torch.from_numpy(pcm16_to_float(b"".join(parts))) for rid, parts in pcm.items()}
 
 
 def quantized(wave: torch.Tensor) -> torch.Tensor:
@@ -90,7 +69,7 @@ def test_snac_noise_is_on_standard_normal_and_fixed_per_frame(snac_dir):
 def test_snac_with_noise_streams_exactly_like_offline(snac_dir, schedule):
     codec = SnacCodec.build(ModelConfig(name="orpheus", codec_dir=snac_dir))
     frames_by_req = {f"r{i}": snac_frames(n, 10 + i) for i, n in enumerate([1, 6, 17])}
-    got = streamed(codec, frames_by_req, DetokConfig(schedule=schedule, first_chunk_frames=2, chunk_frames=8))
+    got = stream_interleaved(codec, frames_by_req, DetokConfig(schedule=schedule, first_chunk_frames=2, chunk_frames=8))
     for rid, frames in frames_by_req.items():
         n = len(frames)
         if schedule == "wide":  # 3 frames of context each side covers SNAC's receptive field

@@ -1,0 +1,32 @@
+"""Test helper: requests' frames interleaved frame by frame, as an LLM stage emits them, through
+one DetokEngine (many windows per forward); returns each request's audio as floats."""
+
+from __future__ import annotations
+
+import torch
+
+from core.config import DetokConfig
+from detok_stage.codecs.base import CodecAdapter
+from detok_stage.engine import DetokEngine, pcm16_to_float
+from llm_stage.chunking import Chunker, ChunkSchedule
+
+
+def stream_interleaved(
+    codec: CodecAdapter, frames_by_req: dict[str, torch.Tensor], config: DetokConfig
+) -> dict[str, torch.Tensor]:
+    engine = DetokEngine(codec, config)
+    chunkers = {rid: Chunker(rid, ChunkSchedule.from_config(config)) for rid in frames_by_req}
+    pcm: dict[str, list[bytes]] = {rid: [] for rid in frames_by_req}
+    for t in range(max(len(f) for f in frames_by_req.values())):
+        for rid, frames in frames_by_req.items():
+            if t < len(frames):
+                chunks = chunkers[rid].push([frames[t].tolist()])
+                chunks += chunkers[rid].finish() if t == len(frames) - 1 else []
+                for chunk in chunks:
+                    engine.submit(chunk)
+        for out in engine.step():
+            pcm[out.req_id].append(out.pcm16)
+    while engine.has_work:
+        for out in engine.step():
+            pcm[out.req_id].append(out.pcm16)
+    return {rid: torch.from_numpy(pcm16_to_float(b"".join(parts))) for rid, parts in pcm.items()}
