@@ -58,7 +58,8 @@ class _Batch:
         """A stream gave up on this batch; the last one cancels the call (its chunks are dropped)."""
         self.num_waiting -= 1
         if self.num_waiting == 0 and not self.result.done():
-            self.response.cancel()
+            if self.response is not None:  # None: the call was not sent yet, and now never will be
+                self.response.cancel()
             self.result.cancel()
 
 
