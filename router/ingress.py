@@ -17,6 +17,10 @@ from dataclasses import dataclass
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from google.protobuf import any_pb2
+from google.protobuf.duration_pb2 import Duration
+from google.rpc.error_details_pb2 import RetryInfo
+from google.rpc.status_pb2 import Status
 from ray import serve
 from ray.exceptions import ObjectLostError, RayError
 from starlette.background import BackgroundTask
@@ -256,14 +260,27 @@ def _http_authorization(request: Request) -> str | None:
     return values[0] if values else None
 
 
+def retry_status(code: grpc.StatusCode, details: str, retry_after_s: float) -> bytes:
+    """A serialized `google.rpc.Status` with a `RetryInfo` detail: the retry hint a gRPC client
+    reads with `grpc_status.rpc_status.from_call` (the standard place, not only our trailers)."""
+    delay = Duration(seconds=int(retry_after_s), nanos=round((retry_after_s % 1) * 1e9))
+    detail = any_pb2.Any()
+    detail.Pack(RetryInfo(retry_delay=delay))
+    return Status(code=code.value[0], message=details, details=[detail]).SerializeToString()
+
+
 def _abort(
     grpc_context, code: grpc.StatusCode, details: str, retry_after_s: float | None = None, req_id: str = ""
 ) -> None:
     """End the call with `code`: Serve sends the status set on the context only for a call that raises."""
     if grpc_context is not None:
-        trailers = [("x-request-id", req_id)] if req_id else []
+        trailers: list[tuple[str, str | bytes]] = [("x-request-id", req_id)] if req_id else []
         if retry_after_s is not None:
-            trailers.append(("retry-after-s", f"{retry_after_s:.1f}"))
+            trailers += [
+                ("retry-after-s", f"{retry_after_s:.1f}"),
+                ("retry-after-ms", str(round(retry_after_s * 1000))),
+                ("grpc-status-details-bin", retry_status(code, details, retry_after_s)),
+            ]
         grpc_context.set_code(code)
         grpc_context.set_details(pack_trailers(details, trailers))  # Serve forwards only code and details
     raise GrpcAbort(f"{code.name}: {details}")

@@ -16,11 +16,27 @@ class StreamOutcome:
     chunks: list = field(default_factory=list)
     code: grpc.StatusCode = grpc.StatusCode.OK
     details: str = ""
+    trailers: dict = field(default_factory=dict)
     finished_after_s: float = 0.0
 
     @property
     def pcm16(self) -> bytes:
         return b"".join(c.audio for c in self.chunks)
+
+
+def retry_delay_s(trailers: dict) -> float | None:
+    """The RetryInfo delay in a gRPC error's `grpc-status-details-bin` (None when absent)."""
+    from google.rpc.error_details_pb2 import RetryInfo
+    from google.rpc.status_pb2 import Status
+
+    raw = trailers.get("grpc-status-details-bin")
+    if raw is None:
+        return None
+    for detail in Status.FromString(raw).details:
+        info = RetryInfo()
+        if detail.Unpack(info):
+            return info.retry_delay.seconds + info.retry_delay.nanos / 1e9
+    return None
 
 
 def run_stream(target: str, app: str, text: str, **kwargs) -> StreamOutcome:
@@ -33,5 +49,6 @@ def run_stream(target: str, app: str, text: str, **kwargs) -> StreamOutcome:
                 outcome.chunks.append(chunk)
         except grpc.RpcError as err:
             outcome.code, outcome.details = err.code(), err.details() or ""
+            outcome.trailers = dict(err.trailing_metadata() or ())
     outcome.finished_after_s = time.monotonic() - start
     return outcome

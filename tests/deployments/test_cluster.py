@@ -17,7 +17,7 @@ from cluster.pipeline import InProcessPipeline
 from core.config import EngineConfig
 from protos import voxray_pb2, voxray_pb2_grpc
 from tests.deployments.conftest import DATA_PARALLEL, TIGHT
-from tests.deployments.grpc_helpers import run_stream
+from tests.deployments.grpc_helpers import retry_delay_s, run_stream
 
 pytestmark = pytest.mark.slow
 SPF = 2048
@@ -72,6 +72,9 @@ def test_overload_rejects_excess_quickly_and_admitted_streams_complete(cluster):
     limit = TIGHT.admission.max_streams_per_replica + TIGHT.admission.max_queued_per_replica
     assert len(admitted) + len(rejected) == 8 and len(admitted) <= limit and len(rejected) >= 8 - limit
     assert all(o.finished_after_s < 1.0 and "retry after" in o.details for o in rejected)
+    retry_s = TIGHT.admission.retry_after_s
+    assert all(retry_delay_s(o.trailers) == retry_s for o in rejected)  # google.rpc.RetryInfo
+    assert all(o.trailers["retry-after-ms"] == str(round(retry_s * 1000)) for o in rejected)
     assert all(len(o.pcm16) == 20 * SPF * 2 and o.chunks[-1].final for o in admitted)
 
 
@@ -184,8 +187,9 @@ def _stage_stats(name: str, app_name: str) -> dict:
 
 def test_audio_bypasses_the_llm_replica_and_chunks_travel_in_step_batches(cluster):
     """The LLM replica forwards AudioRefs, never audio: every chunk reaches the client from the
-    detok replica that decoded it. One decode call carries every chunk an engine step cut, so
-    concurrent streams share calls."""
+    detok replica that decoded it, in at most one decode call per chunk (whether two streams cut
+    chunks in the same step is timing; tests/deployments/test_llm_stage_batches.py pins the
+    grouping)."""
     ep = cluster["tight"]  # one LLM replica: its counters cover every stream below
     before = _stage_stats("LLMStage", ep.app_name)
     jobs = [{"request_id": f"byref-{i}", "text": f"by reference {i}", "sampling": {"seed": i, "max_tokens": 140}}
@@ -197,7 +201,7 @@ def test_audio_bypasses_the_llm_replica_and_chunks_travel_in_step_batches(cluste
     assert all(c.detok_replica.startswith("DetokStage#") for o in outcomes for c in o.chunks)
     after = _stage_stats("LLMStage", ep.app_name)
     assert after["audio_refs"] - before["audio_refs"] == num_chunks
-    assert 0 < after["decode_calls"] - before["decode_calls"] < num_chunks
+    assert 0 < after["decode_calls"] - before["decode_calls"] <= num_chunks
 
 
 def test_llm_stage_events_carry_refs_not_audio(cluster):

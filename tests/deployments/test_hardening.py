@@ -21,7 +21,7 @@ from cluster.client import make_request
 from core.config import AuthConfig, StageDeploymentConfig
 from protos import voxray_pb2, voxray_pb2_grpc
 from tests.deployments.conftest import small_config
-from tests.deployments.grpc_helpers import StreamOutcome, run_stream
+from tests.deployments.grpc_helpers import StreamOutcome, retry_delay_s, run_stream
 
 pytestmark = pytest.mark.slow
 KEYS = ["k-grpc", "k-http", "k-rate-grpc", "k-rate-http", "k-streams", "k-gone"]
@@ -110,6 +110,7 @@ def test_per_key_request_rate_on_both_protocols(auth_app):
     codes = [grpc_call(auth_app, "ListModels", voxray_pb2.ListModelsRequest(), "k-rate-grpc") for _ in range(4)]
     assert [c[0] for c in codes[:3]] == [grpc.StatusCode.OK] * 3
     assert codes[3][0] == grpc.StatusCode.RESOURCE_EXHAUSTED and codes[3][2].get("retry-after-s")
+    assert retry_delay_s(codes[3][2]) > 0  # google.rpc.RetryInfo in the status details
     headers = {"Authorization": "Bearer k-rate-http"}
     statuses = [requests.get(auth_app.http_url + "/auth/v1/models", headers=headers, timeout=30) for _ in range(4)]
     assert [r.status_code for r in statuses] == [200, 200, 200, 429] and int(statuses[3].headers["Retry-After"]) >= 1

@@ -1,11 +1,15 @@
-"""LLMStage's step batches (`_Batch`): the last stream to leave cancels the decode call, even one
-not sent yet."""
+"""LLMStage's step batches: one decode call carries a step's chunks of every stream, each stream
+gets its share in seq order, and the last stream to leave cancels the call (even one not sent yet).
+The detok handle here records calls; the real path is covered by tests/deployments/test_cluster.py."""
 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
-from deployments.llm_stage import _Batch
+from core.messages import TokenChunk
+from core.policy import StepTimer
+from deployments.llm_stage import LLMStage, _Batch, _Stream
 
 
 class _Response:
@@ -14,6 +18,10 @@ class _Response:
 
     def cancel(self) -> None:
         self.cancelled = True
+
+    def __await__(self):
+        yield from asyncio.sleep(0).__await__()
+        return []
 
 
 def test_only_the_last_stream_leaving_cancels_the_call():
@@ -34,5 +42,37 @@ def test_a_batch_left_before_its_call_was_sent_cancels_cleanly():
         batch = _Batch(chunks=[], num_waiting=1, result=asyncio.get_running_loop().create_future())
         batch.release()  # response is still None: the decode task has not run yet
         assert batch.result.cancelled()
+
+    asyncio.run(run())
+
+
+class _RecordingDetok:
+    """Stands in for the DetokStage handle: records each decode_batch call's chunks."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[TokenChunk]] = []
+        self.decode_batch = self
+
+    def remote(self, chunks: list[TokenChunk]) -> _Response:
+        self.calls.append(chunks)
+        return _Response()
+
+
+def test_one_call_carries_a_steps_chunks_of_every_live_stream():
+    async def run() -> None:
+        stage = object.__new__(LLMStage)  # only the hand-off under test: no engine, no Serve
+        stage.detok, stage.num_decode_calls = _RecordingDetok(), 0
+        stage.streams = {rid: _Stream(asyncio.Queue()) for rid in ("a", "b")}
+        stage.side = SimpleNamespace(engine=SimpleNamespace(timer=StepTimer()))
+        chunks = [
+            TokenChunk(rid, seq, [[0] * 7], 0, 0, 1, False) for rid, seq in (("a", 0), ("b", 0), ("a", 1), ("gone", 0))
+        ]
+        stage._send(chunks)
+        await asyncio.sleep(0.01)  # the batch's decode task sends the call
+        assert [[(c.req_id, c.seq) for c in call] for call in stage.detok.calls] == [[("a", 0), ("b", 0), ("a", 1)]]
+        a, b = stage.streams["a"].queue, stage.streams["b"].queue
+        assert [a.get_nowait()[1], a.get_nowait()[1], b.get_nowait()[1]] == [0, 2, 1]  # indexes into the call
+        assert stage.streams["a"].pending[0] is stage.streams["b"].pending[0]  # one shared batch
+        assert stage.streams["a"].pending[0].num_waiting == 2
 
     asyncio.run(run())
