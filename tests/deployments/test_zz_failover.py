@@ -63,6 +63,8 @@ def test_streams_survive_losing_a_detok_replica(cluster):
             got = np.frombuffer(outcome.pcm16, dtype="<i2").astype(np.int32)
             want = np.frombuffer(expected[job["request_id"]], dtype="<i2").astype(np.int32)
             assert got.shape == want.shape and np.abs(got - want).max() <= 2
+        after_kill = run_stream(ep.grpc_target, ep.app_name, "after the kill", sampling={"max_tokens": 28})
+        assert after_kill.code == grpc.StatusCode.OK and after_kill.chunks[-1].final  # new requests still served
         decoded_by = {c.detok_replica for o in outcomes.values() for c in o.chunks}
         assert len(decoded_by) == 2  # both replicas served chunks: the killed one had taken part
         # Whether a decode call was in flight at the kill (then `detok_retries` counts its resend)
