@@ -161,6 +161,7 @@ class LLMStage:
             real_time_streams=real_time_rows / rows_per_stream,
             measured_streams=max(timer.step_s_by_rows, default=0) // rows_per_stream,
             real_time_margin=admission.real_time_margin,
+            num_starving=self.side.num_starving(),
         )
 
     def record_routing_stats(self) -> dict:

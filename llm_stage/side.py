@@ -70,6 +70,16 @@ class LLMSide:
         deadline, hops = self._deadline_wall_s(req), HopTimes(chunk_ready_unix_s=time.time())
         return [dataclasses.replace(c, deadline_s=deadline, hops=hops) for c in chunks]
 
+    def num_starving(self) -> int:
+        """Streams playing whose client buffer is spent (safe to call from another thread: the
+        requests are copied in one C-level call)."""
+        now_s = self.clock()
+        return sum(
+            1
+            for req in list(self.engine.requests.values())
+            if req.first_audio_s is not None and buffered_s(req, now_s) <= 0
+        )
+
     def _frame_budget(self, req: Request | None) -> int | None:
         """Frames the client's buffer can wait for before the next chunk must be out (None = no limit)."""
         if req is None or req.first_audio_s is None:

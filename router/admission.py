@@ -34,6 +34,7 @@ class ReplicaLoad:
     real_time_streams: float = 0.0  # streams its largest measured batch keeps at real time; 0 = unknown
     measured_streams: int = 0  # streams in that batch
     real_time_margin: float = 0.85  # share of `real_time_streams` admitted (AdmissionConfig)
+    num_starving: int = 0  # streams whose client buffer is spent right now
 
     def to_stats(self) -> dict:
         return asdict(self)
@@ -53,6 +54,8 @@ def stream_limit(load: ReplicaLoad) -> int:
     if load.real_time_streams <= 0:
         return load.max_streams
     paced = min(math.floor(load.real_time_margin * load.real_time_streams), load.measured_streams + 1)
+    if load.num_starving:  # a stream is already behind: nothing new starts until it catches up
+        paced = min(paced, load.num_active)
     return max(1, min(load.max_streams, paced))
 
 

@@ -45,3 +45,14 @@ def test_slack_is_measured_on_the_smallest_next_chunk_not_the_planned_one():
     assert chunker.frames_to_next_chunk(side._frame_budget(req)) == 5
     assert req.tokens_to_next_chunk == 7
     assert abs(slack_s(req, now, engine.timer) - (0.6 - 7 * 0.01 - 0.05)) < 1e-9
+
+
+def test_streams_whose_buffer_is_spent_count_as_starving():
+    req = Request("r", [1, 2], SamplingParams())
+    now = 100.0
+    side = LLMSide(OneRequestEngine(req), ChunkSchedule.from_config(DetokConfig()), clock=lambda: now)
+    assert side.num_starving() == 0  # no audio yet: starting, not starving
+    req.first_audio_s, req.audio_sent_s = 99.0, 1.5
+    assert side.num_starving() == 0  # 0.5 s still buffered
+    req.audio_sent_s = 0.8
+    assert side.num_starving() == 1  # played past what it was sent

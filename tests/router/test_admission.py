@@ -39,3 +39,10 @@ def test_step_timer_reports_the_largest_measured_batch_at_its_own_speed():
     rows_at_real_time = 4 * (2048 / 24000) / (7 * 0.006)
     assert abs(timer.measured_real_time_rows() - rows_at_real_time) < 1e-9
     assert timer.sustainable_streams(16) > timer.measured_real_time_rows()  # that one extrapolates to 16 rows
+
+
+def test_a_starving_stream_holds_new_admissions():
+    paced = dict(real_time=20.0, measured=8)  # limit 9
+    assert decide(load(4, **paced), 60.0) is Admission.ADMIT
+    behind = ReplicaLoad(**{**load(4, **paced).to_stats(), "num_starving": 1})
+    assert stream_limit(behind) == 4 and decide(behind, 60.0) is Admission.QUEUE
