@@ -17,6 +17,7 @@ class StreamOutcome:
     code: grpc.StatusCode = grpc.StatusCode.OK
     details: str = ""
     trailers: dict = field(default_factory=dict)
+    arrivals_s: list = field(default_factory=list)  # time.monotonic() of each chunk
     finished_after_s: float = 0.0
 
     @property
@@ -47,6 +48,7 @@ def run_stream(target: str, app: str, text: str, **kwargs) -> StreamOutcome:
         try:
             for chunk in stub.Synthesize(make_request(text, **kwargs), metadata=(("application", app),), timeout=240):
                 outcome.chunks.append(chunk)
+                outcome.arrivals_s.append(time.monotonic())
         except grpc.RpcError as err:
             outcome.code, outcome.details = err.code(), err.details() or ""
             outcome.trailers = dict(err.trailing_metadata() or ())
