@@ -31,7 +31,7 @@ class DetokStage:
         self.metrics = StageMetrics(with_kv=False)
         self.waiters: dict[tuple[str, int], asyncio.Future] = {}
         self.num_decoded_chunks = 0
-        self.num_batches = 0
+        self.num_decode_calls = 0
         self.loop = EngineLoop(self._step, lambda: self.engine.has_work, self._fail_all, "detok-engine")
         self.loop.start()
 
@@ -57,7 +57,7 @@ class DetokStage:
 
     async def decode_batch(self, chunks: list[TokenChunk]) -> list[AudioRef]:
         """Decode `chunks` (one LLM step's, any streams); each audio stays here behind its ref."""
-        self.num_batches += 1
+        self.num_decode_calls += 1
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in chunks]
         try:
@@ -99,7 +99,7 @@ class DetokStage:
             "engine_requests": self.engine.num_requests,
             "engine_pending": self.engine.has_work,
             "decoded_chunks": self.num_decoded_chunks,
-            "decode_calls": self.num_batches,
+            "decode_calls": self.num_decode_calls,
             "at_s": time.time(),  # wall clock of this reading
         }
 

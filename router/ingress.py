@@ -79,7 +79,6 @@ class RouterCore:
         self.llm = llm_handle.options(stream=True)
         self.detok = detok_handle  # decodes a chunk again when the replica holding its audio is lost
         self.open_streams = 0
-        self.num_redecoded = 0
         self.metrics = RouterMetrics()
 
     def job(self, **fields) -> Job:
@@ -137,7 +136,6 @@ class RouterCore:
             return await event.ref.handle
         except ObjectLostError:
             pass
-        self.num_redecoded += 1
         try:
             [ref] = await self.detok.decode_batch.remote([event.ref.chunk])
             return await ref.handle
