@@ -6,14 +6,18 @@ bad input; `voxray-dp` (2 LLM replicas : 1 detok replica) for dispatch and concu
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from core.config import AdmissionConfig, ServeConfig, StageDeploymentConfig
 from tests.deployments.grpc_helpers import run_stream
 
-GRPC_PORT = 19000
-HTTP_PORT = 18000
-METRICS_PORT = 18080
+# VOXRAY_TEST_PORT_OFFSET lets two checkouts run their cluster tests side by side on one machine.
+_OFFSET = int(os.environ.get("VOXRAY_TEST_PORT_OFFSET", "0"))
+GRPC_PORT = 19000 + _OFFSET
+HTTP_PORT = 18000 + _OFFSET
+METRICS_PORT = 18080 + _OFFSET
 
 
 def small_config(**overrides) -> ServeConfig:

@@ -5,6 +5,7 @@ No timing assertions: only that every request streamed audio and the outputs wer
 from __future__ import annotations
 
 import json
+import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,7 +22,8 @@ from loadtest.sweep import SweepConfig, run_sweep, wait_ready, write_result
 from protos import voxray_pb2_grpc
 
 pytestmark = pytest.mark.slow
-VOXRAY_GRPC_PORT, VOXRAY_HTTP_PORT, NAIVE_PORT = 19210, 19211, 19212
+_OFFSET = int(os.environ.get("VOXRAY_TEST_PORT_OFFSET", "0"))  # see tests/deployments/conftest.py
+VOXRAY_GRPC_PORT, VOXRAY_HTTP_PORT, NAIVE_PORT = (p + _OFFSET for p in (19210, 19211, 19212))
 SMOKE = SweepConfig(rates_rps=(2.0, 4.0), duration_s=1.0, min_requests=2, max_requests=3, max_tokens_cap=35,
                     request_timeout_s=120.0, stop_p90_ttfa_s=1e9)  # fmt: skip
 
