@@ -58,6 +58,34 @@ class SamplingParams(BaseModel):
 OutputFormat = Literal["pcm16", "wav"]
 
 
+# One engine position: a vocab id, or one id per codebook (multi-codebook families).
+SampledToken = int | tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A stream's sampler state when its LLM replica cut a chunk, as a delta: the tokens sampled
+    since the stream's previous checkpoint and the seeded generator's state after them. The
+    router adds them up (`ResumeState`) so another replica can continue the stream."""
+
+    first_index: int  # index of new_tokens[0] among the stream's sampled tokens
+    new_tokens: tuple[SampledToken, ...]
+    rng_state: bytes | None  # seeded requests: torch.Generator state after drawing these tokens
+
+
+@dataclass(frozen=True)
+class ResumeState:
+    """Where a stream stood when its LLM replica was lost: the replica that resumes it prefills
+    the prompt plus `tokens`, restores the generator, and continues its chunks at `next_seq`
+    (frames before `frames_shipped` already reached the client). Greedy and seeded streams then
+    emit the tokens an uninterrupted run emits (CFG twins follow the same tokens)."""
+
+    tokens: tuple[SampledToken, ...]
+    rng_state: bytes | None
+    next_seq: int
+    frames_shipped: int
+
+
 @dataclass(frozen=True)
 class Job:
     """One validated synthesis request: built once at the ingress, handed to the engine unchanged."""
@@ -69,6 +97,7 @@ class Job:
     ttfa_deadline_s: float
     output_format: OutputFormat = "pcm16"
     text_field: str = "text"  # the text field as the client spelled it ("input" over HTTP)
+    resume: ResumeState | None = None  # set by the router when it moves the stream to another replica
 
 
 @dataclass(frozen=True)
@@ -178,9 +207,11 @@ class Invalid:
 @dataclass(frozen=True)
 class AudioReady:
     """One decoded chunk, in seq order; `ref.is_final` ends the stream. The router fetches the
-    audio itself from `ref.handle`."""
+    audio itself from `ref.handle`. `checkpoint` (on the first chunk a step cut for the stream)
+    is the sampler state the router keeps for resuming the stream on another replica."""
 
     ref: AudioRef
+    checkpoint: Checkpoint | None = None
 
 
 @dataclass(frozen=True)

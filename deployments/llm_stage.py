@@ -25,6 +25,7 @@ from core.messages import (
     Admitted,
     AudioReady,
     AudioRef,
+    Checkpoint,
     Failed,
     Invalid,
     Job,
@@ -65,7 +66,7 @@ class _Batch:
 
 @dataclass
 class _Stream:
-    queue: asyncio.Queue  # (batch, index) per chunk in seq order, or the exception that ended the engine
+    queue: asyncio.Queue  # (batch, index, checkpoint) per chunk in seq order, or the exception that ended the engine
     started_s: float = field(default_factory=time.monotonic)
     pending: list[_Batch] = field(default_factory=list)  # a batch per chunk queued, not yet yielded
     is_done: bool = False
@@ -95,7 +96,7 @@ class LLMStage:
     def _step(self) -> None:
         chunks = self.side.step()
         if chunks and self.event_loop is not None:
-            self.event_loop.call_soon_threadsafe(self._send, chunks)
+            self.event_loop.call_soon_threadsafe(self._send, chunks, self.side.take_checkpoints())
         engine = self.side.engine
         self.metrics.batch_size.observe(engine.last_batch_size)
         self.metrics.queue_depth.set(len(engine.scheduler.waiting))
@@ -109,8 +110,9 @@ class LLMStage:
                 self.event_loop.call_soon_threadsafe(self._fail_stream, req_id, err)
 
     # ---- event loop: chunks out, audio refs back ------------------------------------------
-    def _send(self, chunks: list[TokenChunk]) -> None:
-        """One decode call for one engine step's chunks; each stream queues its share in seq order."""
+    def _send(self, chunks: list[TokenChunk], checkpoints: dict[tuple[str, int], Checkpoint]) -> None:
+        """One decode call for one engine step's chunks; each stream queues its share in seq order
+        (with the sampler checkpoint taken at the cut, for the router)."""
         live = [chunk for chunk in chunks if chunk.req_id in self.streams]
         if not live:
             return
@@ -119,7 +121,7 @@ class LLMStage:
         for index, chunk in enumerate(live):
             stream = self.streams[chunk.req_id]
             stream.pending.append(batch)
-            stream.queue.put_nowait((batch, index))
+            stream.queue.put_nowait((batch, index, checkpoints.get((chunk.req_id, chunk.seq))))
 
     async def _decoded(self, batch: _Batch) -> list[AudioRef]:
         """Decode `batch`'s chunks; a detok replica lost mid-call costs a resend to another one
@@ -185,7 +187,8 @@ class LLMStage:
         if job.req_id in self.streams:  # never let a duplicate id touch the running stream's state
             yield Invalid("request_id", f"{job.req_id!r} is already streaming")
             return
-        verdict = decide(self.load(), job.ttfa_deadline_s)
+        # A resumed stream was admitted once already: it queues for a slot rather than being dropped.
+        verdict = decide(self.load(), job.ttfa_deadline_s) if job.resume is None else Admission.ADMIT
         if verdict is Admission.REJECT:
             yield Rejected(self.config.admission.retry_after_s)
             return
@@ -211,7 +214,7 @@ class LLMStage:
             if isinstance(item, BaseException):  # the engine failed: the stream fails, never hangs
                 yield Failed(f"LLM engine failed: {item}")
                 return
-            batch, index = item
+            batch, index, checkpoint = item
             try:
                 ref: AudioRef = (await asyncio.shield(batch.result))[index]
             except Exception as err:  # the detok replica failed this batch: the stream ends, typed
@@ -220,7 +223,7 @@ class LLMStage:
             stream.pending.remove(batch)
             self.side.mark_audio_sent(ref.req_id, ref.duration_s, ref.num_frames)
             self.num_audio_refs += 1
-            yield AudioReady(ref)
+            yield AudioReady(ref, checkpoint)
             if ref.is_final:
                 stream.is_done = True
                 return

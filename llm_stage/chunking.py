@@ -64,10 +64,21 @@ class Chunker:
         self._base = 0  # absolute index of self._frames[0]; older frames are dropped
         self._emitted = 0  # frames already covered by chunks
         self._seq = 0
+        self._num_to_skip = 0  # frames still to arrive that lie before `_base` (a resumed stream)
+
+    @classmethod
+    def resumed(cls, req_id: str, schedule: ChunkSchedule, next_seq: int, frames_shipped: int) -> Chunker:
+        """A chunker for a stream another replica started: chunks go on at `next_seq` from frame
+        `frames_shipped`; its frames are pushed again from frame 0 and only the left context of
+        the next chunk is kept."""
+        chunker = cls(req_id, schedule)
+        chunker._emitted, chunker._seq = frames_shipped, next_seq
+        chunker._base = chunker._num_to_skip = max(0, frames_shipped - schedule.left_context_frames)
+        return chunker
 
     @property
     def num_frames(self) -> int:
-        return self._base + len(self._frames)
+        return self._base + len(self._frames) - self._num_to_skip
 
     def _next_size(self, frame_budget: int | None) -> int:
         size = self.schedule.chunk_size(self._seq)
@@ -95,7 +106,7 @@ class Chunker:
 
         `frame_budget` caps an adaptive chunk at the frames the client's buffer can wait for.
         """
-        self._frames.extend(frames)
+        self.add_frames(frames)
         chunks = []
         while True:
             end = self._emitted + self._next_size(frame_budget)
@@ -103,12 +114,19 @@ class Chunker:
                 return chunks
             chunks.append(self._cut(end, is_final=False))
 
+    def add_frames(self, frames: list[list[int]]) -> None:
+        """Add frames without cutting (a resumed stream's replayed frames; `push` cuts later)."""
+        skipped = min(len(frames), self._num_to_skip)
+        self._num_to_skip -= skipped
+        self._frames.extend(frames[skipped:])
+
     def finish(self) -> list[TokenChunk]:
         """Flush the remaining frames (right context clipped at the end); the last chunk is final."""
         chunks = []
         while self.num_frames - self._emitted > self.schedule.chunk_size(self._seq):
             chunks.append(self._cut(self._emitted + self.schedule.chunk_size(self._seq), is_final=False))
-        chunks.append(self._cut(self.num_frames, is_final=True))
+        # max: a resumed unseeded stream may stop before the frames the lost replica shipped
+        chunks.append(self._cut(max(self.num_frames, self._emitted), is_final=True))
         return chunks
 
     def _cut(self, end: int, is_final: bool) -> TokenChunk:

@@ -19,7 +19,7 @@ import torch
 
 from core.config import CacheConfig, SchedulerConfig
 from core.errors import InvalidArgumentError
-from core.messages import Job, SamplingParams
+from core.messages import Job, ResumeState, SamplingParams
 from core.policy import SchedulingPolicy, StepTimer, make_policy
 from llm_stage.cfg import merge_guidance
 from llm_stage.jobs import build_job
@@ -87,31 +87,62 @@ class LLMEngine:
             prompt = self.adapter.format_prompt(job.text, job.voice)
             guided = job.sampling.guidance_scale is not None
             uncond = self.adapter.unconditional_prompt(job.text, job.voice) if guided else None
-            return self.add_prompt(job.req_id, prompt, job.sampling, uncond)
+            return self.add_prompt(job.req_id, prompt, job.sampling, uncond, job.resume)
         except InvalidArgumentError as err:
             if err.field != "text":
                 raise
             raise InvalidArgumentError(job.text_field, err.message) from None
 
     def add_prompt(
-        self, req_id: str, prompt_ids: list[Token], sampling: SamplingParams, uncond_prompt: list[Token] | None = None
+        self,
+        req_id: str,
+        prompt_ids: list[Token],
+        sampling: SamplingParams,
+        uncond_prompt: list[Token] | None = None,
+        resume: ResumeState | None = None,
     ) -> Request:
-        """Queue a formatted prompt; a guided request (CFG) passes its twin's `uncond_prompt`."""
+        """Queue a formatted prompt; a guided request (CFG) passes its twin's `uncond_prompt`.
+        `resume` continues a stream another replica started (see `_restore`)."""
         if not req_id or req_id in self.requests:
             raise InvalidArgumentError("request_id", f"{req_id!r} is empty or already in use")
-        self._check_fits(prompt_ids, uncond_prompt, sampling)
+        resumed = len(resume.tokens) if resume is not None else 0
+        self._check_fits(prompt_ids, uncond_prompt, sampling, resumed)
         req = Request(req_id, list(prompt_ids), sampling)
         if uncond_prompt is not None:
             req.twin = Request(f"{req_id}#uncond", list(uncond_prompt), sampling, req.arrival_s, is_twin=True)
         if sampling.seed is not None:
             self._seeded[req_id] = torch.Generator().manual_seed(sampling.seed)
         self._frames[req_id] = self.adapter.new_frame_builder()
+        if resume is not None:
+            self._restore(req, resume)
         self.requests[req_id] = req
         self.scheduler.add(req)
         return req
 
-    def _check_fits(self, prompt: list[Token], uncond: list[Token] | None, sampling: SamplingParams) -> None:
-        longest = max(len(prompt), len(uncond or []))
+    def _restore(self, req: Request, resume: ResumeState) -> None:
+        """The stream's sampled tokens become known positions (prefilled with the prompt, as after a
+        preemption, so the next token is sampled from the same context), its CFG twin follows them,
+        and the seeded generator continues from where it stood after drawing them."""
+        for row in req.unit:
+            row.output_ids = list(resume.tokens)
+        generator = self._seeded.get(req.req_id)
+        if generator is not None and resume.rng_state is not None:
+            generator.set_state(torch.frombuffer(bytearray(resume.rng_state), dtype=torch.uint8))
+
+    def replay_frames(self, req_id: str) -> list[list[int]]:
+        """The codec frames of a resumed request's restored tokens (once, right after it is added)."""
+        req, builder = self.requests[req_id], self._frames[req_id]
+        return [frame for token in req.output_ids for frame in builder.push(token)]
+
+    def sampler_state(self, req_id: str) -> bytes | None:
+        """The request's seeded generator state (None: unseeded, it draws from the shared one)."""
+        generator = self._seeded.get(req_id)
+        return bytes(generator.get_state().numpy()) if generator is not None else None
+
+    def _check_fits(
+        self, prompt: list[Token], uncond: list[Token] | None, sampling: SamplingParams, num_resumed: int = 0
+    ) -> None:
+        longest = max(len(prompt), len(uncond or [])) + num_resumed
         if longest >= self.cache_config.max_seq_len:
             raise InvalidArgumentError(
                 "text", f"prompt is {longest} tokens; the context holds {self.cache_config.max_seq_len}"

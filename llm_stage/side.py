@@ -11,7 +11,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 
-from core.messages import HopTimes, Job, TokenChunk
+from core.messages import Checkpoint, HopTimes, Job, TokenChunk
 from core.policy import buffered_s
 from llm_stage.chunking import Chunker, ChunkSchedule
 from llm_stage.engine import LLMEngine, StepOutput
@@ -33,14 +33,30 @@ class LLMSide:
         self.schedule = schedule
         self.clock = clock
         self.chunkers: dict[str, Chunker] = {}
+        self.num_checkpointed: dict[str, int] = {}  # tokens each stream's checkpoints cover so far
+        self.checkpoints: dict[tuple[str, int], Checkpoint] = {}  # (req_id, seq) -> taken at its cut
 
     def add(self, job: Job) -> None:
         self.engine.add_job(job)
-        self.chunkers[job.req_id] = Chunker(job.req_id, self.schedule)
+        resume = job.resume
+        if resume is None:
+            self.chunkers[job.req_id] = Chunker(job.req_id, self.schedule)
+            self.num_checkpointed[job.req_id] = 0
+            return
+        chunker = Chunker.resumed(job.req_id, self.schedule, resume.next_seq, resume.frames_shipped)
+        chunker.add_frames(self.engine.replay_frames(job.req_id))  # its next step's push cuts what is ready
+        self.chunkers[job.req_id] = chunker
+        self.num_checkpointed[job.req_id] = len(resume.tokens)
 
     def cancel(self, req_id: str) -> None:
         self.engine.cancel(req_id)
         self.chunkers.pop(req_id, None)
+        self.num_checkpointed.pop(req_id, None)
+
+    def take_checkpoints(self) -> dict[tuple[str, int], Checkpoint]:
+        """The checkpoints of the last step's chunks (the LLMStage ships them with the audio)."""
+        taken, self.checkpoints = self.checkpoints, {}
+        return taken
 
     def mark_audio_sent(self, req_id: str, duration_s: float, num_frames: int = 0) -> None:
         """The audio of one chunk left for the client: advance that request's playback clock
@@ -54,6 +70,7 @@ class LLMSide:
         req.audio_sent_s += duration_s
 
     def step(self) -> list[TokenChunk]:
+        self.checkpoints = {}  # kept for one step: an in-process caller never takes them
         chunks = [c for out in self.engine.step() for c in self._chunks(out)]
         self._update_next_chunk_steps()
         return chunks
@@ -64,11 +81,23 @@ class LLMSide:
             return []
         req = self.engine.requests.get(out.req_id)
         chunks = chunker.push(out.new_frames, self._frame_budget(req))
+        if chunks and not out.finished:
+            self._checkpoint(req, chunks[0].seq)
         if out.finished:
             chunks += chunker.finish()
             del self.chunkers[out.req_id]
+            self.num_checkpointed.pop(out.req_id, None)
         deadline, hops = self._deadline_wall_s(req), HopTimes(chunk_ready_unix_s=time.time())
         return [dataclasses.replace(c, deadline_s=deadline, hops=hops) for c in chunks]
+
+    def _checkpoint(self, req: Request, seq: int) -> None:
+        """The sampler state after this step's tokens, kept with the step's first chunk of `req`
+        (a finished request needs none: the router resumes it from its previous checkpoint, and
+        greedy / seeded sampling regenerate the same last tokens)."""
+        start = self.num_checkpointed.get(req.req_id, 0)
+        tokens = tuple(req.output_ids[start:])
+        self.num_checkpointed[req.req_id] = start + len(tokens)
+        self.checkpoints[(req.req_id, seq)] = Checkpoint(start, tokens, self.engine.sampler_state(req.req_id))
 
     def num_starving(self) -> int:
         """Streams playing whose client buffer is spent (safe to call from another thread: the

@@ -9,6 +9,10 @@ retry hint, INTERNAL / 500 without internals. A stream that fails after admissio
 the LLM replica frees it.
 """
 
+import asyncio
+import dataclasses
+import itertools
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, aclosing
@@ -22,7 +26,7 @@ from google.protobuf.duration_pb2 import Duration
 from google.rpc.error_details_pb2 import RetryInfo
 from google.rpc.status_pb2 import Status
 from ray import serve
-from ray.exceptions import ObjectLostError, RayError
+from ray.exceptions import ActorUnavailableError, ObjectLostError, RayActorError, RayError
 from starlette.background import BackgroundTask
 
 from core.config import ServeConfig
@@ -47,8 +51,13 @@ from router.jobs import (
 from router.metrics import RouterMetrics
 from router.playback import PlaybackTracker
 from router.replies import Failure, http_error, log_failure, with_request_id
+from router.resume import StreamProgress
 
 http_app = FastAPI(title="VoxRay")
+logger = logging.getLogger("ray.serve.voxray")
+# A stream whose LLM replica dies is resumed elsewhere at most this many times, after these waits
+# (the first at once: Serve's handle already skips the replica whose actor died).
+RESUME_BACKOFF_S = (0.0, 0.2, 0.5)
 
 
 class AdmissionRejected(Exception):
@@ -106,7 +115,25 @@ class RouterCore:
             self.open_streams -= 1
 
     async def _dispatch(self, job: Job) -> AsyncIterator[SentChunk]:
-        tracker = PlaybackTracker(time.monotonic())
+        """Stream `job` from an LLM replica; when that replica dies mid-stream, resume it on another
+        from the last checkpoint the client's chunks carried (`router.resume`)."""
+        tracker, progress = PlaybackTracker(time.monotonic()), StreamProgress()
+        for attempt in itertools.count():
+            resumed = dataclasses.replace(job, resume=progress.resume_state()) if progress.next_seq else job
+            try:
+                async for sent in self._relay(resumed, tracker, progress):
+                    yield sent
+                return
+            except (RayActorError, ActorUnavailableError) as err:
+                if attempt >= len(RESUME_BACKOFF_S) or not progress.is_resumable:
+                    raise
+                self.metrics.resumes.inc()
+                logger.warning("%s: LLM replica lost (%s); resuming at chunk %d", job.req_id, type(err).__name__,
+                               progress.next_seq)  # fmt: skip
+                await asyncio.sleep(RESUME_BACKOFF_S[attempt])
+
+    async def _relay(self, job: Job, tracker: PlaybackTracker, progress: StreamProgress) -> AsyncIterator[SentChunk]:
+        """One LLM replica's stream of `job`, its audio fetched, in seq order, to the final chunk."""
         stream = self.llm.generate.remote(job)
         finished = False
         try:
@@ -121,6 +148,7 @@ class RouterCore:
                     self.metrics.underrun.observe(underrun)
                 finished = audio.is_final
                 yield SentChunk(audio, audio.seq, tracker.ttfa_s, now - tracker.start_s, llm_replica)
+                progress.record(event)
                 if finished:
                     self._record_finished(tracker, now)
                     return

@@ -1,0 +1,33 @@
+"""What the router keeps of each stream so another LLM replica can continue it: the sampler
+checkpoints that arrive with the audio (`Checkpoint` deltas, added up) and the last chunk the
+client received. `RouterCore` turns it into the `ResumeState` of a resumed Job when the
+replica serving the stream dies.
+"""
+
+from __future__ import annotations
+
+from core.messages import AudioReady, ResumeState, SampledToken
+
+
+class StreamProgress:
+    def __init__(self) -> None:
+        self.tokens: list[SampledToken] = []  # sampled tokens the checkpoints cover, in order
+        self.rng_state: bytes | None = None
+        self.next_seq = 0  # the first chunk the client has not received
+        self.frames_shipped = 0  # frames covered by the chunks it has
+        self.is_resumable = True  # False once a checkpoint was missed (then a resume could skip tokens)
+
+    def record(self, event: AudioReady) -> None:
+        """One chunk reached the client; its checkpoint (if any) extends the known tokens."""
+        checkpoint = event.checkpoint
+        if checkpoint is not None:
+            if checkpoint.first_index > len(self.tokens):
+                self.is_resumable = False
+            del self.tokens[checkpoint.first_index :]
+            self.tokens.extend(checkpoint.new_tokens)
+            self.rng_state = checkpoint.rng_state
+        self.next_seq = event.ref.seq + 1
+        self.frames_shipped = event.ref.chunk.keep_end
+
+    def resume_state(self) -> ResumeState:
+        return ResumeState(tuple(self.tokens), self.rng_state, self.next_seq, self.frames_shipped)
