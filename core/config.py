@@ -153,6 +153,9 @@ class AdmissionConfig(_Strict):
     max_queued_per_replica: int = Field(8, ge=0, description="Requests waiting for a slot on one LLM replica.")
     default_ttfa_deadline_s: float = Field(5.0, gt=0, description="Deadline when the request names none.")
     retry_after_s: float = Field(1.0, gt=0, description="Hint sent with RESOURCE_EXHAUSTED / 429.")
+    unavailable_retry_after_s: float = Field(
+        5.0, gt=0, description="Hint sent with UNAVAILABLE / 503 when no LLM replica is alive (Serve is starting one)."
+    )
 
 
 class AuthConfig(_Strict):

@@ -9,6 +9,7 @@ at once when every replica is full (the LLMStage replica still makes the final d
 
 from __future__ import annotations
 
+import importlib
 from collections import defaultdict
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -18,14 +19,30 @@ from router.admission import ReplicaLoad, predict_ttfa_s
 _BOARDS: dict[str, PredictedTTFARouter] = {}  # app name -> the LLMStage router living in this process
 
 
+def _boards() -> dict[str, PredictedTTFARouter]:
+    """`_BOARDS` of the imported module. Serve ships the router class to the Router replica by
+    value (cloudpickle), so its methods' globals are a copy of this module's: a board they put
+    in their own `_BOARDS` would never be seen by the functions below."""
+    return importlib.import_module(__name__)._BOARDS
+
+
 def estimated_loads(app_name: str) -> list[ReplicaLoad]:
     """Current load estimate of every LLM replica of `app_name` known to this process ([] = unknown)."""
     router = _BOARDS.get(app_name)
     return router.estimated_loads() if router is not None else []
 
 
+def num_live_replicas(app_name: str) -> int | None:
+    """LLM replicas of `app_name` this process may still route to (None = not routed to yet).
+    Serve drops a replica from this set as soon as a call to it fails with ActorDiedError."""
+    router = _BOARDS.get(app_name)
+    return len(router.curr_replicas) if router is not None else None
+
+
 class PredictedTTFARouter(RequestRouter):
     def initialize_state(self, **kwargs) -> None:
+        """Called by Serve once it has built the router (its deployment is known by then)."""
+        _boards()[self.app_name] = self
         self._routed: dict[ReplicaID, int] = defaultdict(int)  # since that replica's last stats
         self._completed: dict[ReplicaID, int] = defaultdict(int)
         self._last_stats: dict[ReplicaID, dict] = {}
@@ -35,7 +52,6 @@ class PredictedTTFARouter(RequestRouter):
     def _ensure_state(self) -> None:
         if not hasattr(self, "_routed"):
             self.initialize_state()
-            _BOARDS[self.app_name] = self
 
     def _refresh(self, replica: RunningReplica) -> ReplicaLoad | None:
         self._replicas_seen[replica.replica_id] = replica

@@ -38,7 +38,7 @@ from protos import voxray_pb2
 from router.admission import stream_limit
 from router.audio_format import streaming_wav_header
 from router.auth import ApiKeys, QuotaExceeded, Unauthenticated
-from router.dispatch import estimated_loads
+from router.dispatch import estimated_loads, num_live_replicas
 from router.grpc_service import GrpcAbort, pack_trailers, quiet_serve_aborts
 from router.jobs import (
     MAX_BODY_BYTES,
@@ -56,13 +56,22 @@ from router.resume import StreamProgress
 http_app = FastAPI(title="VoxRay")
 logger = logging.getLogger("ray.serve.voxray")
 # A stream whose LLM replica dies is resumed elsewhere at most this many times, after these waits
-# (the first at once: Serve's handle already skips the replica whose actor died).
-RESUME_BACKOFF_S = (0.0, 0.2, 0.5)
+# (Serve's handle skips a replica once a call to it failed with ActorDiedError).
+RESUME_BACKOFF_S = (0.05, 0.2, 0.5)
+HEAD_POLL_S = 0.05  # while waiting for a stream's head: how often to look for live LLM replicas
 
 
 class AdmissionRejected(Exception):
     def __init__(self, retry_after_s: float) -> None:
         super().__init__(f"server at capacity; retry after {retry_after_s:.1f} s")
+        self.retry_after_s = retry_after_s
+
+
+class ReplicasUnavailable(Exception):
+    """Every LLM replica this router knew has died; Serve is starting another."""
+
+    def __init__(self, retry_after_s: float) -> None:
+        super().__init__(f"no synthesis replica is available; retry after {retry_after_s:.1f} s")
         self.retry_after_s = retry_after_s
 
 
@@ -105,7 +114,14 @@ class RouterCore:
             self.metrics.rejections.inc()
             raise AdmissionRejected(self.config.admission.retry_after_s)
 
+    def check_alive(self) -> None:
+        """UNAVAILABLE at once when no LLM replica is left to route to (Serve would hold the request
+        until it has started another: 10-20 s)."""
+        if num_live_replicas(self.config.app_name) == 0:
+            raise ReplicasUnavailable(self.config.admission.unavailable_retry_after_s)
+
     async def run(self, job: Job) -> AsyncIterator[SentChunk]:
+        self.check_alive()
         self.check_capacity()
         self.open_streams += 1
         try:
@@ -127,17 +143,17 @@ class RouterCore:
             except (RayActorError, ActorUnavailableError) as err:
                 if attempt >= len(RESUME_BACKOFF_S) or not progress.is_resumable:
                     raise
-                self.metrics.resumes.inc()
-                logger.warning("%s: LLM replica lost (%s); resuming at chunk %d", job.req_id, type(err).__name__,
-                               progress.next_seq)  # fmt: skip
                 await asyncio.sleep(RESUME_BACKOFF_S[attempt])
+                self.metrics.resumes.inc()
+                lost = type(err).__name__
+                logger.warning("%s: LLM replica lost (%s); resuming at chunk %d", job.req_id, lost, progress.next_seq)
 
     async def _relay(self, job: Job, tracker: PlaybackTracker, progress: StreamProgress) -> AsyncIterator[SentChunk]:
         """One LLM replica's stream of `job`, its audio fetched, in seq order, to the final chunk."""
         stream = self.llm.generate.remote(job)
         finished = False
         try:
-            llm_replica = self._check_head(await stream.__anext__())
+            llm_replica = self._check_head(await self._head(stream))
             async for event in stream:
                 if isinstance(event, Failed):
                     raise StreamFailed(event.message)
@@ -156,6 +172,19 @@ class RouterCore:
         finally:
             if not finished:
                 stream.cancel()
+
+    async def _head(self, stream) -> StreamHead:
+        """The stream's head event; UNAVAILABLE as soon as no LLM replica is left to route it to
+        (Serve drops a dead replica when routing to it fails, then holds the request until it has
+        started another one: 10-20 s)."""
+        head = asyncio.ensure_future(stream.__anext__())
+        while True:
+            done, _ = await asyncio.wait({head}, timeout=HEAD_POLL_S)
+            if done:
+                return head.result()
+            if num_live_replicas(self.config.app_name) == 0:
+                head.cancel()
+                raise ReplicasUnavailable(self.config.admission.unavailable_retry_after_s)
 
     async def _fetch(self, event: AudioReady) -> AudioChunk:
         """The chunk's audio, straight from the detok replica's object store; if that replica died
@@ -264,6 +293,8 @@ def _failure(err: Exception) -> tuple[Failure, Exception | None]:
             return Failure(code.UNAUTHENTICATED, str(err), "authorization"), None
         case AdmissionRejected(retry_after_s=retry_after_s) | QuotaExceeded(retry_after_s=retry_after_s):
             return Failure(code.RESOURCE_EXHAUSTED, str(err), None, retry_after_s), None
+        case ReplicasUnavailable(retry_after_s=retry_after_s):
+            return Failure(code.UNAVAILABLE, str(err), None, retry_after_s), None
         case StreamFailed():
             return Failure(code.INTERNAL, "synthesis failed", cause=str(err)[:500]), None
         case RayError():  # a stage replica died or raised: it logged its own traceback

@@ -126,6 +126,39 @@ def test_streams_survive_losing_an_llm_replica(cluster):
         served_by = {c.llm_replica for o in outcomes.values() for c in o.chunks}
         assert len(served_by) == 2  # the killed replica had streams: they moved
         next_chunk_s = max(min(t for t in o.arrivals_s if t > killed_at) - killed_at for o in outcomes.values())
-        print(f"kill -> next chunk of every stream <= {next_chunk_s:.3f} s; new request answered in {answered_s:.2f} s")
+        print(f"kill -> next chunk of every stream <= {next_chunk_s:.3f} s; new request: 1st chunk {answered_s:.2f} s")
+    finally:
+        serve.delete(ep.app_name)
+
+
+LONE_LLM = small_config(
+    app_name="voxray-lone", route_prefix="/lone", llm=StageDeploymentConfig(num_cpus=0.25),
+    detok=StageDeploymentConfig(num_cpus=0.25),
+    admission=AdmissionConfig(max_streams_per_replica=4, max_queued_per_replica=4, default_ttfa_deadline_s=60.0),
+)  # fmt: skip
+
+
+def test_losing_the_only_llm_replica_answers_unavailable_at_once(cluster):
+    """No replica to resume on: the playing streams and the next request end with UNAVAILABLE and
+    a retry hint at once, instead of waiting 10-20 s for Serve to start another replica."""
+    from cluster.server import deploy_app
+
+    ep = deploy_app(LONE_LLM)
+    try:
+        jobs = [{"request_id": f"lone-{i}", "text": f"alone {i}", "sampling": {"max_tokens": 7 * 60}} for i in range(2)]
+        outcomes, threads = _play_all(ep, jobs)
+        time.sleep(1.0)
+        [replica] = _replicas(ep.app_name, "LLMStage")
+        killed_at = time.monotonic()
+        ray.kill(replica, no_restart=True)
+        for thread in threads:
+            thread.join(timeout=60)
+        after = run_stream(ep.grpc_target, ep.app_name, "anyone there?", sampling={"max_tokens": 28})
+        answered_s = time.monotonic() - killed_at
+        for outcome in [*outcomes.values(), after]:
+            assert outcome.code == grpc.StatusCode.UNAVAILABLE, (outcome.code, outcome.details)
+            assert "retry after" in outcome.details and int(outcome.trailers["retry-after-ms"]) > 0
+        assert answered_s < 5.0  # not a benchmark: Serve alone held requests until a new replica was up
+        print(f"kill -> playing streams and a new request answered UNAVAILABLE within {answered_s:.2f} s")
     finally:
         serve.delete(ep.app_name)
