@@ -49,10 +49,10 @@ def load_decoder(directory: Path) -> tuple[Qwen3TTSDecoder, int]:
     return decoder, int(config.get("output_sample_rate", 24000))
 
 
-def preset_decoder() -> tuple[Qwen3TTSDecoder, int]:
+def preset_decoder(config: dict[str, Any] | None = None) -> tuple[Qwen3TTSDecoder, int]:
     """Random tiny weights with non-degenerate codebooks (the reference initialises them to zero), the
     output conv scaled so the waveform is audible but rarely clipped."""
-    config = tiny_tokenizer_config()
+    config = config or tiny_tokenizer_config()
     decoder = Qwen3TTSDecoder(decoder_fields(config["decoder_config"]))
     with torch.no_grad():
         for module in decoder.modules():
@@ -89,7 +89,11 @@ class Qwen3TTSCodec(CodecAdapter):
     def build(cls, model_config: ModelConfig, device: str = "cpu") -> Qwen3TTSCodec:
         directory = codec_directory(model_config)
         decoder, rate = load_or_preset(
-            directory, load=load_decoder, preset=preset_decoder, seed=model_config.seed, field="model.codec_dir"
+            directory,
+            load=load_decoder,
+            preset=lambda: preset_decoder(),
+            seed=model_config.seed,
+            field="model.codec_dir",
         )
         return cls(decoder, rate, device)
 

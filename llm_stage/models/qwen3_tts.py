@@ -21,7 +21,8 @@ from core.checkpoints import load_or_preset, load_prefixed_state, read_config, r
 from core.config import ModelConfig
 from core.errors import InvalidArgumentError
 from core.messages import SamplingParams
-from llm_stage.models.base import DrawFn, FrameBuilder, LMAdapter
+from detok_stage.codecs.qwen3_tts_codec import Qwen3TTSCodec
+from llm_stage.models.base import DrawFn, FrameBuilder, LMAdapter, ModelFamily
 from llm_stage.models.llama import LlamaBackbone
 from llm_stage.models.qwen3_tts_talker import PredictorRunner, Qwen3TTSModel, TalkerSpec, qwen3_config
 from llm_stage.models.tokenizers import ByteTokenizer, HFTokenizer
@@ -241,3 +242,19 @@ class Qwen3TTSAdapter(LMAdapter):
 
     def new_frame_builder(self) -> Qwen3TTSFrameBuilder:
         return Qwen3TTSFrameBuilder()
+
+
+FAMILY = ModelFamily(
+    name="qwen3-tts",
+    description="Qwen3-TTS 12 Hz CustomVoice: config.json + safetensors (talker, code predictor), Qwen2 tokenizer; "
+    "its speech_tokenizer/ decoder (or --codec Qwen/Qwen3-TTS-Tokenizer-12Hz)",
+    preset_description="Qwen3-TTS layout: Qwen3 talker + code predictor over 4 codebooks, small causal 12.5 Hz "
+    "tokenizer decoder, random tiny weights",
+    lm=Qwen3TTSAdapter,
+    codec=Qwen3TTSCodec,
+    sample_rate_hz=24000,
+    frame_rate_hz=12.5,
+    repo_id="Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice",
+    codec_in_checkpoint=True,
+    is_checkpoint=lambda config: config.get("model_type") == "qwen3_tts",
+)
