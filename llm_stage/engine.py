@@ -227,11 +227,7 @@ class LLMEngine:
         if prepared is not None:
             return prepared
         params = req.sampling
-        history: list = []
-        if params.repetition_penalty != 1.0:
-            history = req.history(params.repetition_window)
-            if self.adapter.num_codebooks > 1:  # per-codebook history over the generated frames
-                history = [t[codebook] for t in history if isinstance(t, tuple)]
+        history = self.adapter.penalty_history(req, codebook) if params.repetition_penalty != 1.0 else []
         return SamplingRow(params, history, self._seeded.get(req.req_id))
 
     def _output(self, req: Request, token: Token, is_finished: bool) -> StepOutput:

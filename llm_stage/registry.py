@@ -29,6 +29,7 @@ FAMILY_MODULES = {
     "csm": "llm_stage.models.csm",
     "parallel-heads": "llm_stage.models.parallel_heads",
     "dia": "llm_stage.models.dia",
+    "qwen3-tts": "llm_stage.models.qwen3_tts",
 }
 PRESET_SUFFIX = "-tiny"
 

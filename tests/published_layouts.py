@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from snac import SNAC
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import (
@@ -33,15 +34,22 @@ from transformers import (
 
 from detok_stage.codecs.dac_codec import tiny_dac_config
 from detok_stage.codecs.mimi_codec import tiny_mimi_config
+from detok_stage.codecs.qwen3_tts_codec import preset_decoder, tiny_tokenizer_config
+from detok_stage.codecs.qwen3_tts_decoder import Qwen3TTSDecoder
 from detok_stage.codecs.snac_codec import TINY_SNAC
 from detok_stage.codecs.xcodec_codec import tiny_xcodec_config
 from llm_stage.models.csm import tiny_csm_config
 from llm_stage.models.dia import tiny_dia_config
 from llm_stage.models.orpheus import VOCAB_SIZE
+from llm_stage.models.qwen3_tts import SPEAKERS, tiny_qwen3_tts_config
+from llm_stage.models.qwen3_tts_talker import Qwen3TTSModel, TalkerSpec
 
 ORPHEUS_REPO, SNAC_REPO = "canopylabs/orpheus-3b-0.1-ft", "hubertsiuzdak/snac_24khz"
 CSM_REPO, MIMI_REPO = "sesame/csm-1b", "kyutai/mimi"
 DIA_REPO, DAC_REPO = "nari-labs/Dia-1.6B-0626", "descript/dac_44khz"
+QWEN3_TTS_REPO = "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice"
+QWEN_SPECIALS = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645, "<tts_pad>": 151671,
+                 "<tts_text_bos>": 151672, "<tts_text_eod>": 151673}  # fmt: skip
 LLAMA3_SPECIALS = {"<|begin_of_text|>": 128000, "<|end_of_text|>": 128001, "<|eot_id|>": 128009}
 CSM_SPECIALS = {"<|begin_of_text|>": 128000, "<|end_of_text|>": 128001, "<|AUDIO|>": 128002, "<|audio_eos|>": 128003}
 # CsmProcessor's chat template as sesame/csm-1b ships it, reduced to its framing (written here, not copied):
@@ -241,6 +249,91 @@ def write_xcodec(directory: Path, model: XcodecModel) -> Path:
     """hf-audio/xcodec-*: config.json, model.safetensors, preprocessor_config.json (DAC's extractor)."""
     model.save_pretrained(str(directory))
     DacFeatureExtractor(sampling_rate=16000, hop_length=320).save_pretrained(str(directory))
+    return directory
+
+
+def qwen2_tokenizer(words: tuple[str, ...] = ("assistant",)) -> PreTrainedTokenizerFast:
+    """A Qwen2-style byte-level BPE: one token per byte but `words` (merged whole, as Qwen's vocab has
+    "assistant"), the special tokens at their Qwen ids, no BOS / EOS added."""
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    merges = []
+    for word in words:
+        for i in range(1, len(word)):
+            merges.append((word[:i], word[i]))
+            vocab.setdefault(word[: i + 1], len(vocab))
+    vocab.update(QWEN_SPECIALS)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_SPECIALS])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+
+
+def qwen3_tts_config() -> dict:
+    """Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice's config.json fields (special text and codec ids, speakers,
+    dialects, mrope, the 2048 + 1024 codec vocab) at toy widths."""
+    config = tiny_qwen3_tts_config(num_codebooks=4, codebook_size=2048)
+    talker = config["talker_config"]
+    codec_ids = {"codec_pad_id": 2148, "codec_bos_id": 2149, "codec_eos_token_id": 2150, "codec_think_id": 2154,
+                 "codec_nothink_id": 2155, "codec_think_bos_id": 2156, "codec_think_eos_id": 2157}  # fmt: skip
+    talker.update(codec_ids)
+    talker.update({
+        "text_vocab_size": 151936, "text_hidden_size": 16, "position_id_per_seconds": 13, "hidden_act": "silu",
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "attention_bias": False, "use_sliding_window": False,
+        "rope_scaling": {"interleaved": True, "mrope_section": [2, 3, 3], "rope_type": "default"},
+        "codec_language_id": {"chinese": 2055, "english": 2050, "beijing_dialect": 2074, "sichuan_dialect": 2062},
+        "spk_id": {name: 3000 + i for i, name in enumerate(SPEAKERS)},
+    })  # fmt: skip
+    talker["code_predictor_config"]["vocab_size"] = 2048
+    return {
+        **config, "architectures": ["Qwen3TTSForConditionalGeneration"], "tokenizer_type": "qwen3_tts_tokenizer_12hz",
+        "tts_model_size": "0b6", "im_start_token_id": 151644, "im_end_token_id": 151645, "tts_pad_token_id": 151671,
+        "tts_bos_token_id": 151672, "tts_eos_token_id": 151673, "speaker_encoder_config": {"enc_dim": 64},
+        "torch_dtype": "bfloat16", "transformers_version": "4.57.3",
+    }  # fmt: skip
+
+
+def qwen3_tts_model(seed: int = 0) -> Qwen3TTSModel:
+    """The talker + code predictor of `qwen3_tts_config`, weights wide enough for distinct greedy picks,
+    rounded to bf16 as published."""
+    seeded(seed)
+    model = Qwen3TTSModel(TalkerSpec.from_config(qwen3_tts_config())).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+            p.copy_(p.to(torch.bfloat16))
+    return model
+
+
+def qwen3_tts_tokenizer_model(seed: int = 0) -> Qwen3TTSDecoder:
+    seeded(seed)
+    return preset_decoder(tiny_tokenizer_config(num_quantizers=4, codebook_size=2048))[0].eval()
+
+
+def write_qwen3_tts(directory: Path, model: Qwen3TTSModel, decoder: Qwen3TTSDecoder) -> Path:
+    """Qwen/Qwen3-TTS-12Hz-*-CustomVoice: config.json, generation_config.json, model.safetensors (`talker.*`,
+    bf16), the Qwen2 tokenizer, and speech_tokenizer/ (config.json, preprocessor_config.json,
+    model.safetensors with the Mimi-style `encoder.*` the decoder does not use, and `decoder.*`)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(qwen3_tts_config(), indent=2))
+    generation = {"do_sample": True, "repetition_penalty": 1.05, "temperature": 0.9, "top_p": 1.0, "top_k": 50,
+                  "subtalker_dosample": True, "subtalker_temperature": 0.9, "subtalker_top_p": 1.0,
+                  "subtalker_top_k": 50, "max_new_tokens": 8192}  # fmt: skip
+    (directory / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    talker = {f"talker.{k}": v.to(torch.bfloat16).contiguous() for k, v in model.talker.state_dict().items()}
+    save_file(talker, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    qwen2_tokenizer().save_pretrained(str(directory))
+    codec = directory / "speech_tokenizer"
+    codec.mkdir()
+    config = {**tiny_tokenizer_config(num_quantizers=4, codebook_size=2048), "encoder_valid_num_quantizers": 16,
+              "input_sample_rate": 24000, "encode_downsample_rate": 1920, "architectures": ["Qwen3TTSTokenizerV2Model"],
+              "encoder_config": {"model_type": "mimi", "num_quantizers": 32, "codebook_dim": 256}}  # fmt: skip
+    (codec / "config.json").write_text(json.dumps(config, indent=2))
+    EncodecFeatureExtractor(feature_size=1, sampling_rate=24000).save_pretrained(str(codec))
+    weights = {f"decoder.{k}": v.contiguous() for k, v in decoder.state_dict().items()}
+    weights["encoder.quantizer.semantic_residual_vector_quantizer.layers.0.codebook.embed_sum"] = torch.zeros(8, 4)
+    save_file(weights, str(codec / "model.safetensors"), metadata={"format": "pt"})
     return directory
 
 

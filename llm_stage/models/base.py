@@ -98,6 +98,14 @@ class LMAdapter(ABC):
         """Whether sampling `token` ends `req` (the token is then not appended)."""
         return token in self.eos_token_ids
 
+    def penalty_history(self, req: Request, codebook: int) -> list[int]:
+        """The ids the repetition penalty of `req`'s draw for `codebook` looks at: the last
+        `repetition_window` positions of prompt + output (per codebook over tuple positions)."""
+        history = req.history(req.sampling.repetition_window)
+        if self.num_codebooks > 1:
+            return [t[codebook] for t in history if isinstance(t, tuple)]
+        return history  # type: ignore[return-value]
+
     def constrain(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """Model sampling rules on the (CFG-merged) logits, e.g. forced BOS / EOS per codebook."""
         return logits

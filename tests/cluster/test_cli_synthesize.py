@@ -60,3 +60,14 @@ def test_config_rejects_unknown_fields_and_bad_values():
         EngineConfig.model_validate({"cache": {"num_slot": 3}})
     with pytest.raises(pydantic.ValidationError):
         EngineConfig(cache=CacheConfig(num_slots=2), scheduler=SchedulerConfig(max_batch_size=8))
+
+
+def test_synthesize_qwen3_tts_tiny_in_process(tmp_path):
+    """`voxray synthesize --model qwen3-tts-tiny`: talker + code predictor in the engine, the causal
+    tokenizer decoder streaming in the detokenizer, 1920 samples per 12.5 Hz frame."""
+    out = tmp_path / "qwen3.wav"
+    argv = ["synthesize", "--model", "qwen3-tts-tiny", "--voice", "eric", "--text", "Hello.", "--max-tokens", "12"]
+    assert main([*argv, "-o", str(out)]) == 0
+    with wave.open(str(out)) as wav:
+        assert (wav.getnchannels(), wav.getsampwidth(), wav.getframerate()) == (1, 2, 24000)
+        assert 0 < wav.getnframes() <= 12 * 1920 and wav.getnframes() % 1920 == 0

@@ -1,6 +1,6 @@
 """README's "Serving a real model" commands, end to end on tiny stand-ins in the published layouts
 placed in a Hugging Face cache built here (hub offline): `voxray synthesize --model <repo id>` for
-Orpheus 3B (+ SNAC), CSM 1B and Dia 1.6B (+ DAC), `voxray serve --model` config resolution,
+Orpheus 3B (+ SNAC), CSM 1B, Dia 1.6B (+ DAC) and Qwen3-TTS 0.6B, `voxray serve --model` config resolution,
 `voxray models` cache status, and the missing-model errors."""
 
 from __future__ import annotations
@@ -23,17 +23,21 @@ from tests.published_layouts import (
     DAC_REPO,
     DIA_REPO,
     ORPHEUS_REPO,
+    QWEN3_TTS_REPO,
     SNAC_REPO,
     csm_model,
     dac_model,
     dia_model,
     orpheus_llama,
     put_in_hf_cache,
+    qwen3_tts_model,
+    qwen3_tts_tokenizer_model,
     snac_model,
     write_csm,
     write_dac,
     write_dia,
     write_orpheus,
+    write_qwen3_tts,
     write_snac,
 )
 
@@ -42,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def full_cache(tmp_path_factory) -> Path:
-    """An HF cache holding the five published repos (as tiny stand-ins)."""
+    """An HF cache holding the six published repos (as tiny stand-ins)."""
     work, cache = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("hub")
     writers = {
         ORPHEUS_REPO: lambda d: write_orpheus(d, orpheus_llama()),
@@ -50,6 +54,7 @@ def full_cache(tmp_path_factory) -> Path:
         CSM_REPO: lambda d: write_csm(d, csm_model()),
         DIA_REPO: lambda d: write_dia(d, dia_model()),
         DAC_REPO: lambda d: write_dac(d, dac_model()),
+        QWEN3_TTS_REPO: lambda d: write_qwen3_tts(d, qwen3_tts_model(), qwen3_tts_tokenizer_model()),
     }
     for repo, write in writers.items():
         put_in_hf_cache(cache, repo, write(work / repo.replace("/", "--")))
@@ -67,6 +72,7 @@ def use_cache(monkeypatch, cache: Path) -> None:
         (ORPHEUS_REPO, "tara", "Hello from a cached Orpheus.", 24000),
         (CSM_REPO, "0", "Hello from a cached CSM.", 24000),
         (DIA_REPO, None, "[S1] Hello from a cached Dia.", 44100),
+        (QWEN3_TTS_REPO, "aiden", "Hello from a cached Qwen3-TTS.", 24000),
     ],
 )
 def test_synthesize_with_a_repo_id_from_the_cache(tmp_path, monkeypatch, full_cache, repo, voice, text, rate):
@@ -107,7 +113,7 @@ def test_models_lists_families_and_their_cache_status_from_the_environment(full_
     out = subprocess.run(
         [sys.executable, "-m", "cluster.cli", "models"], cwd=ROOT, env=env, capture_output=True, text=True, check=True
     ).stdout
-    for family in ("orpheus", "csm", "dia", "parallel-heads"):
+    for family in ("orpheus", "csm", "dia", "parallel-heads", "qwen3-tts"):
         assert f"\n{family}  (and {family}-tiny" in f"\n{out}"
     assert f"{ORPHEUS_REPO}  (in the local cache: {full_cache}" in out
     assert f"{SNAC_REPO}  (in the local cache" in out and f"{DAC_REPO}  (in the local cache" in out
@@ -131,9 +137,9 @@ def test_readme_real_model_commands_run_on_the_stand_ins(tmp_path, monkeypatch, 
     section = readme_section()
     downloads = set(re.findall(r"hf download (\S+)\n", section))
     declared = {repo for f in families() for repo in (f.repo_id, f.codec_repo_id) if repo}
-    assert downloads == declared == {ORPHEUS_REPO, SNAC_REPO, CSM_REPO, DIA_REPO, DAC_REPO}
+    assert downloads == declared == {ORPHEUS_REPO, SNAC_REPO, CSM_REPO, DIA_REPO, DAC_REPO, QWEN3_TTS_REPO}
     serves = re.findall(r"voxray serve (.+)\n", section)
-    assert {shlex.split(line)[1] for line in serves} == {ORPHEUS_REPO, CSM_REPO, DIA_REPO}
+    assert {shlex.split(line)[1] for line in serves} == {ORPHEUS_REPO, CSM_REPO, DIA_REPO, QWEN3_TTS_REPO}
     for line in serves:
         serve_config(build_parser().parse_args(["serve", *shlex.split(line)]))
     (synth,) = re.findall(r"voxray (synthesize .+)\n", section)

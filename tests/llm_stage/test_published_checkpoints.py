@@ -1,4 +1,4 @@
-"""Orpheus, CSM and Dia load from tiny random checkpoints written in their published layouts
+"""Orpheus, CSM, Dia and Qwen3-TTS load from tiny random checkpoints written in their published layouts
 (tests/published_layouts.py) through the real loaders, and match the same models built in memory:
 weights, logits, greedy frames through the engine, and CSM's prompt framing against transformers'
 own CsmProcessor."""
@@ -24,7 +24,20 @@ from llm_stage.models.orpheus import (
     START_OF_SPEECH,
     OrpheusAdapter,
 )
-from tests.published_layouts import csm_model, dia_model, orpheus_llama, write_csm, write_dia, write_orpheus
+from llm_stage.models.qwen3_tts import PresetChatTokenizer, Qwen3TTSAdapter
+from tests.published_layouts import (
+    QWEN_SPECIALS,
+    csm_model,
+    dia_model,
+    orpheus_llama,
+    qwen2_tokenizer,
+    qwen3_tts_model,
+    qwen3_tts_tokenizer_model,
+    write_csm,
+    write_dia,
+    write_orpheus,
+    write_qwen3_tts,
+)
 
 
 def greedy_frames(adapter, prompt, num_steps: int) -> list[list[int]]:
@@ -134,7 +147,38 @@ def test_dia_published_layout_loads_and_its_tokenizer_matches_ours(tmp_path):
     assert runs[0] and runs[0] == runs[1]
 
 
-@pytest.mark.parametrize("name", ["orpheus", "csm", "dia"])
+def test_qwen3_tts_published_layout_loads_talker_tokenizer_and_speech_tokenizer(tmp_path):
+    from detok_stage.codecs.qwen3_tts_codec import Qwen3TTSCodec
+
+    model, decoder = qwen3_tts_model(seed=1), qwen3_tts_tokenizer_model(seed=2)
+    directory = write_qwen3_tts(tmp_path / "qwen3", model, decoder)
+    config = ModelConfig(name="qwen3-tts", checkpoint_dir=directory)
+    loaded = Qwen3TTSAdapter.build(config)
+    assert_same_weights(loaded.model, model)
+
+    text = "Hello, wörld."
+    role, body = loaded.tokenizer.chat_ids(text)
+    assistant = qwen2_tokenizer()("assistant", add_special_tokens=False).input_ids
+    assert len(assistant) == 1 and role == [QWEN_SPECIALS["<|im_start|>"], *assistant, 198]  # 198: "\n" (Ċ)
+    assert body == AutoTokenizer.from_pretrained(str(directory))(text, add_special_tokens=False).input_ids
+    prompt = loaded.format_prompt(text, "vivian")
+    assert [p[-1] for p in prompt][-len(body) - 2 :] == [*body, 151673, 151671]  # tts_eos, then tts_pad over bos
+    assert [p[0] for p in prompt][3:8] == [2155, 2156, 2157, 3000, 2148]  # nothink, think bos/eos, speaker, pad
+
+    in_memory = Qwen3TTSAdapter(model.float(), PresetChatTokenizer())
+    frames = greedy_frames(loaded, prompt, 5)
+    assert len(frames) == 5 and frames == greedy_frames(in_memory, prompt, 5)
+
+    codec = Qwen3TTSCodec.build(config)  # from the checkpoint's speech_tokenizer/ folder
+    assert (codec.codes_per_frame, codec.codebook_size, codec.samples_per_frame) == (4, 2048, 1920)
+    assert_same_weights(codec.decoder, decoder)
+    codes = torch.tensor([frames])
+    torch.testing.assert_close(codec.decode(codes), Qwen3TTSCodec(decoder, 24000).decode(codes))
+    alone = Qwen3TTSCodec.build(ModelConfig(name="qwen3-tts", codec_dir=directory / "speech_tokenizer"))
+    assert_same_weights(alone.decoder, decoder)  # --codec: a standalone tokenizer folder
+
+
+@pytest.mark.parametrize("name", ["orpheus", "csm", "dia", "qwen3-tts"])
 def test_checkpoint_of_another_family_is_rejected(tmp_path, name):
     from core.errors import InvalidArgumentError
     from llm_stage.registry import check_model_config

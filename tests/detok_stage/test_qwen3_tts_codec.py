@@ -1,0 +1,102 @@
+"""Qwen3-TTS tokenizer decoder streamed chunk by chunk (carried conv tails + windowed K/V) vs one
+whole-utterance forward, a cold replica mid-stream, causality, and its sliding-window transformer
+against transformers' Qwen3-Omni Code2Wav transformer (the same layers). Parity with the qwen-tts
+package itself: tests/llm_stage/test_qwen3_tts_golden.py."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import torch
+from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeCode2WavConfig
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2WavTransformerModel
+
+from core.config import DetokConfig, ModelConfig
+from detok_stage.codecs.qwen3_tts_codec import Qwen3TTSCodec, tiny_tokenizer_config
+from detok_stage.codecs.qwen3_tts_decoder import DecoderState
+from llm_stage.chunking import Chunker, ChunkSchedule
+from tests.detok_stage.interleaved import stream_interleaved
+
+
+@functools.cache
+def codec() -> Qwen3TTSCodec:
+    return Qwen3TTSCodec.build(ModelConfig(name="qwen3-tts-tiny"))
+
+
+def streams(lengths: list[int], seed: int = 3) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {f"r{i}": torch.randint(0, 64, (n, 4), generator=gen) for i, n in enumerate(lengths)}
+
+
+def quantized(wave: torch.Tensor) -> torch.Tensor:
+    return (wave.clamp(-1, 1) * 32767).round() / 32767
+
+
+def test_preset_layout_is_the_published_rate_and_audible():
+    c = codec()
+    assert (c.codes_per_frame, c.codebook_size, c.samples_per_frame, c.sample_rate_hz) == (4, 64, 1920, 24000)
+    audio = c.decode(streams([12])["r0"][None])
+    assert audio.shape == (1, 12 * 1920) and 0.01 < float(audio.std()) < 0.5
+    assert float((audio.abs() > 0.999).float().mean()) < 0.01
+
+
+def test_streamed_equals_offline_on_every_sample():
+    frames_by_req = streams([1, 7, 19, 33])  # past the tiny transformer's 8-frame window
+    for config in (
+        DetokConfig(first_chunk_frames=1, chunk_frames=4),
+        DetokConfig(first_chunk_frames=3, chunk_frames=9),
+    ):
+        got = stream_interleaved(codec(), frames_by_req, config)
+        for rid, frames in frames_by_req.items():
+            offline = codec().decode(frames[None])[0]
+            assert got[rid].shape == offline.shape
+            torch.testing.assert_close(got[rid], quantized(offline), atol=4e-5, rtol=0)
+    assert not codec()._states  # final chunks drop their per-request state
+
+
+def test_without_carried_state_streaming_is_not_exact():
+    """Each chunk decoded from a fresh state (no left context) is audibly off: the carried state matters."""
+    frames = streams([24])["r0"]
+    chunks = Chunker("r", ChunkSchedule(2, 4, 0, 0)).push(frames.tolist())
+    pieces = [codec().decode(torch.tensor(c.frames)[None])[0] for c in chunks]
+    offline = codec().decode(frames[None])[0][: sum(p.shape[0] for p in pieces)]
+    assert (torch.cat(pieces) - offline).abs().max() > 1e-2
+
+
+def test_decoding_is_causal():
+    frames = streams([20])["r0"]
+    whole = codec().decode(frames[None])[0]
+    torch.testing.assert_close(codec().decode(frames[None, :9])[0], whole[: 9 * 1920], atol=1e-5, rtol=0)
+
+
+def test_cold_replica_mid_stream_rebuilds_state_from_left_context():
+    frames = streams([20])["r0"]
+    chunks = Chunker("r", ChunkSchedule(2, 4, 3, 0)).push(frames.tolist())
+    warm = Qwen3TTSCodec(codec().decoder, 24000).decode_stream(chunks)
+    cold = Qwen3TTSCodec(codec().decoder, 24000).decode_stream(chunks[:1])
+    cold += Qwen3TTSCodec(codec().decoder, 24000).decode_stream(chunks[1:])
+    assert [a.shape for a in cold] == [a.shape for a in warm]
+    torch.testing.assert_close(cold[0], warm[0])
+    assert (cold[1] - warm[1]).abs().max() < 0.5  # approximate: 3 frames of context, not the whole past
+
+
+def test_transformer_matches_transformers_qwen3_omni_code2wav_transformer():
+    fields = tiny_tokenizer_config()["decoder_config"]
+    omni = Qwen3OmniMoeCode2WavTransformerModel(Qwen3OmniMoeCode2WavConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+        sliding_window=fields["sliding_window"], rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )).eval()  # fmt: skip
+    ours = copy.deepcopy(codec().decoder.pre_transformer)
+    omni.load_state_dict({k: v for k, v in ours.state_dict().items() if not k.startswith(("input_", "output_"))})
+    with torch.no_grad():
+        for p in omni.parameters():  # wider than the layer scale's 0.01, so attention matters
+            if p.dim() == 1 and p.shape[0] == 32:
+                p.uniform_(0.5, 1.5)
+        ours.load_state_dict({**ours.state_dict(), **omni.state_dict()})
+        x = torch.randn(2, 21, 32, generator=torch.Generator().manual_seed(0))
+        want = ours.output_proj(omni(inputs_embeds=ours.input_proj(x)).last_hidden_state)
+        torch.testing.assert_close(ours(x, DecoderState()), want, atol=1e-5, rtol=1e-4)
+        state = DecoderState()  # and in pieces, through the carried window
+        pieces = torch.cat([ours(x[:, :5], state), ours(x[:, 5:6], state), ours(x[:, 6:], state)], dim=1)
+        torch.testing.assert_close(pieces, want, atol=1e-5, rtol=1e-4)
