@@ -57,6 +57,7 @@ CASES = [
     ("csm-tiny", {"temperature": 0.8, "seed": 3, "max_tokens": 40}),
     ("dia-tiny", {"temperature": 0.0, "top_k": 0, "max_tokens": 40, "guidance_scale": 3.0}),
     ("parallel-heads-tiny", {"temperature": 0.9, "seed": 11, "max_tokens": 40, "guidance_scale": 2.0}),
+    ("qwen3-tts-tiny", {"temperature": 0.9, "seed": 4, "max_tokens": 40}),
 ]
 
 
