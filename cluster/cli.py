@@ -7,6 +7,7 @@ the app builder or the gRPC client; bad input exits with the offending field nam
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from pathlib import Path
@@ -59,14 +60,60 @@ def _serve(args: argparse.Namespace) -> int:
     print(f"VoxRay serving {config.engine.model.name} (app {endpoints.app_name!r})")
     print(f"  gRPC: {endpoints.grpc_target}  (metadata application={endpoints.app_name})")
     print(f"  HTTP: {endpoints.http_url}/v1/audio/speech   health: {endpoints.http_url}/healthz")
-    print("Ctrl-C to stop.", flush=True)
+    print("Ctrl-C or SIGTERM to stop (streams playing get up to drain.grace_s to finish).", flush=True)
     if args.no_block:
         return 0
+    _wait_for_stop_signal()
+    return _stop(config, joined=args.address is not None)
+
+
+class _StopRequested(Exception):
+    pass
+
+
+def _wait_for_stop_signal() -> None:
+    """Block until SIGTERM (what Kubernetes and most supervisors send) or SIGINT arrives."""
+
+    def request_stop(signum: int, frame: object) -> None:
+        raise _StopRequested
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, request_stop)
     try:
         while True:
             time.sleep(3600)
-    except KeyboardInterrupt:
-        return 0
+    except _StopRequested:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, signal.SIG_IGN)  # a second signal must not cut the drain short
+
+
+def _stop(config: ServeConfig, joined: bool) -> int:
+    """Drain the app, then remove it (a joined cluster) or stop Serve and the embedded Ray."""
+    from ray import serve
+
+    from cluster.drain import drain
+    from cluster.server import shutdown
+
+    print(f"stopping: draining streams (up to {config.drain.grace_s:.0f} s)", flush=True)
+    report = drain(config.app_name, config.drain.grace_s)
+    print(f"drained in {report.drained_s:.1f} s ({report.open_streams_left} still open at the end)", flush=True)
+    if joined:
+        serve.delete(config.app_name)
+    else:
+        shutdown(reap=True)
+    return 0
+
+
+def _drain(args: argparse.Namespace) -> int:
+    """`voxray drain`: drain an app on a running cluster and wait (the k8s preStop hook)."""
+    import ray
+
+    from cluster.drain import drain
+
+    ray.init(address=args.address, log_to_driver=False)
+    report = drain(args.app, args.grace_s)
+    print(f"drained {args.app!r} in {report.drained_s:.1f} s ({report.open_streams_left} still open at the end)")
+    return 0
 
 
 def _say(args: argparse.Namespace) -> int:
@@ -163,6 +210,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve_cmd.add_argument("--codec", default=None, help=CODEC_HELP)
     serve_cmd.add_argument("--no-block", action="store_true", help="return after deploying")
     serve_cmd.set_defaults(func=_serve)
+
+    drain_cmd = sub.add_parser("drain", help="drain an app on a running cluster: its streams finish or end")
+    drain_cmd.add_argument("--address", default="auto", help="Ray cluster address (default: auto, the local node's)")
+    drain_cmd.add_argument("--app", default="voxray", help="Serve app name")
+    drain_cmd.add_argument("--grace-s", type=float, default=25.0, help="seconds streams get to finish")
+    drain_cmd.set_defaults(func=_drain)
 
     say = sub.add_parser("say", help="gRPC client: synthesize TEXT on a running server and write a WAV")
     say.add_argument("text")

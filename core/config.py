@@ -176,6 +176,17 @@ class AuthConfig(_Strict):
     reload_interval_s: float = Field(5.0, gt=0, description="How often the Router checks the keys file for changes.")
 
 
+class DrainConfig(_Strict):
+    """Graceful stop: SIGTERM to `voxray serve`, or `voxray drain` (the k8s preStop hook)."""
+
+    grace_s: float = Field(
+        25.0, gt=0, le=3600,
+        description="Streams playing at the stop may finish within this; the rest end UNAVAILABLE with a retry hint. "
+        "The k8s terminationGracePeriodSeconds must exceed it.",
+    )  # fmt: skip
+    retry_after_s: float = Field(1.0, gt=0, description="Hint sent with UNAVAILABLE / 503 while draining.")
+
+
 class ServeConfig(_Strict):
     """The whole cluster app: engines, the three deployments, admission, ports."""
 
@@ -193,6 +204,7 @@ class ServeConfig(_Strict):
     router: StageDeploymentConfig = StageDeploymentConfig(num_cpus=0.25, max_ongoing_requests=1024)
     admission: AdmissionConfig = AdmissionConfig()
     auth: AuthConfig = AuthConfig()
+    drain: DrainConfig = DrainConfig()
 
     @model_validator(mode="after")
     def _streams_fit_cache(self) -> ServeConfig:

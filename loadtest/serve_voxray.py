@@ -8,10 +8,8 @@ Usage: python -m loadtest.serve_voxray --grpc-port 19110 --http-port 19111
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import threading
-import time
 from pathlib import Path
 
 from core.config import ServeConfig, load_serve_config
@@ -32,43 +30,11 @@ def serve_until_signalled(config: ServeConfig, num_cpus: int) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     endpoints = deploy(config, num_cpus=num_cpus)
-    session_dir = ray_session_dir()
     print(f"READY {endpoints.grpc_target} app={endpoints.app_name}", flush=True)
     try:
         stop.wait()
     finally:
-        shutdown()
-        reap_session(session_dir)
-
-
-def ray_session_dir() -> str:
-    import ray
-
-    return ray._private.worker._global_node.get_session_dir_path()
-
-
-def session_pids(session_dir: str) -> list[int]:
-    """Processes whose command line names this Ray session (its agents can outlive ray.shutdown)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                if session_dir.encode() in (entry / "cmdline").read_bytes():
-                    pids.append(int(entry.name))
-            except OSError:
-                continue
-    return pids
-
-
-def reap_session(session_dir: str, grace_s: float = 5.0) -> None:
-    """Stop leftovers of the Ray session this process started, by pid (never by name)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in session_pids(session_dir):
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        time.sleep(grace_s)
+        shutdown(reap=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -39,6 +39,7 @@ from router.admission import stream_limit
 from router.audio_format import streaming_wav_header
 from router.auth import ApiKeys, QuotaExceeded, Unauthenticated
 from router.dispatch import estimated_loads, num_live_replicas
+from router.drain import DrainWatch
 from router.grpc_service import GrpcAbort, pack_trailers, quiet_serve_aborts
 from router.jobs import (
     MAX_BODY_BYTES,
@@ -75,6 +76,14 @@ class ReplicasUnavailable(Exception):
         self.retry_after_s = retry_after_s
 
 
+class Draining(Exception):
+    """The server is stopping: new streams are refused, and streams past the drain deadline end."""
+
+    def __init__(self, retry_after_s: float) -> None:
+        super().__init__(f"server is shutting down; retry after {retry_after_s:.1f} s")
+        self.retry_after_s = retry_after_s
+
+
 class StreamFailed(Exception):
     """The stream broke inside the cluster (a Failed event, or a stream that ended early)."""
 
@@ -98,6 +107,7 @@ class RouterCore:
         self.detok = detok_handle  # decodes a chunk again when the replica holding its audio is lost
         self.open_streams = 0
         self.metrics = RouterMetrics()
+        self.drain = DrainWatch(self.config.app_name, _replica_name(), lambda: self.open_streams)
 
     def job(self, **fields) -> Job:
         return job_from_fields(self.entry, self.config.admission, **fields)
@@ -120,7 +130,13 @@ class RouterCore:
         if num_live_replicas(self.config.app_name) == 0:
             raise ReplicasUnavailable(self.config.admission.unavailable_retry_after_s)
 
+    def check_open(self) -> None:
+        """UNAVAILABLE while the server drains (a client retries on another one)."""
+        if self.drain.is_draining:
+            raise Draining(self.config.drain.retry_after_s)
+
     async def run(self, job: Job) -> AsyncIterator[SentChunk]:
+        self.check_open()
         self.check_alive()
         self.check_capacity()
         self.open_streams += 1
@@ -168,6 +184,8 @@ class RouterCore:
                 if finished:
                     self._record_finished(tracker, now)
                     return
+                if self.drain.is_past_deadline:
+                    raise Draining(self.config.drain.retry_after_s)
             raise StreamFailed("stream ended without a final chunk")
         finally:
             if not finished:
@@ -293,7 +311,7 @@ def _failure(err: Exception) -> tuple[Failure, Exception | None]:
             return Failure(code.UNAUTHENTICATED, str(err), "authorization"), None
         case AdmissionRejected(retry_after_s=retry_after_s) | QuotaExceeded(retry_after_s=retry_after_s):
             return Failure(code.RESOURCE_EXHAUSTED, str(err), None, retry_after_s), None
-        case ReplicasUnavailable(retry_after_s=retry_after_s):
+        case ReplicasUnavailable(retry_after_s=retry_after_s) | Draining(retry_after_s=retry_after_s):
             return Failure(code.UNAVAILABLE, str(err), None, retry_after_s), None
         case StreamFailed():
             return Failure(code.INTERNAL, "synthesis failed", cause=str(err)[:500]), None
@@ -356,6 +374,14 @@ def _http_fail(err: Exception, req_id: str) -> Response:
     return http_error(failure, req_id, echo_id=req_id != _serve_request_id())
 
 
+def _replica_name() -> str:
+    """This Router replica's id (a fixed name outside a Serve replica, e.g. in unit tests)."""
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:
+        return "local"
+
+
 def _serve_request_id() -> str:
     """Serve's id for this HTTP request: the client's X-Request-Id, else one Serve made and returns
     in its own X-Request-Id response header (so ours is added only when it differs)."""
@@ -371,6 +397,7 @@ class Router:
 
     def __init__(self, config: dict, llm_handle, detok_handle) -> None:
         self.core = RouterCore(config, llm_handle, detok_handle)
+        self.core.drain.start()
         self.auth = ApiKeys(self.core.config.auth, listen_host=self.core.config.http_host)
         quiet_serve_aborts()
 

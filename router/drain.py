@@ -1,0 +1,84 @@
+"""Graceful stop, router side: a drain deadline in Ray's internal KV that every Router replica watches.
+
+`start_drain` (called by `voxray serve` on SIGTERM, and by `voxray drain`, the k8s preStop hook)
+sets the app's deadline. Each Router's `DrainWatch` sees it within `POLL_S`; the Router then
+refuses new streams and, at the deadline, ends the ones still playing (UNAVAILABLE / 503 with a
+retry hint, never a bare close), and publishes how many streams it still has so the caller
+knows when Serve can stop.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from ray.experimental import internal_kv
+
+POLL_S = 0.2
+_NAMESPACE = "voxray"
+
+
+def _deadline_key(app_name: str) -> bytes:
+    return f"drain:{app_name}".encode()
+
+
+def _count_prefix(app_name: str) -> bytes:
+    return f"drain-open:{app_name}:".encode()
+
+
+def start_drain(app_name: str, grace_s: float) -> float:
+    """Start draining `app_name`: its Routers finish or end their streams by the returned deadline (Unix s)."""
+    deadline_unix_s = time.time() + grace_s
+    internal_kv._internal_kv_put(_deadline_key(app_name), str(deadline_unix_s).encode(), namespace=_NAMESPACE)
+    return deadline_unix_s
+
+
+def open_streams_by_router(app_name: str) -> dict[str, int]:
+    """Streams each draining Router replica still has, as it last published them."""
+    prefix = _count_prefix(app_name)
+    keys = internal_kv._internal_kv_list(prefix, namespace=_NAMESPACE)
+    counts = {key: internal_kv._internal_kv_get(key, namespace=_NAMESPACE) for key in keys}
+    return {key[len(prefix) :].decode(): int(value) for key, value in counts.items() if value is not None}
+
+
+def clear_drain(app_name: str) -> None:
+    """Forget the app's drain (a redeploy of it serves again)."""
+    internal_kv._internal_kv_del(_deadline_key(app_name), namespace=_NAMESPACE)
+    internal_kv._internal_kv_del(_count_prefix(app_name), del_by_prefix=True, namespace=_NAMESPACE)
+
+
+class DrainWatch:
+    """One Router replica's view of the drain: a daemon thread polls the deadline and, once
+    draining, publishes `open_streams()` for this replica."""
+
+    def __init__(self, app_name: str, replica: str, open_streams: Callable[[], int]) -> None:
+        self.app_name, self.replica = app_name, replica
+        self.open_streams = open_streams
+        self.deadline_unix_s: float | None = None
+        self._thread = threading.Thread(target=self._watch, name="voxray-drain-watch", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def is_draining(self) -> bool:
+        return self.deadline_unix_s is not None
+
+    @property
+    def is_past_deadline(self) -> bool:
+        return self.deadline_unix_s is not None and time.time() >= self.deadline_unix_s
+
+    def _watch(self) -> None:
+        key = _deadline_key(self.app_name)
+        count_key = _count_prefix(self.app_name) + self.replica.encode()
+        while True:
+            try:
+                value = internal_kv._internal_kv_get(key, namespace=_NAMESPACE)
+                self.deadline_unix_s = float(value) if value is not None else None
+                if self.deadline_unix_s is not None:
+                    count = str(self.open_streams()).encode()
+                    internal_kv._internal_kv_put(count_key, count, namespace=_NAMESPACE)
+            except Exception:  # the GCS is going away with the cluster: keep the last state
+                pass
+            time.sleep(POLL_S)
