@@ -198,9 +198,7 @@ class LLMEngine:
         params = req.sampling
         history: list = []
         if params.repetition_penalty != 1.0:
-            history = req.history(params.repetition_window)
-            if self.adapter.num_codebooks > 1:  # per-codebook history over the generated frames
-                history = [t[codebook] for t in history if isinstance(t, tuple)]
+            history = self.adapter.history_ids(req.history(params.repetition_window), codebook)
         return SamplingRow(params, history, self._seeded.get(req.req_id))
 
     def _output(self, req: Request, token: Token, is_finished: bool) -> StepOutput:

@@ -94,6 +94,12 @@ class LMAdapter(ABC):
         """hidden [B, H] -> (logits [B, C] or [B, K, C], vocab id per column or None when C is the vocab)."""
         return hidden @ self.backbone.lm_head_weight.T, None
 
+    def history_ids(self, tokens: list[Token], codebook: int) -> list[int]:
+        """The ids of `codebook` among prompt + output `tokens` that the repetition penalty looks at."""
+        if self.num_codebooks > 1:  # per-codebook history over the generated frames
+            return [t[codebook] for t in tokens if isinstance(t, tuple)]
+        return tokens  # type: ignore[return-value]
+
     def is_stop(self, req: Request, token: Token) -> bool:
         """Whether sampling `token` ends `req` (the token is then not appended)."""
         return token in self.eos_token_ids
