@@ -199,7 +199,10 @@ class LLMEngine:
         history: list = []
         if params.repetition_penalty != 1.0:
             history = self.adapter.history_ids(req.history(params.repetition_window), codebook)
-        return SamplingRow(params, history, self._seeded.get(req.req_id))
+        recent: list[int] = []
+        if params.is_repetition_aware:  # the row's own generated ids (its codebook's, for K codebooks)
+            recent = [t if isinstance(t, int) else t[codebook] for t in req.output_ids[-params.ras_window :]]
+        return SamplingRow(params, history, self._seeded.get(req.req_id), recent)
 
     def _output(self, req: Request, token: Token, is_finished: bool) -> StepOutput:
         out = StepOutput(req.req_id, finished=is_finished, finish_reason=req.finish_reason if is_finished else None)

@@ -54,7 +54,7 @@ class CosyVoice2Adapter(LMAdapter):
     input_width = 2  # (id, Kind)
     pad_token = (0, Kind.TEXT)
     # the published cosyvoice2.yaml: ras_sampling(top_p=0.8, top_k=25, win_size=10, tau_r=0.1) on log-probs (T = 1)
-    default_sampling = SamplingParams(temperature=1.0, top_p=0.8, top_k=25, max_tokens=1500)
+    default_sampling = SamplingParams(temperature=1.0, top_p=0.8, top_k=25, ras_window=10, ras_tau=0.1, max_tokens=1500)
 
     def __init__(self, model: CosyVoice2LM, tokenizer: TextTokenizer) -> None:
         qwen = model.qwen
