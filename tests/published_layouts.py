@@ -28,6 +28,7 @@ from transformers import (
     MimiConfig,
     MimiModel,
     PreTrainedTokenizerFast,
+    Qwen2ForCausalLM,
     XcodecModel,
 )
 
@@ -35,6 +36,7 @@ from detok_stage.codecs.dac_codec import tiny_dac_config
 from detok_stage.codecs.mimi_codec import tiny_mimi_config
 from detok_stage.codecs.snac_codec import TINY_SNAC
 from detok_stage.codecs.xcodec_codec import tiny_xcodec_config
+from llm_stage.models.cosyvoice2_lm import CosyVoice2LM, tiny_cosyvoice2_lm
 from llm_stage.models.csm import tiny_csm_config
 from llm_stage.models.dia import tiny_dia_config
 from llm_stage.models.orpheus import VOCAB_SIZE
@@ -260,3 +262,97 @@ def put_in_hf_cache(cache: Path, repo_id: str, source: Path, commit: str = "0123
     (repo / "refs").mkdir(exist_ok=True)
     (repo / "refs" / "main").write_text(commit)
     return snapshot
+
+
+# ---- CosyVoice 2 (FunAudioLLM/CosyVoice2-0.5B): the LM's files ---------------------------------------------------
+
+COSYVOICE2_REPO = "FunAudioLLM/CosyVoice2-0.5B"
+QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # Qwen2.5's first added tokens, in id order
+# cosyvoice2.yaml's structure as published (HyperPyYAML: !apply / !new / !name / !ref), reduced to the fixed
+# params, the llm section and the head of the flow section; written here, not copied.
+COSYVOICE2_YAML = """\
+__set_seed1: !apply:random.seed [1986]
+__set_seed3: !apply:torch.manual_seed [1986]
+
+sample_rate: 24000
+llm_input_size: {hidden}
+llm_output_size: {hidden}
+spk_embed_dim: 192
+qwen_pretrain_path: ''
+token_frame_rate: 25
+token_mel_ratio: 2
+chunk_size: 25
+
+llm: !new:cosyvoice.llm.llm.Qwen2LM
+    llm_input_size: !ref <llm_input_size>
+    llm_output_size: !ref <llm_output_size>
+    speech_token_size: 6561
+    length_normalized_loss: True
+    lsm_weight: 0
+    mix_ratio: [5, 15]
+    llm: !new:cosyvoice.llm.llm.Qwen2Encoder
+        pretrain_path: !ref <qwen_pretrain_path>
+    sampling: !name:cosyvoice.utils.common.ras_sampling
+        top_p: {top_p}
+        top_k: 25
+        win_size: 10
+        tau_r: 0.1
+
+flow: !new:cosyvoice.flow.flow.CausalMaskedDiffWithXvec
+    input_size: 512
+    output_size: 80
+    spk_embed_dim: !ref <spk_embed_dim>
+    vocab_size: 6561
+    pre_lookahead_len: 3
+    encoder: !new:cosyvoice.transformer.upsample_encoder.UpsampleConformerEncoder
+        output_size: 512
+        num_blocks: 6
+
+allowed_special: 'all'
+"""
+
+
+def qwen_tokenizer_files(directory: Path) -> None:
+    """A Qwen2-style byte-level BPE as Qwen publishes its tokenizer (vocab.json, merges.txt,
+    tokenizer_config.json with the added specials after the vocab), at toy size."""
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    merges = [("h", "e"), ("l", "l"), ("he", "ll"), ("Ġ", "w"), ("Ġ", "t")]
+    for left, right in merges:
+        vocab[left + right] = len(vocab)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "vocab.json").write_text(json.dumps(vocab))
+    (directory / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
+    added = {
+        str(len(vocab) + i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                              "single_word": False, "special": True}
+        for i, t in enumerate(QWEN_SPECIALS)
+    }  # fmt: skip
+    config = {
+        "add_prefix_space": False, "added_tokens_decoder": added, "additional_special_tokens": list(QWEN_SPECIALS[1:]),
+        "bos_token": None, "clean_up_tokenization_spaces": False, "eos_token": "<|endoftext|>", "errors": "replace",
+        "model_max_length": 32768, "pad_token": "<|endoftext|>", "split_special_tokens": False,
+        "tokenizer_class": "Qwen2Tokenizer", "unk_token": None,
+    }  # fmt: skip
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
+def cosyvoice2_lm(seed: int = 0) -> CosyVoice2LM:
+    seeded(seed)
+    return tiny_cosyvoice2_lm()
+
+
+def write_cosyvoice2_lm(directory: Path, model: CosyVoice2LM, top_p: float = 0.8) -> Path:
+    """FunAudioLLM/CosyVoice2-0.5B's LM files: cosyvoice2.yaml, llm.pt (the Qwen2LM state dict: llm_embedding,
+    llm.model.model.*, llm.model.lm_head, llm_decoder, speech_embedding), CosyVoice-BlankEN/ (Qwen config.json
+    in transformers-4 fields, generation_config.json, its own blank weights in model.safetensors, which llm.pt
+    replaces, and the tokenizer files)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    hidden = model.qwen.config.hidden_size
+    (directory / "cosyvoice2.yaml").write_text(COSYVOICE2_YAML.format(hidden=hidden, top_p=top_p))
+    torch.save(model.state_dict(), directory / "llm.pt")
+    blank = directory / "CosyVoice-BlankEN"
+    seeded(12345)
+    Qwen2ForCausalLM(model.qwen.config).save_pretrained(str(blank))
+    as_transformers4_config(blank)
+    qwen_tokenizer_files(blank)
+    return directory

@@ -15,13 +15,22 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
+from core.checkpoints import resolve_model_ref
 from core.config import ModelConfig
 from core.errors import InvalidArgumentError
 from core.messages import SamplingParams
 from llm_stage.models.base import FrameBuilder, LMAdapter
-from llm_stage.models.cosyvoice2_lm import SPEECH_TOKEN_SIZE, CosyVoice2LM, load_cosyvoice2_lm
+from llm_stage.models.cosyvoice2_lm import (
+    QWEN_DIR,
+    SPEECH_TOKEN_SIZE,
+    TEXT_SPECIAL_TOKENS,
+    CosyVoice2LM,
+    load_cosyvoice2_lm,
+    published_sampling,
+    read_published_settings,
+)
 from llm_stage.models.llama import LlamaBackbone
-from llm_stage.models.tokenizers import ByteTokenizer, TextTokenizer
+from llm_stage.models.tokenizers import ByteTokenizer, HFTokenizer, TextTokenizer
 from llm_stage.request import Request, Token
 
 EOS_TOKEN = SPEECH_TOKEN_SIZE  # the stop id the published loop masks before the minimum length
@@ -56,16 +65,31 @@ class CosyVoice2Adapter(LMAdapter):
     # the published cosyvoice2.yaml: ras_sampling(top_p=0.8, top_k=25, win_size=10, tau_r=0.1) on log-probs (T = 1)
     default_sampling = SamplingParams(temperature=1.0, top_p=0.8, top_k=25, ras_window=10, ras_tau=0.1, max_tokens=1500)
 
-    def __init__(self, model: CosyVoice2LM, tokenizer: TextTokenizer) -> None:
+    def __init__(
+        self, model: CosyVoice2LM, tokenizer: TextTokenizer, default_sampling: SamplingParams | None = None
+    ) -> None:
         qwen = model.qwen
+        sliding = [t for t in getattr(qwen.config, "layer_types", None) or [] if t != "full_attention"]
+        if sliding:
+            raise InvalidArgumentError("model.checkpoint_dir", f"the Qwen body has {sliding[0]} layers; unsupported")
         shim = SimpleNamespace(config=qwen.config, model=qwen.model, lm_head=model.llm_decoder)
         super().__init__(LlamaBackbone(shim))  # type: ignore[arg-type]
         self.model, self.tokenizer = model, tokenizer
+        if default_sampling is not None:
+            self.default_sampling = default_sampling
         self._text_len: weakref.WeakKeyDictionary[Request, int] = weakref.WeakKeyDictionary()
 
     @classmethod
     def build(cls, config: ModelConfig) -> CosyVoice2Adapter:
-        return cls(load_cosyvoice2_lm(config), ByteTokenizer(offset=3, bos_id=None))
+        """The published CosyVoice2-0.5B directory (weights, its Qwen tokenizer with CosyVoice's markers,
+        the yaml's sampling) or the tiny preset (byte tokenizer)."""
+        model = load_cosyvoice2_lm(config)
+        if config.checkpoint_dir is None:
+            return cls(model, ByteTokenizer(offset=3, bos_id=None))
+        directory = resolve_model_ref(config.checkpoint_dir)
+        tokenizer = HFTokenizer(directory / QWEN_DIR, extra_special_tokens=TEXT_SPECIAL_TOKENS)
+        sampling = published_sampling(cls.default_sampling, read_published_settings(directory))
+        return cls(model, tokenizer, sampling)
 
     def format_prompt(self, text: str, voice: str | None) -> list[Token]:
         return self.voice_prompt(text)
