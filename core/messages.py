@@ -43,6 +43,10 @@ class SamplingParams(BaseModel):
         "distribution without it. Greedy rows (temperature 0) are not redrawn.",
     )  # fmt: skip
     ras_tau: float = Field(0.1, gt=0.0, le=1.0, description="RAS: repeat ratio of the window that triggers a redraw.")
+    exaggeration: float | None = Field(
+        None, ge=0.0, le=2.0,
+        description="Emotion exaggeration of the voice conditioning (Chatterbox); None = the model's default.",
+    )  # fmt: skip
 
     @property
     def is_greedy(self) -> bool:

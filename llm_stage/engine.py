@@ -84,9 +84,9 @@ class LLMEngine:
     def add_job(self, job: Job) -> Request:
         """Queue a validated Job; the tokenized prompt must fit the KV context (errors name `job.text_field`)."""
         try:
-            prompt = self.adapter.format_prompt(job.text, job.voice)
+            prompt = self.adapter.job_prompt(job)
             guided = job.sampling.guidance_scale is not None
-            uncond = self.adapter.unconditional_prompt(job.text, job.voice) if guided else None
+            uncond = self.adapter.unconditional_job_prompt(job) if guided else None
             return self.add_prompt(job.req_id, prompt, job.sampling, uncond)
         except InvalidArgumentError as err:
             if err.field != "text":

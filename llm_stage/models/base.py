@@ -16,7 +16,7 @@ import torch
 
 from core.config import ModelConfig
 from core.errors import InvalidArgumentError
-from core.messages import SamplingParams
+from core.messages import Job, SamplingParams
 from detok_stage.codecs.base import CodecAdapter
 from llm_stage.cfg import GuidanceFormula
 from llm_stage.kv_cache import SlotKVCache
@@ -82,9 +82,22 @@ class LMAdapter(ABC):
         """The prompt of a guided request's hidden twin (override with `guidance`)."""
         raise InvalidArgumentError("sampling.guidance_scale", f"{self.family} has no classifier-free guidance")
 
+    def job_prompt(self, job: Job) -> list[Token]:
+        """The prompt of a validated job; override to condition on per-request fields of `job.sampling`."""
+        return self.format_prompt(job.text, job.voice)
+
+    def unconditional_job_prompt(self, job: Job) -> list[Token]:
+        """The prompt of a guided job's hidden twin."""
+        return self.unconditional_prompt(job.text, job.voice)
+
     def token_lanes(self, token: Token) -> list[int]:
         """One position as `input_width` ints for the runner's [B, T, W] id tensor."""
         return [token] if isinstance(token, int) else list(token)
+
+    def lanes_at(self, req: Request, index: int) -> list[int]:
+        """The lanes of `req`'s position `index` (prompt + output); override when they depend on where the
+        token sits (e.g. a learned position of generated tokens)."""
+        return self.token_lanes(req.token_at(index))
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [B, T, W] -> input embeddings [B, T, H]."""
