@@ -36,6 +36,7 @@ from detok_stage.codecs.dac_codec import tiny_dac_config
 from detok_stage.codecs.mimi_codec import tiny_mimi_config
 from detok_stage.codecs.snac_codec import TINY_SNAC
 from detok_stage.codecs.xcodec_codec import tiny_xcodec_config
+from llm_stage.models.chatterbox_t3 import T3, T3Voice
 from llm_stage.models.cosyvoice2_lm import CosyVoice2LM, tiny_cosyvoice2_lm
 from llm_stage.models.csm import tiny_csm_config
 from llm_stage.models.dia import tiny_dia_config
@@ -355,4 +356,38 @@ def write_cosyvoice2_lm(directory: Path, model: CosyVoice2LM, top_p: float = 0.8
     Qwen2ForCausalLM(model.qwen.config).save_pretrained(str(blank))
     as_transformers4_config(blank)
     qwen_tokenizer_files(blank)
+    return directory
+
+
+# ---- Chatterbox (ResembleAI/chatterbox): the T3 files --------------------------------------------------------------
+
+CHATTERBOX_REPO = "ResembleAI/chatterbox"
+
+
+def chatterbox_tokenizer() -> Tokenizer:
+    """Chatterbox's English text vocabulary layout at toy size: [STOP] = 0 and [START] = 255 (T3's stop /
+    start text ids), the other markers among the low ids, characters in between; spaces arrive as [SPACE]."""
+    specials = {"[STOP]": 0, "[UNK]": 1, "[SPACE]": 2, "[PAD]": 3, "[SEP]": 4, "[CLS]": 5, "[MASK]": 6, "[START]": 255}
+    chars = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?'\"-"
+    vocab = {**specials, **{ch: 7 + i for i, ch in enumerate(chars)}}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="[UNK]"))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    return tok
+
+
+def write_chatterbox_lm(directory: Path, model: T3, voice: T3Voice) -> Path:
+    """ResembleAI/chatterbox's LM files: t3_cfg.safetensors (the T3 state dict), conds.pt (the built-in voice:
+    `t3` = T3Cond's fields, `gen` = S3Gen's reference dict, here a stand-in), tokenizer.json."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(directory / "t3_cfg.safetensors"))
+    t3 = {
+        "speaker_emb": voice.speaker_emb.view(1, -1), "clap_emb": None,
+        "cond_prompt_speech_tokens": voice.prompt_speech.view(1, -1), "cond_prompt_speech_emb": None,
+        "emotion_adv": torch.full((1, 1, 1), 0.5),
+    }  # fmt: skip
+    gen = {"prompt_token": voice.prompt_speech.view(1, -1), "embedding": torch.zeros(1, 192)}
+    torch.save({"t3": t3, "gen": gen}, directory / "conds.pt")
+    chatterbox_tokenizer().save(str(directory / "tokenizer.json"))
     return directory

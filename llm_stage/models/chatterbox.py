@@ -15,14 +15,23 @@ from types import SimpleNamespace
 
 import torch
 
+from core.checkpoints import resolve_model_ref
 from core.config import ModelConfig
 from core.errors import InvalidArgumentError
 from core.messages import Job, SamplingParams
 from llm_stage.cfg import GuidanceFormula
 from llm_stage.models.base import FrameBuilder, LMAdapter
-from llm_stage.models.chatterbox_t3 import T3, T3Voice, random_voice, tiny_t3
+from llm_stage.models.chatterbox_t3 import (
+    T3,
+    TOKENIZER_FILE,
+    T3Voice,
+    load_published_t3,
+    load_published_voice,
+    random_voice,
+    tiny_t3,
+)
 from llm_stage.models.llama import LlamaBackbone
-from llm_stage.models.tokenizers import ByteTokenizer, TextTokenizer
+from llm_stage.models.tokenizers import ByteTokenizer, SpaceMarkedTokenizer, TextTokenizer
 from llm_stage.request import Request, Token
 
 DEFAULT_VOICE = "default"  # the voice the published checkpoint ships (conds.pt)
@@ -41,6 +50,26 @@ class Kind:
 def float_bits(value: float) -> int:
     """A float32's bits as a signed int32 (exact through an int64 lane and back)."""
     return struct.unpack("<i", struct.pack("<f", value))[0]
+
+
+# ChatterboxTTS' punctuation clean-up before tokenizing: (what, replacement), applied in this order
+PUNCTUATION = (
+    ("...", ", "), ("\u2026", ", "), (":", ","), (" - ", ", "), (";", ", "), ("\u2014", "-"), ("\u2013", "-"),
+    (" ,", ","), ("\u201c", '"'), ("\u201d", '"'), ("\u2018", "'"), ("\u2019", "'"),
+)  # fmt: skip
+SENTENCE_ENDS = (".", "!", "?", "-", ",")
+
+
+def normalize_text(text: str) -> str:
+    """The text as the published model was trained on it: first letter upper-cased, runs of whitespace as one
+    space, uncommon punctuation mapped to common marks, and a full stop when it ends without one."""
+    if text[:1].islower():
+        text = text[0].upper() + text[1:]
+    text = " ".join(text.split())
+    for old, new in PUNCTUATION:
+        text = text.replace(old, new)
+    text = text.rstrip(" ")
+    return text if text.endswith(SENTENCE_ENDS) else text + "."
 
 
 class SpeechFrameBuilder(FrameBuilder):
@@ -78,14 +107,19 @@ class ChatterboxAdapter(LMAdapter):
 
     @classmethod
     def build(cls, config: ModelConfig) -> ChatterboxAdapter:
-        """The chatterbox-tiny preset: random T3 weights and a random built-in voice from `config.seed`."""
+        """A published Chatterbox directory (t3_cfg.safetensors, conds.pt, tokenizer.json; a path or a repo
+        id in the local HF cache), or the chatterbox-tiny preset: random T3 weights and a random built-in
+        voice from `config.seed`, byte tokens."""
         if config.checkpoint_dir is not None:
-            raise InvalidArgumentError("model.checkpoint_dir", "chatterbox checkpoints are not loadable yet")
-        torch.manual_seed(config.seed)
-        model = tiny_t3()
-        voice = random_voice(model.layout)
+            directory = resolve_model_ref(config.checkpoint_dir)
+            model, voice = load_published_t3(directory), load_published_voice(directory)
+            tokenizer: TextTokenizer = SpaceMarkedTokenizer(directory / TOKENIZER_FILE)
+        else:
+            torch.manual_seed(config.seed)
+            model, tokenizer = tiny_t3(), ByteTokenizer(offset=256, bos_id=None)
+            voice = random_voice(model.layout)
         model = model.to(config.device, getattr(torch, config.dtype)).eval()
-        return cls(model, ByteTokenizer(offset=256, bos_id=None), {DEFAULT_VOICE: voice})
+        return cls(model, tokenizer, {DEFAULT_VOICE: voice})
 
     @torch.no_grad()
     def _build_voice_table(self, voices: dict[str, T3Voice]) -> torch.Tensor:
@@ -99,7 +133,7 @@ class ChatterboxAdapter(LMAdapter):
         return torch.cat(tables)
 
     def _text_ids(self, text: str) -> list[int]:
-        ids = self.tokenizer.encode(text)
+        ids = self.tokenizer.encode(normalize_text(text))
         if len(ids) > self.layout.max_text_tokens:
             raise InvalidArgumentError("text", f"is {len(ids)} tokens; T3 takes {self.layout.max_text_tokens}")
         return [self.layout.start_text, *ids, self.layout.stop_text]

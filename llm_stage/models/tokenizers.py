@@ -43,3 +43,16 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok(text, add_special_tokens=self.add_special_tokens).input_ids)
+
+
+class SpaceMarkedTokenizer:
+    """A `tokenizers` file whose vocabulary spells spaces as a marker token (Chatterbox's `[SPACE]`)."""
+
+    def __init__(self, path: Path, space_token: str = "[SPACE]") -> None:
+        from tokenizers import Tokenizer
+
+        self._tok = Tokenizer.from_file(str(path))
+        self.space_token = space_token
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text.replace(" ", self.space_token)).ids)

@@ -29,6 +29,18 @@ CASES = [  # text, exaggeration, cfg_weight, new tokens
 ]
 
 
+NORMALIZE_CASES = [
+    "hello   there",
+    "wait... what: now; ok \u2014 fine",
+    "Yes!",
+    "\u201cquoted\u201d it\u2019s",
+    "end ,",
+    "a \u2013 b - c\u2026",
+    "  leading and trailing  ",
+    "x",
+]
+
+
 def export(path: str) -> None:
     """The preset as the adapter builds it, the T3Config fields the reference needs, and the cases."""
     from dataclasses import asdict
@@ -76,6 +88,20 @@ def load_reference_t3():
     return T3, T3Config, T3Cond, llama_configs
 
 
+def reference_punc_norm():
+    """ChatterboxTTS' `punc_norm`, taken from the installed package's tts.py and run here as it is (importing
+    tts.py would pull in its whole TTS stack)."""
+    import ast
+    from pathlib import Path
+
+    source = (Path(sys.modules["chatterbox"].__path__[0]) / "tts.py").read_text()  # set by load_reference_t3
+    tree = ast.parse(source)
+    node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "punc_norm")
+    namespace: dict = {}
+    exec(compile(ast.Module([node], type_ignores=[]), "tts.py", "exec"), namespace)  # noqa: S102
+    return namespace["punc_norm"]
+
+
 def reference(path: str, out_path: str) -> None:
     from importlib.metadata import version
 
@@ -110,8 +136,10 @@ def reference(path: str, out_path: str) -> None:
             "cond_row_sums": cond_rows.sum(dim=-1).tolist(),
             "cond_row_heads": cond_rows[:, :4].tolist(),
         })  # fmt: skip
+    punc_norm = reference_punc_norm()
     golden = {"reference": f"chatterbox-tts {version('chatterbox-tts')}, transformers {version('transformers')}, "
-              f"torch {torch.__version__}", "seed": SEED, "cases": results}  # fmt: skip
+              f"torch {torch.__version__}", "seed": SEED, "cases": results,
+              "normalized": {text: punc_norm(text) for text in NORMALIZE_CASES}}  # fmt: skip
     with open(out_path, "w") as handle:
         json.dump(golden, handle, indent=1)
 

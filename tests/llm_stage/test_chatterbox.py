@@ -9,16 +9,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from tokenizers import Tokenizer
 
 from core.config import ModelConfig
 from core.errors import InvalidArgumentError
 from core.messages import SamplingParams
 from llm_stage.jobs import build_job
-from llm_stage.models.chatterbox import ChatterboxAdapter, Kind
+from llm_stage.models.chatterbox import DEFAULT_VOICE, ChatterboxAdapter, Kind, normalize_text
 from llm_stage.models.cosyvoice2 import CosyVoice2Adapter
 from protos import voxray_pb2
 from router.jobs import sampling_from_proto
 from tests.factories import adapter_engine
+from tests.published_layouts import write_chatterbox_lm
 
 GOLDEN = json.loads((Path(__file__).parent.parent / "data" / "chatterbox_t3_golden.json").read_text())
 
@@ -77,10 +79,11 @@ def test_exaggeration_reaches_the_logits(adapter):
 def test_prompt_layout_and_speech_positions(adapter):
     engine = adapter_engine(adapter, num_slots=2)
     req = engine.add_request("r", "hi", sampling={"max_tokens": 3, "seed": 1})
-    text = [(255, Kind.TEXT, 0), (256 + ord("h"), Kind.TEXT, 1), (256 + ord("i"), Kind.TEXT, 2), (0, Kind.TEXT, 3)]
+    body = [255, *(256 + b for b in b"Hi."), 0]  # normalized to "Hi.", between the start / stop text ids
+    text = [(token, Kind.TEXT, i) for i, token in enumerate(body)]
     assert req.prompt_ids[33:] == [(0, Kind.EMOTION, req.prompt_ids[33][2]), *text, (6561, Kind.SPEECH, 0),
                                    (6561, Kind.SPEECH, 0)]  # fmt: skip
-    assert req.twin is not None and [t[1] for t in req.twin.prompt_ids[34:38]] == [Kind.TEXT_UNCOND] * 4
+    assert req.twin is not None and [t[1] for t in req.twin.prompt_ids[34:39]] == [Kind.TEXT_UNCOND] * 5
     req.output_ids = [17, 18]
     assert adapter.lanes_at(req, req.prompt_len + 1) == [18, Kind.SPEECH, 2]
     assert adapter.history_ids(req.prompt_ids + req.output_ids, 0) == [6561, 6561, 17, 18]
@@ -101,3 +104,39 @@ def test_exaggeration_is_validated_and_arrives_over_grpc(adapter):
         temperature=0.8, top_p=1.0, min_p=0.05, repetition_penalty=1.2, guidance_scale=0.5, exaggeration=0.5,
         max_tokens=1000,
     )  # fmt: skip
+
+
+def test_text_is_normalized_as_the_reference_does():
+    for text, want in GOLDEN["normalized"].items():
+        assert normalize_text(text) == want, text
+
+
+def test_published_layout_loads_weights_voice_and_tokenizer(adapter, tmp_path):
+    voice = adapter.voice_specs[DEFAULT_VOICE]
+    directory = write_chatterbox_lm(tmp_path / "chatterbox", adapter.model, voice)
+    loaded = ChatterboxAdapter.build(ModelConfig(name="chatterbox", checkpoint_dir=directory))
+    want, got = adapter.model.state_dict(), loaded.model.state_dict()
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=0, msg=name)
+    assert loaded.layout == adapter.layout and loaded.model.tfmr.config.num_hidden_layers == 2
+    torch.testing.assert_close(loaded.voice_table, adapter.voice_table, rtol=0, atol=0)
+
+    text = "hello there, world"
+    reference = Tokenizer.from_file(str(directory / "tokenizer.json"))  # as EnTokenizer encodes
+    assert loaded._text_ids(text) == [255, *reference.encode("Hello[SPACE]there,[SPACE]world.").ids, 0]
+    in_memory = ChatterboxAdapter(adapter.model, loaded.tokenizer, {DEFAULT_VOICE: voice})
+    tokens = []
+    for lm in (loaded, in_memory):
+        engine = adapter_engine(lm, num_slots=2)
+        engine.add_request("r", text, sampling={"temperature": 0.0, "max_tokens": 6})
+        tokens.append(engine.run_to_completion()["r"])
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 6
+
+
+def test_broken_published_directories_name_the_field(adapter, tmp_path):
+    directory = write_chatterbox_lm(tmp_path / "chatterbox", adapter.model, adapter.voice_specs[DEFAULT_VOICE])
+    (directory / "conds.pt").unlink()
+    with pytest.raises(InvalidArgumentError) as err:
+        ChatterboxAdapter.build(ModelConfig(name="chatterbox", checkpoint_dir=directory))
+    assert err.value.field == "model.checkpoint_dir" and "no conds.pt" in err.value.message
