@@ -19,11 +19,12 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
 
 @torch.inference_mode()
-def reference_greedy(
+def reference_loop(
     model: CosyVoice2LM, text_ids: list[int], max_new: int, prompt_text_ids=(), prompt_speech=()
-) -> list[int]:
+) -> tuple[list[int], list[torch.Tensor]]:
     """The published Qwen2LM inference loop, greedy: input [sos, prompt text + text, task_id, prompt
-    speech], EOS masked for 2x the text tokens, at most 20x, any of the 3 stop ids ends it."""
+    speech], EOS masked for 2x the text tokens, at most 20x, any of the 3 stop ids ends it. Returns
+    the tokens and each step's llm_decoder scores."""
     qwen = model.qwen
     text = torch.tensor([[*prompt_text_ids, *text_ids]])
     parts = [
@@ -34,10 +35,11 @@ def reference_greedy(
     ]
     embeds = torch.cat(parts, dim=1)
     min_len, max_len = 2 * len(text_ids), 20 * len(text_ids)
-    cache, out = DynamicCache(config=qwen.config), []
+    cache, out, scores = DynamicCache(config=qwen.config), [], []
     for step in range(min(max_len, max_new)):
         hidden = qwen.model(inputs_embeds=embeds, cache=cache, use_cache=True).last_hidden_state
-        logp = model.llm_decoder(hidden[0, -1]).log_softmax(dim=-1)
+        scores.append(model.llm_decoder(hidden[0, -1]))
+        logp = scores[-1].log_softmax(dim=-1)
         if step < min_len:
             logp[EOS_TOKEN] = float("-inf")
         top = int(logp.argmax())
@@ -45,7 +47,11 @@ def reference_greedy(
             break
         out.append(top)
         embeds = model.speech_embedding.weight[top].view(1, 1, -1)
-    return out
+    return out, scores
+
+
+def reference_greedy(model: CosyVoice2LM, text_ids: list[int], max_new: int, prompt_text_ids=(), prompt_speech=()):
+    return reference_loop(model, text_ids, max_new, prompt_text_ids, prompt_speech)[0]
 
 
 CASES = {  # req_id: (text, prompt text, prompt speech tokens, step it joins at)
@@ -75,6 +81,36 @@ def test_greedy_tokens_equal_a_transformers_qwen2_loop(async_steps):
         want = reference_greedy(adapter.model, encode(text), GREEDY.max_tokens, encode(prompt_text), speech)
         assert got[req_id] == want, req_id
     assert len(got["d"]) == 20  # one text token: at most 20 speech tokens, fewer than max_tokens
+
+
+def test_logits_of_every_step_equal_the_transformers_loop():
+    """Scores of batched, chunked rows (recorded as the engine computes them) against the loop's, step by step."""
+    adapter = cosyvoice2_adapter()
+    recorded: dict[str, list[torch.Tensor]] = {}
+    logits = adapter.logits
+
+    def recording(hidden, reqs):
+        out = logits(hidden, reqs)
+        for req, row in zip(reqs, out[0], strict=True):
+            recorded.setdefault(req.req_id, []).append(row.clone())
+        return out
+
+    engine = adapter_engine(adapter, num_slots=4, prefill_token_budget=16)
+    engine.adapter = copy.copy(adapter)
+    engine.adapter.logits = recording
+    for req_id, (text, prompt_text, speech, _) in CASES.items():
+        engine.add_prompt(req_id, adapter.voice_prompt(text, prompt_text, speech), GREEDY)
+    engine.run_to_completion()
+    worst = 0.0
+    for req_id, (text, prompt_text, speech, _) in CASES.items():
+        encode = adapter.tokenizer.encode
+        _, want = reference_loop(adapter.model, encode(text), GREEDY.max_tokens, encode(prompt_text), speech)
+        got = recorded[req_id][: len(want)]  # at 20x the text the engine runs one more step: the forced stop
+        assert len(got) == len(want), req_id
+        for got_row, want_row in zip(got, want, strict=True):
+            torch.testing.assert_close(got_row, want_row, rtol=1e-4, atol=1e-4)
+            worst = max(worst, float((got_row - want_row).abs().max()))
+    print(f"max |logit difference|: {worst:.2e}")
 
 
 def test_stop_at_the_minimum_length_when_eos_dominates():
