@@ -26,6 +26,7 @@ CASES = [  # text, exaggeration, cfg_weight, new tokens
     ("hello there", 1.5, 0.5, 16),
     ("a second, longer sentence to say.", 0.3, 1.0, 16),
     ("yes", 0.9, 0.25, 12),
+    ("hello there", 0.0, 0.5, 16),  # a zero emotion row: the tiny model's tokens change (a positive scale does not)
 ]
 
 
