@@ -35,10 +35,27 @@ class SamplingParams(BaseModel):
     guidance_scale: float | None = Field(
         None, ge=0.0, le=100.0, description="Classifier-free guidance scale (model's own formula); None = off."
     )
+    ras_window: int = Field(
+        0, ge=0, le=1000,
+        description="Repetition-aware sampling (CosyVoice 2): the last N generated tokens each draw is checked "
+        "against; 0 = off. The draw is a nucleus draw (top-k, and top-p over the whole distribution, as "
+        "CosyVoice's); one repeated at least ras_tau * ras_window times in the window is redrawn from the whole "
+        "distribution without it. Greedy rows (temperature 0) are not redrawn.",
+    )  # fmt: skip
+    ras_tau: float = Field(0.1, gt=0.0, le=1.0, description="RAS: repeat ratio of the window that triggers a redraw.")
+    exaggeration: float | None = Field(
+        None, ge=0.0, le=2.0,
+        description="Emotion exaggeration of the voice conditioning (Chatterbox); None = the model's default.",
+    )  # fmt: skip
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def is_repetition_aware(self) -> bool:
+        """Drawn by RAS (`llm_stage.ras`): a window is set and the row is not greedy by temperature."""
+        return self.ras_window > 0 and self.temperature > 0.0
 
     @classmethod
     def resolve(cls, overrides: SamplingParams | dict | None, default: SamplingParams) -> SamplingParams:

@@ -3,7 +3,7 @@
 The engine calls `merge_guidance` on a step's logits (twins on the row after their guided
 request) before the adapter's sampling rules; it returns only the visible rows. Formulas:
 Dia `cond + g * (cond - uncond)` (optionally top-k of the guided logits over cond);
-MusicGen / Bagpiper `uncond + g * (cond - uncond)`.
+Chatterbox `cond + g * (cond - uncond)`; MusicGen / Bagpiper `uncond + g * (cond - uncond)`.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from llm_stage.request import Request
 class GuidanceFormula(enum.Enum):
     DIA = "dia"  # cond + g * (cond - uncond); top-k of that, applied to cond
     LINEAR = "linear"  # uncond + g * (cond - uncond)  (MusicGen, Bagpiper / OpusLM)
+    COND_DELTA = "cond_delta"  # cond + g * (cond - uncond), then the sampler's own filters (Chatterbox T3)
 
 
 def _scales(rows: list[Request], like: torch.Tensor) -> torch.Tensor:
@@ -43,6 +44,8 @@ def guide(cond: torch.Tensor, uncond: torch.Tensor, rows: list[Request], formula
     scale = _scales(rows, cond)
     if formula is GuidanceFormula.LINEAR:
         return uncond + scale * (cond - uncond)
+    if formula is GuidanceFormula.COND_DELTA:
+        return cond + scale * (cond - uncond)
     return _dia_top_k(cond, cond + scale * (cond - uncond), rows)
 
 

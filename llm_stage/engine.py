@@ -84,9 +84,9 @@ class LLMEngine:
     def add_job(self, job: Job) -> Request:
         """Queue a validated Job; the tokenized prompt must fit the KV context (errors name `job.text_field`)."""
         try:
-            prompt = self.adapter.format_prompt(job.text, job.voice)
+            prompt = self.adapter.job_prompt(job)
             guided = job.sampling.guidance_scale is not None
-            uncond = self.adapter.unconditional_prompt(job.text, job.voice) if guided else None
+            uncond = self.adapter.unconditional_job_prompt(job) if guided else None
             return self.add_prompt(job.req_id, prompt, job.sampling, uncond, job.resume)
         except InvalidArgumentError as err:
             if err.field != "text":
@@ -228,7 +228,10 @@ class LLMEngine:
             return prepared
         params = req.sampling
         history = self.adapter.penalty_history(req, codebook) if params.repetition_penalty != 1.0 else []
-        return SamplingRow(params, history, self._seeded.get(req.req_id))
+        recent: list[int] = []
+        if params.is_repetition_aware:  # the row's own generated ids (its codebook's, for K codebooks)
+            recent = [t if isinstance(t, int) else t[codebook] for t in req.output_ids[-params.ras_window :]]
+        return SamplingRow(params, history, self._seeded.get(req.req_id), recent)
 
     def _output(self, req: Request, token: Token, is_finished: bool) -> StepOutput:
         out = StepOutput(req.req_id, finished=is_finished, finish_reason=req.finish_reason if is_finished else None)

@@ -117,6 +117,13 @@ def check_sampling(sampling: SamplingParams | dict | None, default: SamplingPara
         raise from_validation_error(err, "sampling") from None
 
 
+def check_model_options(adapter: type[LMAdapter] | LMAdapter, sampling: SamplingParams) -> SamplingParams:
+    """Per-request conditioning the family does not have is refused, not ignored."""
+    if sampling.exaggeration is not None and adapter.default_sampling.exaggeration is None:
+        raise InvalidArgumentError("sampling.exaggeration", f"{adapter.family} has no emotion exaggeration")
+    return sampling
+
+
 def check_deadline(ttfa_deadline_s: object) -> float:
     if isinstance(ttfa_deadline_s, bool) or not isinstance(ttfa_deadline_s, (int, float)):
         raise InvalidArgumentError("ttfa_deadline_s", "must be a number")
@@ -144,7 +151,7 @@ def build_job(
         req_id=req_id or uuid.uuid4().hex,
         text=check_text(adapter, text, text_field),
         voice=check_voice(adapter, voice),
-        sampling=check_sampling(sampling, adapter.default_sampling),
+        sampling=check_model_options(adapter, check_sampling(sampling, adapter.default_sampling)),
         ttfa_deadline_s=ttfa_deadline_s or default_ttfa_deadline_s,
         output_format=output_format,
         text_field=text_field,

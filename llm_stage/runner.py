@@ -88,8 +88,8 @@ class ModelRunner:
         return self.backbone.forward(batch, self.cache, embeds=embeds, length=length)
 
     def _decode_inputs(self, plan: StepPlan) -> BatchInputs:
-        lanes = self.adapter.token_lanes
-        ids = [[lanes(r.token_at(r.num_cached))] for r in plan.decodes]
+        lanes_at = self.adapter.lanes_at
+        ids = [[lanes_at(r, r.num_cached)] for r in plan.decodes]
         positions = [[r.num_cached] for r in plan.decodes]
         slots = [r.slot for r in plan.decodes]
         return self._to_batch(ids, positions, slots, [[s] for s in slots], [0] * len(slots))
@@ -98,10 +98,10 @@ class ModelRunner:
         width = max(w.num_tokens for w in works)
         last = self.cache.max_seq_len - 1
         ids, positions, write_slots = [], [], []
-        lanes, pad_lanes = self.adapter.token_lanes, self.adapter.token_lanes(self.adapter.pad_token)
+        lanes_at, pad_lanes = self.adapter.lanes_at, self.adapter.token_lanes(self.adapter.pad_token)
         for w in works:
             pad = width - w.num_tokens
-            ids.append([lanes(w.req.token_at(i)) for i in range(w.start, w.start + w.num_tokens)] + [pad_lanes] * pad)
+            ids.append([lanes_at(w.req, i) for i in range(w.start, w.start + w.num_tokens)] + [pad_lanes] * pad)
             positions.append([min(w.start + i, last) for i in range(width)])
             write_slots.append([w.req.slot] * w.num_tokens + [self.cache.scratch_slot] * pad)
         last_index = [w.num_tokens - 1 for w in works]

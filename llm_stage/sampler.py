@@ -1,19 +1,21 @@
 """Per-request sampling over a batch of logits rows.
 
-Each row has its own temperature, top-k, top-p, min-p, windowed repetition penalty and
-optional seed. Rows may cover a candidate subset of the vocabulary (`cand_ids`); the
-result is always a vocabulary id. Called by the LLM engine after the model forward.
+Each row has its own temperature, top-k, top-p, min-p, windowed repetition penalty,
+repetition-aware sampling (`llm_stage.ras`) and optional seed. Rows may cover a candidate
+subset of the vocabulary (`cand_ids`); the result is always a vocabulary id. Called by the
+LLM engine after the model forward.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from core.messages import SamplingParams
 from llm_stage.host_sampler import history_pairs, sample_on_host
+from llm_stage.ras import sample_repetition_aware
 
 
 @dataclass
@@ -21,6 +23,7 @@ class SamplingRow:
     params: SamplingParams
     history: list[int]  # token ids the repetition penalty looks at
     generator: torch.Generator | None
+    recent: list[int] = field(default_factory=list)  # the last `ras_window` generated ids (RAS rows)
 
 
 def apply_repetition_penalty(logits: torch.Tensor, cand_ids: torch.Tensor | None, rows: list[SamplingRow]) -> None:
@@ -190,10 +193,36 @@ def sample(
     default_generator: torch.Generator,
 ) -> list[int]:
     """Vocabulary id per row. CPU logits are sampled in numpy (`host_sampler`: same semantics,
-    a fraction of torch's per-op overhead); accelerator logits stay on their device."""
+    a fraction of torch's per-op overhead); accelerator logits stay on their device. Rows with
+    repetition-aware sampling are drawn by `llm_stage.ras`."""
+    ras = [b for b, row in enumerate(rows) if row.params.is_repetition_aware]
+    if not ras:
+        return _sample_plain(logits, cand_ids, rows, default_generator)
+    plain = [b for b, row in enumerate(rows) if not row.params.is_repetition_aware]
+    picked = [0] * len(rows)
+    for group, draw in ((plain, _sample_plain), (ras, _sample_ras)):
+        if group:
+            group_cand = None if cand_ids is None else cand_ids[group]
+            ids = draw(logits[group], group_cand, [rows[b] for b in group], default_generator)
+            for b, token in zip(group, ids, strict=True):
+                picked[b] = token
+    return picked
+
+
+def _sample_plain(
+    logits: torch.Tensor, cand_ids: torch.Tensor | None, rows: list[SamplingRow], default_generator: torch.Generator
+) -> list[int]:
     if logits.device.type == "cpu":
         return sample_on_host(logits, cand_ids, rows, default_generator)
     return sample_on_device(logits, cand_ids, rows, default_generator)
+
+
+def _sample_ras(
+    logits: torch.Tensor, cand_ids: torch.Tensor | None, rows: list[SamplingRow], default_generator: torch.Generator
+) -> list[int]:
+    logits = logits.float().clone()
+    apply_repetition_penalty(logits, cand_ids, rows)
+    return sample_repetition_aware(logits, cand_ids, rows, default_generator)
 
 
 def sample_on_device(

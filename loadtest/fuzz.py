@@ -31,7 +31,10 @@ VALID_SHARE = 0.15  # well-formed requests among the random ones
 BAD_GRPC = {"UNKNOWN", "INTERNAL", "DATA_LOSS", "UNIMPLEMENTED"}
 WORDS = ["hello", "the", "quick", "voice", "ça", "日本語", "😀", "zero\u200bwidth", "tab\there", "line\nbreak"]
 ODD_CHARS = ["\x00", "\r\n", "\x1b", "\ud800", "\udfff", "\u2028", "\ufeff", "€", "\x7f", "\u0085"]
-SAMPLING_KEYS = ["temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_tokens", "seed", "guidance_scale"]
+SAMPLING_KEYS = [
+    "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_tokens", "seed", "guidance_scale",
+    "ras_window", "ras_tau", "exaggeration",
+]  # fmt: skip
 HTTP_KEYS = ["model", "voice", "response_format", "stream", "speed", "request_id"]
 ODD_NUMBERS = [0, -1, 1, 7, 1e9, -1e9, 2**31, 2**63, 0.5, 1e-30, True, False, None, "1", [1], {"a": 1}]
 

@@ -9,6 +9,7 @@ from core.config import CacheConfig, ModelConfig, SchedulerConfig
 from core.messages import SamplingParams
 from llm_stage.engine import LLMEngine
 from llm_stage.models.base import FrameBuilder, LMAdapter
+from llm_stage.models.cosyvoice2 import CosyVoice2Adapter
 from llm_stage.models.llama import LlamaBackbone
 from llm_stage.models.orpheus import OrpheusAdapter
 from llm_stage.request import Request
@@ -94,3 +95,22 @@ def fake_scheduler(num_slots: int = 4, max_batch_size: int = 4, budget: int = 64
 
 
 EOS_FAKE = 2
+
+
+_COSYVOICE2: dict[int, CosyVoice2Adapter] = {}
+
+
+def cosyvoice2_adapter(seed: int = 0) -> CosyVoice2Adapter:
+    """cosyvoice2-tiny adapter, built once per seed per session."""
+    if seed not in _COSYVOICE2:
+        _COSYVOICE2[seed] = CosyVoice2Adapter.build(ModelConfig(name="cosyvoice2-tiny", seed=seed))
+    return _COSYVOICE2[seed]
+
+
+def adapter_engine(adapter: LMAdapter, num_slots: int = 8, max_seq_len: int = 512, seed: int = 0, **sched) -> LLMEngine:
+    """An engine over any adapter, the way the deployments build one."""
+    defaults = {"max_batch_size": num_slots, "prefill_token_budget": 64}
+    return LLMEngine(
+        adapter, CacheConfig(num_slots=num_slots, max_seq_len=max_seq_len),
+        SchedulerConfig(**{**defaults, **sched}), seed=seed,
+    )  # fmt: skip

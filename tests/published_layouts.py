@@ -29,6 +29,7 @@ from transformers import (
     MimiConfig,
     MimiModel,
     PreTrainedTokenizerFast,
+    Qwen2ForCausalLM,
     XcodecModel,
 )
 
@@ -38,6 +39,8 @@ from detok_stage.codecs.qwen3_tts_codec import preset_decoder, tiny_tokenizer_co
 from detok_stage.codecs.qwen3_tts_decoder import Qwen3TTSDecoder
 from detok_stage.codecs.snac_codec import TINY_SNAC
 from detok_stage.codecs.xcodec_codec import tiny_xcodec_config
+from llm_stage.models.chatterbox_t3 import T3, T3Voice
+from llm_stage.models.cosyvoice2_lm import CosyVoice2LM, tiny_cosyvoice2_lm
 from llm_stage.models.csm import tiny_csm_config
 from llm_stage.models.dia import tiny_dia_config
 from llm_stage.models.orpheus import VOCAB_SIZE
@@ -353,3 +356,132 @@ def put_in_hf_cache(cache: Path, repo_id: str, source: Path, commit: str = "0123
     (repo / "refs").mkdir(exist_ok=True)
     (repo / "refs" / "main").write_text(commit)
     return snapshot
+
+
+# ---- CosyVoice 2 (FunAudioLLM/CosyVoice2-0.5B): the LM's files ---------------------------------------------------
+
+COSYVOICE2_REPO = "FunAudioLLM/CosyVoice2-0.5B"
+QWEN25_ADDED_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # Qwen2.5's first added tokens, in id order
+# cosyvoice2.yaml's structure as published (HyperPyYAML: !apply / !new / !name / !ref), reduced to the fixed
+# params, the llm section and the head of the flow section; written here, not copied.
+COSYVOICE2_YAML = """\
+__set_seed1: !apply:random.seed [1986]
+__set_seed3: !apply:torch.manual_seed [1986]
+
+sample_rate: 24000
+llm_input_size: {hidden}
+llm_output_size: {hidden}
+spk_embed_dim: 192
+qwen_pretrain_path: ''
+token_frame_rate: 25
+token_mel_ratio: 2
+chunk_size: 25
+
+llm: !new:cosyvoice.llm.llm.Qwen2LM
+    llm_input_size: !ref <llm_input_size>
+    llm_output_size: !ref <llm_output_size>
+    speech_token_size: 6561
+    length_normalized_loss: True
+    lsm_weight: 0
+    mix_ratio: [5, 15]
+    llm: !new:cosyvoice.llm.llm.Qwen2Encoder
+        pretrain_path: !ref <qwen_pretrain_path>
+    sampling: !name:cosyvoice.utils.common.ras_sampling
+        top_p: {top_p}
+        top_k: 25
+        win_size: 10
+        tau_r: 0.1
+
+flow: !new:cosyvoice.flow.flow.CausalMaskedDiffWithXvec
+    input_size: 512
+    output_size: 80
+    spk_embed_dim: !ref <spk_embed_dim>
+    vocab_size: 6561
+    pre_lookahead_len: 3
+    encoder: !new:cosyvoice.transformer.upsample_encoder.UpsampleConformerEncoder
+        output_size: 512
+        num_blocks: 6
+
+allowed_special: 'all'
+"""
+
+
+def qwen_tokenizer_files(directory: Path) -> None:
+    """A Qwen2-style byte-level BPE as Qwen publishes its tokenizer (vocab.json, merges.txt,
+    tokenizer_config.json with the added specials after the vocab), at toy size."""
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    merges = [("h", "e"), ("l", "l"), ("he", "ll"), ("Ġ", "w"), ("Ġ", "t")]
+    for left, right in merges:
+        vocab[left + right] = len(vocab)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "vocab.json").write_text(json.dumps(vocab))
+    (directory / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
+    added = {
+        str(len(vocab) + i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                              "single_word": False, "special": True}
+        for i, t in enumerate(QWEN25_ADDED_TOKENS)
+    }  # fmt: skip
+    config = {
+        "add_prefix_space": False, "added_tokens_decoder": added,
+        "additional_special_tokens": list(QWEN25_ADDED_TOKENS[1:]),
+        "bos_token": None, "clean_up_tokenization_spaces": False, "eos_token": "<|endoftext|>", "errors": "replace",
+        "model_max_length": 32768, "pad_token": "<|endoftext|>", "split_special_tokens": False,
+        "tokenizer_class": "Qwen2Tokenizer", "unk_token": None,
+    }  # fmt: skip
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
+def cosyvoice2_lm(seed: int = 0) -> CosyVoice2LM:
+    seeded(seed)
+    return tiny_cosyvoice2_lm()
+
+
+def write_cosyvoice2_lm(directory: Path, model: CosyVoice2LM, top_p: float = 0.8) -> Path:
+    """FunAudioLLM/CosyVoice2-0.5B's LM files: cosyvoice2.yaml, llm.pt (the Qwen2LM state dict: llm_embedding,
+    llm.model.model.*, llm.model.lm_head, llm_decoder, speech_embedding), CosyVoice-BlankEN/ (Qwen config.json
+    in transformers-4 fields, generation_config.json, its own blank weights in model.safetensors, which llm.pt
+    replaces, and the tokenizer files)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    hidden = model.qwen.config.hidden_size
+    (directory / "cosyvoice2.yaml").write_text(COSYVOICE2_YAML.format(hidden=hidden, top_p=top_p))
+    torch.save(model.state_dict(), directory / "llm.pt")
+    blank = directory / "CosyVoice-BlankEN"
+    seeded(12345)
+    Qwen2ForCausalLM(model.qwen.config).save_pretrained(str(blank))
+    as_transformers4_config(blank)
+    qwen_tokenizer_files(blank)
+    return directory
+
+
+# ---- Chatterbox (ResembleAI/chatterbox): the T3 files --------------------------------------------------------------
+
+CHATTERBOX_REPO = "ResembleAI/chatterbox"
+
+
+def chatterbox_tokenizer() -> Tokenizer:
+    """Chatterbox's English text vocabulary layout at toy size: [STOP] = 0 and [START] = 255 (T3's stop /
+    start text ids), the other markers among the low ids, characters in between; spaces arrive as [SPACE]."""
+    specials = {"[STOP]": 0, "[UNK]": 1, "[SPACE]": 2, "[PAD]": 3, "[SEP]": 4, "[CLS]": 5, "[MASK]": 6, "[START]": 255}
+    chars = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?'\"-"
+    vocab = {**specials, **{ch: 7 + i for i, ch in enumerate(chars)}}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="[UNK]"))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    return tok
+
+
+def write_chatterbox_lm(directory: Path, model: T3, voice: T3Voice) -> Path:
+    """ResembleAI/chatterbox's LM files: t3_cfg.safetensors (the T3 state dict), conds.pt (the built-in voice:
+    `t3` = T3Cond's fields, `gen` = S3Gen's reference dict, here a stand-in), tokenizer.json."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(directory / "t3_cfg.safetensors"))
+    t3 = {
+        "speaker_emb": voice.speaker_emb.view(1, -1), "clap_emb": None,
+        "cond_prompt_speech_tokens": voice.prompt_speech.view(1, -1), "cond_prompt_speech_emb": None,
+        "emotion_adv": torch.full((1, 1, 1), 0.5),
+    }  # fmt: skip
+    gen = {"prompt_token": voice.prompt_speech.view(1, -1), "embedding": torch.zeros(1, 192)}
+    torch.save({"t3": t3, "gen": gen}, directory / "conds.pt")
+    chatterbox_tokenizer().save(str(directory / "tokenizer.json"))
+    return directory

@@ -16,7 +16,7 @@ import torch
 
 from core.config import ModelConfig
 from core.errors import InvalidArgumentError
-from core.messages import SamplingParams
+from core.messages import Job, SamplingParams
 from detok_stage.codecs.base import CodecAdapter
 from llm_stage.cfg import GuidanceFormula
 from llm_stage.kv_cache import SlotKVCache
@@ -82,9 +82,22 @@ class LMAdapter(ABC):
         """The prompt of a guided request's hidden twin (override with `guidance`)."""
         raise InvalidArgumentError("sampling.guidance_scale", f"{self.family} has no classifier-free guidance")
 
+    def job_prompt(self, job: Job) -> list[Token]:
+        """The prompt of a validated job; override to condition on per-request fields of `job.sampling`."""
+        return self.format_prompt(job.text, job.voice)
+
+    def unconditional_job_prompt(self, job: Job) -> list[Token]:
+        """The prompt of a guided job's hidden twin."""
+        return self.unconditional_prompt(job.text, job.voice)
+
     def token_lanes(self, token: Token) -> list[int]:
         """One position as `input_width` ints for the runner's [B, T, W] id tensor."""
         return [token] if isinstance(token, int) else list(token)
+
+    def lanes_at(self, req: Request, index: int) -> list[int]:
+        """The lanes of `req`'s position `index` (prompt + output); override when they depend on where the
+        token sits (e.g. a learned position of generated tokens)."""
+        return self.token_lanes(req.token_at(index))
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [B, T, W] -> input embeddings [B, T, H]."""
@@ -94,17 +107,20 @@ class LMAdapter(ABC):
         """hidden [B, H] -> (logits [B, C] or [B, K, C], vocab id per column or None when C is the vocab)."""
         return hidden @ self.backbone.lm_head_weight.T, None
 
+    def history_ids(self, tokens: list[Token], codebook: int) -> list[int]:
+        """The ids of `codebook` among prompt + output `tokens` that the repetition penalty looks at."""
+        if self.num_codebooks > 1:  # per-codebook history over the generated frames
+            return [t[codebook] for t in tokens if isinstance(t, tuple)]
+        return tokens  # type: ignore[return-value]
+
     def is_stop(self, req: Request, token: Token) -> bool:
         """Whether sampling `token` ends `req` (the token is then not appended)."""
         return token in self.eos_token_ids
 
     def penalty_history(self, req: Request, codebook: int) -> list[int]:
-        """The ids the repetition penalty of `req`'s draw for `codebook` looks at: the last
-        `repetition_window` positions of prompt + output (per codebook over tuple positions)."""
-        history = req.history(req.sampling.repetition_window)
-        if self.num_codebooks > 1:
-            return [t[codebook] for t in history if isinstance(t, tuple)]
-        return history  # type: ignore[return-value]
+        """The ids the repetition penalty of `req`'s draw for `codebook` looks at: by default
+        `history_ids` of the last `repetition_window` positions of prompt + output."""
+        return self.history_ids(req.history(req.sampling.repetition_window), codebook)
 
     def constrain(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """Model sampling rules on the (CFG-merged) logits, e.g. forced BOS / EOS per codebook."""

@@ -26,15 +26,33 @@ class ByteTokenizer:
 class HFTokenizer:
     """A tokenizer loaded from a local checkpoint directory; never touches the hub.
 
-    `add_special_tokens=False` encodes the bare text (the caller frames it, e.g. CSM's BOS / EOS)."""
+    `add_special_tokens=False` encodes the bare text (the caller frames it, e.g. CSM's BOS / EOS).
+    `extra_special_tokens` are added after loading, in order (CosyVoice 2's markers such as `[breath]`)."""
 
-    def __init__(self, directory: Path, add_special_tokens: bool = True) -> None:
+    def __init__(
+        self, directory: Path, add_special_tokens: bool = True, extra_special_tokens: tuple[str, ...] = ()
+    ) -> None:
         from transformers import AutoTokenizer
 
         self._tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        if extra_special_tokens:
+            self._tok.add_special_tokens({"additional_special_tokens": list(extra_special_tokens)})
         self.add_special_tokens = add_special_tokens
         self.bos_id: int | None = self._tok.bos_token_id
         self.eos_id: int | None = self._tok.eos_token_id
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok(text, add_special_tokens=self.add_special_tokens).input_ids)
+
+
+class SpaceMarkedTokenizer:
+    """A `tokenizers` file whose vocabulary spells spaces as a marker token (Chatterbox's `[SPACE]`)."""
+
+    def __init__(self, path: Path, space_token: str = "[SPACE]") -> None:
+        from tokenizers import Tokenizer
+
+        self._tok = Tokenizer.from_file(str(path))
+        self.space_token = space_token
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text.replace(" ", self.space_token)).ids)

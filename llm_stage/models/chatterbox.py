@@ -1,0 +1,211 @@
+"""Chatterbox LM side: T3 (a Llama body over text and 25 Hz S3 speech tokens) on our engine.
+
+A prompt is `[voice, emotion, sot text eot, bos, bos]`: the voice's speaker x-vector and perceiver
+rows (computed once per voice), the emotion-exaggeration row (per request), text ids with learned
+text positions, and start-of-speech twice at speech position 0, as the published inference loop
+feeds it; generated token i is embedded at speech position i + 1. Positions carry (id, kind, aux)
+lanes: aux is the learned position, or the exaggeration's float32 bits. CFG pairs each request with
+a twin whose text embeddings are zeroed (positions kept) and merges `cond + g * (cond - uncond)`.
+"""
+
+from __future__ import annotations
+
+import struct
+from types import SimpleNamespace
+
+import torch
+
+from core.checkpoints import resolve_model_ref
+from core.config import ModelConfig
+from core.errors import InvalidArgumentError
+from core.messages import Job, SamplingParams
+from llm_stage.cfg import GuidanceFormula
+from llm_stage.models.base import FrameBuilder, LMAdapter
+from llm_stage.models.chatterbox_t3 import (
+    T3,
+    TOKENIZER_FILE,
+    T3Voice,
+    load_published_t3,
+    load_published_voice,
+    random_voice,
+    tiny_t3,
+)
+from llm_stage.models.llama import LlamaBackbone
+from llm_stage.models.tokenizers import ByteTokenizer, SpaceMarkedTokenizer, TextTokenizer
+from llm_stage.request import Request, Token
+
+DEFAULT_VOICE = "default"  # the voice the published checkpoint ships (conds.pt)
+
+
+class Kind:
+    """Second lane of a position: what its id (first lane) and aux (third lane) mean."""
+
+    VOICE = 0  # id: row of the adapter's voice table
+    EMOTION = 1  # aux: the exaggeration as float32 bits
+    TEXT = 2  # id: text token, aux: text position
+    TEXT_UNCOND = 3  # the CFG twin's text: position only
+    SPEECH = 4  # id: speech token, aux: speech position
+
+
+def float_bits(value: float) -> int:
+    """A float32's bits as a signed int32 (exact through an int64 lane and back)."""
+    return struct.unpack("<i", struct.pack("<f", value))[0]
+
+
+# ChatterboxTTS' punctuation clean-up before tokenizing: (what, replacement), applied in this order
+PUNCTUATION = (
+    ("...", ", "), ("\u2026", ", "), (":", ","), (" - ", ", "), (";", ", "), ("\u2014", "-"), ("\u2013", "-"),
+    (" ,", ","), ("\u201c", '"'), ("\u201d", '"'), ("\u2018", "'"), ("\u2019", "'"),
+)  # fmt: skip
+SENTENCE_ENDS = (".", "!", "?", "-", ",")
+
+
+def normalize_text(text: str) -> str:
+    """The text as the published model was trained on it: first letter upper-cased, runs of whitespace as one
+    space, uncommon punctuation mapped to common marks, and a full stop when it ends without one."""
+    if text[:1].islower():
+        text = text[0].upper() + text[1:]
+    text = " ".join(text.split())
+    for old, new in PUNCTUATION:
+        text = text.replace(old, new)
+    text = text.rstrip(" ")
+    return text if text.endswith(SENTENCE_ENDS) else text + "."
+
+
+class SpeechFrameBuilder(FrameBuilder):
+    """Every generated speech code is one 25 Hz frame; start / stop / unused ids (>= 6561) are no audio."""
+
+    def __init__(self, num_codes: int) -> None:
+        self.num_codes = num_codes
+
+    def push(self, token_id: Token) -> list[list[int]]:
+        return [[token_id]] if isinstance(token_id, int) and token_id < self.num_codes else []
+
+
+class ChatterboxAdapter(LMAdapter):
+    family = "chatterbox"
+    guidance = GuidanceFormula.COND_DELTA
+    input_width = 3  # (id, Kind, aux)
+    pad_token = (0, Kind.SPEECH, 0)
+    default_voice = DEFAULT_VOICE
+    voices = (DEFAULT_VOICE,)
+    # ChatterboxTTS.generate's defaults (its T3 loop samples at most 1000 tokens)
+    default_sampling = SamplingParams(
+        temperature=0.8, top_p=1.0, min_p=0.05, repetition_penalty=1.2, guidance_scale=0.5, exaggeration=0.5,
+        max_tokens=1000,
+    )  # fmt: skip
+
+    def __init__(self, model: T3, tokenizer: TextTokenizer, voices: dict[str, T3Voice]) -> None:
+        shim = SimpleNamespace(config=model.tfmr.config, model=model.tfmr, lm_head=model.speech_head)
+        super().__init__(LlamaBackbone(shim))  # type: ignore[arg-type]
+        self.model, self.tokenizer, self.layout = model, tokenizer, model.layout
+        self.eos_token_ids = frozenset({self.layout.stop_speech})
+        self.voices = tuple(voices)
+        self.voice_specs = dict(voices)
+        self._voice_rows: dict[str, range] = {}
+        self.voice_table = self._build_voice_table(voices)  # [rows, C]
+
+    @classmethod
+    def build(cls, config: ModelConfig) -> ChatterboxAdapter:
+        """A published Chatterbox directory (t3_cfg.safetensors, conds.pt, tokenizer.json; a path or a repo
+        id in the local HF cache), or the chatterbox-tiny preset: random T3 weights and a random built-in
+        voice from `config.seed`, byte tokens."""
+        if config.checkpoint_dir is not None:
+            directory = resolve_model_ref(config.checkpoint_dir)
+            model, voice = load_published_t3(directory), load_published_voice(directory)
+            tokenizer: TextTokenizer = SpaceMarkedTokenizer(directory / TOKENIZER_FILE)
+        else:
+            torch.manual_seed(config.seed)
+            model, tokenizer = tiny_t3(), ByteTokenizer(offset=256, bos_id=None)
+            voice = random_voice(model.layout)
+        model = model.to(config.device, getattr(torch, config.dtype)).eval()
+        return cls(model, tokenizer, {DEFAULT_VOICE: voice})
+
+    @torch.no_grad()
+    def _build_voice_table(self, voices: dict[str, T3Voice]) -> torch.Tensor:
+        device = self.model.speech_head.weight.device
+        tables, start = [], 0
+        for name, voice in voices.items():
+            rows = self.model.voice_rows(voice.speaker_emb.to(device), voice.prompt_speech.to(device))
+            self._voice_rows[name] = range(start, start + rows.shape[0])
+            tables.append(rows)
+            start += rows.shape[0]
+        return torch.cat(tables)
+
+    def _text_ids(self, text: str) -> list[int]:
+        ids = self.tokenizer.encode(normalize_text(text))
+        if len(ids) > self.layout.max_text_tokens:
+            raise InvalidArgumentError("text", f"is {len(ids)} tokens; T3 takes {self.layout.max_text_tokens}")
+        return [self.layout.start_text, *ids, self.layout.stop_text]
+
+    def _prompt(self, text: str, voice: str | None, exaggeration: float, text_kind: int) -> list[Token]:
+        rows = self._voice_rows[voice or DEFAULT_VOICE]
+        bos = (self.layout.start_speech, Kind.SPEECH, 0)
+        return [
+            *((row, Kind.VOICE, 0) for row in rows),
+            (0, Kind.EMOTION, float_bits(exaggeration)),
+            *((token, text_kind, i) for i, token in enumerate(self._text_ids(text))),
+            bos,
+            bos,
+        ]
+
+    def _exaggeration(self, job: Job) -> float:
+        value = job.sampling.exaggeration
+        return self.default_sampling.exaggeration if value is None else value  # type: ignore[return-value]
+
+    def format_prompt(self, text: str, voice: str | None) -> list[Token]:
+        return self._prompt(text, voice, self.default_sampling.exaggeration or 0.0, Kind.TEXT)
+
+    def unconditional_prompt(self, text: str, voice: str | None) -> list[Token]:
+        return self._prompt(text, voice, self.default_sampling.exaggeration or 0.0, Kind.TEXT_UNCOND)
+
+    def job_prompt(self, job: Job) -> list[Token]:
+        return self._prompt(job.text, job.voice, self._exaggeration(job), Kind.TEXT)
+
+    def unconditional_job_prompt(self, job: Job) -> list[Token]:
+        return self._prompt(job.text, job.voice, self._exaggeration(job), Kind.TEXT_UNCOND)
+
+    def lanes_at(self, req: Request, index: int) -> list[int]:
+        """Generated token i sits at speech position i + 1 (the start token took 0)."""
+        if index < req.prompt_len:
+            return list(req.prompt_ids[index])  # type: ignore[arg-type]
+        return [req.token_at(index), Kind.SPEECH, index - req.prompt_len + 1]  # type: ignore[list-item]
+
+    def token_lanes(self, token: Token) -> list[int]:
+        return list(token) if isinstance(token, tuple) else [token, Kind.SPEECH, 0]
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [B, T, 3] -> [B, T, C]: each position from the table its kind names, plus its learned position."""
+        token, kind, aux = ids.unbind(-1)
+        model = self.model
+        is_text = (kind == Kind.TEXT) | (kind == Kind.TEXT_UNCOND)
+        is_speech = kind == Kind.SPEECH
+        text = model.text_emb(torch.where(kind == Kind.TEXT, token, 0)) * (kind == Kind.TEXT).unsqueeze(-1)
+        text = text + model.text_pos_emb.emb(torch.where(is_text, aux, 0))
+        speech = model.speech_emb(torch.where(is_speech, token, 0)) + model.speech_pos_emb.emb(
+            torch.where(is_speech, aux, 0)
+        )
+        exaggeration = torch.where(kind == Kind.EMOTION, aux, 0).to(torch.int32).view(torch.float32)
+        emotion = exaggeration.to(speech.dtype).unsqueeze(-1) * model.cond_enc.emotion_adv_fc.weight[:, 0]
+        voice = self.voice_table[torch.where(kind == Kind.VOICE, token, 0)]
+        out = torch.where(is_text.unsqueeze(-1), text, speech)
+        out = torch.where((kind == Kind.EMOTION).unsqueeze(-1), emotion, out)
+        return torch.where((kind == Kind.VOICE).unsqueeze(-1), voice, out)
+
+    def logits(self, hidden: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, None]:
+        return (hidden @ self.model.speech_head.weight.T).float(), None
+
+    def constrain(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """The learned speech positions end at max_speech_tokens: a request that reaches it stops there."""
+        full = [b for b, r in enumerate(reqs) if len(r.output_ids) >= self.layout.max_speech_tokens]
+        if full:
+            logits[full] = float("-inf")
+            logits[full, self.layout.stop_speech] = 0.0
+        return logits
+
+    def history_ids(self, tokens: list[Token], codebook: int) -> list[int]:
+        """Speech ids (the start tokens and the output): the published loop penalises exactly these."""
+        return [t if isinstance(t, int) else t[0] for t in tokens if isinstance(t, int) or t[1] == Kind.SPEECH]
+
+    def new_frame_builder(self) -> SpeechFrameBuilder:
+        return SpeechFrameBuilder(self.layout.start_speech)

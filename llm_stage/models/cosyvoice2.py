@@ -1,0 +1,166 @@
+"""CosyVoice 2 LM side: a Qwen2.5-0.5B body over text and 25 Hz speech tokens (6561 + 3 stop ids).
+
+A prompt is `[sos, text, task_id, prompt speech]`: sos / task_id are rows of `llm_embedding`, text
+ids embed through Qwen's own table, speech ids through `speech_embedding`; `llm_decoder` (with bias)
+scores the 6564 speech ids. Each position carries (id, kind) lanes so one batch mixes all three
+tables. Per request, stop ids are masked for the first 2x text tokens and forced after 20x (the
+published bounds). Weights: `llm_stage.models.cosyvoice2_lm`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+from core.checkpoints import resolve_model_ref
+from core.config import ModelConfig
+from core.errors import InvalidArgumentError
+from core.messages import SamplingParams
+from llm_stage.models.base import FrameBuilder, LMAdapter
+from llm_stage.models.cosyvoice2_lm import (
+    QWEN_DIR,
+    SPEECH_TOKEN_SIZE,
+    TEXT_SPECIAL_TOKENS,
+    CosyVoice2LM,
+    load_cosyvoice2_lm,
+    published_sampling,
+    read_published_settings,
+)
+from llm_stage.models.llama import LlamaBackbone
+from llm_stage.models.tokenizers import ByteTokenizer, HFTokenizer, TextTokenizer
+from llm_stage.request import Request, Token
+
+EOS_TOKEN = SPEECH_TOKEN_SIZE  # the stop id the published loop masks before the minimum length
+STOP_TOKENS = frozenset(SPEECH_TOKEN_SIZE + i for i in range(3))  # 6561..6563 all end a request
+SOS, TASK_ID = 0, 1  # rows of llm_embedding
+FRAME_RATE_HZ = 25.0
+MIN_TOKEN_TEXT_RATIO, MAX_TOKEN_TEXT_RATIO = 2, 20
+
+
+class Kind:
+    """Second lane of a position: which embedding table its id indexes."""
+
+    TEXT = 0  # the text to speak (Qwen's embed_tokens); its length sets the min / max output length
+    PROMPT_TEXT = 1  # a voice's transcript (Qwen's embed_tokens too), not counted in the text length
+    SPEECH = 2  # a speech token (speech_embedding): a voice's prompt tokens and every generated one
+    LLM = 3  # sos / task_id (llm_embedding)
+
+
+class SpeechFrameBuilder(FrameBuilder):
+    """Every generated token is one 25 Hz frame of one speech code."""
+
+    def push(self, token_id: Token) -> list[list[int]]:
+        return [[int(token_id)]]  # type: ignore[arg-type]
+
+
+class CosyVoice2Adapter(LMAdapter):
+    family = "cosyvoice2"
+    voices: tuple[str, ...] = ()  # no built-in speakers: voices come from reference clips (zero-shot)
+    eos_token_ids = STOP_TOKENS
+    input_width = 2  # (id, Kind)
+    pad_token = (0, Kind.TEXT)
+    # the published cosyvoice2.yaml: ras_sampling(top_p=0.8, top_k=25, win_size=10, tau_r=0.1) on log-probs (T = 1)
+    default_sampling = SamplingParams(temperature=1.0, top_p=0.8, top_k=25, ras_window=10, ras_tau=0.1, max_tokens=1500)
+
+    def __init__(
+        self, model: CosyVoice2LM, tokenizer: TextTokenizer, default_sampling: SamplingParams | None = None
+    ) -> None:
+        qwen = model.qwen
+        sliding = [t for t in getattr(qwen.config, "layer_types", None) or [] if t != "full_attention"]
+        if sliding:
+            raise InvalidArgumentError("model.checkpoint_dir", f"the Qwen body has {sliding[0]} layers; unsupported")
+        shim = SimpleNamespace(config=qwen.config, model=qwen.model, lm_head=model.llm_decoder)
+        super().__init__(LlamaBackbone(shim))  # type: ignore[arg-type]
+        self.model, self.tokenizer = model, tokenizer
+        if default_sampling is not None:
+            self.default_sampling = default_sampling
+        self._text_len: weakref.WeakKeyDictionary[Request, int] = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def build(cls, config: ModelConfig) -> CosyVoice2Adapter:
+        """The published CosyVoice2-0.5B directory (weights, its Qwen tokenizer with CosyVoice's markers,
+        the yaml's sampling) or the tiny preset (byte tokenizer)."""
+        model = load_cosyvoice2_lm(config)
+        if config.checkpoint_dir is None:
+            return cls(model, ByteTokenizer(offset=3, bos_id=None))
+        directory = resolve_model_ref(config.checkpoint_dir)
+        tokenizer = HFTokenizer(directory / QWEN_DIR, extra_special_tokens=TEXT_SPECIAL_TOKENS)
+        sampling = published_sampling(cls.default_sampling, read_published_settings(directory))
+        return cls(model, tokenizer, sampling)
+
+    def format_prompt(self, text: str, voice: str | None) -> list[Token]:
+        return self.voice_prompt(text)
+
+    def voice_prompt(self, text: str, prompt_text: str = "", prompt_speech: list[int] | None = None) -> list[Token]:
+        """`[sos, prompt text + text, task_id, prompt speech]`: a zero-shot voice passes its clip's
+        transcript and speech tokens; without them this is the plain text-to-speech prompt."""
+        speech = list(prompt_speech or [])
+        bad = next((s for s in speech if not 0 <= s < SPEECH_TOKEN_SIZE), None)
+        if bad is not None:
+            raise InvalidArgumentError("voice", f"prompt speech token {bad} is outside [0, {SPEECH_TOKEN_SIZE})")
+        body = self.tokenizer.encode(text)
+        if not body:
+            raise InvalidArgumentError("text", "has no tokens")
+        context = self.tokenizer.encode(prompt_text) if prompt_text else []
+        return [
+            (SOS, Kind.LLM),
+            *((i, Kind.PROMPT_TEXT) for i in context),
+            *((i, Kind.TEXT) for i in body),
+            (TASK_ID, Kind.LLM),
+            *((s, Kind.SPEECH) for s in speech),
+        ]
+
+    def token_lanes(self, token: Token) -> list[int]:
+        return [token, Kind.SPEECH] if isinstance(token, int) else list(token)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [B, T, 2] -> [B, T, H]: each position from the table its kind names."""
+        token, kind = ids[..., 0], ids[..., 1]
+        is_text = (kind == Kind.TEXT) | (kind == Kind.PROMPT_TEXT)
+        text = self.model.qwen.model.embed_tokens(torch.where(is_text, token, 0))
+        speech = self.model.speech_embedding(torch.where(kind == Kind.SPEECH, token, 0))
+        special = self.model.llm_embedding(torch.where(kind == Kind.LLM, token, 0))
+        out = torch.where(is_text.unsqueeze(-1), text, speech)
+        return torch.where((kind == Kind.LLM).unsqueeze(-1), special, out)
+
+    def logits(self, hidden: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, None]:
+        """hidden [B, H] -> llm_decoder scores [B, 6564] (float32)."""
+        decoder = self.model.llm_decoder
+        return F.linear(hidden, decoder.weight, decoder.bias).float(), None
+
+    def text_len(self, req: Request) -> int:
+        """Text tokens of the request (not a voice's transcript), counted once per request."""
+        found = self._text_len.get(req)
+        if found is None:
+            found = self._text_len[req] = sum(1 for t in req.prompt_ids if isinstance(t, tuple) and t[1] == Kind.TEXT)
+        return found
+
+    def length_bounds(self, req: Request) -> tuple[int, int]:
+        """(min, max) generated tokens: 2x and 20x the text tokens, as the published loop bounds them."""
+        num_text = self.text_len(req)
+        return MIN_TOKEN_TEXT_RATIO * num_text, MAX_TOKEN_TEXT_RATIO * num_text
+
+    def constrain(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """Before the minimum length EOS (6561) may not be drawn (the other stop ids may, as published);
+        at the maximum only EOS may, so a request ends with exactly the maximum emitted."""
+        bounds = [self.length_bounds(r) for r in reqs]
+        generated = [len(r.output_ids) for r in reqs]
+        below_min = [b for b, (n, (low, _)) in enumerate(zip(generated, bounds, strict=True)) if n < low]
+        at_max = [b for b, (n, (_, high)) in enumerate(zip(generated, bounds, strict=True)) if n >= high]
+        if below_min:
+            logits[below_min, EOS_TOKEN] = float("-inf")
+        if at_max:
+            logits[at_max] = float("-inf")
+            logits[at_max, EOS_TOKEN] = 0.0
+        return logits
+
+    def history_ids(self, tokens: list[Token], codebook: int) -> list[int]:
+        """Speech ids among `tokens` (a voice's prompt speech and the output); text and sos / task_id
+        positions index other tables, so the repetition penalty never sees them."""
+        return [t if isinstance(t, int) else t[0] for t in tokens if isinstance(t, int) or t[1] == Kind.SPEECH]
+
+    def new_frame_builder(self) -> SpeechFrameBuilder:
+        return SpeechFrameBuilder()
