@@ -77,6 +77,15 @@ class Chunker:
         return chunker
 
     @property
+    def next_seq(self) -> int:
+        return self._seq
+
+    @property
+    def num_emitted(self) -> int:
+        """Frames covered by the chunks cut so far."""
+        return self._emitted
+
+    @property
     def num_frames(self) -> int:
         return self._base + len(self._frames) - self._num_to_skip
 

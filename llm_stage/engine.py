@@ -23,8 +23,9 @@ from core.messages import Job, ResumeState, SamplingParams
 from core.policy import SchedulingPolicy, StepTimer, make_policy
 from llm_stage.cfg import merge_guidance
 from llm_stage.jobs import build_job
+from llm_stage.migration import KVSnapshot, fits, put_rows, take_rows
 from llm_stage.models.base import FrameBuilder, LMAdapter
-from llm_stage.request import FinishReason, Request, Token
+from llm_stage.request import FinishReason, Request, RequestStatus, Token
 from llm_stage.runner import ModelRunner
 from llm_stage.sampler import SamplingRow, sample
 from llm_stage.scheduler import Scheduler, StepPlan
@@ -81,13 +82,13 @@ class LLMEngine:
         job = build_job(self.adapter, text=text, voice=voice, sampling=sampling)
         return dataclasses.replace(job, req_id=req_id)  # an empty or duplicate id is refused by add_prompt
 
-    def add_job(self, job: Job) -> Request:
+    def add_job(self, job: Job, kv: KVSnapshot | None = None) -> Request:
         """Queue a validated Job; the tokenized prompt must fit the KV context (errors name `job.text_field`)."""
         try:
             prompt = self.adapter.job_prompt(job)
             guided = job.sampling.guidance_scale is not None
             uncond = self.adapter.unconditional_job_prompt(job) if guided else None
-            return self.add_prompt(job.req_id, prompt, job.sampling, uncond, job.resume)
+            return self.add_prompt(job.req_id, prompt, job.sampling, uncond, job.resume, kv)
         except InvalidArgumentError as err:
             if err.field != "text":
                 raise
@@ -100,9 +101,11 @@ class LLMEngine:
         sampling: SamplingParams,
         uncond_prompt: list[Token] | None = None,
         resume: ResumeState | None = None,
+        kv: KVSnapshot | None = None,
     ) -> Request:
         """Queue a formatted prompt; a guided request (CFG) passes its twin's `uncond_prompt`.
-        `resume` continues a stream another replica started (see `_restore`)."""
+        `resume` continues a stream another replica started (see `_restore`), decoding at once from
+        its migrated `kv` when that fits and slots are free, else prefilled again."""
         if not req_id or req_id in self.requests:
             raise InvalidArgumentError("request_id", f"{req_id!r} is empty or already in use")
         resumed = len(resume.tokens) if resume is not None else 0
@@ -116,8 +119,26 @@ class LLMEngine:
         if resume is not None:
             self._restore(req, resume)
         self.requests[req_id] = req
-        self.scheduler.add(req)
+        if not (kv is not None and self._place_kv(req, kv)):
+            self.scheduler.add(req)
         return req
+
+    def _place_kv(self, req: Request, kv: KVSnapshot) -> bool:
+        cache = self.runner.cache
+        if not (self.adapter.backbone.state_is_slot_kv and fits(kv, req.unit, cache)):
+            return False
+        if not self.scheduler.add_decoding(req):
+            return False
+        put_rows(cache, req.unit, kv)
+        return True
+
+    def export_kv(self, req_id: str) -> KVSnapshot | None:
+        """A decoding request's KV rows, for another engine to continue it (None: it is not decoding,
+        or this backbone keeps state beside the cache; the other engine then prefills it again)."""
+        req = self.requests.get(req_id)
+        if req is None or req.status is not RequestStatus.DECODING or not self.adapter.backbone.state_is_slot_kv:
+            return None
+        return take_rows(self.runner.cache, req.unit)
 
     def _restore(self, req: Request, resume: ResumeState) -> None:
         """The stream's sampled tokens become known positions (prefilled with the prompt, as after a

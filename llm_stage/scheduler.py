@@ -102,6 +102,17 @@ class Scheduler:
             raise ValueError("a CFG twin is scheduled through its guided request")
         self.waiting.append(req)
 
+    def add_decoding(self, req: Request) -> bool:
+        """Run a request whose known positions are already in the cache (a migrated stream): slots
+        for its unit now, straight to decoding; False (nothing changed) when they are not free."""
+        if req.is_twin or self.slots.num_free < len(req.unit):
+            return False
+        for row in req.unit:
+            row.slot = self.slots.allocate()
+            row.status = RequestStatus.DECODING
+        self.running[req.req_id] = req
+        return True
+
     def schedule(self) -> StepPlan:
         """Decode rows in policy order, prefill work for new requests (ahead of the order's tail
         when the policy says so), then more prefill work while rows and token budget last."""

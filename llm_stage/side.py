@@ -11,10 +11,11 @@ import dataclasses
 import time
 from collections.abc import Callable
 
-from core.messages import Checkpoint, HopTimes, Job, TokenChunk
+from core.messages import Checkpoint, HopTimes, Job, ResumeState, TokenChunk
 from core.policy import buffered_s
 from llm_stage.chunking import Chunker, ChunkSchedule
 from llm_stage.engine import LLMEngine, StepOutput
+from llm_stage.migration import KVSnapshot
 from llm_stage.request import Request
 
 BUFFER_SAFETY = 0.7  # share of the client's buffer a chunk may spend: step times jitter when streams join
@@ -36,8 +37,9 @@ class LLMSide:
         self.num_checkpointed: dict[str, int] = {}  # tokens each stream's checkpoints cover so far
         self.checkpoints: dict[tuple[str, int], Checkpoint] = {}  # (req_id, seq) -> taken at its cut
 
-    def add(self, job: Job) -> None:
-        self.engine.add_job(job)
+    def add(self, job: Job, kv: KVSnapshot | None = None) -> None:
+        """Queue `job`; a resumed one continues its chunks, decoding at once from a migrated `kv`."""
+        self.engine.add_job(job, kv)
         resume = job.resume
         if resume is None:
             self.chunkers[job.req_id] = Chunker(job.req_id, self.schedule)
@@ -52,6 +54,17 @@ class LLMSide:
         self.engine.cancel(req_id)
         self.chunkers.pop(req_id, None)
         self.num_checkpointed.pop(req_id, None)
+
+    def move_out(self, req_id: str) -> tuple[ResumeState, KVSnapshot | None] | None:
+        """Stop a stream here so another engine continues it: its state (every sampled token, the
+        generator, where its chunks stand) and its KV rows when they can move (None: not running)."""
+        req, chunker = self.engine.requests.get(req_id), self.chunkers.get(req_id)
+        if req is None or chunker is None:
+            return None
+        kv = self.engine.export_kv(req_id)
+        tokens, rng_state = tuple(req.output_ids), self.engine.sampler_state(req_id)
+        self.cancel(req_id)
+        return ResumeState(tokens, rng_state, chunker.next_seq, chunker.num_emitted), kv
 
     def take_checkpoints(self) -> dict[tuple[str, int], Checkpoint]:
         """The checkpoints of the last step's chunks (the LLMStage ships them with the audio)."""

@@ -32,6 +32,9 @@ class Backbone(Protocol):
 
     # whether its decode forward may be captured as CUDA graphs (then `forward` takes a fixed `length`)
     supports_decode_graphs: bool
+    # whether a stream's whole state is its rows of the slot KV cache, so copying them moves it
+    # to another engine (KV migration); otherwise a moved stream is prefilled again
+    state_is_slot_kv: bool
     lm_head_weight: torch.Tensor  # [V, H]: its device and dtype are the KV cache's
     num_layers: int
     num_kv_heads: int

@@ -37,6 +37,7 @@ class DiaDecoderBackbone:
     """The engine-facing backbone: same attributes and `forward` contract as `LlamaBackbone`."""
 
     supports_decode_graphs = False  # decode graphs are wired for LlamaBackbone's fixed-length forward only
+    state_is_slot_kv = False  # per-slot text and cross-attention K/V live beside the cache: moved streams re-prefill
 
     def __init__(self, model: DiaForConditionalGeneration) -> None:
         dec_cfg, enc_cfg = model.config.decoder_config, model.config.encoder_config

@@ -116,6 +116,7 @@ class LlamaBackbone:
     """Runs `LlamaModel`-compatible weights (decoder layers + final norm) on a SlotKVCache."""
 
     supports_decode_graphs = True
+    state_is_slot_kv = True  # a stream's whole state here is its rows of the slot KV cache (KV migration)
 
     def __init__(self, hf_model: torch.nn.Module) -> None:
         cfg = hf_model.config

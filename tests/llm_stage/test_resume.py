@@ -92,3 +92,60 @@ def test_resume_that_overflows_the_context_is_refused():
     with pytest.raises(Exception, match="context holds"):
         side.add(_job(side, "too long", {"max_tokens": 10}, state))
     assert isinstance(side.engine, LLMEngine) and "r" not in side.chunkers
+
+
+MIGRATION_CASES = [
+    ("orpheus-tiny", {"temperature": 0.0, "max_tokens": 7 * 30}),
+    ("orpheus-tiny", {"temperature": 0.9, "top_p": 0.95, "seed": 7, "max_tokens": 7 * 30}),
+    ("parallel-heads-tiny", {"temperature": 0.0, "max_tokens": 40, "guidance_scale": 2.0}),
+    ("parallel-heads-tiny", {"temperature": 0.9, "seed": 11, "max_tokens": 40, "guidance_scale": 2.0}),
+    ("csm-tiny", {"temperature": 0.8, "seed": 3, "max_tokens": 40}),
+]
+
+
+@pytest.mark.parametrize(
+    ("model", "sampling"), MIGRATION_CASES, ids=[f"{m}-{i}" for i, (m, _) in enumerate(MIGRATION_CASES)]
+)
+def test_kv_migration_mid_stream_gives_the_uninterrupted_chunks(model: str, sampling: dict):
+    """The stream leaves one engine with its KV rows (and its CFG twin's) and sampler state; the
+    other engine decodes at once, no prefill, and cuts exactly the chunks of an uninterrupted run."""
+    text = "move me to another replica"
+    source = _side(model)
+    reference = _run(source, _job(source, text, sampling))
+    source = _side(model)
+    source.add(_job(source, text, sampling))
+    before: list[TokenChunk] = []
+    while len(before) < 2:
+        before += source.step()
+    state, kv = source.move_out("r")
+    assert kv is not None and "r" not in source.engine.requests and source.engine.scheduler.slots.num_used == 0
+    target = _side(model)
+    target.add(_job(target, text, sampling, state), kv)
+    req = target.engine.requests["r"]
+    assert req.status.value == "decoding" and all(row.num_cached == row.num_known - 1 for row in req.unit)
+    assert _layout([(c, None) for c in before + _drain(target)]) == _layout(reference)
+
+
+def _drain(side: LLMSide) -> list[TokenChunk]:
+    chunks: list[TokenChunk] = []
+    while side.engine.has_work:
+        chunks += side.step()
+    return chunks
+
+
+def test_kv_that_does_not_fit_is_prefilled_again():
+    """A snapshot whose rows do not match the request (or no free slot) falls back to re-prefill."""
+    source = _side("orpheus-tiny")
+    sampling = {"temperature": 0.0, "max_tokens": 7 * 30}
+    reference = _run(source, _job(source, "fallback", sampling))
+    source = _side("orpheus-tiny")
+    source.add(_job(source, "fallback", sampling))
+    before: list[TokenChunk] = []
+    while len(before) < 2:
+        before += source.step()
+    state, kv = source.move_out("r")
+    short = type(kv)(tuple(k[:, :, :-1] for k in kv.keys), tuple(v[:, :, :-1] for v in kv.values))
+    target = _side("orpheus-tiny")
+    target.add(_job(target, "fallback", sampling, state), short)
+    assert target.engine.requests["r"].status.value == "waiting"
+    assert _layout([(c, None) for c in before + _drain(target)]) == _layout(reference)
