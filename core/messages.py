@@ -101,6 +101,7 @@ class ResumeState:
     rng_state: bytes | None
     next_seq: int
     frames_shipped: int
+    kv: object = None  # a moved stream's KV rows: ray.ObjectRef[llm_stage.migration.KVSnapshot]; None = prefill
 
 
 @dataclass(frozen=True)
@@ -232,11 +233,20 @@ class AudioReady:
 
 
 @dataclass(frozen=True)
+class Moved:
+    """The LLM replica handed the stream off (it is leaving): the router continues it elsewhere
+    from `resume`, which carries the stream's KV; every chunk before `resume.next_seq` came first."""
+
+    resume: ResumeState
+    llm_replica: str = ""  # the replica leaving, which routers should pass over from now on
+
+
+@dataclass(frozen=True)
 class Failed:
     """The stream broke inside the cluster (engine or detokenizer failure); nothing more follows."""
 
     message: str
 
 
-StreamHead = Admitted | Queued | Rejected | Invalid | Failed
-StreamEvent = Admitted | Queued | Rejected | Invalid | AudioReady | Failed
+StreamHead = Admitted | Queued | Rejected | Invalid | Moved | Failed
+StreamEvent = Admitted | Queued | Rejected | Invalid | AudioReady | Moved | Failed

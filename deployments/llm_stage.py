@@ -12,12 +12,15 @@ Cancelling a stream frees its KV slot and drops its undecoded chunks.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from ray.exceptions import ActorUnavailableError, RayActorError
+import ray
+from ray.exceptions import ActorUnavailableError, RayActorError, RayError
 
 from core.config import ServeConfig
 from core.errors import InvalidArgumentError
@@ -29,6 +32,7 @@ from core.messages import (
     Failed,
     Invalid,
     Job,
+    Moved,
     Queued,
     Rejected,
     StreamEvent,
@@ -36,14 +40,17 @@ from core.messages import (
 )
 from deployments.engine_loop import EngineLoop, finish_on_thread, replica_tag
 from deployments.metrics import StageMetrics
+from llm_stage.migration import KVSnapshot
 from llm_stage.registry import check_model_config
 from llm_stage.wiring import build_llm_side, size_for_streams
 from router.admission import Admission, ReplicaLoad, decide
+from router.drain import is_move_out_requested
 
 # A decode call whose detok replica died is resent, backing off, for this long: long enough for
 # Serve to replace the only replica of a small deployment (10-17 s measured on 2 cores).
 DETOK_RETRY_WINDOW_S = 30.0
 DETOK_RETRY_BACKOFF_S = (0.05, 0.2, 0.5, 1.0)
+MOVE_OUT_POLL_S = 0.2
 
 
 @dataclass
@@ -89,8 +96,11 @@ class LLMStage:
         self.num_decode_calls = 0
         self.num_audio_refs = 0
         self.num_detok_retries = 0
+        self.num_moved_out = self.num_kv_moved_in = self.kv_bytes_moved_in = 0
+        self.is_moving_out = False  # set once asked to hand every stream to the other replicas
         self.loop = EngineLoop(self._step, lambda: self.side.engine.has_work, self._fail_all, "llm-engine")
         self.loop.start()
+        threading.Thread(target=self._watch_move_out, name="llm-move-out", daemon=True).start()
 
     # ---- engine thread -------------------------------------------------------------------
     def _step(self) -> None:
@@ -147,14 +157,61 @@ class LLMStage:
         if stream is not None:
             stream.queue.put_nowait(err)
 
+    # ---- moving streams out (a replica about to leave) -------------------------------------
+    def _watch_move_out(self) -> None:
+        """Poll for a move-out request; from then on, hand every stream here to the other replicas."""
+        replica = self.replica_tag.split("#")[-1]
+        while not self.is_moving_out:
+            time.sleep(MOVE_OUT_POLL_S)
+            try:
+                self.is_moving_out = is_move_out_requested(self.config.app_name, replica)
+            except Exception:  # the GCS is going away with the cluster
+                continue
+        while True:
+            self._move_streams_out()
+            time.sleep(MOVE_OUT_POLL_S)
+
+    def _move_streams_out(self) -> None:
+        """Stop every running stream between two engine steps and send each a Moved event (after
+        the chunks already cut) carrying its state and KV, put in the object store."""
+        if self.event_loop is None:
+            return
+        with self.loop.exclusive():
+            moved = [(req_id, self.side.move_out(req_id)) for req_id in list(self.streams)]
+        for req_id, taken in moved:
+            if taken is None:  # not in the engine yet (still being added), or finished
+                continue
+            state, kv = taken
+            resume = dataclasses.replace(state, kv=ray.put(kv) if kv is not None else None)
+            self.num_moved_out += 1
+            self.event_loop.call_soon_threadsafe(self._queue_moved, req_id, Moved(resume, self.replica_tag))
+
+    def _queue_moved(self, req_id: str, moved: Moved) -> None:
+        stream = self.streams.get(req_id)
+        if stream is not None:
+            stream.queue.put_nowait(moved)
+
+    async def _fetch_kv(self, job: Job) -> KVSnapshot | None:
+        """A moved stream's KV rows (None: none sent, or lost with the replica that sent them)."""
+        if job.resume is None or job.resume.kv is None:
+            return None
+        try:
+            kv = await job.resume.kv
+        except RayError:
+            return None
+        self.num_kv_moved_in += 1
+        self.kv_bytes_moved_in += kv.num_bytes
+        return kv
+
     # ---- replica API ----------------------------------------------------------------------
     def load(self) -> ReplicaLoad:
         admission = self.config.admission
         first_tokens = self.schedule.chunk_size(0) + self.schedule.right_context_frames
         timer, rows_per_stream = self.side.engine.timer, self.rows_per_stream
         real_time_rows = timer.measured_real_time_rows() or 0.0
+        full = admission.max_streams_per_replica + admission.max_queued_per_replica
         return ReplicaLoad(
-            num_active=len(self.streams),
+            num_active=full if self.is_moving_out else len(self.streams),  # routers then send it nothing
             max_streams=admission.max_streams_per_replica,
             max_queued=admission.max_queued_per_replica,
             step_s=self.side.engine.timer.step_s,  # the estimate the policy uses too
@@ -179,6 +236,10 @@ class LLMStage:
             "decode_calls": self.num_decode_calls,  # one per engine step that cut chunks
             "audio_refs": self.num_audio_refs,  # chunks forwarded by reference (their audio never came here)
             "detok_retries": self.num_detok_retries,  # decode calls resent after losing a detok replica
+            "moved_out": self.num_moved_out,  # streams handed to other replicas (move-out)
+            "kv_moved_in": self.num_kv_moved_in,  # streams that arrived with their KV rows
+            "kv_bytes_moved_in": self.kv_bytes_moved_in,
+            "replica": self.replica_tag,
             "at_s": time.time(),  # wall clock of this reading, for latency bounds measured from outside
         }
 
@@ -187,17 +248,22 @@ class LLMStage:
         if job.req_id in self.streams:  # never let a duplicate id touch the running stream's state
             yield Invalid("request_id", f"{job.req_id!r} is already streaming")
             return
+        if self.is_moving_out:  # leaving: a resumed stream goes back to the router for another replica
+            leaving = Moved(job.resume, self.replica_tag) if job.resume is not None else None
+            yield leaving or Rejected(self.config.admission.retry_after_s)
+            return
         # A resumed stream was admitted once already: it queues for a slot rather than being dropped.
         verdict = decide(self.load(), job.ttfa_deadline_s) if job.resume is None else Admission.ADMIT
         if verdict is Admission.REJECT:
             yield Rejected(self.config.admission.retry_after_s)
             return
         self.event_loop = asyncio.get_running_loop()
+        kv = await self._fetch_kv(job)
         stream = _Stream(asyncio.Queue())
         self.streams[job.req_id] = stream
         try:
             try:
-                await finish_on_thread(self._add, job)  # a cancel mid-add reaches `_close` after it
+                await finish_on_thread(self._add, job, kv)  # a cancel mid-add reaches `_close` after it
             except InvalidArgumentError as err:
                 yield Invalid(err.field, err.message)
                 return
@@ -207,12 +273,15 @@ class LLMStage:
         finally:
             await self._close(job.req_id, stream)
 
-    async def _audio(self, stream: _Stream) -> AsyncIterator[AudioReady | Failed]:
+    async def _audio(self, stream: _Stream) -> AsyncIterator[AudioReady | Moved | Failed]:
         """The stream's chunks' AudioRefs in seq order, as their decode calls return."""
         while True:
             item = await stream.queue.get()
             if isinstance(item, BaseException):  # the engine failed: the stream fails, never hangs
                 yield Failed(f"LLM engine failed: {item}")
+                return
+            if isinstance(item, Moved):  # handed off: the chunks cut here came first
+                yield item
                 return
             batch, index, checkpoint = item
             try:
@@ -228,9 +297,9 @@ class LLMStage:
                 stream.is_done = True
                 return
 
-    def _add(self, job: Job) -> None:
+    def _add(self, job: Job, kv: KVSnapshot | None = None) -> None:
         with self.loop.exclusive():
-            self.side.add(job)
+            self.side.add(job, kv)
         self.loop.wake()
 
     async def _close(self, req_id: str, stream: _Stream) -> None:

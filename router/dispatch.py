@@ -39,6 +39,14 @@ def num_live_replicas(app_name: str) -> int | None:
     return len(router.curr_replicas) if router is not None else None
 
 
+def pass_over(app_name: str, replica_tag: str) -> None:
+    """Rank the LLM replica `replica_tag` (`LLMStage#<id>`) last from now on: it is leaving and hands
+    its streams back (its own load report says so too, but only at its next stats refresh)."""
+    router = _BOARDS.get(app_name)
+    if router is not None and replica_tag:
+        router.leaving.add(replica_tag.rsplit("#", 1)[-1])
+
+
 class PredictedTTFARouter(RequestRouter):
     def initialize_state(self, **kwargs) -> None:
         """Called by Serve once it has built the router (its deployment is known by then)."""
@@ -48,6 +56,7 @@ class PredictedTTFARouter(RequestRouter):
         self._last_stats: dict[ReplicaID, dict] = {}
         self._replicas_seen: dict[ReplicaID, RunningReplica] = {}
         self._choosing: dict[str, ReplicaID] = {}  # request -> replica it was ranked first on, not yet sent
+        self.leaving: set[str] = set()  # unique ids of replicas handing their streams off
 
     def _ensure_state(self) -> None:
         if not hasattr(self, "_routed"):
@@ -67,6 +76,8 @@ class PredictedTTFARouter(RequestRouter):
         return ReplicaLoad(**{**load.to_stats(), "num_active": max(0, load.num_active + pending)})
 
     def _score(self, replica: RunningReplica) -> tuple[float, int]:
+        if replica.replica_id.unique_id in self.leaving:
+            return (float("inf"), 0)
         load = self._refresh(replica)
         if load is None:  # no stats yet: spread by what we routed or are routing
             routed = self._routed[replica.replica_id] + sum(
@@ -85,6 +96,7 @@ class PredictedTTFARouter(RequestRouter):
         self._ensure_state()
         live = {r.replica_id for r in candidate_replicas}
         self._replicas_seen = {rid: r for rid, r in self._replicas_seen.items() if rid in live}
+        self.leaving &= {rid.unique_id for rid in live}
         key = pending_request.metadata.internal_request_id if pending_request is not None else None
         if key is not None:
             self._choosing.pop(key, None)  # a retry ranks afresh

@@ -1,4 +1,5 @@
-"""Graceful stop, router side: a drain deadline in Ray's internal KV that every Router replica watches.
+"""Graceful stop: a drain deadline in Ray's internal KV that every Router replica watches, and
+move-out requests that one LLM replica watches (it hands its streams, KV included, to the others).
 
 `start_drain` (called by `voxray serve` on SIGTERM, and by `voxray drain`, the k8s preStop hook)
 sets the app's deadline. Each Router's `DrainWatch` sees it within `POLL_S`; the Router then
@@ -42,10 +43,24 @@ def open_streams_by_router(app_name: str) -> dict[str, int]:
     return {key[len(prefix) :].decode(): int(value) for key, value in counts.items() if value is not None}
 
 
+def _move_out_key(app_name: str, replica: str) -> bytes:
+    return f"move-out:{app_name}:{replica}".encode()
+
+
+def request_move_out(app_name: str, replica: str) -> None:
+    """Ask one LLM replica to hand its streams to the others (with their KV) and take no new ones."""
+    internal_kv._internal_kv_put(_move_out_key(app_name, replica), b"1", namespace=_NAMESPACE)
+
+
+def is_move_out_requested(app_name: str, replica: str) -> bool:
+    return internal_kv._internal_kv_exists(_move_out_key(app_name, replica), namespace=_NAMESPACE)
+
+
 def clear_drain(app_name: str) -> None:
     """Forget the app's drain (a redeploy of it serves again)."""
     internal_kv._internal_kv_del(_deadline_key(app_name), namespace=_NAMESPACE)
     internal_kv._internal_kv_del(_count_prefix(app_name), del_by_prefix=True, namespace=_NAMESPACE)
+    internal_kv._internal_kv_del(f"move-out:{app_name}:".encode(), del_by_prefix=True, namespace=_NAMESPACE)
 
 
 class DrainWatch:

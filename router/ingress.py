@@ -11,7 +11,6 @@ the LLM replica frees it.
 
 import asyncio
 import dataclasses
-import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -31,14 +30,26 @@ from starlette.background import BackgroundTask
 
 from core.config import ServeConfig
 from core.errors import InvalidArgumentError
-from core.messages import Admitted, AudioChunk, AudioReady, Failed, Invalid, Job, Queued, Rejected, StreamHead
+from core.messages import (
+    Admitted,
+    AudioChunk,
+    AudioReady,
+    Failed,
+    Invalid,
+    Job,
+    Moved,
+    Queued,
+    Rejected,
+    ResumeState,
+    StreamHead,
+)
 from llm_stage.jobs import printable_name
 from llm_stage.registry import ModelEntry, get_entry
 from protos import voxray_pb2
 from router.admission import stream_limit
 from router.audio_format import streaming_wav_header
 from router.auth import ApiKeys, QuotaExceeded, Unauthenticated
-from router.dispatch import estimated_loads, num_live_replicas
+from router.dispatch import estimated_loads, num_live_replicas, pass_over
 from router.drain import DrainWatch
 from router.grpc_service import GrpcAbort, pack_trailers, quiet_serve_aborts
 from router.jobs import (
@@ -59,6 +70,7 @@ logger = logging.getLogger("ray.serve.voxray")
 # A stream whose LLM replica dies is resumed elsewhere at most this many times, after these waits
 # (Serve's handle skips a replica once a call to it failed with ActorDiedError).
 RESUME_BACKOFF_S = (0.05, 0.2, 0.5)
+MAX_MOVES = 8  # hand-offs of one stream (a replica leaving bounces resumed streams it is sent)
 HEAD_POLL_S = 0.05  # while waiting for a stream's head: how often to look for live LLM replicas
 
 
@@ -82,6 +94,14 @@ class Draining(Exception):
     def __init__(self, retry_after_s: float) -> None:
         super().__init__(f"server is shutting down; retry after {retry_after_s:.1f} s")
         self.retry_after_s = retry_after_s
+
+
+class StreamMoved(Exception):
+    """The LLM replica handed the stream off; `moved.resume` continues it on another one."""
+
+    def __init__(self, moved: Moved) -> None:
+        super().__init__(f"stream moved off {moved.llm_replica}")
+        self.moved = moved
 
 
 class StreamFailed(Exception):
@@ -147,19 +167,32 @@ class RouterCore:
             self.open_streams -= 1
 
     async def _dispatch(self, job: Job) -> AsyncIterator[SentChunk]:
-        """Stream `job` from an LLM replica; when that replica dies mid-stream, resume it on another
-        from the last checkpoint the client's chunks carried (`router.resume`)."""
+        """Stream `job` from an LLM replica. When that replica dies mid-stream, resume it on another
+        from the last checkpoint the client's chunks carried (`router.resume`); when it hands the
+        stream off (a Moved event: it is leaving), continue it elsewhere with the KV it sent."""
         tracker, progress = PlaybackTracker(time.monotonic()), StreamProgress()
-        for attempt in itertools.count():
-            resumed = dataclasses.replace(job, resume=progress.resume_state()) if progress.next_seq else job
+        handoff: ResumeState | None = None
+        num_lost = num_moved = 0
+        while True:
+            resume = handoff or (progress.resume_state() if progress.next_seq else None)
             try:
-                async for sent in self._relay(resumed, tracker, progress):
+                async for sent in self._relay(dataclasses.replace(job, resume=resume), tracker, progress):
                     yield sent
                 return
+            except StreamMoved as moved:
+                num_moved += 1
+                if num_moved > MAX_MOVES:
+                    raise StreamFailed(f"moved {num_moved} times without a replica taking it") from None
+                handoff = moved.moved.resume
+                progress.adopt(handoff)
+                pass_over(self.config.app_name, moved.moved.llm_replica)
+                self.metrics.moves.inc()
             except (RayActorError, ActorUnavailableError) as err:
-                if attempt >= len(RESUME_BACKOFF_S) or not progress.is_resumable:
+                if num_lost >= len(RESUME_BACKOFF_S) or not progress.is_resumable:
                     raise
-                await asyncio.sleep(RESUME_BACKOFF_S[attempt])
+                await asyncio.sleep(RESUME_BACKOFF_S[num_lost])
+                num_lost += 1
+                handoff = None  # its KV died with the replica: prefill again from the checkpoints
                 self.metrics.resumes.inc()
                 lost = type(err).__name__
                 logger.warning("%s: LLM replica lost (%s); resuming at chunk %d", job.req_id, lost, progress.next_seq)
@@ -173,6 +206,8 @@ class RouterCore:
             async for event in stream:
                 if isinstance(event, Failed):
                     raise StreamFailed(event.message)
+                if isinstance(event, Moved):
+                    raise StreamMoved(event)
                 audio = await self._fetch(event)
                 now = time.monotonic()
                 underrun = tracker.on_chunk(now, audio.duration_s)
@@ -239,6 +274,8 @@ class RouterCore:
                 raise InvalidArgumentError(field, message)
             case Failed(message=message):
                 raise StreamFailed(message)
+            case Moved():  # a leaving replica bounced the stream
+                raise StreamMoved(head)
         raise StreamFailed(f"unexpected stream head {type(head).__name__}")
 
 

@@ -25,4 +25,5 @@ class RouterMetrics:
         self.audio = Counter("voxray_audio_seconds", "Seconds of audio sent to clients.")
         self.realtime = Gauge("voxray_realtime_factor", "Audio seconds / wall seconds of the last finished stream.")
         self.rejections = Counter("voxray_admission_rejections", "Requests answered RESOURCE_EXHAUSTED / 429.")
+        self.moves = Counter("voxray_stream_moves", "Streams handed to another LLM replica with their KV.")
         self.resumes = Counter("voxray_stream_resumes", "Streams moved to another LLM replica after theirs died.")

@@ -29,5 +29,10 @@ class StreamProgress:
         self.next_seq = event.ref.seq + 1
         self.frames_shipped = event.ref.chunk.keep_end
 
+    def adopt(self, handoff: ResumeState) -> None:
+        """A replica handed the stream off with its full state: later checkpoints extend that."""
+        self.tokens, self.rng_state = list(handoff.tokens), handoff.rng_state
+        self.next_seq, self.frames_shipped = handoff.next_seq, handoff.frames_shipped
+
     def resume_state(self) -> ResumeState:
         return ResumeState(tuple(self.tokens), self.rng_state, self.next_seq, self.frames_shipped)

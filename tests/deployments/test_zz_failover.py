@@ -43,6 +43,12 @@ def _replicas(app_name: str, deployment: str) -> list:
     ]
 
 
+def _replica_ids(app_name: str, deployment: str) -> list[str]:
+    prefix = f"SERVE_REPLICA::{app_name}#{deployment}#"
+    names = [actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)]
+    return [name[len(prefix) :] for name in names if name.startswith(prefix)]
+
+
 def _detok_replicas(app_name: str) -> list:
     return _replicas(app_name, "DetokStage")
 
@@ -160,5 +166,36 @@ def test_losing_the_only_llm_replica_answers_unavailable_at_once(cluster):
             assert "retry after" in outcome.details and int(outcome.trailers["retry-after-ms"]) > 0
         assert answered_s < 5.0  # not a benchmark: Serve alone held requests until a new replica was up
         print(f"kill -> playing streams and a new request answered UNAVAILABLE within {answered_s:.2f} s")
+    finally:
+        serve.delete(ep.app_name)
+
+
+LLM_MOVE = LLM_FAILOVER.model_copy(update={"app_name": "voxray-move", "route_prefix": "/move"})
+
+
+def test_streams_move_with_their_kv_off_a_leaving_llm_replica(cluster):
+    """A replica asked to leave hands its streams to the other one between two engine steps, KV
+    included (no prefill there); every stream finishes with the audio of an uninterrupted run."""
+    from cluster.server import deploy_app
+    from router.drain import request_move_out
+
+    ep = deploy_app(LLM_MOVE)
+    try:
+        jobs = [{"request_id": f"move-{i}", "text": f"moving {i}", "voice": "tara",
+                 "sampling": {"seed": i, "max_tokens": 7 * 48} if i % 2 else {"temperature": 0.0, "max_tokens": 7 * 48}}
+                for i in range(4)]  # fmt: skip
+        outcomes, threads = _play_all(ep, jobs)
+        time.sleep(1.5)
+        leaving_id = _replica_ids(ep.app_name, "LLMStage")[0]
+        request_move_out(ep.app_name, leaving_id)
+        for thread in threads:
+            thread.join(timeout=120)
+        _check_audio(outcomes, jobs, LLM_MOVE.engine)
+        moved = [o for o in outcomes.values() if len({c.llm_replica for c in o.chunks}) == 2]
+        assert moved and all(o.chunks[-1].llm_replica.endswith(leaving_id) is False for o in moved)
+        kept = serve.get_deployment_handle("LLMStage", ep.app_name).stats.remote().result()  # the leaving
+        assert not kept["replica"].endswith(leaving_id)  # replica reports itself full: routers pick the other
+        assert kept["kv_moved_in"] == len(moved) and kept["kv_bytes_moved_in"] > 0  # decoded on, not prefilled
+        print(f"{len(moved)} streams moved with {kept['kv_bytes_moved_in'] / 1e6:.2f} MB of KV")
     finally:
         serve.delete(ep.app_name)
