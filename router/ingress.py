@@ -10,7 +10,6 @@ internals. A stream that fails after admission is closed, so the LLM replica fre
 in through the replica's own server (`router.grpc_server`), HTTP through Serve's proxy.
 """
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, aclosing
@@ -331,14 +330,14 @@ def _serve_request_id() -> str:
 class Router:
     """Serve ingress class (FastAPI routes + gRPC methods); deployed by `deployments.app`."""
 
-    def __init__(self, config: dict, llm_handle, detok_handle) -> None:
+    async def __init__(self, config: dict, llm_handle, detok_handle) -> None:  # Serve awaits it; ready = gRPC up
         keep_replica_listener_on_loopback()
         self.core = RouterCore(config, llm_handle, detok_handle)
         self.auth = ApiKeys(self.core.config.auth, listen_host=self.core.config.http_host)
         if self.core.config.http_docs:
             expose_docs(http_app)
         self.grpc = SpeechServer(self.core.config, self)
-        self.grpc_started = asyncio.get_running_loop().create_task(self.grpc.start())  # the replica's loop
+        await self.grpc.start()  # on the replica's event loop, where the gRPC methods run
 
     async def __del__(self) -> None:  # Serve calls it when the replica shuts down
         await self.grpc.stop()

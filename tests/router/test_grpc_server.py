@@ -76,7 +76,9 @@ def serving(configs: list[ServeConfig], methods: StandInRouter) -> Iterator[list
 
 
 def _stream(channel: grpc.Channel, payload: bytes, metadata=(), timeout: float = 10) -> list:
-    call = channel.unary_stream(SYNTHESIZE, request_serializer=None, response_deserializer=voxray_pb2.AudioChunk.FromString)
+    call = channel.unary_stream(
+        SYNTHESIZE, request_serializer=None, response_deserializer=voxray_pb2.AudioChunk.FromString
+    )
     return list(call(payload, metadata=metadata, timeout=timeout))
 
 
