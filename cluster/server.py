@@ -65,7 +65,7 @@ def deploy(
 def deploy_app(config: ServeConfig) -> Endpoints:
     """Deploy one more app onto a running Serve (its ports are the running proxies')."""
     serve.run(build_app(config), name=config.app_name, route_prefix=config.route_prefix)
-    scheme = "https" if config.tls.enabled else "http"
+    scheme = "https" if config.tls.on_http else "http"
     http_url = f"{scheme}://{_client_host(config.http_host)}:{config.http_port}"
     return Endpoints(f"{_client_host(config.grpc_host)}:{config.grpc_port}", http_url, config.app_name)
 

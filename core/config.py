@@ -183,6 +183,11 @@ class TlsConfig(_Strict):
 
     cert_file: Path | None = Field(None, description="PEM certificate chain (e.g. a k8s TLS Secret's tls.crt).")
     key_file: Path | None = Field(None, description="PEM private key of the certificate (tls.key).")
+    http_proxy: bool = Field(
+        True,
+        description="Serve's HTTP proxy uses the certificate too. False where a gateway terminates HTTPS, e.g. "
+        "on k8s: KubeRay health-checks the proxy over plain HTTP on its `serve` port.",
+    )
 
     @model_validator(mode="after")
     def _pair(self, info: ValidationInfo) -> TlsConfig:
@@ -197,7 +202,12 @@ class TlsConfig(_Strict):
 
     @property
     def enabled(self) -> bool:
+        """TLS on gRPC (the Router's server)."""
         return self.cert_file is not None
+
+    @property
+    def on_http(self) -> bool:
+        return self.enabled and self.http_proxy
 
 
 def check_bind_host(host: str, field: str) -> str:
@@ -270,7 +280,7 @@ class ServeConfig(_Strict):
 def http_proxy_options(config: ServeConfig) -> dict:
     """Serve's HTTP proxy options (`serve.start`, Serve YAML `http_options`): where it listens, and TLS."""
     options: dict = {"host": config.http_host, "port": config.http_port}
-    if config.tls.enabled:
+    if config.tls.on_http:
         options |= {"ssl_certfile": str(config.tls.cert_file), "ssl_keyfile": str(config.tls.key_file)}
     return options
 
