@@ -18,6 +18,7 @@ import requests
 import yaml
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from cluster.cli import main
 from cluster.client import make_request
 from core.config import ServeConfig
 from protos import voxray_pb2, voxray_pb2_grpc
@@ -113,10 +114,13 @@ def test_every_socket_of_the_server_and_its_ray_listens_on_loopback(server):
     assert exposed == [], f"listening beyond loopback:\n{_describe(exposed)}\nall:\n{_describe(found)}"
 
 
-def test_grpc_over_tls_streams_audio(server):
+def test_grpc_over_tls_streams_audio(server, tmp_path):
     with grpc.secure_channel(server.grpc_target, server.credentials()) as channel:
         chunks = list(voxray_pb2_grpc.SpeechStub(channel).Synthesize(make_request("hi", sampling={"max_tokens": 14})))
     assert chunks[-1].final and sum(len(c.audio) for c in chunks) > 0
+    out = tmp_path / "say.wav"
+    command = ["say", "hi", "-o", str(out), "--target", server.grpc_target, "--max-tokens", "14"]
+    assert main([*command, "--tls-ca", str(server.certs.cert_file)]) == 0 and out.stat().st_size > 44
 
 
 def test_https_streams_audio(server):
