@@ -26,16 +26,17 @@ def estimated_loads(app_name: str) -> list[ReplicaLoad]:
 
 class PredictedTTFARouter(RequestRouter):
     def initialize_state(self, **kwargs) -> None:
+        """Serve calls this right after construction (so `_ensure_state` alone never registered the board)."""
         self._routed: dict[ReplicaID, int] = defaultdict(int)  # since that replica's last stats
         self._completed: dict[ReplicaID, int] = defaultdict(int)
         self._last_stats: dict[ReplicaID, dict] = {}
         self._replicas_seen: dict[ReplicaID, RunningReplica] = {}
         self._choosing: dict[str, ReplicaID] = {}  # request -> replica it was ranked first on, not yet sent
+        _BOARDS[self.app_name] = self  # the Router's early reject and deadline check read it
 
     def _ensure_state(self) -> None:
         if not hasattr(self, "_routed"):
             self.initialize_state()
-            _BOARDS[self.app_name] = self
 
     def _refresh(self, replica: RunningReplica) -> ReplicaLoad | None:
         self._replicas_seen[replica.replica_id] = replica
