@@ -9,6 +9,7 @@ at once when every replica is full (the LLMStage replica still makes the final d
 
 from __future__ import annotations
 
+import importlib
 from collections import defaultdict
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -16,6 +17,12 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from router.admission import ReplicaLoad, predict_ttfa_s
 
 _BOARDS: dict[str, PredictedTTFARouter] = {}  # app name -> the LLMStage router living in this process
+
+
+def _register(app_name: str, board: PredictedTTFARouter) -> None:
+    """Put `board` where `estimated_loads` looks. Through the imported module, not this function's
+    globals: Serve ships the router class to the replica by value, with a copy of `_BOARDS`."""
+    importlib.import_module(type(board).__module__)._BOARDS[app_name] = board
 
 
 def estimated_loads(app_name: str) -> list[ReplicaLoad]:
@@ -32,7 +39,7 @@ class PredictedTTFARouter(RequestRouter):
         self._last_stats: dict[ReplicaID, dict] = {}
         self._replicas_seen: dict[ReplicaID, RunningReplica] = {}
         self._choosing: dict[str, ReplicaID] = {}  # request -> replica it was ranked first on, not yet sent
-        _BOARDS[self.app_name] = self  # the Router's early reject and deadline check read it
+        _register(self.app_name, self)  # the Router's early reject and deadline check read it
 
     def _ensure_state(self) -> None:
         if not hasattr(self, "_routed"):
@@ -61,7 +68,8 @@ class PredictedTTFARouter(RequestRouter):
         return (predict_ttfa_s(load), load.num_active)
 
     def estimated_loads(self) -> list[ReplicaLoad]:
-        loads = [self._refresh(r) for r in self._replicas_seen.values()]
+        """Every running replica's (Serve may route without calling `choose_replicas`, e.g. to one replica)."""
+        loads = [self._refresh(r) for r in self.curr_replicas.values()]
         return [load for load in loads if load is not None]
 
     async def choose_replicas(
