@@ -26,7 +26,7 @@ from ray import serve
 from ray.exceptions import ObjectLostError, RayError
 from starlette.background import BackgroundTask
 
-from core.config import ServeConfig
+from core.config import ServeConfig, is_loopback
 from core.errors import InvalidArgumentError
 from core.messages import Admitted, AudioChunk, AudioReady, Failed, Invalid, Job, Queued, Rejected, StreamHead
 from llm_stage.jobs import printable_name
@@ -52,6 +52,11 @@ from router.replica_listener import keep_replica_listener_on_loopback
 from router.replies import Failure, http_error, log_failure, with_request_id
 
 http_app = FastAPI(title="VoxRay", docs_url=None, redoc_url=None, openapi_url=None)  # docs: ServeConfig.http_docs
+
+
+def widest_host(config: ServeConfig) -> str:
+    """The listen host of HTTP or gRPC that reaches furthest (for the open-server warning)."""
+    return config.grpc_host if is_loopback(config.http_host) else config.http_host
 
 
 def expose_docs(app: FastAPI) -> None:
@@ -333,7 +338,7 @@ class Router:
     async def __init__(self, config: dict, llm_handle, detok_handle) -> None:  # Serve awaits it; ready = gRPC up
         keep_replica_listener_on_loopback()
         self.core = RouterCore(config, llm_handle, detok_handle)
-        self.auth = ApiKeys(self.core.config.auth, listen_host=self.core.config.http_host)
+        self.auth = ApiKeys(self.core.config.auth, listen_host=widest_host(self.core.config))
         if self.core.config.http_docs:
             expose_docs(http_app)
         self.grpc = SpeechServer(self.core.config, self)
