@@ -110,6 +110,7 @@ def test_every_socket_of_the_server_and_its_ray_listens_on_loopback(server):
     commands = " ".join(item.command for item in found)
     for process in ("gcs_server", "raylet", "ServeReplica", "ProxyActor", "DashboardAgent"):
         assert process in commands, f"no listener of {process} found:\n{_describe(found)}"
+    print(f"{len(found)} listening sockets of `voxray serve` and its Ray:\n{_describe(found)}")  # pytest -s
     exposed = [item for item in found if not item.is_loopback]
     assert exposed == [], f"listening beyond loopback:\n{_describe(exposed)}\nall:\n{_describe(found)}"
 
