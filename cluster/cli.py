@@ -57,7 +57,8 @@ def _serve(args: argparse.Namespace) -> int:
     config = serve_config(args)
     endpoints = deploy(config, address=args.address)
     print(f"VoxRay serving {config.engine.model.name} (app {endpoints.app_name!r})")
-    print(f"  gRPC: {endpoints.grpc_target}  (metadata application={endpoints.app_name})")
+    tls = " over TLS" if config.tls.enabled else ""
+    print(f"  gRPC: {endpoints.grpc_target}{tls}  (app {endpoints.app_name}; metadata application= optional)")
     print(f"  HTTP: {endpoints.http_url}/v1/audio/speech   health: {endpoints.http_url}/healthz")
     print("Ctrl-C to stop.", flush=True)
     if args.no_block:
