@@ -58,7 +58,8 @@ def _serve(args: argparse.Namespace) -> int:
     config = serve_config(args)
     endpoints = deploy(config, address=args.address)
     print(f"VoxRay serving {config.engine.model.name} (app {endpoints.app_name!r})")
-    print(f"  gRPC: {endpoints.grpc_target}  (metadata application={endpoints.app_name})")
+    tls = " over TLS" if config.tls.enabled else ""
+    print(f"  gRPC: {endpoints.grpc_target}{tls}  (app {endpoints.app_name}; metadata application= optional)")
     print(f"  HTTP: {endpoints.http_url}/v1/audio/speech   health: {endpoints.http_url}/healthz")
     print("Ctrl-C or SIGTERM to stop (streams playing get up to drain.grace_s to finish).", flush=True)
     if args.no_block:
@@ -125,7 +126,8 @@ def _say(args: argparse.Namespace) -> int:
     sampling = {"seed": args.seed, **({"max_tokens": args.max_tokens} if args.max_tokens else {})}
     request = make_request(args.text, voice=args.voice or "", format=fmt, sampling=sampling)
     try:
-        result = synthesize(args.target, args.app, request)
+        ca = args.tls_ca.read_bytes() if args.tls_ca else None
+        result = synthesize(args.target, args.app, request, ca)
     except grpc.RpcError as err:
         print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
         return 1
@@ -225,6 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     say.add_argument("--max-tokens", type=int, default=None)
     say.add_argument("--target", default="127.0.0.1:9000")
     say.add_argument("--app", default="voxray")
+    say.add_argument("--tls-ca", type=Path, default=None, help="PEM CA (or the server's certificate) for a TLS server")
     say.set_defaults(func=_say)
 
     batch = sub.add_parser("batch", help="synthesize a JSONL file of texts to WAVs (throughput mode, in-process)")

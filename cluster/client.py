@@ -45,9 +45,18 @@ def stream_synthesis(
         yield time.perf_counter() - start, chunk
 
 
-def synthesize(target: str, app_name: str, request: voxray_pb2.SynthesizeRequest) -> SynthesisResult:
+def open_channel(target: str, root_certificates: bytes | None = None) -> grpc.Channel:
+    """A channel to `target`: TLS verified against `root_certificates` (PEM) when given, else plaintext."""
+    if root_certificates is None:
+        return grpc.insecure_channel(target)
+    return grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates))
+
+
+def synthesize(
+    target: str, app_name: str, request: voxray_pb2.SynthesizeRequest, root_certificates: bytes | None = None
+) -> SynthesisResult:
     result = SynthesisResult()
-    with grpc.insecure_channel(target) as channel:
+    with open_channel(target, root_certificates) as channel:
         stub = voxray_pb2_grpc.SpeechStub(channel)
         for arrival, chunk in stream_synthesis(stub, request, app_name):
             result.pcm16 += chunk.audio

@@ -14,11 +14,12 @@ from pathlib import Path
 
 import yaml
 
-from core.config import ServeConfig, StageDeploymentConfig, load_serve_config
-from router.grpc_service import SPEECH_SERVICER as GRPC_SERVICER
+from core.config import ServeConfig, StageDeploymentConfig, http_proxy_options, load_serve_config
 
 IMPORT_PATH = "deployments.app:app_builder"
-PROXY_LOCATION = "EveryNode"
+# HTTP proxies on the head only: the head pod is then the one KubeRay puts behind voxray-serve-svc, and
+# the Router replicas (gRPC servers) are pinned to it by the head's `voxray_router` resource.
+PROXY_LOCATION = "HeadOnly"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -56,8 +57,7 @@ def serve_schema_dict(config: ServeConfig) -> dict:
     }
     return {
         "proxy_location": PROXY_LOCATION,
-        "http_options": {"host": config.http_host, "port": config.http_port},
-        "grpc_options": {"port": config.grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]},
+        "http_options": http_proxy_options(config),  # no grpc_options: the Router replicas serve gRPC
         "applications": [application],
     }
 
@@ -107,7 +107,7 @@ GENERATED: tuple[GeneratedFile, ...] = (
 
 def expected_text(item: GeneratedFile, root: Path = REPO_ROOT) -> str:
     """What the committed file `item.target` must contain: a header naming its source, then the render."""
-    config = load_serve_config(root / item.source)
+    config = load_serve_config(root / item.source, check_files=False)  # TLS files live in the pods
     body = render_serve_yaml(config) if item.kind == "serve" else render_rayservice_patch(config)
     header = f"# Generated from {item.source} by `python -m cluster.serve_yaml --write`; do not edit.\n"
     return header + body
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if stale else 0
     if args.config is None:
         parser.error("give a CONFIG.yaml, --write or --check")
-    config = load_serve_config(args.config)
+    config = load_serve_config(args.config, check_files=False)
     sys.stdout.write(render_rayservice_patch(config) if args.rayservice_patch else render_serve_yaml(config))
     return 0
 

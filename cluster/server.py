@@ -1,7 +1,9 @@
-"""`voxray serve`: start (or join) Ray, start Serve with HTTP + gRPC proxies, deploy the app.
+"""`voxray serve`: start (or join) Ray, start Serve's HTTP proxy, deploy the app.
 
-With no address it starts an embedded local Ray; `--address` deploys onto an existing cluster.
-Used by the CLI and by the cluster tests.
+With no address it starts an embedded local Ray (on 127.0.0.1 only unless the config's
+`ray_loopback_only` is off); `--address` deploys onto an existing cluster. gRPC is served by the
+Router replicas (`router.grpc_server`), so Serve's gRPC proxy is not started. Used by the CLI and
+by the cluster tests.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import ray
 from ray import serve
 from ray.serve.config import gRPCOptions
 
-from core.config import ServeConfig
-from deployments.app import GRPC_SERVICER, build_app
+from cluster.ray_loopback import loopback_init_kwargs
+from core.config import ServeConfig, http_proxy_options
+from deployments.app import build_app
 from router.drain import clear_drain
 
 
@@ -29,9 +32,14 @@ class Endpoints:
 
 
 def start_ray(
-    address: str | None, num_cpus: int | None = None, metrics_export_port: int | None = None, quiet: bool = False
+    address: str | None,
+    num_cpus: int | None = None,
+    metrics_export_port: int | None = None,
+    quiet: bool = False,
+    loopback_only: bool = True,
 ) -> None:
-    """Join `address`, or start an embedded local Ray (Prometheus metrics on `metrics_export_port`).
+    """Join `address`, or start an embedded local Ray (Prometheus metrics on `metrics_export_port`;
+    every Ray listener on 127.0.0.1 when `loopback_only`).
 
     `quiet` keeps replica logs out of this process's output (tests)."""
     if ray.is_initialized():
@@ -40,6 +48,8 @@ def start_ray(
         ray.init(address=address)
         return
     extra = {"_metrics_export_port": metrics_export_port} if metrics_export_port else {}
+    if loopback_only:
+        extra |= loopback_init_kwargs()
     ray.init(num_cpus=num_cpus, include_dashboard=False, configure_logging=False, log_to_driver=not quiet, **extra)
 
 
@@ -50,12 +60,10 @@ def deploy(
     metrics_export_port: int | None = None,
     quiet: bool = False,
 ) -> Endpoints:
-    """Start Ray and Serve (proxies on the config's ports) and deploy the app."""
-    start_ray(address, num_cpus, metrics_export_port, quiet)
-    serve.start(
-        http_options={"host": config.http_host, "port": config.http_port},
-        grpc_options=gRPCOptions(port=config.grpc_port, grpc_servicer_functions=[GRPC_SERVICER]),
-    )
+    """Start Ray and Serve (HTTP proxy on the config's host and port, TLS if configured; no gRPC
+    proxy) and deploy the app."""
+    start_ray(address, num_cpus, metrics_export_port, quiet, config.ray_loopback_only)
+    serve.start(http_options=http_proxy_options(config), grpc_options=gRPCOptions(grpc_servicer_functions=[]))
     return deploy_app(config)
 
 
@@ -63,8 +71,18 @@ def deploy_app(config: ServeConfig) -> Endpoints:
     """Deploy one more app onto a running Serve (its ports are the running proxies')."""
     clear_drain(config.app_name)  # a drain of an earlier deployment of this app is over
     serve.run(build_app(config), name=config.app_name, route_prefix=config.route_prefix)
-    host = "127.0.0.1" if config.http_host in ("0.0.0.0", "127.0.0.1") else config.http_host
-    return Endpoints(f"{host}:{config.grpc_port}", f"http://{host}:{config.http_port}", config.app_name)
+    scheme = "https" if config.tls.on_http else "http"
+    http_url = f"{scheme}://{_client_host(config.http_host)}:{config.http_port}"
+    return Endpoints(f"{_client_host(config.grpc_host)}:{config.grpc_port}", http_url, config.app_name)
+
+
+def _client_host(listen_host: str) -> str:
+    """Where a client on this machine reaches a listener on `listen_host`."""
+    if listen_host in ("0.0.0.0", "localhost"):
+        return "127.0.0.1"
+    if listen_host == "::":
+        return "[::1]"
+    return f"[{listen_host}]" if ":" in listen_host else listen_host
 
 
 def shutdown(reap: bool = False) -> None:

@@ -6,11 +6,12 @@ receives only its own sub-config (`ModelConfig`, `CacheConfig`, `SchedulerConfig
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 
 class _Strict(BaseModel):
@@ -185,16 +186,87 @@ class DrainConfig(_Strict):
         "The k8s terminationGracePeriodSeconds must exceed it.",
     )  # fmt: skip
     retry_after_s: float = Field(1.0, gt=0, description="Hint sent with UNAVAILABLE / 503 while draining.")
+CHECK_FILES = "check_files"  # validation context key: False when rendering a config for other machines (k8s)
+
+
+class TlsConfig(_Strict):
+    """TLS on both public protocols: Serve's HTTP proxy and the Router's gRPC server. Both paths or
+    neither; they must exist where the config is served (not checked when rendering for k8s)."""
+
+    cert_file: Path | None = Field(None, description="PEM certificate chain (e.g. a k8s TLS Secret's tls.crt).")
+    key_file: Path | None = Field(None, description="PEM private key of the certificate (tls.key).")
+    http_proxy: bool = Field(
+        True,
+        description="Serve's HTTP proxy uses the certificate too. False where a gateway terminates HTTPS, e.g. "
+        "on k8s: KubeRay health-checks the proxy over plain HTTP on its `serve` port.",
+    )
+
+    @model_validator(mode="after")
+    def _pair(self, info: ValidationInfo) -> TlsConfig:
+        if (self.cert_file is None) != (self.key_file is None):
+            missing = "tls.key_file" if self.key_file is None else "tls.cert_file"
+            raise ValueError(f"{missing}: required with the other tls file (give both or neither)")
+        if (info.context or {}).get(CHECK_FILES, True):
+            for name, path in (("tls.cert_file", self.cert_file), ("tls.key_file", self.key_file)):
+                if path is not None and not Path(path).is_file():
+                    raise ValueError(f"{name}: no such file: {path}")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        """TLS on gRPC (the Router's server)."""
+        return self.cert_file is not None
+
+    @property
+    def on_http(self) -> bool:
+        return self.enabled and self.http_proxy
+
+
+def check_bind_host(host: str, field: str) -> str:
+    """An IP literal to bind (127.0.0.1 / ::1 loopback, 0.0.0.0 / :: every interface) or `localhost`."""
+    if host == "localhost":
+        return host
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError(f"{field}: {host!r} is not an IP address to listen on (e.g. 127.0.0.1 or 0.0.0.0)") from None
+    return host
+
+
+def is_loopback(host: str) -> bool:
+    return host == "localhost" or ipaddress.ip_address(host).is_loopback
 
 
 class ServeConfig(_Strict):
-    """The whole cluster app: engines, the three deployments, admission, ports."""
+    """The whole cluster app: engines, the three deployments, admission, ports, what is exposed."""
 
     app_name: str = Field("voxray", pattern=r"^[a-z0-9][a-z0-9-]*$")
     route_prefix: str = Field("/", pattern=r"^/")
-    http_host: str = "127.0.0.1"
+    http_host: str = Field(
+        "127.0.0.1", description="Address Serve's HTTP proxy listens on: 127.0.0.1 (default) or 0.0.0.0 (all, k8s)."
+    )
     http_port: int = Field(8000, ge=1, le=65535)
-    grpc_port: int = Field(9000, ge=1, le=65535)
+    grpc_host: str = Field(
+        "127.0.0.1",
+        description="Address the Router's gRPC server listens on: 127.0.0.1 (default) or 0.0.0.0 / :: (all, k8s).",
+    )
+    grpc_port: int = Field(
+        9000,
+        ge=1,
+        le=65535,
+        description="gRPC port of this app (one app per port; the Router replicas of a node share it).",
+    )
+    ray_loopback_only: bool = Field(
+        True,
+        description="The embedded local Ray (`voxray serve` without --address) listens on 127.0.0.1 only: GCS, "
+        "raylet, workers, agents, metrics exporter, Serve replicas. False: Ray's default, the node's network "
+        "address (a head other machines join). Not used when joining a running cluster (KubeRay starts Ray).",
+    )
+    tls: TlsConfig = TlsConfig()
+    http_docs: bool = Field(False, description="Serve /docs, /redoc and /openapi.json (off: 404).")
+    grpc_reflection: bool = Field(
+        False, description="Serve gRPC server reflection for voxray.Speech (off: UNIMPLEMENTED)."
+    )
     engine: EngineConfig = EngineConfig(
         model=ModelConfig(torch_threads=1), cache=CacheConfig(num_slots=16, max_seq_len=2048),
         scheduler=SchedulerConfig(max_batch_size=16),
@@ -206,6 +278,11 @@ class ServeConfig(_Strict):
     auth: AuthConfig = AuthConfig()
     drain: DrainConfig = DrainConfig()
 
+    @field_validator("http_host", "grpc_host")
+    @classmethod
+    def _bind_host(cls, host: str, info: ValidationInfo) -> str:
+        return check_bind_host(host, info.field_name)
+
     @model_validator(mode="after")
     def _streams_fit_cache(self) -> ServeConfig:
         if self.admission.max_streams_per_replica > self.engine.cache.num_slots:
@@ -213,6 +290,16 @@ class ServeConfig(_Strict):
         return self
 
 
-def load_serve_config(path: Path) -> ServeConfig:
-    """Read a ServeConfig from a YAML file (the file `voxray serve --config` takes)."""
-    return ServeConfig.model_validate(yaml.safe_load(Path(path).read_text()) or {})
+def http_proxy_options(config: ServeConfig) -> dict:
+    """Serve's HTTP proxy options (`serve.start`, Serve YAML `http_options`): where it listens, and TLS."""
+    options: dict = {"host": config.http_host, "port": config.http_port}
+    if config.tls.on_http:
+        options |= {"ssl_certfile": str(config.tls.cert_file), "ssl_keyfile": str(config.tls.key_file)}
+    return options
+
+
+def load_serve_config(path: Path, check_files: bool = True) -> ServeConfig:
+    """Read a ServeConfig from a YAML file (the file `voxray serve --config` takes). `check_files=False`
+    skips checking that files it names (TLS) exist here: a config rendered for other machines (k8s)."""
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    return ServeConfig.model_validate(data, context={CHECK_FILES: check_files})

@@ -1,7 +1,8 @@
 """App builder: one validated ServeConfig -> the Router, LLMStage and DetokStage deployments.
 
 `build_app(config)` is used by `voxray serve`; `app_builder(args)` is the Serve import path
-(`deployments.app:app_builder`) that Serve YAML / KubeRay `serveConfigV2` point at.
+(`deployments.app:app_builder`) that Serve YAML / KubeRay `serveConfigV2` point at. gRPC is served
+by the Router replicas themselves (`router.grpc_server`), so Serve's gRPC proxy stays off.
 """
 
 from __future__ import annotations
@@ -9,13 +10,10 @@ from __future__ import annotations
 from ray import serve
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
-from core.config import ServeConfig, StageDeploymentConfig
+from core.config import CHECK_FILES, ServeConfig, StageDeploymentConfig
 from deployments.detok_stage import DetokStage
 from deployments.llm_stage import LLMStage
-from router.grpc_service import SPEECH_SERVICER
 from router.ingress import Router
-
-GRPC_SERVICER = SPEECH_SERVICER  # raw-bytes requests: the Router answers malformed ones INVALID_ARGUMENT
 
 
 def deployment_options(stage: StageDeploymentConfig) -> dict:
@@ -48,5 +46,6 @@ def build_app(config: ServeConfig) -> serve.Application:
 
 
 def app_builder(args: dict) -> serve.Application:
-    """Serve's application-builder entry point: `args` is a ServeConfig dump."""
-    return build_app(ServeConfig.model_validate(args or {}))
+    """Serve's application-builder entry point: `args` is a ServeConfig dump (its TLS files are
+    checked by the Router replicas that read them, not on the node that builds the app)."""
+    return build_app(ServeConfig.model_validate(args or {}, context={CHECK_FILES: False}))

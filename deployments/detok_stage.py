@@ -16,16 +16,18 @@ import time
 
 import ray
 
-from core.config import ServeConfig
+from core.config import CHECK_FILES, ServeConfig
 from core.messages import AudioChunk, AudioRef, TokenChunk
 from deployments.engine_loop import EngineLoop, finish_on_thread, replica_tag
 from deployments.metrics import StageMetrics
 from llm_stage.wiring import build_detok_engine
+from router.replica_listener import keep_replica_listener_on_loopback
 
 
 class DetokStage:
     def __init__(self, config: dict) -> None:
-        self.config = ServeConfig.model_validate(config)
+        keep_replica_listener_on_loopback()
+        self.config = ServeConfig.model_validate(config, context={CHECK_FILES: False})  # TLS files: the Router's
         self.engine = build_detok_engine(self.config.engine, in_order=False)
         self.replica_tag = replica_tag()
         self.metrics = StageMetrics(with_kv=False)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayError
 
-from core.config import ServeConfig
+from core.config import CHECK_FILES, ServeConfig
 from core.errors import InvalidArgumentError
 from core.messages import (
     Admitted,
@@ -45,6 +45,7 @@ from llm_stage.registry import check_model_config
 from llm_stage.wiring import build_llm_side, size_for_streams
 from router.admission import Admission, ReplicaLoad, decide
 from router.drain import is_move_out_requested
+from router.replica_listener import keep_replica_listener_on_loopback
 
 # A decode call whose detok replica died is resent, backing off, for this long: long enough for
 # Serve to replace the only replica of a small deployment (10-17 s measured on 2 cores).
@@ -81,7 +82,8 @@ class _Stream:
 
 class LLMStage:
     def __init__(self, config: dict, detok_handle) -> None:
-        self.config = ServeConfig.model_validate(config)
+        keep_replica_listener_on_loopback()
+        self.config = ServeConfig.model_validate(config, context={CHECK_FILES: False})  # TLS files: the Router's
         entry = check_model_config(self.config.engine.model)
         engine_cfg = size_for_streams(self.config.engine, entry, self.config.admission.max_streams_per_replica)
         self.rows_per_stream = entry.rows_per_stream

@@ -20,7 +20,8 @@ CPU_CONFIG = Path(__file__).resolve().parents[1] / "deployments" / "configs" / "
 def loadtest_config(grpc_port: int, http_port: int, config_path: Path = CPU_CONFIG) -> ServeConfig:
     """The given Serve config with loopback-only proxies on the load test's own ports."""
     base = load_serve_config(config_path)
-    return base.model_copy(update={"grpc_port": grpc_port, "http_port": http_port, "http_host": "127.0.0.1"})
+    loopback = {"http_host": "127.0.0.1", "grpc_host": "127.0.0.1", "ray_loopback_only": True}
+    return base.model_copy(update={"grpc_port": grpc_port, "http_port": http_port, **loopback})
 
 
 def serve_until_signalled(config: ServeConfig, num_cpus: int) -> None:

@@ -100,7 +100,7 @@ class ApiKeys:
             log = logger.warning if listen_host in LOOPBACK_HOSTS else logger.error
             log(
                 "auth: no api_keys_file configured; the server is OPEN (every client is served without a key) "
-                "and HTTP listens on %s. Set auth.api_keys_file before exposing it beyond loopback.",
+                "and it listens on %s. Set auth.api_keys_file before exposing it beyond loopback.",
                 listen_host,
             )
         else:

@@ -19,11 +19,10 @@ from router.admission import ReplicaLoad, predict_ttfa_s
 _BOARDS: dict[str, PredictedTTFARouter] = {}  # app name -> the LLMStage router living in this process
 
 
-def _boards() -> dict[str, PredictedTTFARouter]:
-    """`_BOARDS` of the imported module. Serve ships the router class to the Router replica by
-    value (cloudpickle), so its methods' globals are a copy of this module's: a board they put
-    in their own `_BOARDS` would never be seen by the functions below."""
-    return importlib.import_module(__name__)._BOARDS
+def _register(app_name: str, board: PredictedTTFARouter) -> None:
+    """Put `board` where `estimated_loads` looks. Through the imported module, not this function's
+    globals: Serve ships the router class to the replica by value, with a copy of `_BOARDS`."""
+    importlib.import_module(type(board).__module__)._BOARDS[app_name] = board
 
 
 def estimated_loads(app_name: str) -> list[ReplicaLoad]:
@@ -49,14 +48,14 @@ def pass_over(app_name: str, replica_tag: str) -> None:
 
 class PredictedTTFARouter(RequestRouter):
     def initialize_state(self, **kwargs) -> None:
-        """Called by Serve once it has built the router (its deployment is known by then)."""
-        _boards()[self.app_name] = self
+        """Serve calls this right after construction (so `_ensure_state` alone never registered the board)."""
         self._routed: dict[ReplicaID, int] = defaultdict(int)  # since that replica's last stats
         self._completed: dict[ReplicaID, int] = defaultdict(int)
         self._last_stats: dict[ReplicaID, dict] = {}
         self._replicas_seen: dict[ReplicaID, RunningReplica] = {}
         self._choosing: dict[str, ReplicaID] = {}  # request -> replica it was ranked first on, not yet sent
         self.leaving: set[str] = set()  # unique ids of replicas handing their streams off
+        _register(self.app_name, self)  # the Router's early reject and deadline check read it
 
     def _ensure_state(self) -> None:
         if not hasattr(self, "_routed"):
@@ -87,7 +86,8 @@ class PredictedTTFARouter(RequestRouter):
         return (predict_ttfa_s(load), load.num_active)
 
     def estimated_loads(self) -> list[ReplicaLoad]:
-        loads = [self._refresh(r) for r in self._replicas_seen.values()]
+        """Every running replica's (Serve may route without calling `choose_replicas`, e.g. to one replica)."""
+        loads = [self._refresh(r) for r in self.curr_replicas.values()]
         return [load for load in loads if load is not None]
 
     async def choose_replicas(

@@ -5,8 +5,9 @@ LLMStage replica (picked by `PredictedTTFARouter`), fetches each chunk's audio f
 replica's object store in seq order (the LLM replica forwards only an `AudioRef`) and streams
 it out. Failures become a status and a short message with the request id (`router.replies`):
 UNAUTHENTICATED / 401, INVALID_ARGUMENT / 400 naming the field, RESOURCE_EXHAUSTED / 429 with a
-retry hint, INTERNAL / 500 without internals. A stream that fails after admission is closed, so
-the LLM replica frees it.
+retry hint, DEADLINE_EXCEEDED for a gRPC deadline that cannot be met, INTERNAL / 500 without
+internals. A stream that fails after admission is closed, so the LLM replica frees it. gRPC comes
+in through the replica's own server (`router.grpc_server`), HTTP through Serve's proxy.
 """
 
 import asyncio
@@ -28,7 +29,7 @@ from ray import serve
 from ray.exceptions import ActorUnavailableError, ObjectLostError, RayActorError, RayError
 from starlette.background import BackgroundTask
 
-from core.config import ServeConfig
+from core.config import ServeConfig, is_loopback
 from core.errors import InvalidArgumentError
 from core.messages import (
     Admitted,
@@ -49,9 +50,10 @@ from protos import voxray_pb2
 from router.admission import stream_limit
 from router.audio_format import streaming_wav_header
 from router.auth import ApiKeys, QuotaExceeded, Unauthenticated
+from router.deadlines import DeadlineUnmeetable, best_predicted_ttfa_s, client_deadline_s, fit_to_client_deadline
 from router.dispatch import estimated_loads, num_live_replicas, pass_over
 from router.drain import DrainWatch
-from router.grpc_service import GrpcAbort, pack_trailers, quiet_serve_aborts
+from router.grpc_server import GrpcAbort, SpeechServer
 from router.jobs import (
     MAX_BODY_BYTES,
     fields_from_json,
@@ -62,10 +64,25 @@ from router.jobs import (
 )
 from router.metrics import RouterMetrics
 from router.playback import PlaybackTracker
+from router.replica_listener import keep_replica_listener_on_loopback
 from router.replies import Failure, http_error, log_failure, with_request_id
 from router.resume import StreamProgress
 
-http_app = FastAPI(title="VoxRay")
+http_app = FastAPI(title="VoxRay", docs_url=None, redoc_url=None, openapi_url=None)  # docs: ServeConfig.http_docs
+
+
+def widest_host(config: ServeConfig) -> str:
+    """The listen host of HTTP or gRPC that reaches furthest (for the open-server warning)."""
+    return config.grpc_host if is_loopback(config.http_host) else config.http_host
+
+
+def expose_docs(app: FastAPI) -> None:
+    """Serve /docs, /redoc and /openapi.json (called once per replica, before its first request)."""
+    if app.openapi_url is None:
+        app.openapi_url, app.docs_url, app.redoc_url = "/openapi.json", "/docs", "/redoc"
+        app.setup()
+
+
 logger = logging.getLogger("ray.serve.voxray")
 # A stream whose LLM replica dies is resumed elsewhere at most this many times, after these waits
 # (Serve's handle skips a replica once a call to it failed with ActorDiedError).
@@ -131,6 +148,13 @@ class RouterCore:
 
     def job(self, **fields) -> Job:
         return job_from_fields(self.entry, self.config.admission, **fields)
+
+    def fit_client_deadline(self, job: Job, grpc_context) -> Job:
+        """`job` within the gRPC call's deadline, or DeadlineUnmeetable (router.deadlines)."""
+        remaining_s = client_deadline_s(grpc_context)
+        if remaining_s is None:
+            return job
+        return fit_to_client_deadline(job, remaining_s, best_predicted_ttfa_s(estimated_loads(self.config.app_name)))
 
     def check_capacity(self) -> None:
         """Reject at once when the LLM replicas known here are full: by their reported load, or by
@@ -350,6 +374,8 @@ def _failure(err: Exception) -> tuple[Failure, Exception | None]:
             return Failure(code.RESOURCE_EXHAUSTED, str(err), None, retry_after_s), None
         case ReplicasUnavailable(retry_after_s=retry_after_s) | Draining(retry_after_s=retry_after_s):
             return Failure(code.UNAVAILABLE, str(err), None, retry_after_s), None
+        case DeadlineUnmeetable():
+            return Failure(code.DEADLINE_EXCEEDED, str(err)), None
         case StreamFailed():
             return Failure(code.INTERNAL, "synthesis failed", cause=str(err)[:500]), None
         case RayError():  # a stage replica died or raised: it logged its own traceback
@@ -384,7 +410,7 @@ def retry_status(code: grpc.StatusCode, details: str, retry_after_s: float) -> b
 def _abort(
     grpc_context, code: grpc.StatusCode, details: str, retry_after_s: float | None = None, req_id: str = ""
 ) -> None:
-    """End the call with `code`: Serve sends the status set on the context only for a call that raises."""
+    """End the call with `code`, `details` and trailers (set on the call's context; the server ends it)."""
     if grpc_context is not None:
         trailers: list[tuple[str, str | bytes]] = [("x-request-id", req_id)] if req_id else []
         if retry_after_s is not None:
@@ -393,8 +419,9 @@ def _abort(
                 ("retry-after-ms", str(round(retry_after_s * 1000))),
                 ("grpc-status-details-bin", retry_status(code, details, retry_after_s)),
             ]
+        grpc_context.set_trailing_metadata(tuple(trailers))
         grpc_context.set_code(code)
-        grpc_context.set_details(pack_trailers(details, trailers))  # Serve forwards only code and details
+        grpc_context.set_details(details)
     raise GrpcAbort(f"{code.name}: {details}")
 
 
@@ -432,11 +459,18 @@ def _serve_request_id() -> str:
 class Router:
     """Serve ingress class (FastAPI routes + gRPC methods); deployed by `deployments.app`."""
 
-    def __init__(self, config: dict, llm_handle, detok_handle) -> None:
+    async def __init__(self, config: dict, llm_handle, detok_handle) -> None:  # Serve awaits it; ready = gRPC up
+        keep_replica_listener_on_loopback()
         self.core = RouterCore(config, llm_handle, detok_handle)
         self.core.drain.start()
-        self.auth = ApiKeys(self.core.config.auth, listen_host=self.core.config.http_host)
-        quiet_serve_aborts()
+        self.auth = ApiKeys(self.core.config.auth, listen_host=widest_host(self.core.config))
+        if self.core.config.http_docs:
+            expose_docs(http_app)
+        self.grpc = SpeechServer(self.core.config, self)
+        await self.grpc.start()  # on the replica's event loop, where the gRPC methods run
+
+    async def __del__(self) -> None:  # Serve calls it when the replica shuts down
+        await self.grpc.stop()
 
     # ---- gRPC -----------------------------------------------------------------------------
     async def Synthesize(self, request: voxray_pb2.SynthesizeRequest | bytes, grpc_context=None):  # noqa: N802
@@ -445,7 +479,7 @@ class Router:
             key = self.auth.check(_authorization(grpc_context))
             fields = fields_from_proto(request)
             req_id = reply_request_id(fields["req_id"])
-            job = self.core.job(**fields)
+            job = self.core.fit_client_deadline(self.core.job(**fields), grpc_context)
             header = streaming_wav_header(self.core.entry.sample_rate_hz) if job.output_format == "wav" else b""
             with self.auth.hold_stream(key):
                 async with aclosing(self.core.run(job)) as stream:  # closed on any failure: the replica frees it

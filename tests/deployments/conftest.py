@@ -15,13 +15,16 @@ from tests.deployments.grpc_helpers import run_stream
 
 # VOXRAY_TEST_PORT_OFFSET lets two checkouts run their cluster tests side by side on one machine.
 _OFFSET = int(os.environ.get("VOXRAY_TEST_PORT_OFFSET", "0"))
-GRPC_PORT = 19000 + _OFFSET
+GRPC_PORT = 19000 + _OFFSET  # each app's Router serves gRPC on a port of its own: GRPC_PORT + APP_GRPC_PORTS[app]
+APP_GRPC_PORTS = {"voxray": 0, "voxray-dp": 1, "voxray-auth": 2, "voxray-fo": 3, "voxray-docs": 4, "voxray-llm-fo": 5,
+                  "voxray-lone": 6, "voxray-move": 7}  # fmt: skip
 HTTP_PORT = 18000 + _OFFSET
 METRICS_PORT = 18080 + _OFFSET
 
 
 def small_config(**overrides) -> ServeConfig:
-    base = ServeConfig(grpc_port=GRPC_PORT, http_port=HTTP_PORT)
+    app_name = overrides.get("app_name", "voxray")
+    base = ServeConfig(app_name=app_name, grpc_port=GRPC_PORT + APP_GRPC_PORTS[app_name], http_port=HTTP_PORT)
     return base.model_copy(update=overrides)
 
 

@@ -170,7 +170,11 @@ def test_losing_the_only_llm_replica_answers_unavailable_at_once(cluster):
         serve.delete(ep.app_name)
 
 
-LLM_MOVE = LLM_FAILOVER.model_copy(update={"app_name": "voxray-move", "route_prefix": "/move"})
+LLM_MOVE = small_config(
+    app_name="voxray-move", route_prefix="/move", llm=StageDeploymentConfig(num_replicas=2, num_cpus=0.25),
+    detok=StageDeploymentConfig(num_cpus=0.25),
+    admission=AdmissionConfig(max_streams_per_replica=4, max_queued_per_replica=4, default_ttfa_deadline_s=60.0),
+)  # fmt: skip
 
 
 def test_streams_move_with_their_kv_off_a_leaving_llm_replica(cluster):

@@ -15,7 +15,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from ray.serve.schema import ServeDeploySchema
 
-from core.config import ServeConfig
+from core.config import CHECK_FILES, ServeConfig
 
 
 def _model_arms(annotation: Any) -> tuple[type[BaseModel] | None, bool]:
@@ -64,7 +64,7 @@ def serve_config_errors(config: dict[str, Any]) -> list[str]:
         errors.append(f"ServeDeploySchema: {exc}")
     for app in config.get("applications") or []:
         try:
-            ServeConfig.model_validate(app.get("args") or {})
+            ServeConfig.model_validate(app.get("args") or {}, context={CHECK_FILES: False})  # files: in the pods
         except ValidationError as exc:
             errors.append(f"application {app.get('name')!r} args are not a ServeConfig: {exc}")
     return errors

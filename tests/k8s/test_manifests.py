@@ -62,7 +62,8 @@ def test_ray_cluster_config_is_a_valid_raycluster(overlay: str) -> None:
 
 def test_overlays_emit_the_expected_objects() -> None:
     kinds = {overlay: sorted(obj["kind"] for obj in render(f"overlays/{overlay}")) for overlay in OVERLAYS}
-    assert kinds == {"dev-cpu": ["RayService"], "prod-gpu": ["ConfigMap", "PodMonitor", "RayService"]}
+    expected_prod = ["ConfigMap", "PodMonitor", "RayService", "Service"]
+    assert kinds == {"dev-cpu": ["RayService", "Service"], "prod-gpu": expected_prod}
     assert {obj["metadata"]["namespace"] for obj in render("overlays/prod-gpu")} == {"voxray"}
 
 
@@ -70,7 +71,7 @@ def test_overlays_emit_the_expected_objects() -> None:
 def test_serve_config_v2_is_generated_from_the_serve_config(overlay: str) -> None:
     serve = _serve(overlay)
     assert serve_config_errors(serve) == []
-    assert serve == serve_schema_dict(load_serve_config(REPO_ROOT / OVERLAY_CONFIGS[overlay]))
+    assert serve == serve_schema_dict(load_serve_config(REPO_ROOT / OVERLAY_CONFIGS[overlay], check_files=False))
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -80,19 +81,22 @@ def test_ray_versions_agree(overlay: str) -> None:
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_every_ray_pod_exposes_serve_grpc_and_metrics_ports(overlay: str) -> None:
-    serve = _serve(overlay)
-    expected = {"serve": serve["http_options"]["port"], "serve-grpc": serve["grpc_options"]["port"], "metrics": 8080}
+def test_the_head_serves_http_and_grpc_and_every_pod_exports_metrics(overlay: str) -> None:
+    config = load_serve_config(REPO_ROOT / OVERLAY_CONFIGS[overlay], check_files=False)
     for group, template in pod_templates(_rayservice(overlay)).items():
         ports = {p["name"]: p["containerPort"] for p in ray_container(template)["ports"]}
-        assert expected.items() <= ports.items(), group
+        assert ports["metrics"] == 8080, group
         if group == "head":
-            assert ports["dashboard"] == 8265
+            expected = (config.http_port, config.grpc_port, 8265)
+            assert (ports["serve"], ports["serve-grpc"], ports["dashboard"]) == expected
+        else:  # no proxy and no Router there (HeadOnly, Routers pinned to the head)
+            assert not {"serve", "serve-grpc"} & ports.keys(), group
 
 
 def test_prod_head_does_no_gpu_work() -> None:
     head = _rayservice("prod-gpu")["spec"]["rayClusterConfig"]["headGroupSpec"]
-    assert head["rayStartParams"]["num-cpus"] == "0"
+    config = load_serve_config(REPO_ROOT / OVERLAY_CONFIGS["prod-gpu"], check_files=False)
+    assert float(head["rayStartParams"]["num-cpus"]) == config.router.num_replicas * config.router.num_cpus
     resources = ray_container(head["template"])["resources"]
     assert GPU not in resources.get("limits", {}) and GPU not in resources.get("requests", {})
     assert "tolerations" not in head["template"]["spec"]
@@ -120,7 +124,7 @@ def test_prod_stages_are_steered_to_their_own_gpu_group() -> None:
 
 
 def test_prod_models_come_read_only_from_the_pvc() -> None:
-    config = load_serve_config(REPO_ROOT / OVERLAY_CONFIGS["prod-gpu"])
+    config = load_serve_config(REPO_ROOT / OVERLAY_CONFIGS["prod-gpu"], check_files=False)
     (pvc_name,) = [
         obj["metadata"]["name"] for _, obj in standalone_manifests() if obj["kind"] == "PersistentVolumeClaim"
     ]

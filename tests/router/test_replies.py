@@ -11,7 +11,7 @@ from ray.exceptions import RayActorError
 
 from core.errors import InvalidArgumentError
 from router.auth import QuotaExceeded, Unauthenticated
-from router.grpc_service import TRAILERS_SEPARATOR, GrpcAbort, QuietAborts, pack_trailers
+from router.deadlines import DeadlineUnmeetable
 from router.ingress import AdmissionRejected, StreamFailed, _failure
 from router.replies import http_error, log_failure
 
@@ -22,6 +22,7 @@ def test_each_failure_kind_gets_its_status_and_a_short_message():
         (Unauthenticated("authorization: unknown API key"), grpc.StatusCode.UNAUTHENTICATED, 401),
         (QuotaExceeded("key quota: over 10 requests/s", 0.3), grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
         (AdmissionRejected(1.0), grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
+        (DeadlineUnmeetable("cannot start in time: 50 ms left"), grpc.StatusCode.DEADLINE_EXCEEDED, 504),
         (StreamFailed("detok replica 7f3a at /opt/x.py:12 raised KeyError"), grpc.StatusCode.INTERNAL, 500),
         (RayActorError(), grpc.StatusCode.INTERNAL, 500),
         (KeyError("bug"), grpc.StatusCode.INTERNAL, 500),
@@ -53,24 +54,3 @@ def test_client_errors_log_one_line_and_our_bugs_their_traceback(caplog):
     first, second = caplog.records
     assert first.getMessage() == "gRPC request r-1: INVALID_ARGUMENT text: must not be empty" and not first.exc_info
     assert second.levelno == logging.ERROR and second.exc_info[1] is bug
-
-
-def test_trailers_ride_in_the_details_after_a_separator():
-    trailers = [("x-request-id", "r"), ("grpc-status-details-bin", b"\x08\x03")]
-    packed = pack_trailers("text: empty (request id r)", trailers)
-    message, separator, blob = packed.partition(TRAILERS_SEPARATOR)
-    assert message == "text: empty (request id r)" and separator
-    assert json.loads(blob) == [["x-request-id", "r"], ["grpc-status-details-bin", "CAM="]]
-    assert pack_trailers("plain", []) == "plain"
-
-
-def test_serve_records_of_answered_aborts_are_dropped_and_client_gone_loses_its_traceback():
-    quiet = QuietAborts()
-
-    def record(exc: BaseException) -> logging.LogRecord:
-        return logging.LogRecord("ray.serve", logging.ERROR, __file__, 1, "Request failed.", (), (type(exc), exc, None))
-
-    assert not quiet.filter(record(GrpcAbort("INVALID_ARGUMENT: text: must not be empty")))
-    gone = record(GeneratorExit())
-    assert quiet.filter(gone) and gone.exc_info is None and "client went away" in gone.getMessage()
-    assert quiet.filter(record(KeyError("a real bug")))
