@@ -14,7 +14,13 @@ from pathlib import Path
 
 import yaml
 
-from core.config import ServeConfig, StageDeploymentConfig, http_proxy_options, load_serve_config
+from core.config import (
+    GRACEFUL_WAIT_LOOP_S,
+    ServeConfig,
+    StageDeploymentConfig,
+    http_proxy_options,
+    load_serve_config,
+)
 
 IMPORT_PATH = "deployments.app:app_builder"
 # HTTP proxies on the head only: the head pod is then the one KubeRay puts behind voxray-serve-svc, and
@@ -23,8 +29,8 @@ PROXY_LOCATION = "HeadOnly"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def _stage_deployment(name: str, stage: StageDeploymentConfig) -> dict:
-    """One Serve deployment entry: replicas or autoscaling, concurrency cap, actor resources."""
+def _stage_deployment(name: str, stage: StageDeploymentConfig, graceful_timeout_s: float) -> dict:
+    """One Serve deployment entry: replicas or autoscaling, concurrency cap, actor resources, graceful stop."""
     actor_options: dict = {"num_cpus": stage.num_cpus, "num_gpus": stage.num_gpus}
     if stage.resources:
         actor_options["resources"] = dict(stage.resources)
@@ -39,6 +45,8 @@ def _stage_deployment(name: str, stage: StageDeploymentConfig) -> dict:
         entry["num_replicas"] = stage.num_replicas
     entry["max_ongoing_requests"] = stage.max_ongoing_requests
     entry["ray_actor_options"] = actor_options
+    entry["graceful_shutdown_timeout_s"] = graceful_timeout_s
+    entry["graceful_shutdown_wait_loop_s"] = GRACEFUL_WAIT_LOOP_S
     return entry
 
 
@@ -50,9 +58,9 @@ def serve_schema_dict(config: ServeConfig) -> dict:
         "import_path": IMPORT_PATH,
         "args": config.model_dump(mode="json"),
         "deployments": [
-            _stage_deployment("Router", config.router),
-            _stage_deployment("LLMStage", config.llm),
-            _stage_deployment("DetokStage", config.detok),
+            _stage_deployment("Router", config.router, config.drain.serve_graceful_timeout_s),
+            _stage_deployment("LLMStage", config.llm, config.drain.serve_graceful_timeout_s),
+            _stage_deployment("DetokStage", config.detok, config.drain.serve_graceful_timeout_s),
         ],
     }
     return {

@@ -177,6 +177,10 @@ class AuthConfig(_Strict):
     reload_interval_s: float = Field(5.0, gt=0, description="How often the Router checks the keys file for changes.")
 
 
+SERVE_GRACE_MARGIN_S = 5.0  # Serve's graceful timeout beyond the drain grace (a last chunk, replica exit)
+GRACEFUL_WAIT_LOOP_S = 1.0  # how often a stopping Serve replica checks whether its requests are done
+
+
 class DrainConfig(_Strict):
     """Graceful stop: SIGTERM to `voxray serve`, or `voxray drain` (the k8s preStop hook)."""
 
@@ -186,6 +190,12 @@ class DrainConfig(_Strict):
         "The k8s terminationGracePeriodSeconds must exceed it.",
     )  # fmt: skip
     retry_after_s: float = Field(1.0, gt=0, description="Hint sent with UNAVAILABLE / 503 while draining.")
+
+    @property
+    def serve_graceful_timeout_s(self) -> float:
+        """Serve's graceful_shutdown_timeout_s for every deployment: the drain's streams end by
+        `grace_s` (at their next chunk), so Serve never has to kill a replica mid-stream."""
+        return self.grace_s + SERVE_GRACE_MARGIN_S
 CHECK_FILES = "check_files"  # validation context key: False when rendering a config for other machines (k8s)
 
 

@@ -10,18 +10,23 @@ from __future__ import annotations
 from ray import serve
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
-from core.config import CHECK_FILES, ServeConfig, StageDeploymentConfig
+from core.config import CHECK_FILES, GRACEFUL_WAIT_LOOP_S, ServeConfig, StageDeploymentConfig
 from deployments.detok_stage import DetokStage
 from deployments.llm_stage import LLMStage
 from router.ingress import Router
 
 
-def deployment_options(stage: StageDeploymentConfig) -> dict:
+def deployment_options(stage: StageDeploymentConfig, graceful_timeout_s: float) -> dict:
     """Serve deployment options for one stage (the same mapping the Serve YAML generator uses)."""
     actor_options: dict = {"num_cpus": stage.num_cpus, "num_gpus": stage.num_gpus}
     if stage.resources:
         actor_options["resources"] = dict(stage.resources)
-    options: dict = {"max_ongoing_requests": stage.max_ongoing_requests, "ray_actor_options": actor_options}
+    options: dict = {
+        "max_ongoing_requests": stage.max_ongoing_requests,
+        "ray_actor_options": actor_options,
+        "graceful_shutdown_timeout_s": graceful_timeout_s,
+        "graceful_shutdown_wait_loop_s": GRACEFUL_WAIT_LOOP_S,
+    }
     if stage.autoscaling:
         options["autoscaling_config"] = AutoscalingConfig(
             min_replicas=stage.min_replicas,
@@ -35,14 +40,16 @@ def deployment_options(stage: StageDeploymentConfig) -> dict:
 
 def build_app(config: ServeConfig) -> serve.Application:
     args = config.model_dump(mode="json")
-    detok = serve.deployment(DetokStage, name="DetokStage", **deployment_options(config.detok)).bind(args)
+    graceful_s = config.drain.serve_graceful_timeout_s
+    detok = serve.deployment(DetokStage, name="DetokStage", **deployment_options(config.detok, graceful_s)).bind(args)
     llm_router = RequestRouterConfig(
         request_router_class="router.dispatch:PredictedTTFARouter", request_routing_stats_period_s=0.5
     )
     llm = serve.deployment(
-        LLMStage, name="LLMStage", request_router_config=llm_router, **deployment_options(config.llm)
+        LLMStage, name="LLMStage", request_router_config=llm_router, **deployment_options(config.llm, graceful_s)
     ).bind(args, detok)
-    return serve.deployment(Router, name="Router", **deployment_options(config.router)).bind(args, llm, detok)
+    router = serve.deployment(Router, name="Router", **deployment_options(config.router, graceful_s))
+    return router.bind(args, llm, detok)
 
 
 def app_builder(args: dict) -> serve.Application:

@@ -32,10 +32,13 @@ def estimated_loads(app_name: str) -> list[ReplicaLoad]:
 
 
 def num_live_replicas(app_name: str) -> int | None:
-    """LLM replicas of `app_name` this process may still route to (None = not routed to yet).
+    """LLM replicas of `app_name` this process may still route to, once one of them has died
+    (None before: at start-up Serve has not listed the replicas yet, which is not an outage).
     Serve drops a replica from this set as soon as a call to it fails with ActorDiedError."""
     router = _BOARDS.get(app_name)
-    return len(router.curr_replicas) if router is not None else None
+    if router is None or not router.has_lost_replicas:
+        return None
+    return len(router.curr_replicas)
 
 
 def pass_over(app_name: str, replica_tag: str) -> None:
@@ -55,7 +58,12 @@ class PredictedTTFARouter(RequestRouter):
         self._replicas_seen: dict[ReplicaID, RunningReplica] = {}
         self._choosing: dict[str, ReplicaID] = {}  # request -> replica it was ranked first on, not yet sent
         self.leaving: set[str] = set()  # unique ids of replicas handing their streams off
+        self.has_lost_replicas = False  # a replica died since start (then an empty set is an outage)
         _register(self.app_name, self)  # the Router's early reject and deadline check read it
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        self.has_lost_replicas = True
+        super().on_replica_actor_died(replica_id)
 
     def _ensure_state(self) -> None:
         if not hasattr(self, "_routed"):

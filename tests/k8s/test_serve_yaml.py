@@ -62,7 +62,7 @@ def test_yaml_options_match_the_app_builder() -> None:
     config = _config("deployments/configs/gpu.yaml")
     entries = serve_schema_dict(config)["applications"][0]["deployments"]
     for entry, stage in zip(entries, (config.router, config.llm, config.detok), strict=True):
-        options = app.deployment_options(stage)
+        options = app.deployment_options(stage, config.drain.serve_graceful_timeout_s)
         autoscaling = options.get("autoscaling_config")
         if autoscaling is not None:
             options["autoscaling_config"] = {key: getattr(autoscaling, key) for key in entry["autoscaling_config"]}
