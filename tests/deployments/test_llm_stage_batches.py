@@ -67,7 +67,7 @@ def test_one_call_carries_a_steps_chunks_of_every_live_stream():
         chunks = [
             TokenChunk(rid, seq, [[0] * 7], 0, 0, 1, False) for rid, seq in (("a", 0), ("b", 0), ("a", 1), ("gone", 0))
         ]
-        stage._send(chunks)
+        stage._send(chunks, {})  # (req_id, seq) -> Checkpoint: none in this step
         await asyncio.sleep(0.01)  # the batch's decode task sends the call
         assert [[(c.req_id, c.seq) for c in call] for call in stage.detok.calls] == [[("a", 0), ("b", 0), ("a", 1)]]
         a, b = stage.streams["a"].queue, stage.streams["b"].queue
