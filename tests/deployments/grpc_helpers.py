@@ -40,8 +40,9 @@ def retry_delay_s(trailers: dict) -> float | None:
     return None
 
 
-def run_stream(target: str, app: str, text: str, **kwargs) -> StreamOutcome:
-    outcome = StreamOutcome()
+def run_stream(target: str, app: str, text: str, outcome: StreamOutcome | None = None, **kwargs) -> StreamOutcome:
+    """Stream one request to the end; `outcome` (given) fills in as chunks arrive, for a watcher."""
+    outcome = outcome if outcome is not None else StreamOutcome()
     start = time.monotonic()
     with grpc.insecure_channel(target) as channel:
         stub = voxray_pb2_grpc.SpeechStub(channel)

@@ -16,7 +16,7 @@ from ray import serve
 
 from core.config import AdmissionConfig, StageDeploymentConfig
 from tests.deployments.conftest import small_config
-from tests.deployments.grpc_helpers import run_stream
+from tests.deployments.grpc_helpers import StreamOutcome, run_stream
 from tests.deployments.test_cluster import in_process_audio
 
 pytestmark = pytest.mark.slow
@@ -43,10 +43,14 @@ def _replicas(app_name: str, deployment: str) -> list:
     ]
 
 
-def _replica_ids(app_name: str, deployment: str) -> list[str]:
-    prefix = f"SERVE_REPLICA::{app_name}#{deployment}#"
-    names = [actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)]
-    return [name[len(prefix) :] for name in names if name.startswith(prefix)]
+def _replica_actor(app_name: str, tag: str):
+    """The actor of replica `tag` (`Deployment#<id>`) of `app_name`."""
+    [actor] = [
+        ray.get_actor(actor["name"], namespace=actor["namespace"])
+        for actor in ray.util.list_named_actors(all_namespaces=True)
+        if actor["name"] == f"SERVE_REPLICA::{app_name}#{tag}"
+    ]
+    return actor
 
 
 def _detok_replicas(app_name: str) -> list:
@@ -54,15 +58,27 @@ def _detok_replicas(app_name: str) -> list:
 
 
 def _play_all(ep, jobs: list[dict]) -> tuple[dict, list[threading.Thread]]:
-    outcomes: dict[str, object] = {}
+    """Start every job; the outcomes fill in as chunks arrive."""
+    outcomes = {job["request_id"]: StreamOutcome() for job in jobs}
 
     def play(job: dict) -> None:
-        outcomes[job["request_id"]] = run_stream(ep.grpc_target, ep.app_name, **job)
+        run_stream(ep.grpc_target, ep.app_name, outcome=outcomes[job["request_id"]], **job)
 
     threads = [threading.Thread(target=play, args=(job,)) for job in jobs]
     for thread in threads:
         thread.start()
     return outcomes, threads
+
+
+def _replica_of_a_playing_stream(outcomes: dict, timeout_s: float = 60.0) -> str:
+    """`LLMStage#<id>` of the replica serving the first stream to send audio (once it has 3 chunks)."""
+    give_up_s = time.monotonic() + timeout_s
+    while time.monotonic() < give_up_s:
+        for outcome in outcomes.values():
+            if len(outcome.chunks) >= 3:
+                return outcome.chunks[0].llm_replica
+        time.sleep(0.05)
+    raise AssertionError("no stream played")
 
 
 def _check_audio(outcomes: dict, jobs: list[dict], engine) -> None:
@@ -72,7 +88,9 @@ def _check_audio(outcomes: dict, jobs: list[dict], engine) -> None:
         assert outcome.code == grpc.StatusCode.OK, outcome.details
         got = np.frombuffer(outcome.pcm16, dtype="<i2").astype(np.int32)
         want = np.frombuffer(expected[job["request_id"]], dtype="<i2").astype(np.int32)
-        assert got.shape == want.shape and np.abs(got - want).max() <= 2, job["request_id"]
+        differs = np.flatnonzero(np.abs(got - want) > 2) if got.shape == want.shape else np.array([0])
+        chunks = [(c.seq, c.llm_replica[-4:], round(c.duration_s, 3)) for c in outcome.chunks]
+        assert got.shape == want.shape and not differs.size, (job["request_id"], differs[:3], chunks)
 
 
 def test_streams_survive_losing_a_detok_replica(cluster):
@@ -117,11 +135,10 @@ def test_streams_survive_losing_an_llm_replica(cluster):
                  "sampling": {"seed": i, "max_tokens": 7 * 48} if i % 2 else {"temperature": 0.0, "max_tokens": 7 * 48}}
                 for i in range(4)]  # fmt: skip
         outcomes, threads = _play_all(ep, jobs)
-        time.sleep(1.5)  # streams are generating on both replicas
-        replicas = _replicas(ep.app_name, "LLMStage")
-        assert len(replicas) == 2
+        victim = _replica_of_a_playing_stream(outcomes)
+        assert len(_replicas(ep.app_name, "LLMStage")) == 2
         killed_at = time.monotonic()
-        ray.kill(replicas[0], no_restart=True)
+        ray.kill(_replica_actor(ep.app_name, victim), no_restart=True)
         first_after = run_stream(ep.grpc_target, ep.app_name, "right after the kill", sampling={"max_tokens": 28})
         for thread in threads:
             thread.join(timeout=120)
@@ -189,8 +206,7 @@ def test_streams_move_with_their_kv_off_a_leaving_llm_replica(cluster):
                  "sampling": {"seed": i, "max_tokens": 7 * 48} if i % 2 else {"temperature": 0.0, "max_tokens": 7 * 48}}
                 for i in range(4)]  # fmt: skip
         outcomes, threads = _play_all(ep, jobs)
-        time.sleep(1.5)
-        leaving_id = _replica_ids(ep.app_name, "LLMStage")[0]
+        leaving_id = _replica_of_a_playing_stream(outcomes).rsplit("#", 1)[-1]
         request_move_out(ep.app_name, leaving_id)
         for thread in threads:
             thread.join(timeout=120)
