@@ -43,16 +43,18 @@ from router.drain import DrainWatch
 from router.grpc_service import GrpcAbort, pack_trailers, quiet_serve_aborts
 from router.jobs import (
     MAX_BODY_BYTES,
-    fields_from_json,
     fields_from_proto,
     job_from_fields,
     parse_proto,
     reply_request_id,
+    speech_request,
 )
 from router.metrics import RouterMetrics
 from router.playback import PlaybackTracker
 from router.replies import Failure, http_error, log_failure, with_request_id
 from router.resume import StreamProgress
+from router.sse import MEDIA_TYPE as SSE_MEDIA_TYPE
+from router.sse import audio_delta, audio_done, error_event
 
 http_app = FastAPI(title="VoxRay")
 logger = logging.getLogger("ray.serve.voxray")
@@ -287,6 +289,26 @@ async def _http_body(
         await lease.aclose()
 
 
+async def _sse_body(
+    job: Job, first: SentChunk, rest: AsyncIterator[SentChunk], header: bytes, lease: AsyncExitStack
+) -> AsyncIterator[bytes]:
+    """OpenAI's `stream_format: "sse"` body: a `speech.audio.delta` event per chunk, then
+    `speech.audio.done`; a failure once the 200 went out ends it with an `error` event."""
+    num_frames = first.audio.num_frames
+    try:
+        yield audio_delta(header + first.audio.pcm16)
+        async for sent in rest:
+            num_frames += sent.audio.num_frames
+            yield audio_delta(sent.audio.pcm16)
+        yield audio_done(len(job.text), num_frames)
+    except Exception as err:
+        failure, own = _failure(err)
+        log_failure(failure, job.req_id, "HTTP", own)
+        yield error_event(with_request_id(failure.message, job.req_id), failure.code.name.lower())
+    finally:
+        await lease.aclose()
+
+
 async def _read_body(request: Request) -> bytes:
     """The request body, refused past MAX_BODY_BYTES without reading the rest."""
     content_type = request.headers.get("content-type", "").split(";")[0].strip()
@@ -456,7 +478,7 @@ class Router:
         lease = AsyncExitStack()  # what an admitted stream holds; released by the body, or here on failure
         try:
             key = self.auth.check(_http_authorization(request))
-            fields = fields_from_json(await _read_body(request), request.headers.getlist("x-request-id"))
+            fields, stream_format = speech_request(await _read_body(request), request.headers.getlist("x-request-id"))
             req_id = reply_request_id(fields["req_id"] or req_id)
             job = self.core.job(**{**fields, "req_id": fields["req_id"] or req_id})
             lease.enter_context(self.auth.hold_stream(key))
@@ -464,7 +486,10 @@ class Router:
             first = await anext(stream)  # admission and validation happen before any byte is sent
             media = "audio/wav" if job.output_format == "wav" else "audio/pcm"
             header = streaming_wav_header(self.core.entry.sample_rate_hz) if job.output_format == "wav" else b""
-            body = _http_body(first, stream, header, lease)
+            if stream_format == "sse":
+                media, body = SSE_MEDIA_TYPE, _sse_body(job, first, stream, header, lease)
+            else:
+                body = _http_body(first, stream, header, lease)
             headers = {"X-Request-Id": job.req_id} if job.req_id != _serve_request_id() else {}
             return StreamingResponse(body, media_type=media, headers=headers, background=BackgroundTask(lease.aclose))
         except Exception as err:

@@ -1,0 +1,54 @@
+"""Issue 27 (HTTP side) under a real local Ray + Serve: OpenAI `stream_format: "sse"` through the
+`openai` SDK, and the incremental-text WebSocket on the HTTP port."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import numpy as np
+import pytest
+import requests
+from openai import OpenAI
+
+pytestmark = pytest.mark.slow
+SEEDED = {"seed": 7, "max_tokens": 70}
+
+
+def sse_events(ep, **body) -> list[dict]:
+    """The events of one `stream_format: "sse"` request, read with the openai SDK."""
+    client = OpenAI(base_url=ep.http_url + "/v1", api_key="unused", max_retries=0)
+    with client.audio.speech.with_streaming_response.create(
+        model="orpheus-tiny", voice="tara", response_format="pcm", stream_format="sse", **body
+    ) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    return [json.loads(line.removeprefix("data: ")) for line in lines]
+
+
+def pcm(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype="<i2").astype(np.int32)
+
+
+def test_openai_sdk_sse_streams_deltas_then_done_with_the_raw_streams_audio(cluster):
+    ep = cluster["tight"]
+    events = sse_events(ep, input="Hello from the SDK.", extra_body={"sampling": SEEDED})
+    assert [e["type"] for e in events[:-1]] == ["speech.audio.delta"] * (len(events) - 1) and len(events) > 2
+    assert events[-1]["type"] == "speech.audio.done" and events[-1]["usage"]["output_tokens"] == 10
+    audio = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
+    raw = requests.post(
+        ep.http_url + "/v1/audio/speech", timeout=60,
+        json={"input": "Hello from the SDK.", "voice": "tara", "response_format": "pcm", "stream_format": "audio",
+              "sampling": SEEDED},
+    )  # fmt: skip
+    assert raw.status_code == 200 and len(raw.content) == len(audio) == 10 * 2048 * 2
+    assert np.abs(pcm(audio) - pcm(raw.content)).max() <= 2  # same tokens; float noise of batched decoding only
+
+
+def test_sse_bad_stream_format_is_400_naming_it(cluster):
+    resp = requests.post(
+        cluster["tight"].http_url + "/v1/audio/speech", timeout=30,
+        json={"input": "hi", "stream_format": "events"},
+    )  # fmt: skip
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "stream_format"
