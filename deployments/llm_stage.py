@@ -187,8 +187,10 @@ class LLMStage:
         if job.req_id in self.streams:  # never let a duplicate id touch the running stream's state
             yield Invalid("request_id", f"{job.req_id!r} is already streaming")
             return
-        # A resumed stream was admitted once already: it queues for a slot rather than being dropped.
-        verdict = decide(self.load(), job.ttfa_deadline_s) if job.resume is None else Admission.ADMIT
+        # A resumed stream, or a later segment of an incremental one, was admitted once already: it
+        # queues for a slot rather than being dropped.
+        admitted_before = job.resume is not None or job.segment_index > 0
+        verdict = Admission.ADMIT if admitted_before else decide(self.load(), job.ttfa_deadline_s)
         if verdict is Admission.REJECT:
             yield Rejected(self.config.admission.retry_after_s)
             return

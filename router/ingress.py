@@ -15,11 +15,11 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, aclosing
+from contextlib import AsyncExitStack, aclosing, asynccontextmanager
 from dataclasses import dataclass
 
 import grpc
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from google.protobuf import any_pb2
 from google.protobuf.duration_pb2 import Duration
@@ -41,6 +41,7 @@ from router.auth import ApiKeys, QuotaExceeded, Unauthenticated
 from router.dispatch import estimated_loads, num_live_replicas
 from router.drain import DrainWatch
 from router.grpc_service import GrpcAbort, pack_trailers, quiet_serve_aborts
+from router.incremental import IncrementalSession, SegmentAudio
 from router.jobs import (
     MAX_BODY_BYTES,
     fields_from_proto,
@@ -55,6 +56,7 @@ from router.replies import Failure, http_error, log_failure, with_request_id
 from router.resume import StreamProgress
 from router.sse import MEDIA_TYPE as SSE_MEDIA_TYPE
 from router.sse import audio_delta, audio_done, error_event
+from router.websocket import StreamEndpoint
 
 http_app = FastAPI(title="VoxRay")
 logger = logging.getLogger("ray.serve.voxray")
@@ -97,6 +99,7 @@ class SentChunk:
     ttfa_s: float | None
     elapsed_s: float
     llm_replica: str = ""
+    frames: tuple[tuple[int, ...], ...] = ()  # the codec frames the audio covers
 
 
 class RouterCore:
@@ -148,6 +151,26 @@ class RouterCore:
         finally:
             self.open_streams -= 1
 
+    @asynccontextmanager
+    async def incremental(self, template: Job) -> AsyncIterator[IncrementalSession]:
+        """An incremental-text stream: admitted (and counted as one stream here) for its whole life;
+        its segments run one after another on any LLM replica, the first one admitted there."""
+        self.check_open()
+        self.check_alive()
+        self.check_capacity()
+        self.open_streams += 1
+        try:
+            yield IncrementalSession(
+                template, self.entry.family.lm, self.config.incremental, self.segment_audio, self.entry.sample_rate_hz
+            )
+        finally:
+            self.open_streams -= 1
+
+    async def segment_audio(self, job: Job) -> AsyncIterator[SegmentAudio]:
+        """One segment of an incremental stream, as its session wants it: audio and frames."""
+        async for sent in self._dispatch(job):
+            yield SegmentAudio(sent.audio, sent.frames)
+
     async def _dispatch(self, job: Job) -> AsyncIterator[SentChunk]:
         """Stream `job` from an LLM replica; when that replica dies mid-stream, resume it on another
         from the last checkpoint the client's chunks carried (`router.resume`)."""
@@ -181,7 +204,8 @@ class RouterCore:
                 if underrun is not None:
                     self.metrics.underrun.observe(underrun)
                 finished = audio.is_final
-                yield SentChunk(audio, audio.seq, tracker.ttfa_s, now - tracker.start_s, llm_replica)
+                frames = event.ref.chunk.kept_frames
+                yield SentChunk(audio, audio.seq, tracker.ttfa_s, now - tracker.start_s, llm_replica, frames)
                 progress.record(event)
                 if finished:
                     self._record_finished(tracker, now)
@@ -459,6 +483,26 @@ class Router:
         return voices_response(entry)
 
     # ---- HTTP -----------------------------------------------------------------------------
+    @http_app.websocket("/v1/audio/speech/stream")
+    async def speech_stream(self, websocket: WebSocket) -> None:
+        """Incremental text in, audio out (`router.websocket` documents the messages)."""
+        await self._stream_endpoint().serve(websocket, reply_request_id(""))
+
+    def _stream_endpoint(self) -> StreamEndpoint:
+        @asynccontextmanager
+        async def authorize(websocket: WebSocket):
+            values = websocket.headers.getlist("authorization")
+            if len(values) > 1:
+                raise Unauthenticated("authorization: given more than once")
+            with self.auth.hold_stream(self.auth.check(values[0] if values else None)):
+                yield
+
+        def template(fields: dict) -> Job:
+            return self.core.job(**{**fields, "req_id": fields["req_id"] or reply_request_id("")})
+
+        header = streaming_wav_header(self.core.entry.sample_rate_hz)
+        return StreamEndpoint(authorize, template, self.core.incremental, header, _failure)
+
     @http_app.get("/healthz")
     async def healthz(self) -> dict:
         return {"status": "ok", "model": self.core.entry.name}
