@@ -52,3 +52,47 @@ def test_sse_bad_stream_format_is_400_naming_it(cluster):
         json={"input": "hi", "stream_format": "events"},
     )  # fmt: skip
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "stream_format"
+
+
+def ws_url(ep) -> str:
+    return ep.http_url.replace("http://", "ws://", 1) + "/v1/audio/speech/stream"
+
+
+def ws_messages(ws) -> tuple[list, int]:
+    """Every message until the server closes the socket, and its close code."""
+    from websockets.exceptions import ConnectionClosed
+
+    got = []
+    try:
+        while True:
+            message = ws.recv(timeout=120)
+            got.append(json.loads(message) if isinstance(message, str) else message)
+    except ConnectionClosed as closed:
+        return got, closed.rcvd.code if closed.rcvd else -1
+
+
+def test_websocket_through_serves_http_proxy_streams_each_segment_as_its_text_arrives(cluster):
+    from websockets.sync.client import connect
+
+    ep = cluster["tight"]
+    with connect(ws_url(ep), open_timeout=60) as ws:
+        ws.send(json.dumps({"voice": "tara", "sampling": {"seed": 4, "max_tokens": 14}, "request_id": "ws-cluster"}))
+        assert json.loads(ws.recv(timeout=60)) == {"type": "ready", "request_id": "ws-cluster"}
+        ws.send(json.dumps({"text": "First sentence here. "}))
+        meta = json.loads(ws.recv(timeout=120))  # the first segment speaks before the rest of the text exists
+        assert meta["type"] == "audio" and meta["segment"] == 0 and len(ws.recv(timeout=60)) == meta["num_bytes"]
+        ws.send(json.dumps({"text": "And a second one", "end": True}))
+        got, code = ws_messages(ws)
+    assert code == 1000 and got[-1]["type"] == "done"
+    metas, blobs = [meta] + got[0:-1:2], got[1:-1:2]
+    assert {m["segment"] for m in metas} == {0, 1} and [m["seq"] for m in metas] == list(range(len(metas)))
+    assert meta["num_bytes"] + sum(len(b) for b in blobs) == 2 * 2 * 2048 * 2  # 2 frames a segment
+
+
+def test_websocket_bad_config_through_the_cluster_names_the_field_and_closes_1008(cluster):
+    from websockets.sync.client import connect
+
+    with connect(ws_url(cluster["tight"]), open_timeout=60) as ws:
+        ws.send(json.dumps({"text": "no config yet"}))
+        got, code = ws_messages(ws)
+    assert code == 1008 and got[-1]["type"] == "error" and got[-1]["param"] == "text"

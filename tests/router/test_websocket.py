@@ -33,9 +33,12 @@ def client():
         config = IncrementalConfig(idle_timeout_s=1.0, max_piece_chars=200)
         yield IncrementalSession(job, ENTRY.family.lm, config, runner, ENTRY.sample_rate_hz)
 
+    def template(fields):
+        return job_from_fields(ENTRY, AdmissionConfig(), **{**fields, "req_id": fields["req_id"] or "ws-1"})
+
     endpoint = StreamEndpoint(
         authorize=lambda websocket: nullcontext_async(),
-        template=lambda fields: job_from_fields(ENTRY, AdmissionConfig(), **{**fields, "req_id": fields["req_id"] or "ws-1"}),
+        template=template,
         open_session=open_session,
         wav_header=streaming_wav_header(ENTRY.sample_rate_hz),
         failure_of=_failure,
