@@ -44,6 +44,7 @@ class SessionAudio:
     audio: AudioChunk
     segment_index: int
     is_segment_end: bool
+    segment_text: str = ""  # on a segment's first chunk: the text it speaks, as cut from the client's pieces
 
 
 SegmentRunner = Callable[[Job], AsyncIterator[SegmentAudio]]
@@ -72,6 +73,7 @@ class IncrementalSession:
         self.segmenter = TextSegmenter(config.min_clause_chars, config.max_segment_chars)
         self.queue: asyncio.Queue[str | None] = asyncio.Queue()
         self.texts: list[str] = []  # the segments as the model read them
+        self.cut_texts: list[str] = []  # the segments as cut from the client's text
         self.turns: list[ContextTurn] = []
         self.is_ended = False
         self.last_activity_s = clock()
@@ -134,6 +136,7 @@ class IncrementalSession:
 
     def _segment_job(self, segment: str) -> Job:
         index = len(self.texts)
+        self.cut_texts.append(segment)
         text = check_text(self.adapter, self.adapter.continue_text(segment, tuple(self.texts)), "text")
         self.texts.append(text)
         keep = self.config.max_context_turns if self.adapter.uses_context_turns else 0
@@ -157,8 +160,9 @@ class IncrementalSession:
                 part.audio, req_id=self.template.req_id, seq=self.next_seq, pcm16=pcm16, is_final=False
             )
             self.next_seq += 1
+            cut_text = self.cut_texts[job.segment_index] if is_first else ""
             is_first = False
-            yield SessionAudio(audio, job.segment_index, is_segment_end=part.audio.is_final)
+            yield SessionAudio(audio, job.segment_index, part.audio.is_final, cut_text)
             if part.audio.is_final:
                 break
         self.turns.append(ContextTurn(job.text, job.voice, tuple(frames)))

@@ -1,17 +1,7 @@
-"""The incremental-text WebSocket (`/v1/audio/speech/stream` on the HTTP port): JSON messages in,
-audio out, driving an `IncrementalSession`.
-
-Client -> server, JSON text messages: first the config (`model`, `voice`, `sampling`,
-`response_format` pcm | wav, `ttfa_deadline_s`, `request_id`; all optional, `{}` takes the
-defaults), then any of `{"text": "..."}`, `{"flush": true}`, `{"end": true}` (text may come with
-flush or end in one message). Server -> client: `{"type": "ready", ...}` once configured; per audio
-chunk a JSON `{"type": "audio", "seq", "segment", "segment_end", "num_bytes", "duration_s"}`
-followed by one binary message with its bytes (PCM16 LE mono; with wav the first carries a
-streaming WAV header); `{"type": "done", "audio_s"}` after the end, then close 1000. Errors:
-`{"type": "error", "code", "param", "message"}`, then close: 1008 for a bad message (naming the
-field), 1003 for a binary message, 4408 after `incremental.idle_timeout_s` without text, 1013 when
-the server is full or stopping, 1011 for a failure inside the cluster. A client that closes the
-socket cancels its stream.
+"""The incremental-text WebSocket (`/v1/audio/speech/stream` on the HTTP port): a config message,
+then JSON text / flush / end messages in; per audio chunk a JSON description and one binary
+message out; errors name the field, then close with a documented code. It drives an
+`IncrementalSession`; README ("Incremental text") documents the messages and close codes.
 """
 
 from __future__ import annotations
@@ -142,6 +132,8 @@ async def send_audio(websocket: WebSocket, session: IncrementalSession, header: 
             "type": "audio", "seq": audio.seq, "segment": part.segment_index, "segment_end": part.is_segment_end,
             "num_bytes": len(data), "duration_s": round(audio.duration_s, 6),
         }  # fmt: skip
+        if part.segment_text:
+            meta["text"] = part.segment_text
         await websocket.send_text(json.dumps(meta))
         await websocket.send_bytes(data)
         audio_s += audio.duration_s
@@ -168,7 +160,8 @@ class StreamEndpoint:
                 job = self.template(config_fields(await receive_object(websocket)))
                 req_id = job.req_id
                 async with self.open_session(job) as session:
-                    await websocket.send_text(json.dumps({"type": "ready", "request_id": job.req_id}))
+                    ready = {"type": "ready", "request_id": job.req_id, "sample_rate_hz": session.sample_rate_hz}
+                    await websocket.send_text(json.dumps(ready))
                     audio_s = await self._run(websocket, session, job)
             await websocket.send_text(json.dumps({"type": "done", "audio_s": round(audio_s, 6)}))
             await websocket.close(1000)

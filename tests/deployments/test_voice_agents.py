@@ -77,7 +77,7 @@ def test_websocket_through_serves_http_proxy_streams_each_segment_as_its_text_ar
     ep = cluster["tight"]
     with connect(ws_url(ep), open_timeout=60) as ws:
         ws.send(json.dumps({"voice": "tara", "sampling": {"seed": 4, "max_tokens": 14}, "request_id": "ws-cluster"}))
-        assert json.loads(ws.recv(timeout=60)) == {"type": "ready", "request_id": "ws-cluster"}
+        assert json.loads(ws.recv(timeout=60)) == {"type": "ready", "request_id": "ws-cluster", "sample_rate_hz": 24000}
         ws.send(json.dumps({"text": "First sentence here. "}))
         meta = json.loads(ws.recv(timeout=120))  # the first segment speaks before the rest of the text exists
         assert meta["type"] == "audio" and meta["segment"] == 0 and len(ws.recv(timeout=60)) == meta["num_bytes"]

@@ -80,7 +80,8 @@ def test_text_pieces_flush_and_end_stream_audio_frames_then_done(client):
         ws.send_json({"flush": True})
         ws.send_json({"text": "Bye.", "end": True})
         got, code = read_until_close(ws)
-    assert code == 1000 and got[0] == {"type": "ready", "request_id": "ws-1"} and got[-1]["type"] == "done"
+    assert code == 1000 and got[-1]["type"] == "done"
+    assert got[0] == {"type": "ready", "request_id": "ws-1", "sample_rate_hz": 24000}
     metas, blobs = got[1:-1:2], got[2:-1:2]
     assert all(m["type"] == "audio" for m in metas) and all(isinstance(b, bytes) for b in blobs)
     assert [m["seq"] for m in metas] == list(range(len(metas))) and {m["segment"] for m in metas} == {0, 1}
