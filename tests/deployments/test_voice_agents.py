@@ -96,3 +96,16 @@ def test_websocket_bad_config_through_the_cluster_names_the_field_and_closes_100
         ws.send(json.dumps({"text": "no config yet"}))
         got, code = ws_messages(ws)
     assert code == 1008 and got[-1]["type"] == "error" and got[-1]["param"] == "text"
+
+
+def test_say_incremental_types_words_at_a_pace_and_prints_each_pieces_time_to_audio(cluster, tmp_path, capsys):
+    from cluster.cli import main
+
+    out = tmp_path / "inc.wav"
+    text = "One short sentence. Then another one follows"
+    argv = ["say", text, "--incremental", "--pace", "30", "--max-tokens", "14", "-o", str(out)]
+    assert main([*argv, "--url", ws_url(cluster["tight"])]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == len(text.split()) + 1 and all("first audio +" in line for line in lines[:-1])
+    assert "first piece -> first audio" in lines[-1] and out.read_bytes()[:4] == b"RIFF"
+    assert len(out.read_bytes()) == 44 + 2 * 2 * 2048 * 2  # two segments of two frames
