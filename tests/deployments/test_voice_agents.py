@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 
+import grpc
 import numpy as np
 import pytest
 import requests
 from openai import OpenAI
+
+from tests.deployments.conftest import TIGHT
 
 pytestmark = pytest.mark.slow
 SEEDED = {"seed": 7, "max_tokens": 70}
@@ -109,3 +113,43 @@ def test_say_incremental_types_words_at_a_pace_and_prints_each_pieces_time_to_au
     assert len(lines) == len(text.split()) + 1 and all("first audio +" in line for line in lines[:-1])
     assert "first piece -> first audio" in lines[-1] and out.read_bytes()[:4] == b"RIFF"
     assert len(out.read_bytes()) == 44 + 2 * 2 * 2048 * 2  # two segments of two frames
+
+
+def open_stream(ep, sampling: dict):
+    from websockets.sync.client import connect
+
+    ws = connect(ws_url(ep), open_timeout=60)
+    ws.send(json.dumps({"sampling": sampling}))
+    assert json.loads(ws.recv(timeout=60))["type"] == "ready"  # sent once the router admitted the stream
+    return ws
+
+
+def test_streams_waiting_for_text_hold_no_engine_row_yet_count_for_admission(cluster):
+    from ray import serve
+
+    from tests.deployments.grpc_helpers import run_stream
+
+    ep = cluster["tight"]
+    limit = TIGHT.admission.max_streams_per_replica + TIGHT.admission.max_queued_per_replica
+    sockets = [open_stream(ep, {"seed": i, "max_tokens": 7}) for i in range(limit)]
+    try:
+        sockets[0].send(json.dumps({"text": "Spoken, then waiting. "}))
+        while not json.loads(meta := sockets[0].recv(timeout=120)).get("segment_end"):
+            sockets[0].recv(timeout=60)  # the chunk's bytes
+        assert json.loads(meta)["segment"] == 0
+        llm = serve.get_deployment_handle("LLMStage", ep.app_name)
+        deadline_s = time.monotonic() + 10
+        while (stats := llm.stats.remote().result())["engine_requests"] and time.monotonic() < deadline_s:
+            time.sleep(0.1)
+        assert stats["engine_requests"] == 0 and stats["kv_slots_used"] == 0  # waiting for text holds nothing
+        refused = run_stream(ep.grpc_target, ep.app_name, "one too many", sampling={"max_tokens": 7})
+        assert refused.code == grpc.StatusCode.RESOURCE_EXHAUSTED  # yet each open stream counts as one
+    finally:
+        for ws in sockets:
+            ws.close()
+    for _ in range(50):  # the router sees the closes within moments; then there is room again
+        outcome = run_stream(ep.grpc_target, ep.app_name, "room again", sampling={"max_tokens": 7})
+        if outcome.code == grpc.StatusCode.OK:
+            break
+        time.sleep(0.2)
+    assert outcome.code == grpc.StatusCode.OK
