@@ -115,8 +115,9 @@ def apply(session: IncrementalSession, item: StreamInput) -> None:
 
 
 async def read_inputs(websocket: WebSocket, session: IncrementalSession) -> None:
-    """Feed the client's messages to the session until it ends the stream."""
-    while not session.is_ended:
+    """Feed the client's messages to the session; after its end keep listening, so a client that
+    leaves while its audio is still being made cancels the stream (and a late message is refused)."""
+    while True:
         apply(session, stream_input(await receive_object(websocket)))
 
 
@@ -177,10 +178,10 @@ class StreamEndpoint:
         reader = asyncio.ensure_future(read_inputs(websocket, session))
         writer = asyncio.ensure_future(send_audio(websocket, session, header))
         try:
-            done, _ = await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_EXCEPTION)
-            if reader in done and reader.exception() is not None:
-                raise reader.exception()
-            return await writer
+            done, _ = await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
+            if writer in done:
+                return writer.result()
+            raise reader.exception()  # the reader only ever ends by failing (or the client leaving)
         finally:
             for task in (reader, writer):
                 task.cancel()

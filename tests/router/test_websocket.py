@@ -103,6 +103,7 @@ BAD = [
     ([{}, "[1, 2]"], "body", "JSON object", CLOSE_BAD_MESSAGE),
     ([{}, "{not json"], "body", "not valid JSON", CLOSE_BAD_MESSAGE),
     ([{}, b"\x00\x01"], None, "binary messages", CLOSE_UNSUPPORTED),
+    ([{}, {"text": "Words to speak. ", "end": True}, {"text": "late"}], "text", "already ended", CLOSE_BAD_MESSAGE),
 ]
 
 
