@@ -25,6 +25,8 @@ class IncrementalResult:
     pieces: list[str] = field(default_factory=list)
     segment_texts: list[str] = field(default_factory=list)
     segment_first_audio_s: list[float] = field(default_factory=list)  # since the first piece
+    chunk_arrivals_s: list[float] = field(default_factory=list)  # since the first piece
+    chunk_durations_s: list[float] = field(default_factory=list)
     error: dict | None = None
     close_code: int = 0
 
@@ -105,9 +107,12 @@ def _receive(ws, result: IncrementalResult, start_s: float, timeout_s: float) ->
                 result.pcm16 += message
                 continue
             meta = json.loads(message)
+            if meta["type"] == "audio":
+                result.chunk_arrivals_s.append(time.perf_counter() - start_s)
+                result.chunk_durations_s.append(meta["duration_s"])
             if meta["type"] == "audio" and "text" in meta:
                 result.segment_texts.append(meta["text"])
-                result.segment_first_audio_s.append(time.perf_counter() - start_s)
+                result.segment_first_audio_s.append(result.chunk_arrivals_s[-1])
             elif meta["type"] == "error":
                 result.error = meta
     except ConnectionClosed as closed:
