@@ -22,7 +22,7 @@ class InProcessPipeline:
         self.llm = build_llm_side(config)
         self.detok = build_detok_engine(config)
         self.worker = DetokWorker(self.detok, on_decoded=self.llm.engine.timer.record_detok)
-        self.kept_frames: dict[tuple[str, int], tuple] = {}  # (req_id, seq) -> frames, for `run_job` only
+        self.kept_frames: dict[tuple[str, int], tuple] = {}  # (req_id, seq) -> frames, for `add_job` only
         self._tracked: set[str] = set()
 
     @property
@@ -58,17 +58,17 @@ class InProcessPipeline:
         while self.has_work:
             yield from self.step()
 
-    def run_job(self, job: Job) -> Iterator[tuple[AudioChunk, tuple]]:
-        """One validated job start to end: each audio chunk with the codec frames it covers (what
-        an incremental stream keeps as context), as the cluster's router sees them."""
+    def add_job(self, job: Job) -> None:
+        """Queue a validated job whose chunks' codec frames are kept for `take_frames` (what an
+        incremental stream keeps of a segment as context, as the cluster's router sees them)."""
         self._tracked.add(job.req_id)
         self.llm.add(job)
-        try:
-            for chunk in self.stream():
-                if chunk.req_id == job.req_id:
-                    yield chunk, self.kept_frames.pop((chunk.req_id, chunk.seq))
-        finally:
-            self._tracked.discard(job.req_id)
+
+    def take_frames(self, chunk: AudioChunk) -> tuple:
+        """The codec frames `chunk` of a job queued with `add_job` covers."""
+        if chunk.is_final:
+            self._tracked.discard(chunk.req_id)
+        return self.kept_frames.pop((chunk.req_id, chunk.seq))
 
     def synthesize(self, text: str, voice: str | None = None, sampling: SamplingParams | dict | None = None) -> bytes:
         """One request start to end; returns its PCM16 audio."""

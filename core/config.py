@@ -210,6 +210,12 @@ class IncrementalConfig(_Strict):
     max_context_turns: int = Field(
         2, ge=0, le=16, description="Earlier segments a family that conditions on previous turns (CSM) is given."
     )
+    lookahead_segments: int = Field(
+        1, ge=0, le=4,
+        description="Segments whose text is complete start this many ahead, while the one before still generates, "
+        "so the join has no gap (the stream holds one more engine row meanwhile); 0 = one segment at a time. "
+        "Families that condition on earlier segments' audio (CSM) always go one at a time.",
+    )  # fmt: skip
 
 
 class ServeConfig(_Strict):

@@ -4,10 +4,11 @@ same object (config message -> `IncrementalSession`, text -> `push`, flush -> `f
 half-close -> `end`, `audio()` -> AudioChunks).
 
 Text is cut into segments (`router.segmenter`); each segment is one Job with the stream's voice,
-seed and sampling, run to its end by `run_segment` before the next one starts, carrying the
-context its family needs (CSM: earlier segments as turns; Dia: the speaker tag; Orpheus: the voice
-prefix every prompt has). Between segments nothing is queued in the engine. Joins fade to zero
-(`router.joins`). A stream waiting `idle_timeout_s` for text is closed with `IdleTimeout`.
+seed and sampling, carrying the context its family needs (CSM: earlier segments as turns; Dia: the
+speaker tag; Orpheus: the voice prefix every prompt has), run by `run_segment`; a segment whose
+text is complete starts while the one before still generates (`lookahead_segments`; CSM waits
+for the audio it conditions on), its audio held until its turn. Waiting for text, nothing is
+queued in the engine. Joins fade to zero (`router.joins`). No text for `idle_timeout_s` closes it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -54,6 +56,31 @@ class IdleTimeout(Exception):
     """The client sent no text for `idle_timeout_s` while the stream had nothing left to speak."""
 
 
+class Prefetch:
+    """A segment started ahead: a task collects its chunks while the segment before it plays out."""
+
+    def __init__(self, parts: AsyncIterator[SegmentAudio]) -> None:
+        self.items: asyncio.Queue[SegmentAudio | Exception | None] = asyncio.Queue()
+        self.task = asyncio.ensure_future(self._pump(parts))
+
+    async def _pump(self, parts: AsyncIterator[SegmentAudio]) -> None:
+        try:
+            async for part in parts:
+                self.items.put_nowait(part)
+            self.items.put_nowait(None)
+        except Exception as err:  # raised where its audio is due
+            self.items.put_nowait(err)
+
+    async def parts(self) -> AsyncIterator[SegmentAudio]:
+        while (item := await self.items.get()) is not None:
+            if isinstance(item, Exception):
+                raise item
+            yield item
+
+
+Segment = tuple[Job, AsyncIterator[SegmentAudio]]  # a started segment: its job and its chunks
+
+
 class IncrementalSession:
     def __init__(
         self,
@@ -78,6 +105,9 @@ class IncrementalSession:
         self.is_ended = False
         self.last_activity_s = clock()
         self.next_seq = 0
+        self.lookahead = 0 if adapter.uses_context_turns else config.lookahead_segments
+        self.ahead: deque[Segment | None] = deque()  # segments started ahead, then END once taken
+        self.prefetches: list[Prefetch] = []
 
     # ---- input --------------------------------------------------------------------------
     def push(self, text: object, field: str = "text") -> None:
@@ -116,12 +146,40 @@ class IncrementalSession:
     # ---- output -------------------------------------------------------------------------
     async def audio(self) -> AsyncIterator[SessionAudio]:
         """Every segment's audio in order, then one empty final chunk once the stream has ended."""
-        while (segment := await self._next_segment()) is not END:
-            async for chunk in self._segment_audio(self._segment_job(segment)):
-                yield chunk
-            self.last_activity_s = self.clock()  # waiting for text starts now
+        try:
+            while (segment := await self._take_segment()) is not END:
+                job, parts = segment
+                async for chunk in self._segment_audio(job, parts):
+                    yield chunk
+                    self._start_ahead()
+                self.last_activity_s = self.clock()  # waiting for text starts now
+        finally:  # a stream closed early cancels the segments started ahead (their streams are freed)
+            for prefetch in self.prefetches:
+                prefetch.task.cancel()
         final = AudioChunk(self.template.req_id, self.next_seq, b"", self.sample_rate_hz, is_final=True)
         yield SessionAudio(final, len(self.texts), is_segment_end=True)
+
+    async def _take_segment(self) -> Segment | None:
+        """The next segment to play: one started ahead, else the next text cut (waiting for it)."""
+        self._start_ahead()
+        if self.ahead:
+            return self.ahead.popleft()
+        segment = await self._next_segment()
+        if segment is END:
+            return END
+        job = self._segment_job(segment)
+        return job, self.run_segment(job)
+
+    def _start_ahead(self) -> None:
+        """Start the segments whose text is complete, up to `lookahead` ahead of the one playing."""
+        while len(self.ahead) < self.lookahead and END not in self.ahead and not self.queue.empty():
+            segment = self.queue.get_nowait()
+            if segment is END:
+                self.ahead.append(END)
+                return
+            job = self._segment_job(segment)
+            self.prefetches.append(Prefetch(self.run_segment(job)))
+            self.ahead.append((job, self.prefetches[-1].parts()))
 
     async def _next_segment(self) -> str | None:
         timeout_s = self.config.idle_timeout_s
@@ -144,12 +202,12 @@ class IncrementalSession:
         req_id = f"{self.template.req_id}.{index}"
         return dataclasses.replace(self.template, req_id=req_id, text=text, segment_index=index, context=context)
 
-    async def _segment_audio(self, job: Job) -> AsyncIterator[SessionAudio]:
+    async def _segment_audio(self, job: Job, parts: AsyncIterator[SegmentAudio]) -> AsyncIterator[SessionAudio]:
         """One segment's chunks, renumbered into the stream, with the joins faded."""
         ramp = fade_samples(self.sample_rate_hz, self.config.fade_ms)
         frames: list[tuple[int, ...]] = []
         is_first = True
-        async for part in self.run_segment(job):
+        async for part in parts:
             frames.extend(part.frames)
             pcm16 = part.audio.pcm16
             if is_first and job.segment_index > 0:
