@@ -127,6 +127,9 @@ class Job:
     resume: ResumeState | None = None  # set by the router when it moves the stream to another replica
     segment_index: int = 0  # an incremental stream's segment; > 0: admitted with its stream's first segment
     context: tuple[ContextTurn, ...] = ()  # earlier segments, for families with `LMAdapter.uses_context_turns`
+    # A later segment of a playing stream: the audio its client has not played yet when the segment
+    # is sent, so the engine schedules it by its stream's playback deadline, not as a new startup.
+    buffered_audio_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,8 @@ class LLMSide:
 
     def add(self, job: Job) -> None:
         self.engine.add_job(job)
+        if job.buffered_audio_s is not None:
+            self._continue_playback(job.req_id, job.buffered_audio_s)
         resume = job.resume
         if resume is None:
             self.chunkers[job.req_id] = Chunker(job.req_id, self.schedule)
@@ -47,6 +49,13 @@ class LLMSide:
         chunker.add_frames(self.engine.replay_frames(job.req_id))  # its next step's push cuts what is ready
         self.chunkers[job.req_id] = chunker
         self.num_checkpointed[job.req_id] = len(resume.tokens)
+
+    def _continue_playback(self, req_id: str, buffered_audio_s: float) -> None:
+        """A later segment of a playing stream takes over its playback clock: the client holds
+        `buffered_audio_s` of audio now, so the policy orders it by that deadline (steady phase)."""
+        req = self.engine.requests[req_id]
+        req.first_audio_s = self.clock()
+        req.audio_sent_s = max(0.0, buffered_audio_s)
 
     def cancel(self, req_id: str) -> None:
         self.engine.cancel(req_id)

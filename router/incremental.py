@@ -105,6 +105,8 @@ class IncrementalSession:
         self.is_ended = False
         self.last_activity_s = clock()
         self.next_seq = 0
+        self.first_audio_s: float | None = None  # when the stream's first audio left the session
+        self.audio_sent_s = 0.0
         self.lookahead = 0 if adapter.uses_context_turns else config.lookahead_segments
         self.ahead: deque[Segment | None] = deque()  # segments started ahead, then END once taken
         self.prefetches: list[Prefetch] = []
@@ -134,6 +136,11 @@ class IncrementalSession:
         self._queue(self.segmenter.flush())
         self.is_ended = True
         self.queue.put_nowait(END)
+
+    def _mark_sent(self, duration_s: float) -> None:
+        if self.first_audio_s is None and duration_s > 0:
+            self.first_audio_s = self.clock()
+        self.audio_sent_s += duration_s
 
     def _check_open(self, field: str) -> None:
         if self.is_ended:
@@ -200,7 +207,14 @@ class IncrementalSession:
         keep = self.config.max_context_turns if self.adapter.uses_context_turns else 0
         context = tuple(self.turns[-keep:]) if keep else ()
         req_id = f"{self.template.req_id}.{index}"
-        return dataclasses.replace(self.template, req_id=req_id, text=text, segment_index=index, context=context)
+        job = dataclasses.replace(self.template, req_id=req_id, text=text, segment_index=index, context=context)
+        return dataclasses.replace(job, buffered_audio_s=self.buffered_audio_s())
+
+    def buffered_audio_s(self) -> float | None:
+        """Audio the client holds unplayed now (None before the first audio: startup)."""
+        if self.first_audio_s is None:
+            return None
+        return max(0.0, self.first_audio_s + self.audio_sent_s - self.clock())
 
     async def _segment_audio(self, job: Job, parts: AsyncIterator[SegmentAudio]) -> AsyncIterator[SessionAudio]:
         """One segment's chunks, renumbered into the stream, with the joins faded."""
@@ -218,6 +232,7 @@ class IncrementalSession:
                 part.audio, req_id=self.template.req_id, seq=self.next_seq, pcm16=pcm16, is_final=False
             )
             self.next_seq += 1
+            self._mark_sent(audio.duration_s)
             cut_text = self.cut_texts[job.segment_index] if is_first else ""
             is_first = False
             yield SessionAudio(audio, job.segment_index, part.audio.is_final, cut_text)

@@ -137,8 +137,9 @@ def test_orpheus_segments_keep_voice_and_seed_and_equal_standalone_synthesis(loo
     assert all(j.voice == "leah" and j.sampling.seed == 11 and not j.context for j in runner.jobs)
     if lookahead:  # the text was all there: each next segment started while the one before generated
         assert runner.rows_at_start[1:] == [1, 1]
-    else:  # one at a time: nothing held in the engine between segments
+    else:  # one at a time: nothing held in the engine between segments; later ones carry the client's buffer
         assert runner.rows_at_start == [0, 0, 0]
+        assert runner.jobs[0].buffered_audio_s is None and all(j.buffered_audio_s > 0 for j in runner.jobs[1:])
     fresh = InProcessPipeline(EngineConfig(model=ModelConfig(name="orpheus-tiny")))
     for k, job in enumerate(runner.jobs):
         alone = np.frombuffer(fresh.synthesize(job.text, "leah", sampling), dtype="<i2").astype(np.int32)
