@@ -11,7 +11,7 @@ import pytest
 from cluster.pipeline import InProcessPipeline
 from core.config import EngineConfig, IncrementalConfig, ModelConfig
 from core.errors import InvalidArgumentError
-from core.messages import Job
+from core.messages import AudioChunk, Job
 from llm_stage.registry import get_entry
 from router.incremental import IdleTimeout, IncrementalSession, SegmentAudio
 from router.joins import fade_in, fade_out, fade_samples
@@ -209,3 +209,40 @@ def test_bad_pieces_name_the_field(call, field, message):
     with pytest.raises(InvalidArgumentError, match=message) as err:
         call(session)
     assert err.value.field == field
+
+
+def test_a_stream_closed_mid_segment_also_stops_the_segment_started_ahead():
+    """Leaving mid-stream must free every segment's engine stream: the one playing and the one
+    started ahead (here a runner whose segments never end, recording which were closed)."""
+    entry = get_entry("orpheus-tiny")
+    closed: list[str] = []
+
+    async def endless(job: Job):
+        try:
+            seq = 0
+            while True:
+                await asyncio.sleep(0.01)
+                yield SegmentAudio(AudioChunk(job.req_id, seq, b"\x01\x00" * 480, 24000, False), ((1,) * 7,))
+                seq += 1
+        finally:
+            closed.append(job.req_id)
+
+    async def run():
+        template = Job("leave", "-", "tara", entry.family.lm.default_sampling, 5.0)
+        session = IncrementalSession(template, entry.family.lm, IncrementalConfig(), endless, 24000)
+        session.push("First sentence here. Second one here. ")
+
+        async def consume():
+            async for chunk in session.audio():
+                if chunk.audio.seq == 3:
+                    await asyncio.Event().wait()  # the client stops reading; then it leaves
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.2)
+        assert len(session.prefetches) == 2  # the second segment was started ahead
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.sleep(0.05)
+
+    asyncio.run(run())
+    assert sorted(closed) == ["leave.0", "leave.1"]
