@@ -246,3 +246,13 @@ def test_a_stream_closed_mid_segment_also_stops_the_segment_started_ahead():
 
     asyncio.run(run())
     assert sorted(closed) == ["leave.0", "leave.1"]
+
+
+def test_qwen3_tts_speaks_incrementally_through_the_segment_path():
+    """No native text streaming yet: Qwen3-TTS goes segment by segment like the others."""
+    session, runner = make_session("qwen3-tts-tiny", {"seed": 1, "max_tokens": 8})
+    chunks = asyncio.run(collect(session, PIECES))
+    parts = check_stream_shape(
+        chunks, 3, fade_samples(get_entry("qwen3-tts-tiny").sample_rate_hz, session.config.fade_ms)
+    )
+    assert [len(p) for p in parts] == [8 * 1920] * 3 and all(j.voice == runner.jobs[0].voice for j in runner.jobs)
