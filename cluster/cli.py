@@ -118,6 +118,8 @@ def _drain(args: argparse.Namespace) -> int:
 
 
 def _say(args: argparse.Namespace) -> int:
+    if args.incremental:
+        return _say_incremental(args)
     import grpc
 
     from cluster.client import make_request, result_wav, synthesize
@@ -135,6 +137,28 @@ def _say(args: argparse.Namespace) -> int:
     audio_s = len(result.pcm16) / 2 / max(1, result.sample_rate_hz)
     ttfa = result.ttfa_s
     print(f"wrote {args.output}: {audio_s:.2f} s of audio; TTFA {ttfa * 1000:.0f} ms" if ttfa else "no audio")
+    return 0
+
+
+def _say_incremental(args: argparse.Namespace) -> int:
+    """Type the text into the WebSocket word by word; print each piece's time to its first audio."""
+    from cluster.incremental_client import type_text
+    from router.audio_format import wav_bytes
+
+    sampling = {"seed": args.seed, **({"max_tokens": args.max_tokens} if args.max_tokens else {})}
+    config = {"voice": args.voice or "", "sampling": sampling}
+    result = type_text(args.url, args.text, config, args.pace)
+    for piece, sent_s, wait_s in zip(result.pieces, result.piece_sent_s, result.piece_latencies_s(), strict=True):
+        waited = f"first audio +{wait_s * 1000:.0f} ms" if wait_s is not None else "no audio"
+        print(f"{sent_s * 1000:7.0f} ms  {piece.strip()!r:24} {waited}")
+    if result.error is not None:
+        print(f"error: {result.error.get('code')}: {result.error.get('message')}", file=sys.stderr)
+        return 1
+    rate_hz = result.sample_rate_hz
+    Path(args.output).write_bytes(wav_bytes(result.pcm16, rate_hz))
+    first = result.first_audio_s
+    summary = f"first piece -> first audio {first * 1000:.0f} ms" if first is not None else "no audio"
+    print(f"wrote {args.output}: {len(result.pcm16) / 2 / rate_hz:.2f} s of audio; {summary}")
     return 0
 
 
@@ -228,6 +252,12 @@ def build_parser() -> argparse.ArgumentParser:
     say.add_argument("--target", default="127.0.0.1:9000")
     say.add_argument("--app", default="voxray")
     say.add_argument("--tls-ca", type=Path, default=None, help="PEM CA (or the server's certificate) for a TLS server")
+    say.add_argument(
+        "--incremental", action="store_true",
+        help="type TEXT word by word into the WebSocket (--url) at --pace words/s; print each piece's time to audio",
+    )  # fmt: skip
+    say.add_argument("--pace", type=float, default=30.0, help="--incremental: words (~LLM tokens) per second")
+    say.add_argument("--url", default="ws://127.0.0.1:8000/v1/audio/speech/stream", help="--incremental: endpoint")
     say.set_defaults(func=_say)
 
     batch = sub.add_parser("batch", help="synthesize a JSONL file of texts to WAVs (throughput mode, in-process)")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from core.config import EngineConfig
-from core.messages import AudioChunk, SamplingParams
+from core.messages import AudioChunk, Job, SamplingParams
 from detok_stage.worker import DetokWorker
 from llm_stage.wiring import build_detok_engine, build_llm_side
 
@@ -22,6 +22,8 @@ class InProcessPipeline:
         self.llm = build_llm_side(config)
         self.detok = build_detok_engine(config)
         self.worker = DetokWorker(self.detok, on_decoded=self.llm.engine.timer.record_detok)
+        self.kept_frames: dict[tuple[str, int], tuple] = {}  # (req_id, seq) -> frames, for `add_job` only
+        self._tracked: set[str] = set()
 
     @property
     def has_work(self) -> bool:
@@ -39,6 +41,8 @@ class InProcessPipeline:
         llm_busy = self.llm.engine.has_work
         if llm_busy:
             for chunk in self.llm.step():
+                if chunk.req_id in self._tracked:
+                    self.kept_frames[(chunk.req_id, chunk.seq)] = chunk.kept_frames
                 self.worker.submit(chunk)
         audio = self.worker.collect(wait_s=0.0 if llm_busy else 0.05)
         for chunk in audio:
@@ -53,6 +57,18 @@ class InProcessPipeline:
     def stream(self) -> Iterator[AudioChunk]:
         while self.has_work:
             yield from self.step()
+
+    def add_job(self, job: Job) -> None:
+        """Queue a validated job whose chunks' codec frames are kept for `take_frames` (what an
+        incremental stream keeps of a segment as context, as the cluster's router sees them)."""
+        self._tracked.add(job.req_id)
+        self.llm.add(job)
+
+    def take_frames(self, chunk: AudioChunk) -> tuple:
+        """The codec frames `chunk` of a job queued with `add_job` covers."""
+        if chunk.is_final:
+            self._tracked.discard(chunk.req_id)
+        return self.kept_frames.pop((chunk.req_id, chunk.seq))
 
     def synthesize(self, text: str, voice: str | None = None, sampling: SamplingParams | dict | None = None) -> bytes:
         """One request start to end; returns its PCM16 audio."""

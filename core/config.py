@@ -247,6 +247,37 @@ def is_loopback(host: str) -> bool:
     return host == "localhost" or ipaddress.ip_address(host).is_loopback
 
 
+class IncrementalConfig(_Strict):
+    """Incremental text (WebSocket `/v1/audio/speech/stream`, the router's `IncrementalSession`):
+    text arrives in pieces, is cut into segments at sentence / clause boundaries, and each
+    segment is synthesized in order with the stream's voice, seed and sampling."""
+
+    idle_timeout_s: float = Field(
+        30.0, gt=0, le=3600, description="A stream that waits this long for text (nothing left to speak) is closed."
+    )
+    max_piece_chars: int = Field(1000, ge=1, le=100_000, description="Longest text piece one message may carry.")
+    min_clause_chars: int = Field(
+        24, ge=1, description="A clause boundary (, ; : dash) ends a segment once it holds this many characters; "
+        "a sentence end (. ! ?) always does."
+    )  # fmt: skip
+    max_segment_chars: int = Field(
+        400, ge=16, description="A segment without a boundary is cut at its last space past this many characters."
+    )
+    fade_ms: float = Field(
+        4.0, ge=0, le=100, description="Linear fade at each segment join (out at a segment's end, in at the next "
+        "one's start), so joined segments meet at zero: no click."
+    )  # fmt: skip
+    max_context_turns: int = Field(
+        2, ge=0, le=16, description="Earlier segments a family that conditions on previous turns (CSM) is given."
+    )
+    lookahead_segments: int = Field(
+        1, ge=0, le=4,
+        description="Segments whose text is complete start this many ahead, while the one before still generates, "
+        "so the join has no gap (the stream holds one more engine row meanwhile); 0 = one segment at a time. "
+        "Families that condition on earlier segments' audio (CSM) always go one at a time.",
+    )  # fmt: skip
+
+
 class ServeConfig(_Strict):
     """The whole cluster app: engines, the three deployments, admission, ports, what is exposed."""
 
@@ -287,6 +318,7 @@ class ServeConfig(_Strict):
     admission: AdmissionConfig = AdmissionConfig()
     auth: AuthConfig = AuthConfig()
     drain: DrainConfig = DrainConfig()
+    incremental: IncrementalConfig = IncrementalConfig()
 
     @field_validator("http_host", "grpc_host")
     @classmethod

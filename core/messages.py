@@ -105,6 +105,16 @@ class ResumeState:
 
 
 @dataclass(frozen=True)
+class ContextTurn:
+    """An earlier segment of an incremental stream, for families that condition on previous turns
+    (CSM): its text, voice and the codec frames generated for it (K codes each)."""
+
+    text: str
+    voice: str | None
+    frames: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
 class Job:
     """One validated synthesis request: built once at the ingress, handed to the engine unchanged."""
 
@@ -116,6 +126,11 @@ class Job:
     output_format: OutputFormat = "pcm16"
     text_field: str = "text"  # the text field as the client spelled it ("input" over HTTP)
     resume: ResumeState | None = None  # set by the router when it moves the stream to another replica
+    segment_index: int = 0  # an incremental stream's segment; > 0: admitted with its stream's first segment
+    context: tuple[ContextTurn, ...] = ()  # earlier segments, for families with `LMAdapter.uses_context_turns`
+    # A later segment of a playing stream: the audio its client has not played yet when the segment
+    # is sent, so the engine schedules it by its stream's playback deadline, not as a new startup.
+    buffered_audio_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -150,6 +165,12 @@ class TokenChunk:
     @property
     def num_frames(self) -> int:
         return len(self.frames)
+
+    @property
+    def kept_frames(self) -> tuple[tuple[int, ...], ...]:
+        """The frames whose audio this chunk emits (its window minus the context frames)."""
+        start = self.keep_start - self.window_start
+        return tuple(tuple(f) for f in self.frames[start : start + self.keep_end - self.keep_start])
 
 
 @dataclass

@@ -254,8 +254,10 @@ class LLMStage:
             leaving = Moved(job.resume, self.replica_tag) if job.resume is not None else None
             yield leaving or Rejected(self.config.admission.retry_after_s)
             return
-        # A resumed stream was admitted once already: it queues for a slot rather than being dropped.
-        verdict = decide(self.load(), job.ttfa_deadline_s) if job.resume is None else Admission.ADMIT
+        # A resumed stream, or a later segment of an incremental one, was admitted once already: it
+        # queues for a slot rather than being dropped.
+        admitted_before = job.resume is not None or job.segment_index > 0
+        verdict = Admission.ADMIT if admitted_before else decide(self.load(), job.ttfa_deadline_s)
         if verdict is Admission.REJECT:
             yield Rejected(self.config.admission.retry_after_s)
             return

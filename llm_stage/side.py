@@ -38,8 +38,11 @@ class LLMSide:
         self.checkpoints: dict[tuple[str, int], Checkpoint] = {}  # (req_id, seq) -> taken at its cut
 
     def add(self, job: Job, kv: KVSnapshot | None = None) -> None:
-        """Queue `job`; a resumed one continues its chunks, decoding at once from a migrated `kv`."""
+        """Queue `job`; a resumed one continues its chunks, decoding at once from a migrated `kv`;
+        a later segment of an incremental stream keeps the stream's playback clock."""
         self.engine.add_job(job, kv)
+        if job.buffered_audio_s is not None:
+            self._continue_playback(job.req_id, job.buffered_audio_s)
         resume = job.resume
         if resume is None:
             self.chunkers[job.req_id] = Chunker(job.req_id, self.schedule)
@@ -49,6 +52,13 @@ class LLMSide:
         chunker.add_frames(self.engine.replay_frames(job.req_id))  # its next step's push cuts what is ready
         self.chunkers[job.req_id] = chunker
         self.num_checkpointed[job.req_id] = len(resume.tokens)
+
+    def _continue_playback(self, req_id: str, buffered_audio_s: float) -> None:
+        """A later segment of a playing stream takes over its playback clock: the client holds
+        `buffered_audio_s` of audio now, so the policy orders it by that deadline (steady phase)."""
+        req = self.engine.requests[req_id]
+        req.first_audio_s = self.clock()
+        req.audio_sent_s = max(0.0, buffered_audio_s)
 
     def cancel(self, req_id: str) -> None:
         self.engine.cancel(req_id)

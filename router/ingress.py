@@ -15,11 +15,11 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, aclosing
+from contextlib import AsyncExitStack, aclosing, asynccontextmanager
 from dataclasses import dataclass
 
 import grpc
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from google.protobuf import any_pb2
 from google.protobuf.duration_pb2 import Duration
@@ -54,19 +54,23 @@ from router.deadlines import DeadlineUnmeetable, best_predicted_ttfa_s, client_d
 from router.dispatch import estimated_loads, num_live_replicas, pass_over
 from router.drain import DrainWatch
 from router.grpc_server import GrpcAbort, SpeechServer
+from router.incremental import IncrementalSession, SegmentAudio
 from router.jobs import (
     MAX_BODY_BYTES,
-    fields_from_json,
     fields_from_proto,
     job_from_fields,
     parse_proto,
     reply_request_id,
+    speech_request,
 )
 from router.metrics import RouterMetrics
 from router.playback import PlaybackTracker
 from router.replica_listener import keep_replica_listener_on_loopback
 from router.replies import Failure, http_error, log_failure, with_request_id
 from router.resume import StreamProgress
+from router.sse import MEDIA_TYPE as SSE_MEDIA_TYPE
+from router.sse import audio_delta, audio_done, error_event
+from router.websocket import StreamEndpoint
 
 http_app = FastAPI(title="VoxRay", docs_url=None, redoc_url=None, openapi_url=None)  # docs: ServeConfig.http_docs
 
@@ -132,6 +136,7 @@ class SentChunk:
     ttfa_s: float | None
     elapsed_s: float
     llm_replica: str = ""
+    frames: tuple[tuple[int, ...], ...] = ()  # the codec frames the audio covers
 
 
 class RouterCore:
@@ -190,6 +195,26 @@ class RouterCore:
         finally:
             self.open_streams -= 1
 
+    @asynccontextmanager
+    async def incremental(self, template: Job) -> AsyncIterator[IncrementalSession]:
+        """An incremental-text stream: admitted (and counted as one stream here) for its whole life;
+        its segments run one after another on any LLM replica, the first one admitted there."""
+        self.check_open()
+        self.check_alive()
+        self.check_capacity()
+        self.open_streams += 1
+        try:
+            yield IncrementalSession(
+                template, self.entry.family.lm, self.config.incremental, self.segment_audio, self.entry.sample_rate_hz
+            )
+        finally:
+            self.open_streams -= 1
+
+    async def segment_audio(self, job: Job) -> AsyncIterator[SegmentAudio]:
+        """One segment of an incremental stream, as its session wants it: audio and frames."""
+        async for sent in self._dispatch(job):
+            yield SegmentAudio(sent.audio, sent.frames)
+
     async def _dispatch(self, job: Job) -> AsyncIterator[SentChunk]:
         """Stream `job` from an LLM replica. When that replica dies mid-stream, resume it on another
         from the last checkpoint the client's chunks carried (`router.resume`); when it hands the
@@ -238,7 +263,8 @@ class RouterCore:
                 if underrun is not None:
                     self.metrics.underrun.observe(underrun)
                 finished = audio.is_final
-                yield SentChunk(audio, audio.seq, tracker.ttfa_s, now - tracker.start_s, llm_replica)
+                frames = event.ref.chunk.kept_frames
+                yield SentChunk(audio, audio.seq, tracker.ttfa_s, now - tracker.start_s, llm_replica, frames)
                 progress.record(event)
                 if finished:
                     self._record_finished(tracker, now)
@@ -344,6 +370,26 @@ async def _http_body(
         yield header + first.audio.pcm16
         async for sent in rest:
             yield sent.audio.pcm16
+    finally:
+        await lease.aclose()
+
+
+async def _sse_body(
+    job: Job, first: SentChunk, rest: AsyncIterator[SentChunk], header: bytes, lease: AsyncExitStack
+) -> AsyncIterator[bytes]:
+    """OpenAI's `stream_format: "sse"` body: a `speech.audio.delta` event per chunk, then
+    `speech.audio.done`; a failure once the 200 went out ends it with an `error` event."""
+    num_frames = first.audio.num_frames
+    try:
+        yield audio_delta(header + first.audio.pcm16)
+        async for sent in rest:
+            num_frames += sent.audio.num_frames
+            yield audio_delta(sent.audio.pcm16)
+        yield audio_done(len(job.text), num_frames)
+    except Exception as err:
+        failure, own = _failure(err)
+        log_failure(failure, job.req_id, "HTTP", own)
+        yield error_event(with_request_id(failure.message, job.req_id), failure.code.name.lower())
     finally:
         await lease.aclose()
 
@@ -508,6 +554,26 @@ class Router:
         return voices_response(entry)
 
     # ---- HTTP -----------------------------------------------------------------------------
+    @http_app.websocket("/v1/audio/speech/stream")
+    async def speech_stream(self, websocket: WebSocket) -> None:
+        """Incremental text in, audio out (`router.websocket` documents the messages)."""
+        await self._stream_endpoint().serve(websocket, reply_request_id(""))
+
+    def _stream_endpoint(self) -> StreamEndpoint:
+        @asynccontextmanager
+        async def authorize(websocket: WebSocket):
+            values = websocket.headers.getlist("authorization")
+            if len(values) > 1:
+                raise Unauthenticated("authorization: given more than once")
+            with self.auth.hold_stream(self.auth.check(values[0] if values else None)):
+                yield
+
+        def template(fields: dict) -> Job:
+            return self.core.job(**{**fields, "req_id": fields["req_id"] or reply_request_id("")})
+
+        header = streaming_wav_header(self.core.entry.sample_rate_hz)
+        return StreamEndpoint(authorize, template, self.core.incremental, header, _failure)
+
     @http_app.get("/healthz")
     async def healthz(self) -> dict:
         return {"status": "ok", "model": self.core.entry.name}
@@ -527,7 +593,7 @@ class Router:
         lease = AsyncExitStack()  # what an admitted stream holds; released by the body, or here on failure
         try:
             key = self.auth.check(_http_authorization(request))
-            fields = fields_from_json(await _read_body(request), request.headers.getlist("x-request-id"))
+            fields, stream_format = speech_request(await _read_body(request), request.headers.getlist("x-request-id"))
             req_id = reply_request_id(fields["req_id"] or req_id)
             job = self.core.job(**{**fields, "req_id": fields["req_id"] or req_id})
             lease.enter_context(self.auth.hold_stream(key))
@@ -535,7 +601,10 @@ class Router:
             first = await anext(stream)  # admission and validation happen before any byte is sent
             media = "audio/wav" if job.output_format == "wav" else "audio/pcm"
             header = streaming_wav_header(self.core.entry.sample_rate_hz) if job.output_format == "wav" else b""
-            body = _http_body(first, stream, header, lease)
+            if stream_format == "sse":
+                media, body = SSE_MEDIA_TYPE, _sse_body(job, first, stream, header, lease)
+            else:
+                body = _http_body(first, stream, header, lease)
             headers = {"X-Request-Id": job.req_id} if job.req_id != _serve_request_id() else {}
             return StreamingResponse(body, media_type=media, headers=headers, background=BackgroundTask(lease.aclose))
         except Exception as err:

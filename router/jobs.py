@@ -23,9 +23,12 @@ from core.messages import Job, OutputFormat
 from llm_stage.jobs import build_job, check_name, check_request_id, printable_name
 from llm_stage.registry import ModelEntry
 from protos import voxray_pb2
+from router.sse import STREAM_FORMATS, StreamFormat
 
 MAX_BODY_BYTES = 64 * 1024  # 4000 characters of text, each escaped as \uXXXX, fit with room to spare
-HTTP_FIELDS = frozenset({"model", "input", "voice", "response_format", "stream", "speed", "sampling", "request_id"})
+HTTP_FIELDS = frozenset(
+    {"model", "input", "voice", "response_format", "stream", "stream_format", "speed", "sampling", "request_id"}
+)
 OPENAI_FORMATS: dict[str, OutputFormat] = {"pcm": "pcm16", "wav": "wav"}
 PROTO_FORMATS: dict[int, OutputFormat] = {voxray_pb2.AUDIO_FORMAT_PCM16: "pcm16", voxray_pb2.AUDIO_FORMAT_WAV: "wav"}
 
@@ -101,6 +104,12 @@ def sampling_from_proto(options) -> dict:
 def fields_from_json(body: bytes, header_req_ids: list[str] = ()) -> dict:
     """`job_from_fields` keyword arguments from a `/v1/audio/speech` JSON body and the request's
     X-Request-Id header values (at most one; when the body names an id too, they must agree)."""
+    return speech_request(body, header_req_ids)[0]
+
+
+def speech_request(body: bytes, header_req_ids: list[str] = ()) -> tuple[dict, StreamFormat]:
+    """A `/v1/audio/speech` body: its `job_from_fields` keyword arguments and its `stream_format`
+    (OpenAI's: "audio", the raw audio stream, by default; "sse", server-sent events)."""
     obj = parse_json_object(body)
     unknown = set(obj) - HTTP_FIELDS
     if unknown:
@@ -113,14 +122,18 @@ def fields_from_json(body: bytes, header_req_ids: list[str] = ()) -> dict:
         raise InvalidArgumentError("speed", "must be the number 1.0 (the only speed served)")
     if not isinstance(obj.get("stream", True), bool):
         raise InvalidArgumentError("stream", "must be true or false")
+    stream_format = obj.get("stream_format", "audio")
+    if not isinstance(stream_format, str) or stream_format not in STREAM_FORMATS:
+        raise InvalidArgumentError("stream_format", "must be one of: audio, sse")
     sampling = obj.get("sampling", {})
     if not isinstance(sampling, dict):
         raise InvalidArgumentError("sampling", "must be an object of sampling fields")
-    return {
+    fields = {
         "text": obj.get("input"), "model": _optional_str(obj, "model"), "voice": _optional_str(obj, "voice"),
         "sampling": sampling, "output_format": OPENAI_FORMATS[fmt], "sample_rate_hz": 0, "ttfa_deadline_s": 0.0,
         "req_id": http_request_id(obj.get("request_id"), header_req_ids), "text_field": "input",
     }  # fmt: skip
+    return fields, stream_format
 
 
 def parse_json_object(body: bytes) -> dict:

@@ -68,6 +68,7 @@ class LMAdapter(ABC):
     guidance: GuidanceFormula | None = None  # CFG formula; None = the model has no CFG
     tokens_per_frame: int = 1  # engine steps per codec frame
     head_phase_period: int = 1  # steps per cycle of the output head (rows in one phase share a head matmul)
+    uses_context_turns: bool = False  # incremental streams: later segments get earlier ones as `Job.context`
 
     def __init__(self, backbone: Backbone) -> None:
         self.backbone = backbone
@@ -88,6 +89,12 @@ class LMAdapter(ABC):
     def job_prompt(self, job: Job) -> list[Token]:
         """The prompt of a validated job; override to condition on per-request fields of `job.sampling`."""
         return self.format_prompt(job.text, job.voice)
+
+    @classmethod
+    def continue_text(cls, text: str, previous: tuple[str, ...]) -> str:
+        """An incremental stream's next segment as the model should read it, given the segments
+        before it (override to carry text-level context, e.g. Dia's speaker tag)."""
+        return text
 
     def unconditional_job_prompt(self, job: Job) -> list[Token]:
         """The prompt of a guided job's hidden twin."""

@@ -16,7 +16,7 @@ from transformers import CsmConfig, CsmForConditionalGeneration, DynamicCache
 
 from core.checkpoints import hf_loader, load_or_preset, resolve_model_ref
 from core.config import ModelConfig
-from core.messages import SamplingParams
+from core.messages import ContextTurn, Job, SamplingParams
 from detok_stage.codecs.mimi_codec import MimiCodec, shared_mimi, tiny_mimi_config
 from llm_stage.models.base import DrawFn, FrameBuilder, LMAdapter, ModelFamily
 from llm_stage.models.llama import LlamaBackbone
@@ -70,6 +70,7 @@ class CsmAdapter(LMAdapter):
     voices = tuple(str(i) for i in range(10))  # CSM speaker ids
     default_voice = "0"
     default_sampling = SamplingParams(temperature=0.9, top_k=50, max_tokens=375)
+    uses_context_turns = True
 
     def __init__(self, model: CsmForConditionalGeneration, tokenizer: TextTokenizer) -> None:
         shim = SimpleNamespace(config=model.config, model=model.backbone_model, lm_head=model.lm_head)
@@ -97,6 +98,18 @@ class CsmAdapter(LMAdapter):
     def format_prompt(self, text: str, voice: str | None) -> list[Token]:
         """The speaker's text turn as text positions; generation continues with audio frames."""
         return [(0,) * self.num_codebooks + (i,) for i in self.text_ids(text, voice)]
+
+    def job_prompt(self, job: Job) -> list[Token]:
+        """The job's turn after its context turns (an incremental stream's earlier segments)."""
+        context = [token for turn in job.context for token in self.context_turn(turn)]
+        return [*context, *self.format_prompt(job.text, job.voice)]
+
+    def context_turn(self, turn: ContextTurn) -> list[Token]:
+        """A previous turn as Sesame's generator feeds it: its text positions, its audio frames
+        (K codes, no text), then an all-EOS frame closing the turn."""
+        eos_frame = (self.eos_code,) * self.num_codebooks + (NO_TEXT,)
+        audio = [(*frame, NO_TEXT) for frame in turn.frames]
+        return [*self.format_prompt(turn.text, turn.voice), *audio, eos_frame]
 
     def token_lanes(self, token: Token) -> list[int]:
         lanes = list(token)  # type: ignore[arg-type]

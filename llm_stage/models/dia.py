@@ -77,6 +77,15 @@ def encode_dia_text(text: str) -> list[int]:
     return ids
 
 
+def last_speaker_tag(texts: tuple[str, ...], default: str = "[S1]") -> str:
+    """The speaker tag that ends up speaking after `texts` (the last one named), else `default`."""
+    for text in reversed(texts):
+        found = [(text.rfind(tag), tag) for tag in SPEAKER_TAGS if tag in text]
+        if found:
+            return max(found)[1]
+    return default
+
+
 class DiaFrameBuilder(FrameBuilder):
     """De-interleaves delayed steps; frames holding EOS / PAD / BOS are not audio."""
 
@@ -128,6 +137,14 @@ class DiaAdapter(LMAdapter):
 
     def format_prompt(self, text: str, voice: str | None) -> list[Token]:
         return self._prompt(self._text_ids(text))
+
+    @classmethod
+    def continue_text(cls, text: str, previous: tuple[str, ...]) -> str:
+        """A segment that names no speaker first is spoken by the last one named before it (Dia
+        reads untagged text as a new, random speaker)."""
+        if text.lstrip().startswith(tuple(SPEAKER_TAGS)):
+            return text
+        return f"{last_speaker_tag(previous)} {text.lstrip()}"
 
     def unconditional_prompt(self, text: str, voice: str | None) -> list[Token]:
         """Dia's unconditional input: an all-zero text of the same length."""

@@ -60,3 +60,22 @@ def test_streams_whose_buffer_is_spent_count_as_starving():
     assert side.num_starving() == 0  # 0.5 s still buffered
     req.audio_sent_s = 0.8
     assert side.num_starving() == 1  # played past what it was sent
+
+
+def test_a_later_segment_of_a_playing_stream_takes_over_its_playback_clock():
+    import dataclasses
+
+    import pytest
+
+    from core.config import EngineConfig, ModelConfig
+    from core.policy import buffered_s
+    from llm_stage.jobs import build_job
+    from llm_stage.wiring import build_llm_side
+
+    side = build_llm_side(EngineConfig(model=ModelConfig(name="orpheus-tiny")))
+    adapter = side.engine.adapter
+    side.add(build_job(adapter, text="First.", req_id="s.0"))
+    later = build_job(adapter, text="Second.", req_id="s.1")
+    side.add(dataclasses.replace(later, segment_index=1, buffered_audio_s=0.8))
+    assert side.engine.requests["s.0"].first_audio_s is None  # a new stream: startup phase
+    assert buffered_s(side.engine.requests["s.1"], side.clock()) == pytest.approx(0.8, abs=0.05)  # steady, 0.8 s left

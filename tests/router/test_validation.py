@@ -16,7 +16,14 @@ from core.errors import InvalidArgumentError
 from core.messages import Job
 from llm_stage.registry import get_entry
 from protos import voxray_pb2
-from router.jobs import HTTP_FIELDS, MAX_BODY_BYTES, fields_from_json, fields_from_proto, job_from_fields
+from router.jobs import (
+    HTTP_FIELDS,
+    MAX_BODY_BYTES,
+    fields_from_json,
+    fields_from_proto,
+    job_from_fields,
+    speech_request,
+)
 
 ENTRY = get_entry("orpheus-tiny")
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -225,3 +232,17 @@ def test_any_http_bytes_give_a_job_or_a_named_field(raw):
         assert_valid_job(http_job(raw))
     except InvalidArgumentError as err:
         assert_safe_error(err)
+
+
+@pytest.mark.parametrize("value", ["events", "", 1, None, ["sse"]])
+def test_http_stream_format_must_be_audio_or_sse(value):
+    body = json.dumps({"input": "hi", "stream_format": value}).encode()
+    with pytest.raises(InvalidArgumentError) as err:
+        speech_request(body)
+    assert err.value.field == "stream_format"
+
+
+@pytest.mark.parametrize("value", ["audio", "sse"])
+def test_http_stream_format_is_returned(value):
+    fields, stream_format = speech_request(json.dumps({"input": "hi", "stream_format": value}).encode())
+    assert stream_format == value and fields["text"] == "hi"
