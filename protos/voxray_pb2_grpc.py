@@ -39,6 +39,11 @@ class SpeechStub:
                 request_serializer=protos_dot_voxray__pb2.SynthesizeRequest.SerializeToString,
                 response_deserializer=protos_dot_voxray__pb2.AudioChunk.FromString,
                 _registered_method=True)
+        self.SynthesizeStream = channel.stream_stream(
+                '/voxray.Speech/SynthesizeStream',
+                request_serializer=protos_dot_voxray__pb2.SynthesizeStreamRequest.SerializeToString,
+                response_deserializer=protos_dot_voxray__pb2.AudioChunk.FromString,
+                _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/voxray.Speech/ListModels',
                 request_serializer=protos_dot_voxray__pb2.ListModelsRequest.SerializeToString,
@@ -56,6 +61,16 @@ class SpeechServicer:
 
     def Synthesize(self, request, context):
         """Streams audio chunks as they are decoded; the last chunk has final = true.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SynthesizeStream(self, request_iterator, context):
+        """Voice agents: text streamed in while audio streams out. The first message is `config` (its
+        text, if any, is the first piece); then text pieces, `flush` (speak what is buffered) and
+        `end` (or the client's half-close). Answers with the same AudioChunks as Synthesize; the
+        last one has final = true.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -79,6 +94,11 @@ def add_SpeechServicer_to_server(servicer, server):
             'Synthesize': grpc.unary_stream_rpc_method_handler(
                     servicer.Synthesize,
                     request_deserializer=protos_dot_voxray__pb2.SynthesizeRequest.FromString,
+                    response_serializer=protos_dot_voxray__pb2.AudioChunk.SerializeToString,
+            ),
+            'SynthesizeStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.SynthesizeStream,
+                    request_deserializer=protos_dot_voxray__pb2.SynthesizeStreamRequest.FromString,
                     response_serializer=protos_dot_voxray__pb2.AudioChunk.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
@@ -118,6 +138,33 @@ class Speech:
             target,
             '/voxray.Speech/Synthesize',
             protos_dot_voxray__pb2.SynthesizeRequest.SerializeToString,
+            protos_dot_voxray__pb2.AudioChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SynthesizeStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/voxray.Speech/SynthesizeStream',
+            protos_dot_voxray__pb2.SynthesizeStreamRequest.SerializeToString,
             protos_dot_voxray__pb2.AudioChunk.FromString,
             options,
             channel_credentials,

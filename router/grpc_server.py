@@ -37,6 +37,8 @@ class SpeechMethods(Protocol):
 
     def Synthesize(self, request: bytes, grpc_context) -> AsyncIterator[Message]: ...  # noqa: N802
 
+    def SynthesizeStream(self, requests: AsyncIterator[bytes], grpc_context) -> AsyncIterator[Message]: ...  # noqa: N802
+
     def ListModels(self, request: bytes, grpc_context) -> Awaitable[Message]: ...  # noqa: N802
 
     def ListVoices(self, request: bytes, grpc_context) -> Awaitable[Message]: ...  # noqa: N802
@@ -71,6 +73,20 @@ def _stream_handler(method: Callable[..., AsyncIterator[Message]], app_name: str
     return grpc.unary_stream_rpc_method_handler(handle, request_deserializer=None, response_serializer=_serialize)
 
 
+def _bidi_handler(method: Callable[..., AsyncIterator[Message]], app_name: str) -> grpc.RpcMethodHandler:
+    async def handle(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[Message]:
+        if not await _routed_here(context, app_name):
+            return
+        try:
+            async with aclosing(method(requests, context)) as messages:
+                async for message in messages:
+                    yield message
+        except GrpcAbort:
+            return
+
+    return grpc.stream_stream_rpc_method_handler(handle, request_deserializer=None, response_serializer=_serialize)
+
+
 def _unary_handler(method: Callable[..., Awaitable[Message]], app_name: str) -> grpc.RpcMethodHandler:
     async def handle(request: bytes, context: grpc.aio.ServicerContext) -> Message | None:
         if not await _routed_here(context, app_name):
@@ -89,6 +105,7 @@ def speech_handler(methods: SpeechMethods, app_name: str) -> grpc.GenericRpcHand
         SERVICE_NAME,
         {
             "Synthesize": _stream_handler(methods.Synthesize, app_name),
+            "SynthesizeStream": _bidi_handler(methods.SynthesizeStream, app_name),
             "ListModels": _unary_handler(methods.ListModels, app_name),
             "ListVoices": _unary_handler(methods.ListVoices, app_name),
         },

@@ -54,6 +54,7 @@ from router.deadlines import DeadlineUnmeetable, best_predicted_ttfa_s, client_d
 from router.dispatch import estimated_loads, num_live_replicas, pass_over
 from router.drain import DrainWatch
 from router.grpc_server import GrpcAbort, SpeechServer
+from router.grpc_stream import read_config, stream_audio
 from router.incremental import IncrementalSession, SegmentAudio
 from router.jobs import (
     MAX_BODY_BYTES,
@@ -532,6 +533,25 @@ class Router:
                     async for sent in stream:
                         yield _to_proto(job, sent, header if sent.seq == 0 else b"")
         except Exception as err:  # every failure gets a status, a short message and one log line
+            _grpc_fail(grpc_context, err, req_id)
+
+    async def SynthesizeStream(self, requests: AsyncIterator[bytes], grpc_context=None):  # noqa: N802
+        """Incremental text in, audio out (`router.grpc_stream`): the same session as the WebSocket."""
+        req_id = reply_request_id("")
+        try:
+            key = self.auth.check(_authorization(grpc_context))
+            fields, first_piece = await read_config(requests)
+            job = self.core.job(**{**fields, "req_id": fields["req_id"] or req_id})
+            req_id = job.req_id
+            header = streaming_wav_header(self.core.entry.sample_rate_hz) if job.output_format == "wav" else b""
+            with self.auth.hold_stream(key):
+                async with self.core.incremental(job) as session:
+                    if first_piece:
+                        session.push(first_piece, field="config.text")
+                    async with aclosing(stream_audio(requests, session, job.req_id, header)) as chunks:
+                        async for chunk in chunks:
+                            yield chunk
+        except Exception as err:
             _grpc_fail(grpc_context, err, req_id)
 
     async def ListModels(self, request: voxray_pb2.ListModelsRequest | bytes, grpc_context=None):  # noqa: N802
