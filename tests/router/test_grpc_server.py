@@ -40,6 +40,13 @@ class StandInRouter:
         for seq in range(2):
             yield voxray_pb2.AudioChunk(request_id="r-1", seq=seq, audio=request)
 
+    async def SynthesizeStream(self, requests, grpc_context):  # noqa: N802
+        seq = 0
+        async for request in requests:  # echo each raw message back as it arrives
+            self.requests.append(request)
+            yield voxray_pb2.AudioChunk(request_id="r-1", seq=seq, audio=request)
+            seq += 1
+
     async def ListModels(self, request: bytes, grpc_context):  # noqa: N802
         return voxray_pb2.ListModelsResponse(models=[voxray_pb2.ModelInfo(name="orpheus-tiny")])
 
@@ -94,6 +101,18 @@ def test_raw_bytes_reach_the_router_and_chunks_stream_back(config):
     assert router.requests == [b"\xff\x00garbage"]  # no deserializer: the Router's validator sees the bytes
     assert [c.seq for c in chunks] == [0, 1] and chunks[0].audio == b"\xff\x00garbage"
     assert 0 < router.remaining_s[0] <= 7  # the client's deadline is visible to the Router
+
+
+def test_bidi_messages_reach_the_router_raw_and_in_order_while_chunks_stream_back(config):
+    router = StandInRouter()
+    with serving([config], router), grpc.insecure_channel(f"127.0.0.1:{config.grpc_port}") as channel:
+        call = channel.stream_stream(
+            "/voxray.Speech/SynthesizeStream", request_serializer=None,
+            response_deserializer=voxray_pb2.AudioChunk.FromString,
+        )  # fmt: skip
+        chunks = list(call(iter([b"one", b"\xff two", b"three"]), timeout=10))
+    assert router.requests == [b"one", b"\xff two", b"three"]
+    assert [c.audio for c in chunks] == router.requests and [c.seq for c in chunks] == [0, 1, 2]
 
 
 def test_router_status_details_and_trailers_reach_the_client_natively(config):
