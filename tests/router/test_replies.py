@@ -12,8 +12,9 @@ from ray.exceptions import RayActorError
 from core.errors import InvalidArgumentError
 from router.auth import QuotaExceeded, Unauthenticated
 from router.deadlines import DeadlineUnmeetable
-from router.ingress import AdmissionRejected, StreamFailed, _failure
+from router.ingress import _failure
 from router.replies import http_error, log_failure
+from router.streams import AdmissionRejected, StreamFailed
 
 
 def test_each_failure_kind_gets_its_status_and_a_short_message():

@@ -1,0 +1,296 @@
+"""The transport-independent part of the Router: admission checks, dispatch to an LLM replica,
+ordered audio from the detok replicas' object stores, resuming a stream whose LLM replica died
+or moved it, the drain, and incremental-text sessions. `router.ingress` wraps it in the gRPC and
+HTTP front doors (the Router deployment).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from ray import serve
+from ray.exceptions import ActorUnavailableError, ObjectLostError, RayActorError
+
+from core.config import ServeConfig
+from core.errors import InvalidArgumentError
+from core.messages import (
+    Admitted,
+    AudioChunk,
+    AudioReady,
+    Failed,
+    Invalid,
+    Job,
+    Moved,
+    Queued,
+    Rejected,
+    ResumeState,
+    StreamHead,
+)
+from llm_stage.registry import get_entry
+from router.admission import stream_limit
+from router.deadlines import best_predicted_ttfa_s, client_deadline_s, fit_to_client_deadline
+from router.dispatch import estimated_loads, num_live_replicas, pass_over
+from router.drain import DrainWatch
+from router.incremental import IncrementalSession, SegmentAudio
+from router.jobs import (
+    job_from_fields,
+)
+from router.metrics import RouterMetrics
+from router.playback import PlaybackTracker
+from router.resume import StreamProgress
+
+
+def _replica_name() -> str:
+    """This Router replica's id (a fixed name outside a Serve replica, e.g. in unit tests)."""
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:
+        return "local"
+
+
+logger = logging.getLogger("ray.serve.voxray")
+# A stream whose LLM replica dies is resumed elsewhere at most this many times, after these waits
+# (Serve's handle skips a replica once a call to it failed with ActorDiedError).
+RESUME_BACKOFF_S = (0.05, 0.2, 0.5)
+MAX_MOVES = 8  # hand-offs of one stream (a replica leaving bounces resumed streams it is sent)
+HEAD_POLL_S = 0.05  # while waiting for a stream's head: how often to look for live LLM replicas
+
+
+class AdmissionRejected(Exception):
+    def __init__(self, retry_after_s: float) -> None:
+        super().__init__(f"server at capacity; retry after {retry_after_s:.1f} s")
+        self.retry_after_s = retry_after_s
+
+
+class ReplicasUnavailable(Exception):
+    """Every LLM replica this router knew has died; Serve is starting another."""
+
+    def __init__(self, retry_after_s: float) -> None:
+        super().__init__(f"no synthesis replica is available; retry after {retry_after_s:.1f} s")
+        self.retry_after_s = retry_after_s
+
+
+class Draining(Exception):
+    """The server is stopping: new streams are refused, and streams past the drain deadline end."""
+
+    def __init__(self, retry_after_s: float) -> None:
+        super().__init__(f"server is shutting down; retry after {retry_after_s:.1f} s")
+        self.retry_after_s = retry_after_s
+
+
+class StreamMoved(Exception):
+    """The LLM replica handed the stream off; `moved.resume` continues it on another one."""
+
+    def __init__(self, moved: Moved) -> None:
+        super().__init__(f"stream moved off {moved.llm_replica}")
+        self.moved = moved
+
+
+class StreamFailed(Exception):
+    """The stream broke inside the cluster (a Failed event, or a stream that ended early)."""
+
+
+@dataclass
+class SentChunk:
+    audio: AudioChunk
+    seq: int
+    ttfa_s: float | None
+    elapsed_s: float
+    llm_replica: str = ""
+    frames: tuple[tuple[int, ...], ...] = ()  # the codec frames the audio covers
+
+
+class RouterCore:
+    """Transport-independent part of the router: validation, dispatch, ordered streaming."""
+
+    def __init__(self, config: dict, llm_handle, detok_handle) -> None:
+        self.config = ServeConfig.model_validate(config)
+        self.entry = get_entry(self.config.engine.model.name)
+        self.llm = llm_handle.options(stream=True)
+        self.detok = detok_handle  # decodes a chunk again when the replica holding its audio is lost
+        self.open_streams = 0
+        self.metrics = RouterMetrics()
+        self.drain = DrainWatch(self.config.app_name, _replica_name(), lambda: self.open_streams)
+
+    def job(self, **fields) -> Job:
+        return job_from_fields(self.entry, self.config.admission, **fields)
+
+    def fit_client_deadline(self, job: Job, grpc_context) -> Job:
+        """`job` within the gRPC call's deadline, or DeadlineUnmeetable (router.deadlines)."""
+        remaining_s = client_deadline_s(grpc_context)
+        if remaining_s is None:
+            return job
+        return fit_to_client_deadline(job, remaining_s, best_predicted_ttfa_s(estimated_loads(self.config.app_name)))
+
+    def check_capacity(self) -> None:
+        """Reject at once when the LLM replicas known here are full: by their reported load, or by
+        the streams this router has open itself (a burst arrives before any stats refresh)."""
+        loads = estimated_loads(self.config.app_name)
+        if not loads:
+            return
+        capacity = sum(stream_limit(load) + load.max_queued for load in loads)
+        active = max(self.open_streams, sum(load.num_active for load in loads))
+        if active >= capacity:
+            self.metrics.rejections.inc()
+            raise AdmissionRejected(self.config.admission.retry_after_s)
+
+    def check_alive(self) -> None:
+        """UNAVAILABLE at once when no LLM replica is left to route to (Serve would hold the request
+        until it has started another: 10-20 s)."""
+        if num_live_replicas(self.config.app_name) == 0:
+            raise ReplicasUnavailable(self.config.admission.unavailable_retry_after_s)
+
+    def check_open(self) -> None:
+        """UNAVAILABLE while the server drains (a client retries on another one)."""
+        if self.drain.is_draining:
+            raise Draining(self.config.drain.retry_after_s)
+
+    async def run(self, job: Job) -> AsyncIterator[SentChunk]:
+        self.check_open()
+        self.check_alive()
+        self.check_capacity()
+        self.open_streams += 1
+        try:
+            async for sent in self._dispatch(job):
+                yield sent
+        finally:
+            self.open_streams -= 1
+
+    @asynccontextmanager
+    async def incremental(self, template: Job) -> AsyncIterator[IncrementalSession]:
+        """An incremental-text stream: admitted (and counted as one stream here) for its whole life;
+        its segments run one after another on any LLM replica, the first one admitted there."""
+        self.check_open()
+        self.check_alive()
+        self.check_capacity()
+        self.open_streams += 1
+        try:
+            yield IncrementalSession(
+                template, self.entry.family.lm, self.config.incremental, self.segment_audio, self.entry.sample_rate_hz
+            )
+        finally:
+            self.open_streams -= 1
+
+    async def segment_audio(self, job: Job) -> AsyncIterator[SegmentAudio]:
+        """One segment of an incremental stream, as its session wants it: audio and frames."""
+        async for sent in self._dispatch(job):
+            yield SegmentAudio(sent.audio, sent.frames)
+
+    async def _dispatch(self, job: Job) -> AsyncIterator[SentChunk]:
+        """Stream `job` from an LLM replica. When that replica dies mid-stream, resume it on another
+        from the last checkpoint the client's chunks carried (`router.resume`); when it hands the
+        stream off (a Moved event: it is leaving), continue it elsewhere with the KV it sent."""
+        tracker, progress = PlaybackTracker(time.monotonic()), StreamProgress()
+        handoff: ResumeState | None = None
+        num_lost = num_moved = 0
+        while True:
+            resume = handoff or (progress.resume_state() if progress.next_seq else None)
+            try:
+                async for sent in self._relay(dataclasses.replace(job, resume=resume), tracker, progress):
+                    yield sent
+                return
+            except StreamMoved as moved:
+                num_moved += 1
+                if num_moved > MAX_MOVES:
+                    raise StreamFailed(f"moved {num_moved} times without a replica taking it") from None
+                handoff = moved.moved.resume
+                progress.adopt(handoff)
+                pass_over(self.config.app_name, moved.moved.llm_replica)
+                self.metrics.moves.inc()
+            except (RayActorError, ActorUnavailableError) as err:
+                if num_lost >= len(RESUME_BACKOFF_S) or not progress.is_resumable:
+                    raise
+                await asyncio.sleep(RESUME_BACKOFF_S[num_lost])
+                num_lost += 1
+                handoff = None  # its KV died with the replica: prefill again from the checkpoints
+                self.metrics.resumes.inc()
+                lost = type(err).__name__
+                logger.warning("%s: LLM replica lost (%s); resuming at chunk %d", job.req_id, lost, progress.next_seq)
+
+    async def _relay(self, job: Job, tracker: PlaybackTracker, progress: StreamProgress) -> AsyncIterator[SentChunk]:
+        """One LLM replica's stream of `job`, its audio fetched, in seq order, to the final chunk."""
+        stream = self.llm.generate.remote(job)
+        finished = False
+        try:
+            llm_replica = self._check_head(await self._head(stream))
+            async for event in stream:
+                if isinstance(event, Failed):
+                    raise StreamFailed(event.message)
+                if isinstance(event, Moved):
+                    raise StreamMoved(event)
+                audio = await self._fetch(event)
+                now = time.monotonic()
+                underrun = tracker.on_chunk(now, audio.duration_s)
+                if underrun is not None:
+                    self.metrics.underrun.observe(underrun)
+                finished = audio.is_final
+                frames = event.ref.chunk.kept_frames
+                yield SentChunk(audio, audio.seq, tracker.ttfa_s, now - tracker.start_s, llm_replica, frames)
+                progress.record(event)
+                if finished:
+                    self._record_finished(tracker, now)
+                    return
+                if self.drain.is_past_deadline:
+                    raise Draining(self.config.drain.retry_after_s)
+            raise StreamFailed("stream ended without a final chunk")
+        finally:
+            if not finished:
+                stream.cancel()
+
+    async def _head(self, stream) -> StreamHead:
+        """The stream's head event; UNAVAILABLE as soon as no LLM replica is left to route it to
+        (Serve drops a dead replica when routing to it fails, then holds the request until it has
+        started another one: 10-20 s)."""
+        head = asyncio.ensure_future(stream.__anext__())
+        while True:
+            done, _ = await asyncio.wait({head}, timeout=HEAD_POLL_S)
+            if done:
+                return head.result()
+            if num_live_replicas(self.config.app_name) == 0:
+                head.cancel()
+                raise ReplicasUnavailable(self.config.admission.unavailable_retry_after_s)
+
+    async def _fetch(self, event: AudioReady) -> AudioChunk:
+        """The chunk's audio, straight from the detok replica's object store; if that replica died
+        holding it, another one decodes the (self-describing) chunk again."""
+        try:
+            return await event.ref.handle
+        except ObjectLostError:
+            pass
+        try:
+            [ref] = await self.detok.decode_batch.remote([event.ref.chunk])
+            return await ref.handle
+        except Exception as err:
+            raise StreamFailed(f"audio of chunk {event.ref.seq} lost: {type(err).__name__}") from err
+
+    def _record_finished(self, tracker: PlaybackTracker, now_s: float) -> None:
+        metrics = self.metrics
+        metrics.finished.inc()
+        if tracker.ttfa_s is not None:
+            metrics.ttfa.observe(tracker.ttfa_s)
+        if tracker.is_viable:
+            metrics.viable.inc()
+        metrics.audio.inc(tracker.audio_sent_s)
+        metrics.realtime.set(tracker.audio_sent_s / max(now_s - tracker.start_s, 1e-6))
+
+    def _check_head(self, head: StreamHead | AudioReady) -> str:
+        """The replica serving the job; raises for a head that refuses it."""
+        match head:
+            case Admitted(llm_replica=replica) | Queued(llm_replica=replica):
+                return replica
+            case Rejected(retry_after_s=retry_after_s):
+                self.metrics.rejections.inc()
+                raise AdmissionRejected(retry_after_s)
+            case Invalid(field=field, message=message):
+                raise InvalidArgumentError(field, message)
+            case Failed(message=message):
+                raise StreamFailed(message)
+            case Moved():  # a leaving replica bounced the stream
+                raise StreamMoved(head)
+        raise StreamFailed(f"unexpected stream head {type(head).__name__}")
