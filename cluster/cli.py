@@ -106,12 +106,18 @@ def _stop(config: ServeConfig, joined: bool) -> int:
 
 
 def _drain(args: argparse.Namespace) -> int:
-    """`voxray drain`: drain an app on a running cluster and wait (the k8s preStop hook)."""
+    """`voxray drain`: drain an app on a running cluster and wait (the head pod's preStop hook), or with
+    --move-out-node hand this node's LLM streams, KV included, to the other replicas (a worker pod's)."""
     import ray
 
-    from cluster.drain import drain
+    from cluster.drain import drain, move_out_node
 
     ray.init(address=args.address, log_to_driver=False)
+    if args.move_out_node:
+        moved = move_out_node(args.app, args.grace_s)
+        print(f"moved the streams of {len(moved.replicas)} LLM replicas in {moved.moved_s:.1f} s "
+              f"({moved.streams_left} still there at the end)")  # fmt: skip
+        return 0
     report = drain(args.app, args.grace_s)
     print(f"drained {args.app!r} in {report.drained_s:.1f} s ({report.open_streams_left} still open at the end)")
     return 0
@@ -240,7 +246,11 @@ def build_parser() -> argparse.ArgumentParser:
     drain_cmd = sub.add_parser("drain", help="drain an app on a running cluster: its streams finish or end")
     drain_cmd.add_argument("--address", default="auto", help="Ray cluster address (default: auto, the local node's)")
     drain_cmd.add_argument("--app", default="voxray", help="Serve app name")
-    drain_cmd.add_argument("--grace-s", type=float, default=25.0, help="seconds streams get to finish")
+    drain_cmd.add_argument("--grace-s", type=float, default=25.0, help="seconds streams get to finish (or move)")
+    drain_cmd.add_argument(
+        "--move-out-node", action="store_true",
+        help="instead: move the streams of this node's LLM replicas (with their KV) to the others (worker preStop)",
+    )  # fmt: skip
     drain_cmd.set_defaults(func=_drain)
 
     say = sub.add_parser("say", help="gRPC client: synthesize TEXT on a running server and write a WAV")

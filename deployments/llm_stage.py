@@ -44,7 +44,7 @@ from llm_stage.migration import KVSnapshot
 from llm_stage.registry import check_model_config
 from llm_stage.wiring import build_llm_side, size_for_streams
 from router.admission import Admission, ReplicaLoad, decide
-from router.drain import is_move_out_requested
+from router.drain import announce_llm_replica, is_move_out_requested, publish_moving_out
 from router.replica_listener import keep_replica_listener_on_loopback
 
 # A decode call whose detok replica died is resent, backing off, for this long: long enough for
@@ -52,6 +52,9 @@ from router.replica_listener import keep_replica_listener_on_loopback
 DETOK_RETRY_WINDOW_S = 30.0
 DETOK_RETRY_BACKOFF_S = (0.05, 0.2, 0.5, 1.0)
 MOVE_OUT_POLL_S = 0.2
+# A handed-off stream's KV object is owned here: hold a reference this long, so it is not freed
+# before the replica continuing the stream has fetched it (the router only borrows the ref).
+MOVED_KV_KEEP_S = 60.0
 
 
 @dataclass
@@ -100,6 +103,7 @@ class LLMStage:
         self.num_detok_retries = 0
         self.num_moved_out = self.num_kv_moved_in = self.kv_bytes_moved_in = 0
         self.is_moving_out = False  # set once asked to hand every stream to the other replicas
+        self.moved_kv_refs: list[tuple[float, object]] = []  # (when, ObjectRef) of KV handed off
         self.loop = EngineLoop(self._step, lambda: self.side.engine.has_work, self._fail_all, "llm-engine")
         self.loop.start()
         threading.Thread(target=self._watch_move_out, name="llm-move-out", daemon=True).start()
@@ -161,16 +165,27 @@ class LLMStage:
 
     # ---- moving streams out (a replica about to leave) -------------------------------------
     def _watch_move_out(self) -> None:
-        """Poll for a move-out request; from then on, hand every stream here to the other replicas."""
-        replica = self.replica_tag.split("#")[-1]
+        """Say which node this replica runs on, poll for a move-out request, and from then on hand
+        every stream here to the other replicas, publishing how many are left."""
+        app, replica = self.config.app_name, self.replica_tag.split("#")[-1]
+        try:
+            announce_llm_replica(app, replica, ray.get_runtime_context().get_node_id())
+        except Exception:  # outside Serve (no replica context) or the GCS is away: no node move-out here
+            pass
         while not self.is_moving_out:
             time.sleep(MOVE_OUT_POLL_S)
             try:
-                self.is_moving_out = is_move_out_requested(self.config.app_name, replica)
+                self.is_moving_out = is_move_out_requested(app, replica)
             except Exception:  # the GCS is going away with the cluster
                 continue
         while True:
+            kept_since_s = time.monotonic() - MOVED_KV_KEEP_S
+            self.moved_kv_refs = [(at, ref) for at, ref in self.moved_kv_refs if at > kept_since_s]
             self._move_streams_out()
+            try:
+                publish_moving_out(app, replica, len(self.streams))
+            except Exception:
+                pass
             time.sleep(MOVE_OUT_POLL_S)
 
     def _move_streams_out(self) -> None:
@@ -184,7 +199,10 @@ class LLMStage:
             if taken is None:  # not in the engine yet (still being added), or finished
                 continue
             state, kv = taken
-            resume = dataclasses.replace(state, kv=ray.put(kv) if kv is not None else None)
+            kv_ref = ray.put(kv) if kv is not None else None
+            if kv_ref is not None:  # this replica owns the object: keep it until the new one has read it
+                self.moved_kv_refs.append((time.monotonic(), kv_ref))
+            resume = dataclasses.replace(state, kv=kv_ref)
             self.num_moved_out += 1
             self.event_loop.call_soon_threadsafe(self._queue_moved, req_id, Moved(resume, self.replica_tag))
 

@@ -56,11 +56,37 @@ def is_move_out_requested(app_name: str, replica: str) -> bool:
     return internal_kv._internal_kv_exists(_move_out_key(app_name, replica), namespace=_NAMESPACE)
 
 
+def publish_moving_out(app_name: str, replica: str, num_streams: int) -> None:
+    """A leaving LLM replica's streams not yet handed off."""
+    key = f"move-out-open:{app_name}:{replica}".encode()
+    internal_kv._internal_kv_put(key, str(num_streams).encode(), namespace=_NAMESPACE)
+
+
+def moving_out_streams(app_name: str, replica: str) -> int | None:
+    """What `publish_moving_out` last said (None: the replica has not answered the request yet)."""
+    value = internal_kv._internal_kv_get(f"move-out-open:{app_name}:{replica}".encode(), namespace=_NAMESPACE)
+    return int(value) if value is not None else None
+
+
+def announce_llm_replica(app_name: str, replica: str, node_id: str) -> None:
+    """An LLM replica says which node it runs on (so a node's pod can move its streams out)."""
+    internal_kv._internal_kv_put(f"llm-node:{app_name}:{replica}".encode(), node_id.encode(), namespace=_NAMESPACE)
+
+
+def llm_replicas_on_node(app_name: str, node_id: str) -> list[str]:
+    """The LLM replicas of `app_name` that announced `node_id` (dead ones included: check liveness)."""
+    prefix = f"llm-node:{app_name}:".encode()
+    keys = internal_kv._internal_kv_list(prefix, namespace=_NAMESPACE)
+    on_node = [key for key in keys if internal_kv._internal_kv_get(key, namespace=_NAMESPACE) == node_id.encode()]
+    return sorted(key[len(prefix) :].decode() for key in on_node)
+
+
 def clear_drain(app_name: str) -> None:
     """Forget the app's drain (a redeploy of it serves again)."""
     internal_kv._internal_kv_del(_deadline_key(app_name), namespace=_NAMESPACE)
     internal_kv._internal_kv_del(_count_prefix(app_name), del_by_prefix=True, namespace=_NAMESPACE)
-    internal_kv._internal_kv_del(f"move-out:{app_name}:".encode(), del_by_prefix=True, namespace=_NAMESPACE)
+    for prefix in ("move-out:", "move-out-open:"):
+        internal_kv._internal_kv_del(f"{prefix}{app_name}:".encode(), del_by_prefix=True, namespace=_NAMESPACE)
 
 
 class DrainWatch:

@@ -197,17 +197,21 @@ LLM_MOVE = small_config(
 def test_streams_move_with_their_kv_off_a_leaving_llm_replica(cluster):
     """A replica asked to leave hands its streams to the other one between two engine steps, KV
     included (no prefill there); every stream finishes with the audio of an uninterrupted run."""
+    from cluster.drain import live_llm_replicas, move_out
     from cluster.server import deploy_app
-    from router.drain import request_move_out
+    from router.drain import llm_replicas_on_node
 
     ep = deploy_app(LLM_MOVE)
     try:
         jobs = [{"request_id": f"move-{i}", "text": f"moving {i}", "voice": "tara",
-                 "sampling": {"seed": i, "max_tokens": 7 * 48} if i % 2 else {"temperature": 0.0, "max_tokens": 7 * 48}}
+                 "sampling": {"seed": i, "max_tokens": 7 * 96} if i % 2 else {"temperature": 0.0, "max_tokens": 7 * 96}}
                 for i in range(4)]  # fmt: skip
         outcomes, threads = _play_all(ep, jobs)
         leaving_id = _replica_of_a_playing_stream(outcomes).rsplit("#", 1)[-1]
-        request_move_out(ep.app_name, leaving_id)
+        here = llm_replicas_on_node(ep.app_name, ray.get_runtime_context().get_node_id())
+        assert set(here) == live_llm_replicas(ep.app_name)  # one node: both announced it (worker preStop)
+        report = move_out(ep.app_name, [leaving_id], timeout_s=60)
+        assert report.streams_left == 0  # every stream it held was handed off before the wait ended
         for thread in threads:
             thread.join(timeout=120)
         _check_audio(outcomes, jobs, LLM_MOVE.engine)
@@ -215,7 +219,8 @@ def test_streams_move_with_their_kv_off_a_leaving_llm_replica(cluster):
         assert moved and all(o.chunks[-1].llm_replica.endswith(leaving_id) is False for o in moved)
         kept = serve.get_deployment_handle("LLMStage", ep.app_name).stats.remote().result()  # the leaving
         assert not kept["replica"].endswith(leaving_id)  # replica reports itself full: routers pick the other
-        assert kept["kv_moved_in"] == len(moved) and kept["kv_bytes_moved_in"] > 0  # decoded on, not prefilled
-        print(f"{len(moved)} streams moved with {kept['kv_bytes_moved_in'] / 1e6:.2f} MB of KV")
+        assert kept["kv_moved_in"] == len(moved) and kept["kv_bytes_moved_in"] > 0, kept  # decoded on, no prefill
+        print(f"{len(moved)} streams moved with {kept['kv_bytes_moved_in'] / 1e6:.2f} MB of KV "
+              f"in {report.moved_s:.2f} s")  # fmt: skip
     finally:
         serve.delete(ep.app_name)

@@ -249,18 +249,20 @@ def test_renderer_refuses_kustomize_features_it_does_not_implement(tmp_path) -> 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_shutdown_settings_fit_together(overlay: str) -> None:
-    """A stopping pod: the head's preStop drains with the config's grace, Serve's graceful timeout
-    covers the drain, and every pod's terminationGracePeriodSeconds covers both (else Kubernetes
-    kills streams the drain was still ending with a retry hint)."""
+    """A stopping pod: the head's preStop drains with the config's grace and a worker's moves its
+    LLM streams out, Serve's graceful timeout covers the drain, and every pod's
+    terminationGracePeriodSeconds covers both (else Kubernetes kills streams still being ended)."""
     config = load_serve_config(REPO_ROOT / OVERLAY_CONFIGS[overlay], check_files=False)
     graceful_s = {entry["graceful_shutdown_timeout_s"] for entry in _serve(overlay)["applications"][0]["deployments"]}
     assert graceful_s == {config.drain.serve_graceful_timeout_s} and min(graceful_s) > config.drain.grace_s
     for group, template in pod_templates(_rayservice(overlay)).items():
         grace_period_s = template["spec"]["terminationGracePeriodSeconds"]
         assert grace_period_s > max(graceful_s), group
-        if group == "head":
-            command = ray_container(template)["lifecycle"]["preStop"]["exec"]["command"]
-            assert command[:2] == ["voxray", "drain"], command
-            flags = dict(zip(command[2::2], command[3::2], strict=True))
-            assert flags["--app"] == config.app_name and float(flags["--grace-s"]) == config.drain.grace_s
-            assert grace_period_s >= float(flags["--grace-s"]) + 10  # the drain, its last chunks, Ray's own stop
+        command = ray_container(template)["lifecycle"]["preStop"]["exec"]["command"]
+        assert command[:2] == ["voxray", "drain"], command
+        # the head drains the app; a worker hands its node's LLM streams (with their KV) to the others
+        assert ("--move-out-node" in command) == (group != "head"), (group, command)
+        options = [arg for arg in command[2:] if arg != "--move-out-node"]
+        flags = dict(zip(options[::2], options[1::2], strict=True))
+        assert flags["--app"] == config.app_name and float(flags["--grace-s"]) == config.drain.grace_s
+        assert grace_period_s >= float(flags["--grace-s"]) + 10  # the drain or move, its last chunks, Ray's stop
