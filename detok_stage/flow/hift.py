@@ -68,8 +68,13 @@ class ResBlock(nn.Module):
     def __init__(self, channels: int, kernel_size: int, dilations: tuple[int, ...]) -> None:
         super().__init__()
         self.convs1 = nn.ModuleList(
-            [weight_norm(nn.Conv1d(channels, channels, kernel_size, 1, dilation=d, padding=get_padding(kernel_size, d))) for d in dilations]
-        )  # fmt: skip
+            [
+                weight_norm(
+                    nn.Conv1d(channels, channels, kernel_size, 1, dilation=d, padding=get_padding(kernel_size, d))
+                )
+                for d in dilations
+            ]
+        )
         self.convs2 = nn.ModuleList(
             [
                 weight_norm(nn.Conv1d(channels, channels, kernel_size, 1, padding=get_padding(kernel_size)))
