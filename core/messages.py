@@ -86,7 +86,7 @@ class HopTimes:
     audio_ready_unix_s: float = 0.0  # its audio left the codec
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # tensors: compared by identity
 class VoiceConditioning:
     """A zero-shot voice as a flow-matching detokenizer (CosyVoice 2 / S3Gen) uses it, computed once
     from a reference clip: its speech tokens, their mel (2 frames per token) and the speaker x-vector."""

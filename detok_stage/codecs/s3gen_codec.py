@@ -20,10 +20,10 @@ chunk, requests with equal chunk lengths in one forward (KV buffers stay per req
 from __future__ import annotations
 
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 
+from core.checkpoints import resolve_model_ref
 from core.config import ModelConfig
 from core.messages import TokenChunk, VoiceConditioning
 from detok_stage.codecs.base import CodecAdapter
@@ -41,6 +41,8 @@ class S3GenCodec(CodecAdapter):
     codes_per_frame = 1
 
     def __init__(self, model: S3Gen, device: str = "cpu", n_timesteps: int | None = None) -> None:
+        if model.config.chunk_tokens <= 0:
+            raise ValueError("S3GenCodec streams chunk-causal attention: config.chunk_tokens must be > 0")
         self.model = model.to(device).eval()
         self.device = device
         self.config = model.config
@@ -54,10 +56,17 @@ class S3GenCodec(CodecAdapter):
 
     @classmethod
     def build(cls, model_config: ModelConfig, device: str = "cpu", preset: S3GenConfig | None = None) -> S3GenCodec:
-        """`model_config.codec_dir` (a CosyVoice2-0.5B directory or chatterbox's s3gen file) with the
-        full shapes, else seeded random weights of `preset` (tiny by default)."""
-        if model_config.codec_dir is not None:
-            model = S3Gen.from_checkpoint(preset or full_s3gen_config(), Path(model_config.codec_dir))
+        """Published weights with the full shapes from `model_config.codec_dir`, else from
+        `checkpoint_dir` (a CosyVoice2-0.5B directory holds `flow.pt` + `hift.pt`; chatterbox's holds
+        `s3gen.safetensors` / `s3gen.pt`); with neither, seeded random weights of `preset` (tiny by default)."""
+        for ref, name in (
+            (model_config.codec_dir, "model.codec_dir"),
+            (model_config.checkpoint_dir, "model.checkpoint_dir"),
+        ):
+            if ref is not None:
+                path = resolve_model_ref(ref, field=name)
+                model = S3Gen.from_checkpoint(preset or full_s3gen_config(), path)
+                break
         else:
             model = S3Gen.seeded(preset or tiny_s3gen_config(), model_config.seed)
         return cls(model, device)

@@ -173,3 +173,20 @@ def test_full_size_shapes_build():
     flow = sum(p.numel() for p in model.flow.parameters())
     hift = sum(p.numel() for p in model.mel2wav.parameters())
     assert 90e6 < flow < 130e6 and 15e6 < hift < 25e6, (flow, hift)
+
+
+@pytest.mark.parametrize("layout", ["cosyvoice2", "chatterbox"])
+def test_published_layouts_load(tmp_path, layout):
+    """flow.pt + hift.pt (CosyVoice2-0.5B) and s3gen.pt with flow.* / mel2wav.* (chatterbox) load by name."""
+    from detok_stage.flow.config import tiny_s3gen_config
+
+    model = codec().model
+    if layout == "cosyvoice2":
+        torch.save(model.flow.state_dict(), tmp_path / "flow.pt")
+        torch.save(model.mel2wav.state_dict(), tmp_path / "hift.pt")
+    else:
+        state = {**model.state_dict(), "tokenizer._mel_filters": torch.zeros(2), "speaker_encoder.x": torch.zeros(1)}
+        torch.save(state, tmp_path / "s3gen.pt")
+    loaded = S3GenCodec.build(ModelConfig(name="cosyvoice2", checkpoint_dir=tmp_path), preset=tiny_s3gen_config())
+    toks = tokens(6, 1)
+    torch.testing.assert_close(offline(toks, c=loaded), offline(toks))
