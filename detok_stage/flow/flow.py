@@ -39,6 +39,12 @@ class Conditioning:
     prompt_mel: torch.Tensor
     xvector: torch.Tensor
 
+    def __post_init__(self) -> None:
+        """Two mel frames per prompt token; a longer side is cut to fit (as chatterbox's `embed_ref` does)."""
+        pairs = min(int(self.prompt_tokens.numel()), self.prompt_mel.shape[0] // 2)
+        self.prompt_tokens = self.prompt_tokens.reshape(-1)[:pairs]
+        self.prompt_mel = self.prompt_mel[: 2 * pairs]
+
 
 @dataclass
 class FlowState:

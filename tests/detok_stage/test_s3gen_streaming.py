@@ -190,3 +190,10 @@ def test_published_layouts_load(tmp_path, layout):
     loaded = S3GenCodec.build(ModelConfig(name="cosyvoice2", checkpoint_dir=tmp_path), preset=tiny_s3gen_config())
     toks = tokens(6, 1)
     torch.testing.assert_close(offline(toks, c=loaded), offline(toks))
+
+
+def test_a_prompt_mel_not_twice_the_prompt_tokens_is_cut_to_fit():
+    from detok_stage.flow.flow import Conditioning
+
+    cond = Conditioning(torch.arange(5), torch.zeros(7, 80), torch.zeros(192))
+    assert cond.prompt_tokens.tolist() == [0, 1, 2] and cond.prompt_mel.shape == (6, 80)
