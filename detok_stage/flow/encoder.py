@@ -45,6 +45,22 @@ class RelPositionMultiHeadedAttention(nn.Module):
         self.pos_bias_u = nn.Parameter(torch.zeros(n_head, self.d_k))
         self.pos_bias_v = nn.Parameter(torch.zeros(n_head, self.d_k))
 
+    def _projected_positions(self, lo: int, hi: int, device: torch.device) -> torch.Tensor:
+        """linear_pos(encoding(r)) for r in [lo, hi] as [H, R, d]; kept (and grown) across calls, so a
+        streamed chunk does not re-project every distance back to the stream's start."""
+        weight = self.linear_pos.weight
+        key = (weight.data_ptr(), weight._version, device)
+        cache = getattr(self, "_pos_cache", None)
+        if cache is None or cache[0] != key or lo < cache[1] or hi > cache[2]:
+            c_lo, c_hi = (min(lo, cache[1]), max(hi, cache[2])) if cache is not None and cache[0] == key else (lo, hi)
+            c_lo, c_hi = min(c_lo, -64), max(c_hi, 2 * c_hi, 64)  # room to grow
+            table = torch.arange(c_lo, c_hi + 1, device=device)
+            with torch.no_grad():
+                proj = self.linear_pos(rel_pos_encoding(table, self.h * self.d_k))
+            cache = (key, c_lo, c_hi, proj.view(-1, self.h, self.d_k).transpose(0, 1))
+            self._pos_cache = cache
+        return cache[3][:, lo - cache[1] : hi - cache[1] + 1]
+
     def _split(self, x: torch.Tensor) -> torch.Tensor:
         return x.view(x.shape[0], x.shape[1], self.h, self.d_k).transpose(1, 2)  # [N, H, T, d]
 
@@ -52,9 +68,8 @@ class RelPositionMultiHeadedAttention(nn.Module):
                 chunk: int) -> torch.Tensor:  # fmt: skip
         """q [n, H, Tq, d] (positions qpos), k/v [n, H, Tk, d] (positions kpos) -> [n, H, Tq, d]."""
         rel = qpos.unsqueeze(1) - kpos.unsqueeze(0)  # [Tq, Tk]
-        lo = int(rel.min())
-        table = torch.arange(lo, int(rel.max()) + 1, device=q.device)
-        p = self.linear_pos(rel_pos_encoding(table, self.h * self.d_k)).view(-1, self.h, self.d_k).transpose(0, 1)
+        lo, hi = int(rel.min()), int(rel.max())
+        p = self._projected_positions(lo, hi, q.device)
         ac = torch.matmul(q + self.pos_bias_u.unsqueeze(1), k.transpose(-2, -1))
         bd_all = torch.matmul(q + self.pos_bias_v.unsqueeze(1), p.transpose(-2, -1))  # [n, H, Tq, R]
         index = (rel - lo).expand(q.shape[0], self.h, -1, -1)
