@@ -52,8 +52,9 @@ class RelPositionMultiHeadedAttention(nn.Module):
         key = (weight.data_ptr(), weight._version, device)
         cache = getattr(self, "_pos_cache", None)
         if cache is None or cache[0] != key or lo < cache[1] or hi > cache[2]:
-            c_lo, c_hi = (min(lo, cache[1]), max(hi, cache[2])) if cache is not None and cache[0] == key else (lo, hi)
-            c_lo, c_hi = min(c_lo, -64), max(c_hi, 2 * c_hi, 64)  # room to grow
+            old_lo, old_hi = (cache[1], cache[2]) if cache is not None and cache[0] == key else (-64, 64)
+            c_lo = old_lo if lo >= old_lo else 2 * lo  # grow the side that ran out, with room
+            c_hi = old_hi if hi <= old_hi else 2 * hi
             table = torch.arange(c_lo, c_hi + 1, device=device)
             with torch.no_grad():
                 proj = self.linear_pos(rel_pos_encoding(table, self.h * self.d_k))
