@@ -108,14 +108,17 @@ class S3GenCodec(CodecAdapter):
             queues = {rid: q for rid, q in queues.items() if q}
             streams = {rid: self._take(chunks[i]) for rid, i in round_.items()}
             pieces = self._run(streams)
+            finals = [rid for rid, index in round_.items() if chunks[index].is_final]
+            flushed = self.model.mel2wav.advance_many(
+                [(streams[rid].hift, streams[rid].flow.spks.new_zeros(self.config.mel_bins, 0), True) for rid in finals]
+            )
+            for rid, wave in zip(finals, flushed, strict=True):
+                pieces[rid].append(wave)
             for rid, index in round_.items():
-                chunk = chunks[index]
-                stream = streams[rid]
-                if chunk.is_final:
-                    pieces[rid].append(self.model.mel2wav.advance(stream.hift, stream.flow.spks.new_zeros(80, 0), True))
+                if chunks[index].is_final:
                     self._states.pop(rid, None)
                 else:
-                    self._states[rid] = stream
+                    self._states[rid] = streams[rid]
                 out[index] = torch.cat(pieces[rid]).float().cpu() if pieces[rid] else torch.zeros(0)
         return [a if a is not None else torch.zeros(0) for a in out]
 
@@ -172,8 +175,10 @@ class S3GenCodec(CodecAdapter):
             for length, rids in by_len.items():
                 starts = [streams[r].flow.tokens_done for r in rids]
                 mels = flow.advance([streams[r].flow for r in rids], length)
+                items = []
                 for rid, start, mel in zip(rids, starts, mels, strict=True):
                     drop = max(0, 2 * streams[rid].flow.num_prompt - start * self.config.token_mel_ratio)
-                    wave = self.model.mel2wav.advance(streams[rid].hift, mel[:, drop:], False)
+                    items.append((streams[rid].hift, mel[:, drop:], False))
+                for rid, wave in zip(rids, self.model.mel2wav.advance_many(items), strict=True):
                     if wave.numel():
                         pieces[rid].append(wave)

@@ -94,7 +94,8 @@ class CausalMaskedDiffWithXvec(nn.Module):
         return self.rand_noise[0][:, idx]
 
     def project_speaker(self, xvector: torch.Tensor) -> torch.Tensor:
-        return self.spk_embed_affine_layer(F.normalize(torch.atleast_2d(xvector).float(), dim=1))
+        weight = self.spk_embed_affine_layer.weight
+        return self.spk_embed_affine_layer(F.normalize(torch.atleast_2d(xvector).to(weight), dim=1))
 
     def t_span(self, n_timesteps: int) -> torch.Tensor:
         t = torch.linspace(0, 1, n_timesteps + 1, device=self.rand_noise.device)

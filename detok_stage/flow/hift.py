@@ -258,39 +258,49 @@ class HiFTGenerator(nn.Module):
     @torch.inference_mode()
     def advance(self, state: HiftState, mel: torch.Tensor, final: bool) -> torch.Tensor:
         """Append mel [80, n] to one request's stream -> the wave samples that are now exact (all at `final`)."""
-        hop = self.hop
-        state.mel = torch.cat([state.mel, mel.to(state.mel)], dim=1)
-        total = state.mel_base + state.mel.shape[1]
-        # 1. F0 and source of the frames whose F0 predictor context is complete
-        f0_limit = total if final else total - F0_RADIUS
-        if f0_limit > state.f0_done:
-            ws = max(0, state.f0_done - F0_RADIUS)
-            f0 = self.f0_predictor(state.mel[:, ws - state.mel_base :].unsqueeze(0))[0]
-            f0 = f0[state.f0_done - ws : f0_limit - ws]
-            phase = state.phase if state.phase is not None else self.phases.new_zeros(self.config.nb_harmonics + 1)
-            src, state.phase = self.source(f0, state.f0_done * hop, phase)
-            state.source = src if state.source is None else torch.cat([state.source, src])
-            state.f0_done = f0_limit
-        # 2. the generator over a window wide enough that the frames it emits are exact
-        r = self.decode_radius
-        limit = total if final else min(total, state.f0_done) - r
-        out = state.mel.new_zeros(0)
-        if limit > state.audio_done:
-            ws = max(0, state.audio_done - r)
-            we = total if final else limit + r
-            assert state.source is not None
-            x = state.mel[:, ws - state.mel_base : we - state.mel_base].unsqueeze(0)
-            s = state.source[(ws - state.source_base) * hop : (we - state.source_base) * hop].unsqueeze(0)
-            wave = self.decode(x, s)[0]
-            out = wave[(state.audio_done - ws) * hop : (limit - ws) * hop]
-            state.audio_done = limit
-        # 3. forget what no later window reaches
-        keep_from = max(0, min(state.audio_done - r, state.f0_done - F0_RADIUS))
-        if keep_from > state.mel_base:
-            state.mel = state.mel[:, keep_from - state.mel_base :]
-            state.mel_base = keep_from
-        src_from = max(0, state.audio_done - r)
-        if state.source is not None and src_from > state.source_base:
-            state.source = state.source[(src_from - state.source_base) * hop :]
-            state.source_base = src_from
-        return out
+        return self.advance_many([(state, mel, final)])[0]
+
+    @torch.inference_mode()
+    def advance_many(self, items: list[tuple[HiftState, torch.Tensor, bool]]) -> list[torch.Tensor]:
+        """`advance` for many requests: F0 and source per request, the generator batched over the
+        requests whose windows have the same length (rows are independent, so batching changes nothing)."""
+        hop, r = self.hop, self.decode_radius
+        outs = [self.phases.new_zeros(0).float() for _ in items]
+        windows: dict[int, list[tuple[int, torch.Tensor, torch.Tensor, int, int]]] = {}
+        for index, (state, mel, final) in enumerate(items):
+            state.mel = torch.cat([state.mel, mel.to(state.mel)], dim=1)
+            total = state.mel_base + state.mel.shape[1]
+            # 1. F0 and source of the frames whose F0 predictor context is complete
+            f0_limit = total if final else total - F0_RADIUS
+            if f0_limit > state.f0_done:
+                ws = max(0, state.f0_done - F0_RADIUS)
+                f0 = self.f0_predictor(state.mel[:, ws - state.mel_base :].unsqueeze(0))[0]
+                f0 = f0[state.f0_done - ws : f0_limit - ws]
+                phase = state.phase if state.phase is not None else self.phases.new_zeros(self.config.nb_harmonics + 1)
+                src, state.phase = self.source(f0, state.f0_done * hop, phase)
+                state.source = src if state.source is None else torch.cat([state.source, src])
+                state.f0_done = f0_limit
+            # 2. the generator's window: wide enough that the frames it emits are exact
+            limit = total if final else min(total, state.f0_done) - r
+            if limit > state.audio_done:
+                ws = max(0, state.audio_done - r)
+                we = total if final else limit + r
+                assert state.source is not None
+                x = state.mel[:, ws - state.mel_base : we - state.mel_base]
+                src = state.source[(ws - state.source_base) * hop : (we - state.source_base) * hop]
+                windows.setdefault(we - ws, []).append((index, x, src, state.audio_done - ws, limit - ws))
+                state.audio_done = limit
+            # 3. forget what no later window reaches (the windows above hold their own views)
+            keep_from = max(0, min(state.audio_done - r, state.f0_done - F0_RADIUS))
+            if keep_from > state.mel_base:
+                state.mel = state.mel[:, keep_from - state.mel_base :]
+                state.mel_base = keep_from
+            src_from = max(0, state.audio_done - r)
+            if state.source is not None and src_from > state.source_base:
+                state.source = state.source[(src_from - state.source_base) * hop :]
+                state.source_base = src_from
+        for group in windows.values():
+            waves = self.decode(torch.stack([g[1] for g in group]), torch.stack([g[2] for g in group]))
+            for (index, _, _, a, b), wave in zip(group, waves, strict=True):
+                outs[index] = wave[a * hop : b * hop]
+        return outs
