@@ -3,6 +3,7 @@ decoding, batched across requests, rebuilt on a cache miss, configurable Euler s
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -11,6 +12,9 @@ import torch
 from core.config import DetokConfig, ModelConfig
 from core.messages import TokenChunk, VoiceConditioning
 from detok_stage.codecs.s3gen_codec import CacheMissError, S3GenCodec
+from detok_stage.engine import DetokEngine, pcm16_to_float
+from detok_stage.flow.config import full_s3gen_config, tiny_s3gen_config
+from detok_stage.flow.flow import Conditioning
 from detok_stage.flow.model import S3Gen
 from llm_stage.chunking import Chunker, ChunkSchedule
 from tests.detok_stage.interleaved import stream_interleaved
@@ -33,8 +37,6 @@ def chunks_of(rid: str, toks: torch.Tensor, first: int, size: int) -> list[Token
 
 
 def with_voice(chunks: list[TokenChunk], voice: VoiceConditioning | None) -> list[TokenChunk]:
-    import dataclasses
-
     return [dataclasses.replace(c, voice=voice) for c in chunks]
 
 
@@ -75,9 +77,7 @@ def test_eight_requests_batched_with_different_boundaries_equal_each_alone():
     frames = {f"r{i}": tokens(9 + 4 * i, 100 + i) for i in range(8)}
     configs = [DetokConfig(first_chunk_frames=1 + i % 3, chunk_frames=3 + i, left_context_frames=WHOLE_HISTORY,
                            right_context_frames=3, adaptive=False) for i in range(8)]  # fmt: skip
-    # one engine per boundary pattern would not batch; use one engine and per-request chunkers instead
-    from detok_stage.engine import DetokEngine, pcm16_to_float
-
+    # one engine, per-request chunkers with their own boundaries
     engine = DetokEngine(codec(), DetokConfig(max_batch_chunks=64))
     chunkers = {rid: Chunker(rid, ChunkSchedule.from_config(cfg)) for rid, cfg in zip(frames, configs, strict=True)}
     pcm: dict[str, list[bytes]] = {rid: [] for rid in frames}
@@ -167,8 +167,6 @@ def test_cache_grows_with_the_stream_and_release_drops_it():
 
 
 def test_full_size_shapes_build():
-    from detok_stage.flow.config import full_s3gen_config
-
     model = S3Gen(full_s3gen_config())
     flow = sum(p.numel() for p in model.flow.parameters())
     hift = sum(p.numel() for p in model.mel2wav.parameters())
@@ -178,8 +176,6 @@ def test_full_size_shapes_build():
 @pytest.mark.parametrize("layout", ["cosyvoice2", "chatterbox"])
 def test_published_layouts_load(tmp_path, layout):
     """flow.pt + hift.pt (CosyVoice2-0.5B) and s3gen.pt with flow.* / mel2wav.* (chatterbox) load by name."""
-    from detok_stage.flow.config import tiny_s3gen_config
-
     model = codec().model
     if layout == "cosyvoice2":
         torch.save(model.flow.state_dict(), tmp_path / "flow.pt")
@@ -193,7 +189,5 @@ def test_published_layouts_load(tmp_path, layout):
 
 
 def test_a_prompt_mel_not_twice_the_prompt_tokens_is_cut_to_fit():
-    from detok_stage.flow.flow import Conditioning
-
     cond = Conditioning(torch.arange(5), torch.zeros(7, 80), torch.zeros(192))
     assert cond.prompt_tokens.tolist() == [0, 1, 2] and cond.prompt_mel.shape == (6, 80)
