@@ -36,9 +36,21 @@ class CacheMissError(ValueError):
     """A chunk reached a replica without its request's state, and does not carry the history to rebuild it."""
 
 
+STREAM_CHUNK_TOKENS = 25  # the published attention chunk: audio leaves per whole chunk (CosyVoice 2's hop)
+
+
+def served_tiny_s3gen_config(**overrides) -> S3GenConfig:
+    """The preset `cosyvoice2-tiny` / `chatterbox-tiny` serve: tiny layers, but the published 6561-token
+    vocabulary (what their LMs emit) and 25-token attention chunks (what their chunk schedule cuts)."""
+    return tiny_s3gen_config(**{"vocab_size": 6561, "chunk_tokens": STREAM_CHUNK_TOKENS, **overrides})
+
+
 class S3GenCodec(CodecAdapter):
     is_stateful = True
     codes_per_frame = 1
+    # what a chunk schedule must give this codec (checked by `llm_stage.registry` before any engine runs)
+    min_right_context_frames = 3  # the encoder's pre-lookahead
+    needs_stream_history = True  # a cold replica rebuilds a request's state from the stream's token 0
 
     def __init__(self, model: S3Gen, device: str = "cpu", n_timesteps: int | None = None) -> None:
         if model.config.chunk_tokens <= 0:
@@ -58,7 +70,8 @@ class S3GenCodec(CodecAdapter):
     def build(cls, model_config: ModelConfig, device: str = "cpu", preset: S3GenConfig | None = None) -> S3GenCodec:
         """Published weights with the full shapes from `model_config.codec_dir`, else from
         `checkpoint_dir` (a CosyVoice2-0.5B directory holds `flow.pt` + `hift.pt`; chatterbox's holds
-        `s3gen.safetensors` / `s3gen.pt`); with neither, seeded random weights of `preset` (tiny by default)."""
+        `s3gen.safetensors` / `s3gen.pt`); with neither, seeded random weights of `preset`
+        (`served_tiny_s3gen_config` by default)."""
         for ref, name in (
             (model_config.codec_dir, "model.codec_dir"),
             (model_config.checkpoint_dir, "model.checkpoint_dir"),
@@ -68,7 +81,7 @@ class S3GenCodec(CodecAdapter):
                 model = S3Gen.from_checkpoint(preset or full_s3gen_config(), path)
                 break
         else:
-            model = S3Gen.seeded(preset or tiny_s3gen_config(), model_config.seed)
+            model = S3Gen.seeded(preset or served_tiny_s3gen_config(), model_config.seed)
         return cls(model, device)
 
     # ---- offline ----------------------------------------------------------------------------

@@ -19,10 +19,13 @@ from core.checkpoints import resolve_model_ref
 from core.config import ModelConfig
 from core.errors import InvalidArgumentError
 from core.messages import Job, SamplingParams
+from detok_stage.codecs.s3gen_codec import STREAM_CHUNK_TOKENS, S3GenCodec
 from llm_stage.cfg import GuidanceFormula
-from llm_stage.models.base import FrameBuilder, LMAdapter
+from llm_stage.chunking import whole_stream_schedule
+from llm_stage.models.base import FrameBuilder, LMAdapter, ModelFamily
 from llm_stage.models.chatterbox_t3 import (
     T3,
+    T3_FILE,
     TOKENIZER_FILE,
     T3Voice,
     load_published_t3,
@@ -209,3 +212,22 @@ class ChatterboxAdapter(LMAdapter):
 
     def new_frame_builder(self) -> SpeechFrameBuilder:
         return SpeechFrameBuilder(self.layout.start_speech)
+
+
+FAMILY = ModelFamily(
+    name="chatterbox",
+    description="Chatterbox: the published ResembleAI/chatterbox directory (t3_cfg.safetensors, s3gen.safetensors, "
+    "conds.pt, tokenizer.json); its S3Gen flow-matching detokenizer comes from the same directory",
+    preset_description="Chatterbox layout: 2-layer random T3 (width 1024) with a random built-in voice + tiny "
+    "random S3Gen flow detokenizer (25-token attention chunks)",
+    lm=ChatterboxAdapter,
+    codec=S3GenCodec,
+    sample_rate_hz=24000,
+    frame_rate_hz=25.0,  # one speech token per frame
+    repo_id="ResembleAI/chatterbox",
+    codec_in_checkpoint=True,  # s3gen.safetensors sits beside t3_cfg.safetensors
+    checkpoint_marker=T3_FILE,  # the directory has no config.json
+    # streamed as CosyVoice 2 streams S3Gen: whole 25-token attention chunks, 3 look-ahead tokens,
+    # the stream from token 0 (cold replicas)
+    chunk_schedule=whole_stream_schedule(STREAM_CHUNK_TOKENS, S3GenCodec.min_right_context_frames),
+)

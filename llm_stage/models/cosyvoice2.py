@@ -19,7 +19,9 @@ from core.checkpoints import resolve_model_ref
 from core.config import ModelConfig
 from core.errors import InvalidArgumentError
 from core.messages import SamplingParams
-from llm_stage.models.base import FrameBuilder, LMAdapter
+from detok_stage.codecs.s3gen_codec import STREAM_CHUNK_TOKENS, S3GenCodec
+from llm_stage.chunking import whole_stream_schedule
+from llm_stage.models.base import FrameBuilder, LMAdapter, ModelFamily
 from llm_stage.models.cosyvoice2_lm import (
     QWEN_DIR,
     SPEECH_TOKEN_SIZE,
@@ -164,3 +166,21 @@ class CosyVoice2Adapter(LMAdapter):
 
     def new_frame_builder(self) -> SpeechFrameBuilder:
         return SpeechFrameBuilder()
+
+
+FAMILY = ModelFamily(
+    name="cosyvoice2",
+    description="CosyVoice 2 0.5B: the published CosyVoice2-0.5B directory (cosyvoice2.yaml, llm.pt, flow.pt, "
+    "hift.pt, CosyVoice-BlankEN/); its S3Gen flow-matching detokenizer comes from the same directory",
+    preset_description="CosyVoice 2 layout: small random Qwen2 LM over the 6561-token speech vocabulary + tiny "
+    "random S3Gen flow detokenizer (25-token attention chunks)",
+    lm=CosyVoice2Adapter,
+    codec=S3GenCodec,
+    sample_rate_hz=24000,
+    frame_rate_hz=25.0,  # one speech token per frame
+    repo_id="FunAudioLLM/CosyVoice2-0.5B",
+    codec_in_checkpoint=True,  # flow.pt / hift.pt sit beside llm.pt
+    checkpoint_marker="cosyvoice2.yaml",  # the directory has no config.json
+    # whole attention chunks, the encoder's 3 look-ahead tokens, the stream from token 0 (cold replicas)
+    chunk_schedule=whole_stream_schedule(STREAM_CHUNK_TOKENS, S3GenCodec.min_right_context_frames),
+)

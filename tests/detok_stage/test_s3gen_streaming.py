@@ -24,7 +24,7 @@ WHOLE_HISTORY = 100_000  # left context: every chunk carries the stream from tok
 
 @functools.cache
 def codec() -> S3GenCodec:
-    return S3GenCodec.build(ModelConfig(name="s3gen-tiny", seed=5))
+    return S3GenCodec.build(ModelConfig(name="s3gen-tiny", seed=5), preset=tiny_s3gen_config())
 
 
 def tokens(n: int, seed: int) -> torch.Tensor:
