@@ -20,11 +20,13 @@ chunk, requests with equal chunk lengths in one forward (KV buffers stay per req
 from __future__ import annotations
 
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 
 from core.checkpoints import resolve_model_ref
 from core.config import ModelConfig
+from core.errors import InvalidArgumentError
 from core.messages import TokenChunk, VoiceConditioning
 from detok_stage.codecs.base import CodecAdapter
 from detok_stage.flow.config import S3GenConfig, full_s3gen_config, tiny_s3gen_config
@@ -43,6 +45,28 @@ def served_tiny_s3gen_config(**overrides) -> S3GenConfig:
     """The preset `cosyvoice2-tiny` / `chatterbox-tiny` serve: tiny layers, but the published 6561-token
     vocabulary (what their LMs emit) and 25-token attention chunks (what their chunk schedule cuts)."""
     return tiny_s3gen_config(**{"vocab_size": 6561, "chunk_tokens": STREAM_CHUNK_TOKENS, **overrides})
+
+
+CONDS_FILE = "conds.pt"  # chatterbox's built-in voice: its `gen` part is S3Gen's reference
+
+
+def published_voice(directory: Path, field: str) -> Conditioning | None:
+    """The built-in voice of a chatterbox directory: `conds.pt`'s `gen` part (prompt_token [1, P],
+    prompt_feat [1, 2P, 80], embedding [1, 192]), the voice its LM side serves as `default`.
+    None for a directory without one (CosyVoice2-0.5B)."""
+    path = Path(directory) / CONDS_FILE
+    if not path.is_file():
+        return None
+    conds = torch.load(path, map_location="cpu", weights_only=True)
+    gen = conds.get("gen") if isinstance(conds, dict) else None
+    keys = ("prompt_token", "prompt_feat", "embedding")
+    if not isinstance(gen, dict) or any(not isinstance(gen.get(k), torch.Tensor) for k in keys):
+        raise InvalidArgumentError(field, f"{path} has no S3Gen voice (a 'gen' dict with {', '.join(keys)})")
+    return Conditioning(
+        gen["prompt_token"].reshape(-1).long(),
+        gen["prompt_feat"].reshape(-1, gen["prompt_feat"].shape[-1]).float(),
+        gen["embedding"].reshape(-1).float(),
+    )
 
 
 class S3GenCodec(CodecAdapter):
@@ -70,7 +94,8 @@ class S3GenCodec(CodecAdapter):
     def build(cls, model_config: ModelConfig, device: str = "cpu", preset: S3GenConfig | None = None) -> S3GenCodec:
         """Published weights with the full shapes from `model_config.codec_dir`, else from
         `checkpoint_dir` (a CosyVoice2-0.5B directory holds `flow.pt` + `hift.pt`; chatterbox's holds
-        `s3gen.safetensors` / `s3gen.pt`); with neither, seeded random weights of `preset`
+        `s3gen.safetensors` / `s3gen.pt`, and its built-in voice in `conds.pt`, which becomes the default
+        conditioning); with neither, seeded random weights of `preset`
         (`served_tiny_s3gen_config` by default)."""
         for ref, name in (
             (model_config.codec_dir, "model.codec_dir"),
@@ -78,11 +103,12 @@ class S3GenCodec(CodecAdapter):
         ):
             if ref is not None:
                 path = resolve_model_ref(ref, field=name)
-                model = S3Gen.from_checkpoint(preset or full_s3gen_config(), path)
-                break
-        else:
-            model = S3Gen.seeded(preset or served_tiny_s3gen_config(), model_config.seed)
-        return cls(model, device)
+                codec = cls(S3Gen.from_checkpoint(preset or full_s3gen_config(), path), device)
+                voice = published_voice(path, name)
+                if voice is not None:
+                    codec.default_voice = voice
+                return codec
+        return cls(S3Gen.seeded(preset or served_tiny_s3gen_config(), model_config.seed), device)
 
     # ---- offline ----------------------------------------------------------------------------
 

@@ -186,3 +186,26 @@ def test_published_directories_without_config_json_are_detected(tmp_path):
     with pytest.raises(InvalidArgumentError) as err:
         model_config_for(tmp_path)
     assert err.value.field == "model"
+
+
+def test_chatterbox_directory_voice_conditions_the_detokenizer(tmp_path):
+    """conds.pt's `gen` part (the voice T3 serves as `default`) becomes S3Gen's default conditioning."""
+    from core.messages import VoiceConditioning
+    from detok_stage.flow.config import tiny_s3gen_config
+
+    reference = S3GenCodec.build(ModelConfig(name="s3gen-tiny", seed=5), preset=tiny_s3gen_config())
+    torch.save(reference.model.state_dict(), tmp_path / "s3gen.pt")
+    gen = torch.Generator().manual_seed(2)
+    voice = {"prompt_token": torch.randint(0, 64, (1, 7), generator=gen), "prompt_token_len": torch.tensor([7]),
+             "prompt_feat": torch.randn(1, 14, 80, generator=gen), "prompt_feat_len": None,
+             "embedding": torch.randn(1, 192, generator=gen)}  # fmt: skip
+    torch.save({"t3": {"speaker_emb": torch.zeros(1, 256)}, "gen": voice}, tmp_path / "conds.pt")
+    loaded = S3GenCodec.build(ModelConfig(name="chatterbox", checkpoint_dir=tmp_path), preset=tiny_s3gen_config())
+    frames = torch.randint(0, 64, (1, 9, 1), generator=gen)
+    same = VoiceConditioning("default", voice["prompt_token"][0], voice["prompt_feat"][0], voice["embedding"][0])
+    torch.testing.assert_close(loaded.decode(frames), reference.decode(frames, voice=same))
+    assert not torch.allclose(loaded.decode(frames), reference.decode(frames), atol=1e-3)
+    torch.save({"t3": {}}, tmp_path / "conds.pt")
+    with pytest.raises(InvalidArgumentError) as err:
+        S3GenCodec.build(ModelConfig(name="chatterbox", checkpoint_dir=tmp_path), preset=tiny_s3gen_config())
+    assert err.value.field == "model.checkpoint_dir"
