@@ -99,6 +99,10 @@ def test_streamed_audio_equals_offline_decoding_of_the_same_tokens(name):
         # HiFT holds back 28 mel frames, so chunk 0 carries (50 - 28) frames x 480 samples
         if len(chunks) > 1:
             assert audio[rid][0].num_samples == (50 - 28) * 480
+        # the frames each chunk's audio plays (the LLM side's frame duration), not the frames it kept
+        for piece in audio[rid]:
+            assert piece.num_frames * 960 == piece.num_samples or (piece.num_frames == 0 and piece.num_samples % 960)
+    assert pipe.llm.engine.timer.frame_s == pytest.approx(0.04)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
