@@ -64,10 +64,10 @@ class ChunkSchedule:
 WHOLE_STREAM_FRAMES = 131072  # >= any stream: the largest cache.max_seq_len
 
 
-def whole_stream_schedule(chunk_frames: int, right_context_frames: int) -> ChunkSchedule:
-    """Steady `chunk_frames` chunks that carry the whole stream so far as left context: what a
-    stateful detokenizer needs to rebuild a request's state on a replica that never saw it."""
-    return ChunkSchedule(chunk_frames, chunk_frames, WHOLE_STREAM_FRAMES, right_context_frames)
+def whole_stream_schedule(first_chunk_frames: int, chunk_frames: int, right_context_frames: int) -> ChunkSchedule:
+    """Steady `chunk_frames` chunks (after the first) that carry the whole stream so far as left
+    context: what a stateful detokenizer needs to rebuild a request's state on a replica that never saw it."""
+    return ChunkSchedule(first_chunk_frames, chunk_frames, WHOLE_STREAM_FRAMES, right_context_frames)
 
 
 class Chunker:

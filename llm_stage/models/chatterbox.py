@@ -19,9 +19,8 @@ from core.checkpoints import resolve_model_ref
 from core.config import ModelConfig
 from core.errors import InvalidArgumentError
 from core.messages import Job, SamplingParams
-from detok_stage.codecs.s3gen_codec import STREAM_CHUNK_TOKENS, S3GenCodec
+from detok_stage.codecs.s3gen_codec import S3GenCodec
 from llm_stage.cfg import GuidanceFormula
-from llm_stage.chunking import whole_stream_schedule
 from llm_stage.models.base import FrameBuilder, LMAdapter, ModelFamily
 from llm_stage.models.chatterbox_t3 import (
     T3,
@@ -33,6 +32,7 @@ from llm_stage.models.chatterbox_t3 import (
     random_voice,
     tiny_t3,
 )
+from llm_stage.models.cosyvoice2 import S3GEN_SCHEDULE
 from llm_stage.models.llama import LlamaBackbone
 from llm_stage.models.tokenizers import ByteTokenizer, SpaceMarkedTokenizer, TextTokenizer
 from llm_stage.request import Request, Token
@@ -227,7 +227,5 @@ FAMILY = ModelFamily(
     repo_id="ResembleAI/chatterbox",
     codec_in_checkpoint=True,  # s3gen.safetensors sits beside t3_cfg.safetensors
     checkpoint_marker=T3_FILE,  # the directory has no config.json
-    # streamed as CosyVoice 2 streams S3Gen: whole 25-token attention chunks, 3 look-ahead tokens,
-    # the stream from token 0 (cold replicas)
-    chunk_schedule=whole_stream_schedule(STREAM_CHUNK_TOKENS, S3GenCodec.min_right_context_frames),
+    chunk_schedule=S3GEN_SCHEDULE,
 )

@@ -86,19 +86,18 @@ def assert_streamed_equals_offline(pipe: InProcessPipeline, chunks: list[TokenCh
 @pytest.mark.parametrize("name", FAMILIES)
 def test_streamed_audio_equals_offline_decoding_of_the_same_tokens(name):
     pipe = pipeline(name)
-    requests = {"a": ("Hello there.", 61), "b": ("A second, longer request.", 83), "c": ("Hi.", 30)}
+    requests = {"a": ("Hello there.", 61), "b": ("A second, longer request.", 110), "c": ("Hi.", 30)}
     token_chunks, audio = run_recording_chunks(pipe, requests)
     lengths = {rid: assert_streamed_equals_offline(pipe, token_chunks[rid], audio[rid]) for rid in requests}
-    assert max(lengths.values()) > 50  # more than one 25-token attention chunk streamed
+    assert max(len(chunks) for chunks in token_chunks.values()) >= 3  # first chunk + whole 25-token chunks
     for rid, chunks in token_chunks.items():
-        # the family's schedule: whole 25-token chunks kept, 3 look-ahead tokens, the stream from token 0
+        # the family's schedule: 50 then 25 tokens kept, 3 look-ahead tokens, the stream from token 0
         assert all(c.window_start == 0 for c in chunks)
-        assert all(c.keep_end - c.keep_start == 25 for c in chunks[:-1])
+        assert [c.keep_end - c.keep_start for c in chunks[:-1]] == [50, 25, 25, 25][: len(chunks) - 1]
         assert all(c.window_start + c.num_frames == c.keep_end + 3 for c in chunks[:-1])
-        # a kept chunk of 25 tokens releases audio only once its look-ahead exists; before the end,
-        # HiFT holds back 28 mel frames, so chunk 0 carries (50 - 28) frames x 480 samples
+        # two attention chunks' mel (100 frames) less the 28 HiFT holds back until the next chunk
         if len(chunks) > 1:
-            assert audio[rid][0].num_samples == (50 - 28) * 480
+            assert audio[rid][0].num_samples == (100 - 28) * 480
         # the frames each chunk's audio plays (the LLM side's frame duration), not the frames it kept
         for piece in audio[rid]:
             assert piece.num_frames * 960 == piece.num_samples or (piece.num_frames == 0 and piece.num_samples % 960)
@@ -157,7 +156,7 @@ def test_the_cli_refuses_a_bad_schedule_before_building_anything(capsys):
 def test_throughput_policy_keeps_the_family_schedule_and_other_families_keep_theirs():
     throughput = engine_config("cosyvoice2-tiny").model_copy(update={"scheduler": SchedulerConfig(policy="throughput")})
     schedule = get_entry("cosyvoice2-tiny").chunk_schedule(throughput)
-    assert (schedule.first_chunk_frames, schedule.chunk_frames, schedule.right_context_frames) == (25, 25, 3)
+    assert (schedule.first_chunk_frames, schedule.chunk_frames, schedule.right_context_frames) == (50, 25, 3)
     assert schedule.left_context_frames == WHOLE_STREAM_FRAMES
     orpheus = get_entry("orpheus-tiny").chunk_schedule(EngineConfig())  # auto = wide for a family without one
     assert (orpheus.first_chunk_frames, orpheus.chunk_frames, orpheus.left_context_frames) == (2, 8, 3)
