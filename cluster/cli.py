@@ -163,7 +163,7 @@ def describe_family(family: ModelFamily) -> list[str]:
     """`voxray models`: what a family loads and from where, voices, rates, and whether its published
     repos are in the local Hugging Face cache."""
     lm = family.lm
-    voices = ", ".join(lm.voices) if lm.voices else "none (speakers, if any, are tagged in the text)"
+    voices = ", ".join(lm.voices) if lm.voices else lm.no_voices_note
     lines = [
         f"{family.name}  (and {family.name}-tiny: {family.preset_description})",
         f"  loads:  {family.description}",

@@ -59,6 +59,7 @@ class LMAdapter(ABC):
 
     family: str = ""
     voices: tuple[str, ...] = ()
+    no_voices_note = "none (speakers, if any, are tagged in the text)"  # `voxray models` when `voices` is empty
     default_voice: str | None = None
     eos_token_ids: frozenset[int] = frozenset()
     default_sampling: SamplingParams = SamplingParams()

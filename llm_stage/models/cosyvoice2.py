@@ -61,6 +61,7 @@ class SpeechFrameBuilder(FrameBuilder):
 class CosyVoice2Adapter(LMAdapter):
     family = "cosyvoice2"
     voices: tuple[str, ...] = ()  # no built-in speakers: voices come from reference clips (zero-shot)
+    no_voices_note = "none built in (zero-shot voices from a reference clip are not served yet)"
     eos_token_ids = STOP_TOKENS
     input_width = 2  # (id, Kind)
     pad_token = (0, Kind.TEXT)

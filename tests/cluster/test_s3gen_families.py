@@ -163,6 +163,14 @@ def test_throughput_policy_keeps_the_family_schedule_and_other_families_keep_the
     assert (orpheus.first_chunk_frames, orpheus.chunk_frames, orpheus.left_context_frames) == (2, 8, 3)
 
 
+def test_models_lists_both_families(capsys):
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert "\ncosyvoice2  (and cosyvoice2-tiny" in out and "\nchatterbox  (and chatterbox-tiny" in out
+    assert "voices: none built in (zero-shot" in out and "voices: default" in out
+    assert out.count("24000 Hz; 25.00 codec frames/s") == 2
+
+
 def test_served_names_and_family_declarations():
     names = model_names()
     for family in ("cosyvoice2", "chatterbox"):
