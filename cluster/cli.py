@@ -16,7 +16,7 @@ from core.checkpoints import cached_snapshot, download_command
 from core.config import DetokConfig, EngineConfig, ServeConfig, load_engine_config, load_serve_config
 from core.errors import InvalidArgumentError
 from llm_stage.models.base import ModelFamily
-from llm_stage.registry import check_model_config, families, model_config_for
+from llm_stage.registry import check_engine_config, families, model_config_for
 
 
 def _synthesize(args: argparse.Namespace) -> int:
@@ -48,7 +48,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         kept = config.engine.model.model_dump(exclude={"name", "checkpoint_dir", "codec_dir"})
         engine = config.engine.model_copy(update={"model": model_config_for(args.model, args.codec, **kept)})
         config = ServeConfig.model_validate({**config.model_dump(), "engine": engine.model_dump()})
-    check_model_config(config.engine.model)
+    check_engine_config(config.engine)
     return config
 
 
@@ -193,7 +193,7 @@ def describe_family(family: ModelFamily) -> list[str]:
     """`voxray models`: what a family loads and from where, voices, rates, and whether its published
     repos are in the local Hugging Face cache."""
     lm = family.lm
-    voices = ", ".join(lm.voices) if lm.voices else "none (speakers, if any, are tagged in the text)"
+    voices = ", ".join(lm.voices) if lm.voices else lm.no_voices_note
     lines = [
         f"{family.name}  (and {family.name}-tiny: {family.preset_description})",
         f"  loads:  {family.description}",
@@ -229,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--config", type=Path, help="EngineConfig YAML (overrides --model/--schedule)")
     synth.add_argument("--text", required=True)
     synth.add_argument("--voice", default=None)
-    synth.add_argument("--schedule", choices=["reference", "wide"], default="wide")
+    synth.add_argument("--schedule", choices=["auto", "reference", "wide"], default="auto")
     synth.add_argument("--seed", type=int, default=0)
     synth.add_argument("--max-tokens", type=int, default=None)
     synth.add_argument("-o", "--output", type=Path, default=Path("out.wav"))

@@ -110,6 +110,12 @@ GENERATED: tuple[GeneratedFile, ...] = (
     GeneratedFile("deployments/configs/gpu.yaml", "deployments/serve_gpu.yaml", "serve"),
     GeneratedFile("deployments/configs/cpu.yaml", "k8s/overlays/dev-cpu/serve-config.patch.yaml", "rayservice-patch"),
     GeneratedFile("deployments/configs/gpu.yaml", "k8s/overlays/prod-gpu/serve-config.patch.yaml", "rayservice-patch"),
+    GeneratedFile("deployments/configs/gpu-cosyvoice2.yaml", "deployments/serve_gpu_cosyvoice2.yaml", "serve"),
+    GeneratedFile(
+        "deployments/configs/gpu-cosyvoice2.yaml",
+        "k8s/overlays/prod-gpu-cosyvoice2/serve-config.patch.yaml",
+        "rayservice-patch",
+    ),
 )
 
 

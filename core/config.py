@@ -70,11 +70,15 @@ class SchedulerConfig(_Strict):
 class DetokConfig(_Strict):
     """Detokenizer chunk schedule and batching.
 
+    `auto`: the family's own schedule where its detokenizer needs one (cosyvoice2 / chatterbox: S3Gen
+    streams whole 25-token attention chunks, 3 look-ahead tokens, the stream from token 0 as history),
+    else `wide`.
     `reference`: Orpheus' own semantics (1 frame per chunk, 1 frame left and 2 right context).
     `wide`: bigger chunks with fixed left/right context, so each frame is decoded fewer times.
+    A schedule the family's detokenizer cannot stream is refused, naming the field.
     """
 
-    schedule: Literal["reference", "wide"] = "wide"
+    schedule: Literal["auto", "reference", "wide"] = "auto"
     first_chunk_frames: int = Field(2, ge=1, description="Frames in the first chunk (wide schedule).")
     chunk_frames: int = Field(8, ge=1, description="Frames in later chunks (wide schedule).")
     left_context_frames: int = Field(3, ge=0, description="Frames of left context per window (wide).")
@@ -196,6 +200,7 @@ class DrainConfig(_Strict):
         """Serve's graceful_shutdown_timeout_s for every deployment: the drain's streams end by
         `grace_s` (at their next chunk), so Serve never has to kill a replica mid-stream."""
         return self.grace_s + SERVE_GRACE_MARGIN_S
+
 CHECK_FILES = "check_files"  # validation context key: False when rendering a config for other machines (k8s)
 
 

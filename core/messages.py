@@ -11,12 +11,15 @@ detokenizer produces the same audio.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
 from core.errors import InvalidArgumentError, from_validation_error
+
+if TYPE_CHECKING:
+    import torch
 
 
 class SamplingParams(BaseModel):
@@ -145,6 +148,17 @@ class HopTimes:
     audio_ready_unix_s: float = 0.0  # its audio left the codec
 
 
+@dataclass(frozen=True, eq=False)  # tensors: compared by identity
+class VoiceConditioning:
+    """A zero-shot voice as a flow-matching detokenizer (CosyVoice 2 / S3Gen) uses it, computed once
+    from a reference clip: its speech tokens, their mel (2 frames per token) and the speaker x-vector."""
+
+    voice_id: str
+    prompt_tokens: torch.Tensor  # [P] long, speech tokens of the reference clip
+    prompt_mel: torch.Tensor  # [2P, 80] float32, 24 kHz log-mel of the clip (hop 480)
+    xvector: torch.Tensor  # [192] float32, CAM++ speaker embedding
+
+
 @dataclass(frozen=True)
 class TokenChunk:
     """Frames [window_start, window_end) of one request; samples of the kept frames are emitted.
@@ -161,6 +175,9 @@ class TokenChunk:
     is_final: bool
     deadline_s: float | None = None  # wall-clock time the client's buffer runs dry; None = startup (ASAP)
     hops: HopTimes = HopTimes()
+    # Stateful flow detokenizers: the request's voice (None = the model's default), carried on every
+    # chunk so a replica that never saw the request (cache miss) conditions it the same way.
+    voice: VoiceConditioning | None = None
 
     @property
     def num_frames(self) -> int:

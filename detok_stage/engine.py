@@ -167,9 +167,19 @@ class DetokEngine:
     def _audio_chunk(self, chunk: TokenChunk, wave: torch.Tensor) -> AudioChunk:
         return AudioChunk(
             chunk.req_id, chunk.seq, to_pcm16(wave), self.codec.sample_rate_hz, chunk.is_final,
-            num_frames=chunk.keep_end - chunk.keep_start,
+            num_frames=self._frames_covered(chunk, wave),
             hops=dataclasses.replace(chunk.hops, audio_ready_unix_s=time.time()),
         )  # fmt: skip
+
+    def _frames_covered(self, chunk: TokenChunk, wave: torch.Tensor) -> int:
+        """Codec frames the chunk's audio plays (what the LLM side's frame duration is measured by):
+        its kept frames, except for a stateful codec whose audio runs behind them (S3Gen holds back
+        HiFT's look-ahead and emits whole attention chunks): the frames its samples fill, 0 (unknown)
+        when they fill no whole number."""
+        if not self.codec.is_stateful:
+            return chunk.keep_end - chunk.keep_start
+        frames, rest = divmod(wave.numel(), self.codec.samples_per_frame)
+        return frames if rest == 0 else 0
 
     def _release_in_order(self, decoded: list[AudioChunk]) -> list[AudioChunk]:
         ready = []

@@ -36,7 +36,7 @@ class ChunkGraphs:
         if not graphs_available(config.device):
             logger.warning("CUDA graphs requested on %s: the detokenizer decodes eagerly", config.device)
             return None
-        if codec.is_stateful or config.schedule != "wide":
+        if codec.is_stateful or config.schedule == "reference":
             logger.warning("CUDA graphs need a stateless codec and the wide schedule: decoding eagerly")
             return None
         window = config.left_context_frames + config.chunk_frames + config.right_context_frames

@@ -24,6 +24,7 @@ class ChunkSchedule:
 
     @classmethod
     def from_config(cls, config: DetokConfig) -> ChunkSchedule:
+        """`reference`, or the wide fields (`wide`, and `auto` for a family without a schedule of its own)."""
         if config.schedule == "reference":  # Orpheus' own: 4-frame window, keep its 2nd frame
             return cls(first_chunk_frames=1, chunk_frames=1, left_context_frames=1, right_context_frames=2)
         return cls(
@@ -32,10 +33,16 @@ class ChunkSchedule:
         )  # fmt: skip
 
     @classmethod
-    def for_policy(cls, config: DetokConfig, policy: SchedulingPolicy) -> ChunkSchedule:
-        """Throughput mode has no deadlines: every chunk is `throughput_chunk_frames` long, so fewer
-        context frames are decoded twice; the other policies use `from_config`."""
-        if not policy.uses_long_chunks or config.schedule != "wide":
+    def for_policy(
+        cls, config: DetokConfig, policy: SchedulingPolicy, family_schedule: ChunkSchedule | None = None
+    ) -> ChunkSchedule:
+        """`auto` with a family that declares its own schedule: that one, under every policy (its chunks
+        are already long). Otherwise throughput mode has no deadlines: every chunk is
+        `throughput_chunk_frames` long, so fewer context frames are decoded twice; the other
+        policies use `from_config`."""
+        if config.schedule == "auto" and family_schedule is not None:
+            return family_schedule
+        if not policy.uses_long_chunks or config.schedule == "reference":
             return cls.from_config(config)
         size = config.throughput_chunk_frames
         return cls(size, size, config.left_context_frames, config.right_context_frames)
@@ -52,6 +59,15 @@ class ChunkSchedule:
     def decode_factor(self) -> float:
         """Steady-state frames decoded per frame emitted."""
         return (self.left_context_frames + self.chunk_frames + self.right_context_frames) / self.chunk_frames
+
+
+WHOLE_STREAM_FRAMES = 131072  # >= any stream: the largest cache.max_seq_len
+
+
+def whole_stream_schedule(first_chunk_frames: int, chunk_frames: int, right_context_frames: int) -> ChunkSchedule:
+    """Steady `chunk_frames` chunks (after the first) that carry the whole stream so far as left
+    context: what a stateful detokenizer needs to rebuild a request's state on a replica that never saw it."""
+    return ChunkSchedule(first_chunk_frames, chunk_frames, WHOLE_STREAM_FRAMES, right_context_frames)
 
 
 class Chunker:

@@ -7,7 +7,9 @@ checkpoint (a local directory or a Hugging Face repo id from the local cache), `
 builds random preset weights in code. Engines, deployments, the router and the CLI resolve
 `ModelConfig.name` here; unknown names raise an error listing the valid ones. `model_config_for`
 turns a CLI `--model REF` (a name, a repo id or a directory) into a ModelConfig, finding the family
-from the checkpoint's config.json.
+from the checkpoint's config.json (or, for a directory without one, the family's marker file).
+`check_engine_config` also checks the chunk schedule against what the family's detokenizer needs
+(S3Gen: 3 look-ahead frames, the stream from frame 0), so a bad one fails before any engine runs.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from core.checkpoints import ModelRef, read_config, resolve_model_ref
-from core.config import ModelConfig
+from core.config import EngineConfig, ModelConfig
 from core.errors import InvalidArgumentError
 from core.messages import SamplingParams
+from core.policy import SchedulingPolicy, make_policy
 from detok_stage.codecs.base import CodecAdapter
+from llm_stage.chunking import ChunkSchedule
 from llm_stage.models.base import LMAdapter, ModelFamily
 
 FAMILY_MODULES = {
@@ -30,6 +34,8 @@ FAMILY_MODULES = {
     "parallel-heads": "llm_stage.models.parallel_heads",
     "dia": "llm_stage.models.dia",
     "qwen3-tts": "llm_stage.models.qwen3_tts",
+    "cosyvoice2": "llm_stage.models.cosyvoice2",
+    "chatterbox": "llm_stage.models.chatterbox",
 }
 PRESET_SUFFIX = "-tiny"
 
@@ -84,6 +90,35 @@ class ModelEntry:
     def build_codec(self, config: ModelConfig, device: str) -> CodecAdapter:
         return self.family.codec.build(self.with_defaults(config), device)
 
+    def chunk_schedule(self, config: EngineConfig, policy: SchedulingPolicy | None = None) -> ChunkSchedule:
+        """The schedule the LLM side cuts this model's chunks by (`detok.schedule: auto` = the family's
+        own where it declares one). A schedule the family's detokenizer cannot stream is refused
+        naming the field, so it never reaches a replica as a run-time cache miss."""
+        detok = config.detok
+        schedule = ChunkSchedule.for_policy(detok, policy or make_policy(config.scheduler), self.family.chunk_schedule)
+        codec = self.family.codec
+        if not (codec.min_right_context_frames or codec.needs_stream_history):
+            return schedule
+        if detok.schedule == "reference":
+            raise InvalidArgumentError(
+                "detok.schedule", f"{self.name} streams a stateful detokenizer; use auto (its own schedule) or wide"
+            )
+        if schedule.right_context_frames < codec.min_right_context_frames:
+            raise InvalidArgumentError(
+                "detok.right_context_frames",
+                f"{self.name}'s detokenizer looks {codec.min_right_context_frames} frames ahead: right_context_frames "
+                f"must be >= {codec.min_right_context_frames}, got {schedule.right_context_frames}",
+            )
+        max_frames = config.cache.max_seq_len // self.family.lm.tokens_per_frame
+        if codec.needs_stream_history and schedule.left_context_frames < max_frames:
+            raise InvalidArgumentError(
+                "detok.left_context_frames",
+                f"{self.name}'s detokenizer rebuilds a request on a cold replica from the stream's frame 0: "
+                f"left_context_frames must cover a whole stream (cache.max_seq_len {config.cache.max_seq_len} "
+                f"tokens = {max_frames} frames), got {schedule.left_context_frames}",
+            )
+        return schedule
+
 
 def model_names() -> list[str]:
     """Every servable name, without importing any family."""
@@ -129,14 +164,28 @@ def check_model_config(config: ModelConfig) -> ModelEntry:
     return entry
 
 
+def check_engine_config(config: EngineConfig) -> ModelEntry:
+    """`check_model_config`, and the chunk schedule checked against the family's detokenizer."""
+    entry = check_model_config(config.model)
+    entry.chunk_schedule(config)
+    return entry
+
+
 def family_of_checkpoint(directory: Path) -> ModelFamily | None:
-    """The family whose `is_checkpoint` accepts the directory's config.json, if any."""
+    """The family whose `is_checkpoint` accepts the directory's config.json, or whose marker file
+    the directory holds (published layouts without a config.json), if any."""
     config = read_config(directory)
-    return next((family for family in families() if family.is_checkpoint(config)), None)
+
+    def matches(family: ModelFamily) -> bool:
+        marker = family.checkpoint_marker
+        return family.is_checkpoint(config) or (marker is not None and (Path(directory) / marker).is_file())
+
+    return next((family for family in families() if matches(family)), None)
 
 
 def model_config_for(model: ModelRef, codec: ModelRef | None = None, **fields: Any) -> ModelConfig:
-    """A served name (`orpheus-tiny`), or a checkpoint reference whose family is found from its config.json."""
+    """A served name (`orpheus-tiny`), or a checkpoint reference whose family is found from its
+    config.json or marker file."""
     if str(model) in model_names():
         return ModelConfig(name=str(model), codec_dir=codec, **fields)
     family = family_of_checkpoint(resolve_model_ref(model, field="model"))

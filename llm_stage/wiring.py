@@ -14,9 +14,8 @@ import torch
 from core.config import EngineConfig
 from core.policy import make_policy
 from detok_stage.engine import DetokEngine
-from llm_stage.chunking import ChunkSchedule
 from llm_stage.engine import LLMEngine
-from llm_stage.registry import ModelEntry, check_model_config
+from llm_stage.registry import ModelEntry, check_engine_config
 from llm_stage.side import LLMSide
 
 logger = logging.getLogger(__name__)
@@ -48,15 +47,15 @@ def size_for_streams(config: EngineConfig, entry: ModelEntry, max_streams: int) 
 
 def build_llm_side(config: EngineConfig) -> LLMSide:
     """The LLM engine (adapter, KV cache, scheduler with the configured policy) and its chunkers."""
-    entry = check_model_config(config.model)
+    entry = check_engine_config(config)
     apply_torch_threads(config.model.torch_threads)
     engine = LLMEngine(entry.build_lm(config.model), config.cache, config.scheduler, seed=config.model.seed)
-    return LLMSide(engine, ChunkSchedule.for_policy(config.detok, engine.policy))
+    return LLMSide(engine, entry.chunk_schedule(config, engine.policy))
 
 
 def build_detok_engine(config: EngineConfig, in_order: bool = True) -> DetokEngine:
     """The detokenizer engine on the family's codec, ordering chunks by the configured policy."""
-    entry = check_model_config(config.model)
+    entry = check_engine_config(config)
     apply_torch_threads(config.model.torch_threads)
     codec = entry.build_codec(config.model, config.detok.device)
     return DetokEngine(codec, config.detok, in_order=in_order, policy=make_policy(config.scheduler))

@@ -96,7 +96,9 @@ class SimEngine:
     def sampler_state(self, req_id: str) -> bytes | None:
         return None  # dummy tokens: nothing to resume from
 
-    def add_job(self, job: Job, kv: object = None) -> None:  # kv: a migrated stream's rows (none here)
+    def add_job(self, job: Job, kv: object = None) -> None:
+        if kv is not None:
+            raise ValueError("the simulated engine holds no KV to migrate")
         req = Request(job.req_id, [1] * PROMPT_TOKENS, job.sampling, arrival_s=self.clock())
         self.requests[job.req_id] = req
         self.scheduler.add(req)

@@ -41,6 +41,13 @@ class SweepConfig:
     seed: int = 0
     app_name: str = "voxray"
     voice: str = "tara"
+    # the served family's audio rate, so each prompt asks for the same seconds of audio (None = Orpheus)
+    frame_rate_hz: float | None = None
+    tokens_per_frame: int = 7
+
+    def max_tokens(self, text: str) -> int:
+        tokens = max_tokens_for(text, self.frame_rate_hz, self.tokens_per_frame)
+        return tokens if self.max_tokens_cap is None else min(self.max_tokens_cap, tokens)
 
 
 @dataclass
@@ -56,8 +63,7 @@ class SweepResult:
 def run_one(stub: voxray_pb2_grpc.SpeechStub, text: str, seed: int, cfg: SweepConfig) -> RequestRecord:
     """Send one request and record chunk arrivals; never raises for RPC errors."""
     record = RequestRecord(text_chars=len(text))
-    max_tokens = max_tokens_for(text) if cfg.max_tokens_cap is None else min(cfg.max_tokens_cap, max_tokens_for(text))
-    sampling = {"max_tokens": max_tokens, "seed": seed}
+    sampling = {"max_tokens": cfg.max_tokens(text), "seed": seed}
     request = make_request(text, voice=cfg.voice, sampling=sampling)
     start = time.perf_counter()
     try:
@@ -116,10 +122,10 @@ def _worker(
         out.append(record)
 
 
-def wait_ready(target: str, app_name: str, timeout_s: float = 180.0) -> None:
+def wait_ready(target: str, app_name: str, timeout_s: float = 180.0, voice: str = "tara") -> None:
     """Block until one short request streams audio (models warm, routes up); raise on timeout."""
     deadline = time.monotonic() + timeout_s
-    cfg = SweepConfig(app_name=app_name, request_timeout_s=30.0)
+    cfg = SweepConfig(app_name=app_name, request_timeout_s=30.0, voice=voice)
     last = ""
     while time.monotonic() < deadline:
         with grpc.insecure_channel(target) as channel:
@@ -195,15 +201,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out-dir", type=Path, default=Path("bench_out/sweep"))
     p.add_argument("--allow-remote", action="store_true", help="allow a non-loopback target")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument(
+        "--model", default=None, help="served model name: its default voice and frame rate (default: Orpheus)"
+    )
     return p.parse_args(argv)
 
 
 def config_from_args(args: argparse.Namespace) -> SweepConfig:
+    family: dict = {}
+    if args.model is not None:
+        from llm_stage.registry import get_entry
+
+        entry = get_entry(args.model)
+        family = {"voice": entry.default_voice or "", "frame_rate_hz": entry.family.frame_rate_hz,
+                  "tokens_per_frame": entry.family.lm.tokens_per_frame}  # fmt: skip
     return SweepConfig(
         rates_rps=tuple(args.rates), duration_s=args.duration_s, min_requests=args.min_requests,
         max_requests=args.max_requests, process=args.process, gamma_cv=args.gamma_cv,
         slo_ttfa_p90_s=args.slo_ttfa_p90_s, stop_p90_ttfa_s=args.stop_p90_ttfa_s,
-        request_timeout_s=args.request_timeout_s, app_name=args.app,
+        request_timeout_s=args.request_timeout_s, app_name=args.app, **family,
     )  # fmt: skip
 
 

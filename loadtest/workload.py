@@ -25,10 +25,18 @@ def load_prompts(path: Path = PROMPTS_PATH) -> list[str]:
     return prompts
 
 
-def max_tokens_for(text: str) -> int:
-    """Orpheus tokens for `text`: frames from its length, clamped to [MIN_FRAMES, MAX_FRAMES]."""
+ORPHEUS_FRAME_RATE_HZ = 24000 / 2048  # SNAC 24 kHz: 2048 samples per frame
+
+
+def max_tokens_for(
+    text: str, frame_rate_hz: float | None = None, tokens_per_frame: int = ORPHEUS_TOKENS_PER_FRAME
+) -> int:
+    """LM tokens for `text`: Orpheus frames from its length, clamped to [MIN_FRAMES, MAX_FRAMES]; for
+    another family (`frame_rate_hz`, `tokens_per_frame`) the same audio length in its frames."""
     frames = min(MAX_FRAMES, max(MIN_FRAMES, round(len(text) * FRAMES_PER_CHAR)))
-    return frames * ORPHEUS_TOKENS_PER_FRAME
+    if frame_rate_hz is not None:
+        frames = round(frames / ORPHEUS_FRAME_RATE_HZ * frame_rate_hz)
+    return frames * tokens_per_frame
 
 
 def arrival_offsets_s(

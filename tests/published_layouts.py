@@ -481,7 +481,10 @@ def write_chatterbox_lm(directory: Path, model: T3, voice: T3Voice) -> Path:
         "cond_prompt_speech_tokens": voice.prompt_speech.view(1, -1), "cond_prompt_speech_emb": None,
         "emotion_adv": torch.full((1, 1, 1), 0.5),
     }  # fmt: skip
-    gen = {"prompt_token": voice.prompt_speech.view(1, -1), "embedding": torch.zeros(1, 192)}
+    tokens = voice.prompt_speech.view(1, -1)  # S3Gen's reference dict (s3gen.embed_ref), as published
+    gen = {"prompt_token": tokens, "prompt_token_len": torch.tensor([tokens.shape[1]]),
+           "prompt_feat": torch.zeros(1, 2 * tokens.shape[1], 80), "prompt_feat_len": None,
+           "embedding": torch.zeros(1, 192)}  # fmt: skip
     torch.save({"t3": t3, "gen": gen}, directory / "conds.pt")
     chatterbox_tokenizer().save(str(directory / "tokenizer.json"))
     return directory

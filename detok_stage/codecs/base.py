@@ -20,6 +20,9 @@ class CodecAdapter(ABC):
     sample_rate_hz: int
     codebook_size: int
     is_stateful: bool = False
+    # What a chunk schedule must give this codec (the registry refuses a schedule that does not):
+    min_right_context_frames: int = 0  # look-ahead frames every chunk must carry
+    needs_stream_history: bool = False  # every chunk carries the stream from frame 0 as left context
 
     @abstractmethod
     def decode(self, frames: torch.Tensor) -> torch.Tensor:

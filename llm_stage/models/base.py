@@ -19,6 +19,7 @@ from core.errors import InvalidArgumentError
 from core.messages import Job, SamplingParams
 from detok_stage.codecs.base import CodecAdapter
 from llm_stage.cfg import GuidanceFormula
+from llm_stage.chunking import ChunkSchedule
 from llm_stage.kv_cache import SlotKVCache
 from llm_stage.models.llama import BatchInputs
 from llm_stage.request import Request, Token
@@ -58,6 +59,7 @@ class LMAdapter(ABC):
 
     family: str = ""
     voices: tuple[str, ...] = ()
+    no_voices_note = "none (speakers, if any, are tagged in the text)"  # `voxray models` when `voices` is empty
     default_voice: str | None = None
     eos_token_ids: frozenset[int] = frozenset()
     default_sampling: SamplingParams = SamplingParams()
@@ -171,6 +173,12 @@ class ModelFamily:
     codec_in_checkpoint: bool = False  # the checkpoint carries its codec's weights (CSM's Mimi)
     # whether a checkpoint's config.json is this family's (so `--model REF` finds the family)
     is_checkpoint: Callable[[dict[str, Any]], bool] = lambda config: False
+    # a file that marks this family's published directory when it has no config.json
+    # (CosyVoice2-0.5B: cosyvoice2.yaml; chatterbox: t3_cfg.safetensors)
+    checkpoint_marker: str | None = None
+    # the chunk schedule `detok.schedule: auto` uses: the family's detokenizer needs its own
+    # (None = the wide fields of DetokConfig)
+    chunk_schedule: ChunkSchedule | None = None
 
     @property
     def tokens_per_s(self) -> float:

@@ -19,10 +19,12 @@ from core.checkpoints import resolve_model_ref
 from core.config import ModelConfig
 from core.errors import InvalidArgumentError
 from core.messages import Job, SamplingParams
+from detok_stage.codecs.s3gen_codec import S3GenCodec
 from llm_stage.cfg import GuidanceFormula
-from llm_stage.models.base import FrameBuilder, LMAdapter
+from llm_stage.models.base import FrameBuilder, LMAdapter, ModelFamily
 from llm_stage.models.chatterbox_t3 import (
     T3,
+    T3_FILE,
     TOKENIZER_FILE,
     T3Voice,
     load_published_t3,
@@ -30,6 +32,7 @@ from llm_stage.models.chatterbox_t3 import (
     random_voice,
     tiny_t3,
 )
+from llm_stage.models.cosyvoice2 import S3GEN_SCHEDULE
 from llm_stage.models.llama import LlamaBackbone
 from llm_stage.models.tokenizers import ByteTokenizer, SpaceMarkedTokenizer, TextTokenizer
 from llm_stage.request import Request, Token
@@ -209,3 +212,20 @@ class ChatterboxAdapter(LMAdapter):
 
     def new_frame_builder(self) -> SpeechFrameBuilder:
         return SpeechFrameBuilder(self.layout.start_speech)
+
+
+FAMILY = ModelFamily(
+    name="chatterbox",
+    description="Chatterbox: the published ResembleAI/chatterbox directory (t3_cfg.safetensors, s3gen.safetensors, "
+    "conds.pt, tokenizer.json); its S3Gen flow-matching detokenizer comes from the same directory",
+    preset_description="Chatterbox layout: 2-layer random T3 (width 1024) with a random built-in voice + tiny "
+    "random S3Gen flow detokenizer (25-token attention chunks)",
+    lm=ChatterboxAdapter,
+    codec=S3GenCodec,
+    sample_rate_hz=24000,
+    frame_rate_hz=25.0,  # one speech token per frame
+    repo_id="ResembleAI/chatterbox",
+    codec_in_checkpoint=True,  # s3gen.safetensors sits beside t3_cfg.safetensors
+    checkpoint_marker=T3_FILE,  # the directory has no config.json
+    chunk_schedule=S3GEN_SCHEDULE,
+)

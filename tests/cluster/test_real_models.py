@@ -1,6 +1,7 @@
 """README's "Serving a real model" commands, end to end on tiny stand-ins in the published layouts
 placed in a Hugging Face cache built here (hub offline): `voxray synthesize --model <repo id>` for
-Orpheus 3B (+ SNAC), CSM 1B, Dia 1.6B (+ DAC) and Qwen3-TTS 0.6B, `voxray serve --model` config resolution,
+Orpheus 3B (+ SNAC), CSM 1B, Dia 1.6B (+ DAC) and Qwen3-TTS 0.6B, `voxray serve --model` config resolution
+(also CosyVoice 2 and Chatterbox, whose stand-ins hold their LM files: the full-size S3Gen is not written here),
 `voxray models` cache status, and the missing-model errors."""
 
 from __future__ import annotations
@@ -18,13 +19,17 @@ from huggingface_hub import constants
 
 from cluster.cli import build_parser, main, serve_config
 from core.errors import InvalidArgumentError
+from llm_stage.models.chatterbox_t3 import random_voice, tiny_t3
 from tests.published_layouts import (
+    CHATTERBOX_REPO,
+    COSYVOICE2_REPO,
     CSM_REPO,
     DAC_REPO,
     DIA_REPO,
     ORPHEUS_REPO,
     QWEN3_TTS_REPO,
     SNAC_REPO,
+    cosyvoice2_lm,
     csm_model,
     dac_model,
     dia_model,
@@ -33,6 +38,8 @@ from tests.published_layouts import (
     qwen3_tts_model,
     qwen3_tts_tokenizer_model,
     snac_model,
+    write_chatterbox_lm,
+    write_cosyvoice2_lm,
     write_csm,
     write_dac,
     write_dia,
@@ -46,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def full_cache(tmp_path_factory) -> Path:
-    """An HF cache holding the six published repos (as tiny stand-ins)."""
+    """An HF cache holding the eight published repos (as tiny stand-ins)."""
     work, cache = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("hub")
     writers = {
         ORPHEUS_REPO: lambda d: write_orpheus(d, orpheus_llama()),
@@ -55,6 +62,8 @@ def full_cache(tmp_path_factory) -> Path:
         DIA_REPO: lambda d: write_dia(d, dia_model()),
         DAC_REPO: lambda d: write_dac(d, dac_model()),
         QWEN3_TTS_REPO: lambda d: write_qwen3_tts(d, qwen3_tts_model(), qwen3_tts_tokenizer_model()),
+        COSYVOICE2_REPO: lambda d: write_cosyvoice2_lm(d, cosyvoice2_lm()),
+        CHATTERBOX_REPO: lambda d: write_chatterbox_lm(d, t3 := tiny_t3(), random_voice(t3.layout)),
     }
     for repo, write in writers.items():
         put_in_hf_cache(cache, repo, write(work / repo.replace("/", "--")))
@@ -137,9 +146,11 @@ def test_readme_real_model_commands_run_on_the_stand_ins(tmp_path, monkeypatch, 
     section = readme_section()
     downloads = set(re.findall(r"hf download (\S+)\n", section))
     declared = {repo for f in families() for repo in (f.repo_id, f.codec_repo_id) if repo}
-    assert downloads == declared == {ORPHEUS_REPO, SNAC_REPO, CSM_REPO, DIA_REPO, DAC_REPO, QWEN3_TTS_REPO}
+    assert downloads == declared == {ORPHEUS_REPO, SNAC_REPO, CSM_REPO, DIA_REPO, DAC_REPO, QWEN3_TTS_REPO,
+                                     COSYVOICE2_REPO, CHATTERBOX_REPO}  # fmt: skip
     serves = re.findall(r"voxray serve (.+)\n", section)
-    assert {shlex.split(line)[1] for line in serves} == {ORPHEUS_REPO, CSM_REPO, DIA_REPO, QWEN3_TTS_REPO}
+    assert {shlex.split(line)[1] for line in serves} == {ORPHEUS_REPO, CSM_REPO, DIA_REPO, QWEN3_TTS_REPO,
+                                                         COSYVOICE2_REPO, CHATTERBOX_REPO}  # fmt: skip
     for line in serves:
         serve_config(build_parser().parse_args(["serve", *shlex.split(line)]))
     (synth,) = re.findall(r"voxray (synthesize .+)\n", section)

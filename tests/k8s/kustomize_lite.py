@@ -90,10 +90,16 @@ def _parent(doc: Any, pointer: str) -> tuple[Any, str]:
 
 
 def apply_operation(doc: dict[str, Any], operation: dict[str, Any]) -> None:
-    """One RFC 6902 operation (add / replace / remove), in place; missing paths raise like kustomize."""
+    """One RFC 6902 operation (add / replace / remove / test), in place; missing paths and failed tests
+    raise like kustomize."""
     parent, token = _parent(doc, operation["path"])
     op = operation["op"]
     value = copy.deepcopy(operation.get("value"))
+    if op == "test":
+        found = parent[int(token)] if isinstance(parent, list) else parent.get(token)
+        if found != value:
+            raise ValueError(f"JSON6902 test failed at {operation['path']}: {found!r} != {value!r}")
+        return
     if isinstance(parent, list):
         index = len(parent) if token == "-" else int(token)
         if op == "add":

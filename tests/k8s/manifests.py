@@ -23,7 +23,12 @@ from tests.k8s.crd_schema import crd_errors
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 K8S_DIR = REPO_ROOT / "k8s"
-OVERLAY_CONFIGS = {"dev-cpu": "deployments/configs/cpu.yaml", "prod-gpu": "deployments/configs/gpu.yaml"}
+OVERLAY_CONFIGS = {
+    "dev-cpu": "deployments/configs/cpu.yaml",
+    "prod-gpu": "deployments/configs/gpu.yaml",
+    "prod-gpu-cosyvoice2": "deployments/configs/gpu-cosyvoice2.yaml",
+}
+PROD_OVERLAYS = ("prod-gpu", "prod-gpu-cosyvoice2")
 KUBERNETES_VERSION = "1.33"
 
 

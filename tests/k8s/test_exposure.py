@@ -83,10 +83,11 @@ def test_k8s_configs_bind_all_interfaces_and_hide_docs(overlay: str) -> None:
     assert not config.http_docs and not config.grpc_reflection
 
 
-def test_prod_grpc_tls_comes_from_the_mounted_secret() -> None:
-    config = _config("prod-gpu")
+@pytest.mark.parametrize("overlay", ["prod-gpu", "prod-gpu-cosyvoice2"])
+def test_prod_grpc_tls_comes_from_the_mounted_secret(overlay: str) -> None:
+    config = _config(overlay)
     assert config.tls.enabled and not config.tls.http_proxy  # HTTPS at the gateway: KubeRay probes plain HTTP
-    head = pod_templates(find(_objects("prod-gpu"), "RayService"))["head"]
+    head = pod_templates(find(_objects(overlay), "RayService"))["head"]
     volumes = {v["name"]: v for v in head["spec"]["volumes"]}
     mounts = {m["mountPath"]: m for m in ray_container(head)["volumeMounts"]}
     for path in (config.tls.cert_file, config.tls.key_file):

@@ -11,11 +11,13 @@ import yaml
 
 from cluster.serve_yaml import serve_schema_dict
 from core.config import load_serve_config
+from llm_stage.registry import get_entry
 from tests.k8s import kustomize_lite
 from tests.k8s.crd_schema import crd_errors
 from tests.k8s.manifests import (
     K8S_DIR,
     OVERLAY_CONFIGS,
+    PROD_OVERLAYS,
     REPO_ROOT,
     builtin_errors,
     find,
@@ -63,8 +65,9 @@ def test_ray_cluster_config_is_a_valid_raycluster(overlay: str) -> None:
 def test_overlays_emit_the_expected_objects() -> None:
     kinds = {overlay: sorted(obj["kind"] for obj in render(f"overlays/{overlay}")) for overlay in OVERLAYS}
     expected_prod = ["ConfigMap", "PodMonitor", "RayService", "Service"]
-    assert kinds == {"dev-cpu": ["RayService", "Service"], "prod-gpu": expected_prod}
-    assert {obj["metadata"]["namespace"] for obj in render("overlays/prod-gpu")} == {"voxray"}
+    assert kinds == {"dev-cpu": ["RayService", "Service"], **{overlay: expected_prod for overlay in PROD_OVERLAYS}}
+    for overlay in PROD_OVERLAYS:
+        assert {obj["metadata"]["namespace"] for obj in render(f"overlays/{overlay}")} == {"voxray"}
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -93,19 +96,21 @@ def test_the_head_serves_http_and_grpc_and_every_pod_exports_metrics(overlay: st
             assert not {"serve", "serve-grpc"} & ports.keys(), group
 
 
-def test_prod_head_does_no_gpu_work() -> None:
-    head = _rayservice("prod-gpu")["spec"]["rayClusterConfig"]["headGroupSpec"]
-    config = load_serve_config(REPO_ROOT / OVERLAY_CONFIGS["prod-gpu"], check_files=False)
+@pytest.mark.parametrize("overlay", PROD_OVERLAYS)
+def test_prod_head_does_no_gpu_work(overlay: str) -> None:
+    head = _rayservice(overlay)["spec"]["rayClusterConfig"]["headGroupSpec"]
+    config = load_serve_config(REPO_ROOT / OVERLAY_CONFIGS[overlay], check_files=False)
     assert float(head["rayStartParams"]["num-cpus"]) == config.router.num_replicas * config.router.num_cpus
     resources = ray_container(head["template"])["resources"]
     assert GPU not in resources.get("limits", {}) and GPU not in resources.get("requests", {})
     assert "tolerations" not in head["template"]["spec"]
 
 
-def test_prod_stages_are_steered_to_their_own_gpu_group() -> None:
-    groups = worker_groups(_rayservice("prod-gpu"))
+@pytest.mark.parametrize("overlay", PROD_OVERLAYS)
+def test_prod_stages_are_steered_to_their_own_gpu_group(overlay: str) -> None:
+    groups = worker_groups(_rayservice(overlay))
     assert set(groups) == {"llm-gpu", "detok-gpu"}
-    serve = _serve("prod-gpu")
+    serve = _serve(overlay)
     for deployment in serve["applications"][0]["deployments"]:
         custom = deployment["ray_actor_options"].get("resources", {})
         if deployment["ray_actor_options"]["num_gpus"] == 0:
@@ -118,17 +123,19 @@ def test_prod_stages_are_steered_to_their_own_gpu_group() -> None:
         gpus_per_pod = quantity(container["resources"]["limits"][GPU])
         assert gpus_per_pod >= deployment["ray_actor_options"]["num_gpus"]
         replicas_per_pod = min(start_param_resources(group)[k] / v for k, v in custom.items())
-        max_replicas = deployment["autoscaling_config"]["max_replicas"]
+        autoscaling = deployment.get("autoscaling_config")
+        max_replicas = autoscaling["max_replicas"] if autoscaling else deployment["num_replicas"]
         assert group["maxReplicas"] * replicas_per_pod >= max_replicas, f"{providers[0]} cannot host max_replicas"
         assert group["template"]["spec"]["nodeSelector"], f"{providers[0]} has no node selector"
 
 
-def test_prod_models_come_read_only_from_the_pvc() -> None:
-    config = load_serve_config(REPO_ROOT / OVERLAY_CONFIGS["prod-gpu"], check_files=False)
+@pytest.mark.parametrize("overlay", PROD_OVERLAYS)
+def test_prod_models_come_read_only_from_the_pvc(overlay: str) -> None:
+    config = load_serve_config(REPO_ROOT / OVERLAY_CONFIGS[overlay], check_files=False)
     (pvc_name,) = [
         obj["metadata"]["name"] for _, obj in standalone_manifests() if obj["kind"] == "PersistentVolumeClaim"
     ]
-    for group, template in pod_templates(_rayservice("prod-gpu")).items():
+    for group, template in pod_templates(_rayservice(overlay)).items():
         if group == "head":
             continue
         volumes = {v["name"]: v for v in template["spec"]["volumes"]}
@@ -136,7 +143,9 @@ def test_prod_models_come_read_only_from_the_pvc() -> None:
         assert mount["readOnly"] is True
         claim = volumes[mount["name"]]["persistentVolumeClaim"]
         assert claim == {"claimName": pvc_name, "readOnly": True}
-        for path in (config.engine.model.checkpoint_dir, config.engine.model.codec_dir):
+        paths = (config.engine.model.checkpoint_dir, config.engine.model.codec_dir)
+        assert paths[0] is not None
+        for path in (p for p in paths if p is not None):  # cosyvoice2: the codec is in the checkpoint
             assert str(path).startswith(mount["mountPath"] + "/"), f"{path} is not on the models volume"
 
 
@@ -151,8 +160,9 @@ def test_pods_never_download_weights(overlay: str) -> None:
         assert env["HF_HUB_OFFLINE"] == "1" and env["TRANSFORMERS_OFFLINE"] == "1", group
 
 
-def test_prod_gpu_workers_document_cross_node_nccl() -> None:
-    for group, template in pod_templates(_rayservice("prod-gpu")).items():
+@pytest.mark.parametrize("overlay", PROD_OVERLAYS)
+def test_prod_gpu_workers_document_cross_node_nccl(overlay: str) -> None:
+    for group, template in pod_templates(_rayservice(overlay)).items():
         if group == "head":
             continue
         env = {e["name"]: e.get("value") for e in ray_container(template)["env"]}
@@ -239,6 +249,30 @@ def test_typo_in_the_pod_monitor_fails() -> None:
     monitor = find(render("overlays/prod-gpu"), "PodMonitor")
     monitor["spec"]["podMetricsEndpoints"][0]["intervall"] = "15s"
     assert pod_monitor_errors(monitor) != []
+
+
+def test_cosyvoice2_overlay_runs_one_llm_and_three_detok_gpus_with_the_family_schedule() -> None:
+    rayservice = _rayservice("prod-gpu-cosyvoice2")
+    groups = worker_groups(rayservice)
+    sizes = {name: (g["replicas"], g["minReplicas"], g["maxReplicas"]) for name, g in groups.items()}
+    assert sizes == {"llm-gpu": (1, 1, 1), "detok-gpu": (3, 3, 3)}
+    deployments = {d["name"]: d for d in _serve("prod-gpu-cosyvoice2")["applications"][0]["deployments"]}
+    assert (deployments["LLMStage"]["num_replicas"], deployments["DetokStage"]["num_replicas"]) == (1, 3)
+    config = load_serve_config(REPO_ROOT / OVERLAY_CONFIGS["prod-gpu-cosyvoice2"], check_files=False)
+    entry = get_entry(config.engine.model.name)
+    assert entry.family.name == "cosyvoice2" and config.engine.model.codec_dir is None
+    schedule = entry.chunk_schedule(config.engine)  # refused here if the detokenizer could not stream it
+    assert (schedule.chunk_frames, schedule.right_context_frames) == (25, 3)
+    # everything else is prod-gpu's: the head (TLS, Routers), monitoring, the models volume
+    prod = _rayservice("prod-gpu")["spec"]["rayClusterConfig"]
+    assert rayservice["spec"]["rayClusterConfig"]["headGroupSpec"] == prod["headGroupSpec"]
+
+
+def test_a_failed_json6902_test_op_fails_the_render(tmp_path) -> None:
+    doc = {"spec": {"groups": [{"name": "llm-gpu"}]}}
+    kustomize_lite.apply_operation(doc, {"op": "test", "path": "/spec/groups/0/name", "value": "llm-gpu"})
+    with pytest.raises(ValueError, match="test failed"):
+        kustomize_lite.apply_operation(doc, {"op": "test", "path": "/spec/groups/0/name", "value": "detok-gpu"})
 
 
 def test_renderer_refuses_kustomize_features_it_does_not_implement(tmp_path) -> None:

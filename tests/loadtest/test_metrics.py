@@ -19,6 +19,7 @@ from loadtest.metrics import (
     ttfa_s,
     worst_underrun_s,
 )
+from loadtest.serve_voxray import CPU_CONFIG
 from loadtest.workload import arrival_offsets_s, check_target, is_loopback, max_tokens_for
 
 
@@ -125,3 +126,31 @@ def test_max_tokens_follow_text_length_in_whole_frames():
     assert max_tokens_for("Tom!") == 8 * 7
     assert max_tokens_for("x" * 1000) == 48 * 7
     assert max_tokens_for("x" * 40) % 7 == 0
+
+
+def test_max_tokens_follow_the_served_family_frame_rate():
+    from loadtest.sweep import SweepConfig
+
+    text = "x" * 40  # 31 Orpheus frames = 2.65 s of audio
+    assert max_tokens_for(text) == 31 * 7
+    assert max_tokens_for(text, frame_rate_hz=25.0, tokens_per_frame=1) == round(31 / (24000 / 2048) * 25)
+    cosy = SweepConfig(voice="", frame_rate_hz=25.0, tokens_per_frame=1)
+    assert cosy.max_tokens(text) == 66 and SweepConfig(max_tokens_cap=10).max_tokens(text) == 10
+
+
+def test_replica_ratios_parse_and_write_a_config(tmp_path):
+    import argparse
+
+    import yaml
+
+    from core.config import ServeConfig
+    from loadtest.replica_ratio import parse_ratio, ratio_config
+
+    assert parse_ratio("1:3") == (1, 3)
+    for bad in ("1", "0:1", "a:b", "1:-2"):
+        with pytest.raises(argparse.ArgumentTypeError, match="--ratios"):
+            parse_ratio(bad)
+    path = ratio_config(CPU_CONFIG, "cosyvoice2-tiny", 1, 3, tmp_path)
+    config = ServeConfig.model_validate(yaml.safe_load(path.read_text()))
+    assert config.engine.model.name == "cosyvoice2-tiny"
+    assert (config.llm.num_replicas, config.detok.num_replicas, config.detok.autoscaling) == (1, 3, False)

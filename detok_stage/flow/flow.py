@@ -1,0 +1,204 @@
+"""Token -> mel: CosyVoice 2's `CausalMaskedDiffWithXvec` (chatterbox's S3Gen `flow`), offline and streamed.
+
+Offline, `inference` runs the whole [prompt tokens, tokens] sequence through the chunk-causal encoder
+and `n_timesteps` Euler steps of the estimator (cosine t schedule, CFG on the x-vector, prompt mel
+and encoder output), starting from the fixed noise sliced at each frame's absolute position.
+
+Streamed, `FlowStream` advances requests one attention chunk (`chunk_tokens` tokens, 2x mel frames)
+at a time, once the chunk's 3 look-ahead tokens exist (or the stream ended): the encoder continues
+from its cached keys/values and conv inputs, and each Euler step from its own estimator cache, so
+the mel of every chunk equals the offline mel and no chunk is computed twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from detok_stage.flow.config import S3GenConfig
+from detok_stage.flow.encoder import EncoderState, UpsampleConformerEncoder
+from detok_stage.flow.estimator import CausalConditionalDecoder, EstimatorState, StreamCtx
+
+
+class CausalConditionalCFM(nn.Module):
+    """Holds the estimator under the published name `decoder.estimator`."""
+
+    def __init__(self, estimator: CausalConditionalDecoder) -> None:
+        super().__init__()
+        self.estimator = estimator
+
+
+@dataclass
+class Conditioning:
+    """A voice as the flow uses it: prompt speech tokens [P], their mel [2P, 80], the speaker x-vector [192]."""
+
+    prompt_tokens: torch.Tensor
+    prompt_mel: torch.Tensor
+    xvector: torch.Tensor
+
+    def __post_init__(self) -> None:
+        """Two mel frames per prompt token; a longer side is cut to fit (as chatterbox's `embed_ref` does)."""
+        pairs = min(int(self.prompt_tokens.numel()), self.prompt_mel.shape[0] // 2)
+        self.prompt_tokens = self.prompt_tokens.reshape(-1)[:pairs]
+        self.prompt_mel = self.prompt_mel[: 2 * pairs]
+
+
+@dataclass
+class FlowState:
+    """One request's flow cache: its tokens so far, encoder state, one estimator state per Euler step."""
+
+    cond: Conditioning
+    spks: torch.Tensor  # [80] projected x-vector
+    encoder: EncoderState
+    steps: list[EstimatorState]
+    tokens: list[int] = field(default_factory=list)  # prompt tokens then stream tokens
+    ended: bool = False
+
+    @property
+    def num_prompt(self) -> int:
+        return int(self.cond.prompt_tokens.numel())
+
+    @property
+    def tokens_done(self) -> int:
+        return self.encoder.tokens_done
+
+    @property
+    def nbytes(self) -> int:
+        kv = sum(b.nbytes for b in self.encoder.buffers + self.encoder.up_buffers)
+        return kv + sum(b.nbytes for s in self.steps for b in s.buffers)
+
+
+class CausalMaskedDiffWithXvec(nn.Module):
+    def __init__(self, config: S3GenConfig) -> None:
+        super().__init__()
+        self.config = config
+        enc = config.encoder
+        self.input_embedding = nn.Embedding(config.vocab_size, enc.input_size)
+        self.spk_embed_affine_layer = nn.Linear(config.spk_embed_dim, config.mel_bins)
+        self.encoder = UpsampleConformerEncoder(enc)
+        self.encoder_proj = nn.Linear(enc.output_size, config.mel_bins)
+        self.decoder = CausalConditionalCFM(CausalConditionalDecoder(config.estimator))
+        gen = torch.Generator().manual_seed(config.noise_seed)
+        self.register_buffer(
+            "rand_noise", torch.randn(1, config.mel_bins, config.noise_frames, generator=gen), persistent=False
+        )
+
+    # ---- pieces shared by both paths ----------------------------------------------------------
+
+    def noise(self, start: int, length: int) -> torch.Tensor:
+        """The fixed noise for mel frames [start, start + length) ([80, length]; wraps past its end)."""
+        idx = torch.arange(start, start + length, device=self.rand_noise.device) % self.rand_noise.shape[2]
+        return self.rand_noise[0][:, idx]
+
+    def project_speaker(self, xvector: torch.Tensor) -> torch.Tensor:
+        weight = self.spk_embed_affine_layer.weight
+        return self.spk_embed_affine_layer(F.normalize(torch.atleast_2d(xvector).to(weight), dim=1))
+
+    def t_span(self, n_timesteps: int) -> torch.Tensor:
+        t = torch.linspace(0, 1, n_timesteps + 1, device=self.rand_noise.device)
+        return 1 - torch.cos(t * 0.5 * torch.pi)
+
+    def _embed(self, tokens: list[torch.Tensor], width: int) -> tuple[torch.Tensor, list[int]]:
+        """Each row's tokens embedded, zero rows after it up to `width`."""
+        out = self.rand_noise.new_zeros(len(tokens), width, self.config.encoder.input_size)
+        for n, tok in enumerate(tokens):
+            out[n, : tok.numel()] = self.input_embedding(tok.long().to(out.device))
+        return out, [int(t.numel()) for t in tokens]
+
+    def _euler(self, z: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor, n_timesteps: int,
+               ctx_for_step) -> torch.Tensor:  # fmt: skip
+        """z, mu, cond [B, 80, T], spks [B, 80]: rows interleaved (cond, uncond) per request for CFG."""
+        rate = self.config.cfg_rate
+        t_span = self.t_span(n_timesteps)
+        x = z
+        mu_in = torch.stack([mu, torch.zeros_like(mu)], 1).flatten(0, 1)
+        spks_in = torch.stack([spks, torch.zeros_like(spks)], 1).flatten(0, 1)
+        cond_in = torch.stack([cond, torch.zeros_like(cond)], 1).flatten(0, 1)
+        estimator = self.decoder.estimator
+        for k in range(n_timesteps):
+            t, r = t_span[k], t_span[k + 1]
+            x_in = x.repeat_interleave(2, dim=0)
+            t_in = t.expand(x_in.shape[0])
+            v = estimator(x_in, mu_in, t_in, spks_in, cond_in, ctx_for_step(k)).view(x.shape[0], 2, *x.shape[1:])
+            x = x + (r - t) * ((1.0 + rate) * v[:, 0] - rate * v[:, 1])
+        return x
+
+    # ---- offline ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def inference(self, tokens: torch.Tensor, cond: Conditioning, n_timesteps: int | None = None) -> torch.Tensor:
+        """tokens [B, N] (one voice for the batch) -> mel [B, 80, 2N]: the whole sequence in one pass."""
+        n_timesteps = n_timesteps or self.config.n_timesteps
+        b = tokens.shape[0]
+        prompt = cond.prompt_tokens.long().view(1, -1).expand(b, -1)
+        seq = torch.cat([prompt.to(tokens.device), tokens.long()], dim=1)
+        la = self.config.pre_lookahead_len
+        emb, valid = self._embed(list(seq), seq.shape[1] + la)
+        mu = self.encoder_proj(self.encoder(emb, valid, self.config.chunk_tokens)).transpose(1, 2)
+        frames = mu.shape[2]
+        conds = torch.zeros_like(mu)
+        p_frames = cond.prompt_mel.shape[0]
+        conds[:, :, :p_frames] = cond.prompt_mel.T.to(mu)
+        spks = self.project_speaker(cond.xvector).expand(b, -1)
+        z = self.noise(0, frames).unsqueeze(0).expand(b, -1, -1)
+        chunk = self.config.chunk_tokens * self.config.token_mel_ratio
+        mel = self._euler(z, mu, spks, conds, n_timesteps, lambda k: StreamCtx(chunk, None))
+        return mel[:, :, p_frames:]
+
+    # ---- streamed -----------------------------------------------------------------------------
+
+    def new_state(self, cond: Conditioning, n_timesteps: int) -> FlowState:
+        est = self.decoder.estimator
+        return FlowState(
+            cond=cond,
+            spks=self.project_speaker(cond.xvector)[0],
+            encoder=self.encoder.new_state(),
+            steps=[est.new_state() for _ in range(n_timesteps)],
+            tokens=[int(t) for t in cond.prompt_tokens.tolist()],
+        )
+
+    def next_chunk_len(self, state: FlowState) -> int:
+        """Tokens the next attention chunk of this request covers, 0 while it must wait for more."""
+        c = self.config.chunk_tokens
+        s = state.tokens_done
+        end = (s // c + 1) * c
+        total = len(state.tokens)
+        if end + self.config.pre_lookahead_len <= total:
+            return end - s
+        if state.ended and total > s:
+            return min(end, total) - s
+        return 0
+
+    @torch.inference_mode()
+    def advance(self, states: list[FlowState], length: int) -> list[torch.Tensor]:
+        """Run the next `length` tokens of every request (all its next chunk) -> mel [80, 2 * length] each,
+        prompt frames included (the caller drops those)."""
+        la = self.config.pre_lookahead_len
+        starts = [s.tokens_done for s in states]
+        windows = [
+            torch.tensor(s.tokens[st : st + length + la], dtype=torch.long)
+            for s, st in zip(states, starts, strict=True)
+        ]
+        emb, valid = self._embed(windows, length + la)
+        mu = self.encoder_proj(self.encoder(emb, valid, self.config.chunk_tokens, [s.encoder for s in states]))
+        mu = mu.transpose(1, 2)  # [G, 80, 2L]
+        ratio = self.config.token_mel_ratio
+        frames = length * ratio
+        conds = torch.zeros_like(mu)
+        z = torch.empty_like(mu)
+        for g, (s, st) in enumerate(zip(states, starts, strict=True)):
+            f0 = st * ratio
+            prompt = s.cond.prompt_mel
+            if f0 < prompt.shape[0]:
+                part = prompt[f0 : f0 + frames].T.to(mu)
+                conds[g, :, : part.shape[1]] = part
+            z[g] = self.noise(f0, frames)
+        spks = torch.stack([s.spks for s in states])
+        chunk = self.config.chunk_tokens * ratio
+        mel = self._euler(
+            z, mu, spks, conds, len(states[0].steps), lambda k: StreamCtx(chunk, [s.steps[k] for s in states])
+        )
+        return list(mel)
