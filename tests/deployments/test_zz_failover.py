@@ -70,6 +70,15 @@ def _play_all(ep, jobs: list[dict]) -> tuple[dict, list[threading.Thread]]:
     return outcomes, threads
 
 
+def _wait_until_all_play(outcomes: dict, min_chunks: int = 2, timeout_s: float = 60.0) -> None:
+    """Until every stream has sent `min_chunks` chunks (and none has ended): a loss then hits them all."""
+    give_up_s = time.monotonic() + timeout_s
+    while not all(len(o.chunks) >= min_chunks for o in outcomes.values()):
+        assert time.monotonic() < give_up_s, "the streams did not start"
+        time.sleep(0.02)
+    assert not any(o.chunks[-1].final for o in outcomes.values()), "a stream ended before the loss: make it longer"
+
+
 def _replica_of_a_playing_stream(outcomes: dict, timeout_s: float = 60.0) -> str:
     """`LLMStage#<id>` of the replica serving the first stream to send audio (once it has 3 chunks)."""
     give_up_s = time.monotonic() + timeout_s
@@ -132,7 +141,7 @@ def test_streams_survive_losing_an_llm_replica(cluster):
     ep = deploy_app(LLM_FAILOVER)
     try:
         jobs = [{"request_id": f"llm-fo-{i}", "text": f"resume {i}", "voice": "tara",
-                 "sampling": {"seed": i, "max_tokens": 7 * 48} if i % 2 else {"temperature": 0.0, "max_tokens": 7 * 48}}
+                 "sampling": {"seed": i, "max_tokens": 7 * 96} if i % 2 else {"temperature": 0.0, "max_tokens": 7 * 96}}
                 for i in range(4)]  # fmt: skip
         outcomes, threads = _play_all(ep, jobs)
         victim = _replica_of_a_playing_stream(outcomes)
@@ -168,9 +177,10 @@ def test_losing_the_only_llm_replica_answers_unavailable_at_once(cluster):
 
     ep = deploy_app(LONE_LLM)
     try:
-        jobs = [{"request_id": f"lone-{i}", "text": f"alone {i}", "sampling": {"max_tokens": 7 * 60}} for i in range(2)]
+        jobs = [{"request_id": f"lone-{i}", "text": f"alone {i}", "sampling": {"max_tokens": 7 * 250}}
+                for i in range(2)]  # fmt: skip
         outcomes, threads = _play_all(ep, jobs)
-        time.sleep(1.0)
+        _wait_until_all_play(outcomes)
         [replica] = _replicas(ep.app_name, "LLMStage")
         killed_at = time.monotonic()
         ray.kill(replica, no_restart=True)
