@@ -241,6 +241,7 @@ class LLMStage:
             measured_streams=max(timer.step_s_by_rows, default=0) // rows_per_stream,
             real_time_margin=admission.real_time_margin,
             num_starving=self.side.num_starving(),
+            reported_unix_s=time.time(),
         )
 
     def record_routing_stats(self) -> dict:

@@ -35,6 +35,9 @@ class ReplicaLoad:
     measured_streams: int = 0  # streams in that batch
     real_time_margin: float = 0.85  # share of `real_time_streams` admitted (AdmissionConfig)
     num_starving: int = 0  # streams whose client buffer is spent right now
+    # when the replica made this report: every report differs, so a router resets the requests it
+    # counted as routed / completed since the last one even when an idle replica's load is unchanged
+    reported_unix_s: float = 0.0
 
     def to_stats(self) -> dict:
         return asdict(self)
