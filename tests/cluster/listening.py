@@ -92,7 +92,7 @@ def listeners(root_pid: int) -> list[Listener]:
     found = set()
     for pid in process_tree(root_pid):
         try:
-            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:80]
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
         for inode in _socket_inodes(pid) & listening.keys():

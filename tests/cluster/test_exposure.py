@@ -116,7 +116,8 @@ def tls_server(tmp_path_factory):
 
 
 def _describe(items: list[Listener]) -> str:
-    return "\n".join(f"  {item.host}:{item.port}  pid {item.pid}  {item.command}" for item in items)
+    """One line per socket; the command cut to 120 characters for reading (matching uses all of it)."""
+    return "\n".join(f"  {item.host}:{item.port}  pid {item.pid}  {item.command[:120]}" for item in items)
 
 
 def check_loopback_only(server: Server) -> None:
