@@ -3,11 +3,14 @@
 On CPU a step's sampling is a few dozen small ops on [rows, ~4k] arrays, so per-op overhead
 dominates, and torch's is several times numpy's. Here each row's filters (top-k, top-p over
 the top-k mass, min-p) run on its weights exp(logit - max) sorted by value only, which gives
-the smallest kept weight; the draw is then an inverse-CDF search over the kept weights in
-column order (no sort with indices, no per-column noise), with one uniform from the row's own
-torch generator, so seeded rows reproduce whatever they are batched with. (Not the torch
-path's draw: the same seed gives other tokens on an accelerator.) A weight that rounds to
-the smallest kept one is kept, as the torch path keeps ties of the smallest kept logit.
+the smallest kept weight; the draw is then an exponential race over the kept weights (argmax
+of weight / E, E = -log U, one uniform per column from the row's own torch generator), so
+seeded rows reproduce whatever they are batched with, and float noise in the logits (a stream
+resumed by re-prefill on another replica computes its KV in another order) moves a draw only
+when two columns' races tie to that noise: about one draw in a million, where an inverse-CDF
+search over thousands of near-equal weights flipped about one draw in a thousand (issue 23).
+(Not the torch path's draw: the same seed gives other tokens on an accelerator.) A weight that
+rounds to the smallest kept one is kept, as the torch path keeps ties of the smallest kept logit.
 `llm_stage.sampler.sample` sends CPU logits here.
 """
 
@@ -87,17 +90,22 @@ def smallest_kept_weight(weights: np.ndarray, rows: list) -> np.ndarray:
     return ascending[np.arange(len(rows)), first][:, None]
 
 
+_TINY = float(np.finfo(np.float32).tiny)  # floor of the race's uniforms: E stays finite and positive
+
+
 def draw(values: np.ndarray, temperature: np.ndarray, rows: list, default: torch.Generator) -> np.ndarray:
     """One column per row from the filtered distribution of logits / temperature ([B, 1]): an
-    inverse-CDF draw over the kept weights in column order (no sort with indices), one uniform
-    from the row's generator."""
+    exponential race over the kept weights (no sort with indices). Each row takes one uniform per
+    column from its generator, a fixed amount per draw; -log runs on the kept columns only."""
     weights = np.exp((values - values.max(axis=1, keepdims=True)) / temperature)
-    cdf = _cumsum(np.where(weights >= smallest_kept_weight(weights, rows), weights, 0.0))
+    kept = weights >= smallest_kept_weight(weights, rows)
+    width = values.shape[1]
+    uniforms = torch.stack([torch.rand(width, generator=row.generator or default) for row in rows]).numpy()
     picked = np.empty(len(rows), dtype=np.int64)
-    for b, row in enumerate(rows):
-        target = torch.rand(1, generator=row.generator or default).item() * float(cdf[b, -1])
-        column = int(np.searchsorted(cdf[b], target, side="right"))  # the first column past the target
-        picked[b] = column if column < values.shape[1] else int(np.argmax(np.diff(cdf[b], prepend=0.0)))
+    for b in range(len(rows)):
+        columns = np.flatnonzero(kept[b])
+        race = weights[b, columns] / -np.log(np.maximum(uniforms[b, columns], _TINY))
+        picked[b] = columns[int(np.argmax(race))]
     return picked
 
 

@@ -103,7 +103,8 @@ def _filter_sorted(sorted_logits: torch.Tensor, filters: _Filters, log_norm: tor
 def _draw(probs: torch.Tensor, rows: list[SamplingRow], default: torch.Generator) -> torch.Tensor:
     """One categorical draw per row as argmax(p / E), E = -log U ~ Exp(1) with U from the row's own
     generator (seeded requests stay reproducible whatever they are batched with); one batched
-    argmax. Unlike an inverse-CDF search this is not thrown by float noise in the probabilities.
+    argmax. Unlike an inverse-CDF search this is not thrown by float noise in the probabilities
+    (the host sampler races the same way).
     (-log of a uniform: 3x cheaper than `exponential_` on CPU; U is floored at the smallest normal
     float, so E is finite and positive.)"""
     width = probs.shape[1]

@@ -115,13 +115,21 @@ def test_say_incremental_types_words_at_a_pace_and_prints_each_pieces_time_to_au
     assert len(out.read_bytes()) == 44 + 2 * 2 * 2048 * 2  # two segments of two frames
 
 
-def open_stream(ep, sampling: dict):
+def open_stream(ep, sampling: dict, admit_within_s: float = 15.0):
+    """An admitted incremental stream. A refusal for load is retried: the Router's load board can
+    still hold an earlier test's streams for a stats period or two after they ended."""
     from websockets.sync.client import connect
 
-    ws = connect(ws_url(ep), open_timeout=60)
-    ws.send(json.dumps({"sampling": sampling}))
-    assert json.loads(ws.recv(timeout=60))["type"] == "ready"  # sent once the router admitted the stream
-    return ws
+    give_up_s = time.monotonic() + admit_within_s
+    while True:
+        ws = connect(ws_url(ep), open_timeout=60)
+        ws.send(json.dumps({"sampling": sampling}))
+        reply = json.loads(ws.recv(timeout=60))
+        if reply["type"] == "ready":  # sent once the router admitted the stream
+            return ws
+        ws.close()
+        assert reply.get("code") == "RESOURCE_EXHAUSTED" and time.monotonic() < give_up_s, reply
+        time.sleep(0.2)
 
 
 def test_streams_waiting_for_text_hold_no_engine_row_yet_count_for_admission(cluster):

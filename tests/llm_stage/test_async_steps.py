@@ -28,7 +28,7 @@ def test_next_batch_is_planned_while_the_forward_runs_on_the_worker_thread():
 
     def planning():
         plan = schedule()
-        if in_forward.wait(timeout=0.2):  # only plans made while a forward is in flight count
+        if in_forward.wait(timeout=1.0):  # only plans made while a forward is in flight count
             planned.set()
         return plan
 
