@@ -90,7 +90,7 @@ def smallest_kept_weight(weights: np.ndarray, rows: list) -> np.ndarray:
     return ascending[np.arange(len(rows)), first][:, None]
 
 
-_TINY = float(np.finfo(np.float32).tiny)  # floor of the race's uniforms: E stays finite and positive
+TINY_UNIFORM = float(np.finfo(np.float32).tiny)  # floor of both samplers' race uniforms: E stays finite, > 0
 
 
 def draw(values: np.ndarray, temperature: np.ndarray, rows: list, default: torch.Generator) -> np.ndarray:
@@ -104,7 +104,7 @@ def draw(values: np.ndarray, temperature: np.ndarray, rows: list, default: torch
     picked = np.empty(len(rows), dtype=np.int64)
     for b in range(len(rows)):
         columns = np.flatnonzero(kept[b])
-        race = weights[b, columns] / -np.log(np.maximum(uniforms[b, columns], _TINY))
+        race = weights[b, columns] / -np.log(np.maximum(uniforms[b, columns], TINY_UNIFORM))
         picked[b] = columns[int(np.argmax(race))]
     return picked
 

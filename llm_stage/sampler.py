@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from core.messages import SamplingParams
-from llm_stage.host_sampler import history_pairs, sample_on_host
+from llm_stage.host_sampler import TINY_UNIFORM, history_pairs, sample_on_host
 from llm_stage.ras import sample_repetition_aware
 
 
@@ -62,7 +62,6 @@ def _seen_columns(
     return seen_ids.gather(1, cand_ids.clamp(min=0)) & (cand_ids >= 0)
 
 
-_TINY = torch.finfo(torch.float32).tiny  # floor of the draw's uniforms
 SHORTLIST = 64  # a draw first looks at each row's 64 best columns; it sorts the full row only when needed
 
 
@@ -109,7 +108,7 @@ def _draw(probs: torch.Tensor, rows: list[SamplingRow], default: torch.Generator
     float, so E is finite and positive.)"""
     width = probs.shape[1]
     uniform = torch.stack([torch.rand(width, generator=row.generator or default) for row in rows]).to(probs.device)
-    return (probs / uniform.clamp_(min=_TINY).log_().neg_()).argmax(dim=-1)
+    return (probs / uniform.clamp_(min=TINY_UNIFORM).log_().neg_()).argmax(dim=-1)
 
 
 def _sorted_descending(values: torch.Tensor) -> torch.Tensor:
