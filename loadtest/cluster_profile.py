@@ -28,6 +28,7 @@ from protos import voxray_pb2_grpc
 
 CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 REPLICAS = ("Router", "LLMStage", "DetokStage")
+ACTOR_PREFIXES = ("ray::ServeReplica", "ray::ServeController", "ray::ProxyActor")  # Ray workers: Serve's actors
 
 
 def _stat_fields(path: str) -> list[str]:
@@ -137,6 +138,45 @@ def profile(args: argparse.Namespace) -> dict:
         stop(proc)
 
 
+def renice(pids: list[int], niceness: int) -> None:
+    """Every thread of `pids` at `niceness` (Linux niceness is per thread; new ones inherit it)."""
+    for pid in pids:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            os.setpriority(os.PRIO_PROCESS, int(tid), niceness)
+
+
+def renice_ab(args: argparse.Namespace) -> list[dict]:
+    """One server, the rate run again and again with its Ray workers reniced in turn to each of
+    `args.renice_ab` (A/B/A/B on one box: the cluster is the same, only the priority differs)."""
+    port = grpc_port()
+    command = [sys.executable, "-m", "loadtest.serve_voxray", "--grpc-port", str(port), "--http-port",
+               str(port + 1), "--config", str(args.config)]  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    proc = start(System("voxray-cluster", port, command, 240.0), args.out)
+    rows = []
+    try:
+        target = f"127.0.0.1:{port}"
+        cfg = SweepConfig(rates_rps=(args.rate,), duration_s=args.duration_s, max_requests=args.max_requests)
+        wait_ready(target, cfg.app_name)
+        actors = [pid for pid, cmd in process_tree(proc.pid).items() if cmd.startswith(ACTOR_PREFIXES)]
+        for _ in range(args.repeats):
+            for niceness in args.renice_ab:
+                renice(actors, niceness)
+                load_s, start_s = os.getloadavg()[0], time.monotonic()
+                with grpc.insecure_channel(target) as channel:
+                    records = run_rate(voxray_pb2_grpc.SpeechStub(channel), args.rate, load_prompts(), cfg)
+                summary, wall_s = summarize(args.rate, records), time.monotonic() - start_s
+                rows.append({"niceness": niceness, "audio_x": round(summary.audio_s / wall_s, 2),
+                             "errors": summary.errors, "pct_viable": round(summary.pct_viable),
+                             "loadavg_1m": round(load_s, 1)})  # fmt: skip
+                print(rows[-1], flush=True)
+                time.sleep(5.0)  # the last streams' cancels and stats settle
+    finally:
+        stop(proc)
+    (args.out / "renice_ab.json").write_text(json.dumps(rows, indent=1) + "\n")
+    return rows
+
+
 def _start_py_spy(args: argparse.Namespace, replicas: dict[str, int]) -> list[subprocess.Popen]:
     if not args.py_spy:
         return []
@@ -157,7 +197,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--config", type=Path, default=CPU_CONFIG)
     p.add_argument("--py-spy", default="", help="path of a py-spy binary (profiles each replica)")
     p.add_argument("--out", type=Path, default=Path("bench_out/cluster_profile"))
-    result = profile(p.parse_args(argv))
+    p.add_argument("--renice-ab", type=int, nargs="*", help="A/B the Ray workers' niceness instead (e.g. 15 0)")
+    p.add_argument("--repeats", type=int, default=3, help="rounds of --renice-ab")
+    args = p.parse_args(argv)
+    if args.renice_ab:
+        return {"renice_ab": renice_ab(args)}
+    result = profile(args)
     print(f"{result['rate_rps']:g} req/s: {result['audio_x']:.2f}x RT, errors {result['errors']}, "
           f"load average {result['loadavg_1m']}")  # fmt: skip
     for key, pct in list(result["groups"].items()) + list(result["pct_core"].items())[:30]:
