@@ -31,6 +31,16 @@ class Endpoints:
     app_name: str
 
 
+# Ray starts its workers (every replica: the engines, the Router) at niceness 15, under the raylet
+# and GCS. On a small machine running the embedded Ray that puts the engines behind every other
+# process, the load generator and the gRPC clients included: measured 1.55x the cluster's audio
+# throughput at niceness 0 (docs/experiments/2026-12-02-cluster-data-path.md, section 11).
+# A Ray that VoxRay joins (KubeRay pods) keeps its own setting, and so does an embedded one when
+# RAY_worker_niceness is set (Ray reads it itself: how the A/B ran).
+EMBEDDED_WORKER_NICENESS = 0
+WORKER_NICENESS_ENV = "RAY_worker_niceness"
+
+
 def start_ray(
     address: str | None,
     num_cpus: int | None = None,
@@ -47,7 +57,11 @@ def start_ray(
     if address:
         ray.init(address=address)
         return
-    extra = {"_metrics_export_port": metrics_export_port} if metrics_export_port else {}
+    extra: dict = {}
+    if WORKER_NICENESS_ENV not in os.environ:
+        extra["_system_config"] = {"worker_niceness": EMBEDDED_WORKER_NICENESS}
+    if metrics_export_port:
+        extra["_metrics_export_port"] = metrics_export_port
     if loopback_only:
         extra |= loopback_init_kwargs()
     ray.init(num_cpus=num_cpus, include_dashboard=False, configure_logging=False, log_to_driver=not quiet, **extra)

@@ -216,16 +216,18 @@ class AudioChunk:
 class AudioRef:
     """A decoded chunk as the LLM replica sees it: what its playback clock needs, and a handle to
     the audio, which stays in the detokenizer's object store until the router fetches it (the
-    audio never passes through the LLM replica). `chunk` decodes it again if the replica that
-    holds the audio is lost before the router fetched it."""
+    audio never passes through the LLM replica). One object holds the audio of every chunk of a
+    decode call (an engine step's, all streams); `index` is this chunk's place in it. `chunk`
+    decodes it again if the replica that holds the audio is lost before the router fetched it."""
 
     req_id: str
     seq: int
     is_final: bool
     duration_s: float
     num_frames: int
-    handle: object  # ray.ObjectRef[AudioChunk] (core stays free of Ray)
+    handle: object  # ray.ObjectRef[list[AudioChunk]] (core stays free of Ray)
     chunk: TokenChunk
+    index: int = 0  # this chunk's audio in the list behind `handle`
 
 
 # ---- stream events: LLM replica -> router --------------------------------------------------

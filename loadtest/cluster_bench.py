@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import time
 from dataclasses import asdict
@@ -26,7 +27,13 @@ from loadtest.sweep import SweepConfig, is_saturated, run_rate, wait_ready
 from loadtest.workload import arrival_offsets_s, load_prompts, max_tokens_for
 from protos import voxray_pb2_grpc
 
-GRPC_PORT, HTTP_PORT = 19140, 19141
+GRPC_PORT = 19140  # the HTTP port is the next one
+
+
+def grpc_port() -> int:
+    """The cluster's gRPC port: GRPC_PORT, moved by VOXRAY_TEST_PORT_OFFSET so that runs sharing a
+    box (each with its own local Ray) do not collide."""
+    return GRPC_PORT + int(os.environ.get("VOXRAY_TEST_PORT_OFFSET", "0"))
 
 
 def in_process_rate(
@@ -75,13 +82,14 @@ def sweep_in_process(config_path: Path, cfg: SweepConfig) -> list[dict]:
 def sweep_cluster(config_path: Path, cfg: SweepConfig, log_dir: Path) -> tuple[list[dict], float]:
     import sys
 
-    command = [sys.executable, "-m", "loadtest.serve_voxray", "--grpc-port", str(GRPC_PORT), "--http-port",
-               str(HTTP_PORT), "--config", str(config_path)]  # fmt: skip
-    system = System("voxray-cluster", GRPC_PORT, command, 240.0)
+    port = grpc_port()
+    command = [sys.executable, "-m", "loadtest.serve_voxray", "--grpc-port", str(port), "--http-port",
+               str(port + 1), "--config", str(config_path)]  # fmt: skip
+    system = System("voxray-cluster", port, command, 240.0)
     started = time.monotonic()
     proc = start(system, log_dir)
     try:
-        target = f"127.0.0.1:{GRPC_PORT}"
+        target = f"127.0.0.1:{port}"
         wait_ready(target, cfg.app_name, system.ready_timeout_s)
         startup_s = time.monotonic() - started
         with grpc.insecure_channel(target) as channel:

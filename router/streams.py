@@ -34,6 +34,7 @@ from core.messages import (
 )
 from llm_stage.registry import get_entry
 from router.admission import stream_limit
+from router.audio_fetch import StepAudio
 from router.deadlines import best_predicted_ttfa_s, client_deadline_s, fit_to_client_deadline
 from router.dispatch import estimated_loads, num_live_replicas, pass_over
 from router.drain import DrainWatch
@@ -114,6 +115,7 @@ class RouterCore:
         self.entry = get_entry(self.config.engine.model.name)
         self.llm = llm_handle.options(stream=True)
         self.detok = detok_handle  # decodes a chunk again when the replica holding its audio is lost
+        self.step_audio = StepAudio()  # one fetch per engine step's audio, shared by its streams
         self.open_streams = 0
         self.metrics = RouterMetrics()
         self.drain = DrainWatch(self.config.app_name, _replica_name(), lambda: self.open_streams)
@@ -260,12 +262,12 @@ class RouterCore:
         """The chunk's audio, straight from the detok replica's object store; if that replica died
         holding it, another one decodes the (self-describing) chunk again."""
         try:
-            return await event.ref.handle
+            return await self.step_audio.get(event.ref)
         except ObjectLostError:
             pass
         try:
             [ref] = await self.detok.decode_batch.remote([event.ref.chunk])
-            return await ref.handle
+            return (await ref.handle)[ref.index]
         except Exception as err:
             raise StreamFailed(f"audio of chunk {event.ref.seq} lost: {type(err).__name__}") from err
 

@@ -225,7 +225,29 @@ def test_llm_stage_events_carry_refs_not_audio(cluster):
     assert isinstance(events[0], Admitted)
     assert events[1:] and all(isinstance(e, AudioReady) for e in events[1:])
     assert all(isinstance(e.ref.handle, ray.ObjectRef) for e in events[1:])
-    audio = [ray.get(e.ref.handle) for e in events[1:]]
+    steps = [ray.get(e.ref.handle) for e in events[1:]]  # one object per decode call: the step's audio
+    pairs = list(zip(events[1:], steps, strict=True))
+    assert all(isinstance(step, list) and 0 <= e.ref.index < len(step) for e, step in pairs)
+    audio = [step[e.ref.index] for e, step in pairs]
     assert [a.seq for a in audio] == [e.ref.seq for e in events[1:]] == list(range(len(audio)))
     assert sum(len(a.pcm16) for a in audio) == 10 * SPF * 2 and audio[-1].is_final
     assert all(a.detok_replica.startswith("DetokStage#") for a in audio)
+
+
+def test_embedded_ray_runs_replicas_at_normal_priority(cluster):
+    """The embedded Ray starts its workers (the replicas, engines included; a task here reads the
+    same raylet setting) at niceness 0, not Ray's 15, which put them behind every other process
+    on a small machine."""
+    import os
+
+    import ray
+
+    from cluster.server import EMBEDDED_WORKER_NICENESS, WORKER_NICENESS_ENV
+
+    if WORKER_NICENESS_ENV in os.environ:
+        pytest.skip(f"{WORKER_NICENESS_ENV} is set: Ray uses it")
+    def niceness() -> int:
+        return os.nice(0)
+
+    worker_niceness = ray.get(ray.remote(num_cpus=0)(niceness).remote())
+    assert worker_niceness == EMBEDDED_WORKER_NICENESS == 0
