@@ -1,9 +1,11 @@
 """Admission and TTFA prediction (pure functions over replica stats).
 
 The LLMStage replica decides admit / queue / reject with `decide`; the request router ranks
-replicas with `predict_ttfa_s`. Both read the same `ReplicaLoad` the replica publishes. How
-many streams a replica takes comes from its measured pace (`stream_limit`), capped by its KV
-slots: a fixed count is either too cautious on a fast machine or too bold on a slow one.
+replicas with `predict_ttfa_s`, and the Router rejects at once with `admits_anywhere`. All read
+the `ReplicaLoad` the LLM replica publishes, which carries the detok stage's measured pace too
+(router.detok_load). How many streams a replica takes comes from both stages' measured pace
+(`stream_limit`), capped by its KV slots: a fixed count is either too cautious on a fast
+machine or too bold on a slow one.
 """
 
 from __future__ import annotations
@@ -38,6 +40,11 @@ class ReplicaLoad:
     # when the replica made this report: every report differs, so a router resets the requests it
     # counted as routed / completed since the last one even when an idle replica's load is unchanged
     reported_unix_s: float = 0.0
+    next_step_s: float = 0.0  # its step measured at the batch one more stream makes; 0 = use step_s
+    # the detok stage as this replica last saw it (router.detok_load.DetokSummary); 0 = not measured
+    detok_real_time_streams: float = 0.0  # streams all detok replicas keep at real time
+    detok_other_streams: int = 0  # streams other LLM replicas run through the detok stage
+    detok_first_chunk_s: float = 0.0  # decode time of a new stream's first chunk
 
     def to_stats(self) -> dict:
         return asdict(self)
@@ -50,22 +57,37 @@ class ReplicaLoad:
             return None
 
 
+def detok_stream_limit(load: ReplicaLoad) -> int | None:
+    """Streams this replica may run through the detok stage: a margin under what the detok
+    replicas keep at real time, less what the other LLM replicas run there (None: not measured).
+    A CFG twin sends no chunks, so the detok stage counts streams, not rows."""
+    if load.detok_real_time_streams <= 0:
+        return None
+    return math.floor(load.real_time_margin * load.detok_real_time_streams) - load.detok_other_streams
+
+
 def stream_limit(load: ReplicaLoad) -> int:
     """Streams the replica runs at once: its KV cap, and once its pace is measured, a margin under
     what its largest measured batch keeps at real time, probing one stream past that batch (the
-    limit grows as larger batches are measured, and shrinks when steps slow down)."""
-    if load.real_time_streams <= 0:
-        return load.max_streams
-    paced = min(math.floor(load.real_time_margin * load.real_time_streams), load.measured_streams + 1)
+    limit grows as larger batches are measured, and shrinks when steps slow down); and the same
+    margin under what the detok stage keeps at real time."""
+    paced = load.max_streams
+    if load.real_time_streams > 0:
+        paced = min(math.floor(load.real_time_margin * load.real_time_streams), load.measured_streams + 1)
+    detok = detok_stream_limit(load)
+    if detok is not None:
+        paced = min(paced, detok)
     if load.num_starving:  # a stream is already behind: nothing new starts until it catches up
         paced = min(paced, load.num_active)
     return max(1, min(load.max_streams, paced))
 
 
 def predict_ttfa_s(load: ReplicaLoad, extra_requests: int = 0) -> float:
-    """Predicted time to first audio for one more request on this replica."""
-    step_s = load.step_s or DEFAULT_STEP_S
-    generate_s = (load.first_chunk_tokens + 1) * step_s
+    """Predicted time to first audio for one more request on this replica: its first chunk's
+    tokens at the step measured for the batch it joins, that chunk's decode at the detok stage,
+    and, past the stream limit, the wait for running streams to end."""
+    step_s = load.next_step_s or load.step_s or DEFAULT_STEP_S
+    generate_s = (load.first_chunk_tokens + 1) * step_s + load.detok_first_chunk_s
     limit = stream_limit(load)
     position = load.num_active + extra_requests - limit  # >= 0: waits for a running stream to end
     if position < 0:
@@ -75,10 +97,17 @@ def predict_ttfa_s(load: ReplicaLoad, extra_requests: int = 0) -> float:
 
 
 def decide(load: ReplicaLoad, deadline_s: float) -> Admission:
-    """Admit under the stream limit; queue while the queue has room and the deadline can be met."""
+    """Reject when the predicted first audio misses `deadline_s`; otherwise admit under the stream
+    limit, and queue past it while the queue has room (the prediction counts the wait)."""
+    if predict_ttfa_s(load) > deadline_s:
+        return Admission.REJECT
     limit = stream_limit(load)
     if load.num_active < limit:
         return Admission.ADMIT
-    if load.num_active - limit >= load.max_queued:
-        return Admission.REJECT
-    return Admission.QUEUE if predict_ttfa_s(load) <= deadline_s else Admission.REJECT
+    return Admission.QUEUE if load.num_active - limit < load.max_queued else Admission.REJECT
+
+
+def admits_anywhere(loads: list[ReplicaLoad], deadline_s: float) -> bool:
+    """Whether some LLM replica would admit, or queue in time, a request with this TTFA deadline
+    (the Router's reject-at-once check over its load board; [] = unknown, so yes)."""
+    return not loads or any(decide(load, deadline_s) is not Admission.REJECT for load in loads)

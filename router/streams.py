@@ -33,7 +33,7 @@ from core.messages import (
     StreamHead,
 )
 from llm_stage.registry import get_entry
-from router.admission import stream_limit
+from router.admission import admits_anywhere, stream_limit
 from router.deadlines import best_predicted_ttfa_s, client_deadline_s, fit_to_client_deadline
 from router.dispatch import estimated_loads, num_live_replicas, pass_over
 from router.drain import DrainWatch
@@ -128,15 +128,15 @@ class RouterCore:
             return job
         return fit_to_client_deadline(job, remaining_s, best_predicted_ttfa_s(estimated_loads(self.config.app_name)))
 
-    def check_capacity(self) -> None:
-        """Reject at once when the LLM replicas known here are full: by their reported load, or by
-        the streams this router has open itself (a burst arrives before any stats refresh)."""
+    def check_capacity(self, job: Job) -> None:
+        """Reject at once when no LLM replica known here would admit `job`, or queue it to start by
+        its TTFA deadline (both stages' measured pace, router.admission), or when the streams this
+        router has open itself fill every replica (a burst arrives before any stats refresh)."""
         loads = estimated_loads(self.config.app_name)
         if not loads:
             return
         capacity = sum(stream_limit(load) + load.max_queued for load in loads)
-        active = max(self.open_streams, sum(load.num_active for load in loads))
-        if active >= capacity:
+        if self.open_streams >= capacity or not admits_anywhere(loads, job.ttfa_deadline_s):
             self.metrics.rejections.inc()
             raise AdmissionRejected(self.config.admission.retry_after_s)
 
@@ -154,7 +154,7 @@ class RouterCore:
     async def run(self, job: Job) -> AsyncIterator[SentChunk]:
         self.check_open()
         self.check_alive()
-        self.check_capacity()
+        self.check_capacity(job)
         self.open_streams += 1
         try:
             async for sent in self._dispatch(job):
@@ -168,7 +168,7 @@ class RouterCore:
         its segments run one after another on any LLM replica, the first one admitted there."""
         self.check_open()
         self.check_alive()
-        self.check_capacity()
+        self.check_capacity(template)
         self.open_streams += 1
         try:
             yield IncrementalSession(

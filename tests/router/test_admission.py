@@ -1,7 +1,8 @@
-"""Admission from measured pace (router.admission), pure: no Ray."""
+"""Admission from both stages' measured pace (router.admission, router.detok_load), pure: no Ray."""
 
 from core.policy import StepTimer
-from router.admission import Admission, ReplicaLoad, decide, predict_ttfa_s, stream_limit
+from router.admission import Admission, ReplicaLoad, admits_anywhere, decide, predict_ttfa_s, stream_limit
+from router.detok_load import DetokLoad, DetokPace, step_s_at, summarize_detok
 
 
 def load(num_active: int, real_time: float = 0.0, measured: int = 0, max_streams: int = 16) -> ReplicaLoad:
@@ -46,3 +47,79 @@ def test_a_starving_stream_holds_new_admissions():
     assert decide(load(4, **paced), 60.0) is Admission.ADMIT
     behind = ReplicaLoad(**{**load(4, **paced).to_stats(), "num_starving": 1})
     assert stream_limit(behind) == 4 and decide(behind, 60.0) is Admission.QUEUE
+
+
+# ---- both stages: the detok replicas' measured pace (router.detok_load) ----------------------
+
+FRAME_S = 2048 / 24000
+
+
+def measured_detok(step_s: float, chunks: int, chunk_frames: int = 8, queued: int = 0) -> DetokLoad:
+    """A detok replica's report after decoding batches of `chunks` chunks of `chunk_frames` frames."""
+    clock = [0.0]
+    pace = DetokPace(clock=lambda: clock[0])
+    for _ in range(3):
+        pace.record_step(step_s, [chunk_frames * FRAME_S] * chunks, [f"s{i}" for i in range(chunks)])
+        clock[0] += 0.1
+    return pace.load(num_queued_chunks=queued)
+
+
+def with_detok(base: ReplicaLoad, detok: list[DetokLoad], own_streams: int | None = None) -> ReplicaLoad:
+    """`base` as the LLM replica reports it next to the detok stage `detok`."""
+    summary = summarize_detok(detok)
+    own = base.num_active if own_streams is None else own_streams
+    return ReplicaLoad(**{**base.to_stats(), "detok_real_time_streams": summary.real_time_streams,
+                          "detok_other_streams": max(0, summary.num_streams - own),
+                          "detok_first_chunk_s": summary.first_chunk_s})  # fmt: skip
+
+
+def test_detok_pace_reports_streams_it_keeps_at_real_time_from_its_measured_steps():
+    detok = measured_detok(step_s=0.2, chunks=4)  # 4 chunks of 0.68 s audio decoded in 0.2 s
+    assert abs(detok.real_time_streams() - 4 * 8 * FRAME_S / 0.2) < 1e-9
+    assert detok.num_streams == 4
+    assert detok.first_chunk_s() == 0.2  # nothing queued: one step
+    assert measured_detok(step_s=0.2, chunks=4, queued=9).first_chunk_s() == 3 * 0.2  # 10 chunks: 3 steps of 4
+    assert DetokLoad.from_stats(detok.to_stats()) == detok
+    assert summarize_detok([]).real_time_streams == 0  # unknown until a replica measured a step
+
+
+def test_a_slow_detok_stage_limits_admission_below_the_llm_pace():
+    llm_paced = load(4, real_time=40.0, measured=16)  # the LLM alone: 16 (its KV cap)
+    assert stream_limit(llm_paced) == 16
+    slow = measured_detok(step_s=0.5, chunks=4)  # its 4 streams: 4 x 0.68 s / 0.5 s = 5.46 at real time
+    assert stream_limit(with_detok(llm_paced, [slow])) == 4  # floor(0.85 x 5.46) - 0 others
+    assert decide(with_detok(llm_paced, [slow]), 60.0) is Admission.QUEUE  # full: a fifth waits
+    assert stream_limit(with_detok(llm_paced, [slow, slow])) == 9  # a second detok replica doubles it
+    busy_elsewhere = with_detok(llm_paced, [slow], own_streams=1)
+    assert stream_limit(busy_elsewhere) == 1  # 3 of the 4 streams there come from another LLM replica
+
+
+def test_predicted_ttfa_counts_the_first_chunks_decode_and_the_step_at_the_would_be_batch():
+    idle = load(0)
+    generate_s = (idle.first_chunk_tokens + 1) * idle.step_s
+    assert predict_ttfa_s(idle) == generate_s
+    queued_detok = with_detok(idle, [measured_detok(step_s=0.1, chunks=2, queued=5)])  # 6 chunks: 3 steps
+    assert abs(predict_ttfa_s(queued_detok) - (generate_s + 3 * 0.1)) < 1e-9
+    timer = StepTimer(tokens_per_frame=7, frame_s=FRAME_S)
+    for rows, step_s in ((1, 0.01), (4, 0.02), (8, 0.05)):
+        timer.record_step(step_s, rows=rows)
+    assert step_s_at(timer.step_s_by_rows, 3) == 0.02  # 3 rows run at the 4-row batch's measured step
+    assert step_s_at(timer.step_s_by_rows, 16) == 0.1  # past the largest measured: scaled, not assumed equal
+    slower = ReplicaLoad(**{**idle.to_stats(), "next_step_s": step_s_at(timer.step_s_by_rows, 16)})
+    assert predict_ttfa_s(slower) == (idle.first_chunk_tokens + 1) * 0.1
+
+
+def test_a_stream_whose_first_audio_misses_its_deadline_is_rejected_even_with_room():
+    idle = with_detok(load(0), [measured_detok(step_s=0.4, chunks=1)])
+    assert predict_ttfa_s(idle) > 0.5
+    assert decide(idle, 0.5) is Admission.REJECT
+    assert decide(idle, 2.0) is Admission.ADMIT
+    assert not admits_anywhere([idle], 0.5) and admits_anywhere([idle, load(0)], 0.6)
+    assert admits_anywhere([], 0.01)  # nothing known yet: the LLM replica decides
+
+
+def test_detok_counts_streams_not_cfg_rows():
+    # a guided stream and its twin decode as one stream: the twin's rows send no chunks
+    pace = DetokPace(clock=lambda: 0.0)
+    pace.record_step(0.1, [0.5, 0.5], ["guided-a", "guided-b"])
+    assert pace.load(0).num_streams == 2
