@@ -28,13 +28,11 @@ _BOARDS: dict[str, PredictedTTFARouter] = {}  # app name -> the LLMStage router 
 _DETOK_BOARDS: dict[str, DetokBoard] = {}  # app name -> the DetokStage router living in this process
 
 
-def _register(app_name: str, board: PredictedTTFARouter | DetokBoard) -> None:
-    """Put `board` where `estimated_loads` / `detok_loads` look. Through the imported module, not
-    this function's globals: Serve ships the router class to the replica by value, with a copy
-    of `_BOARDS`."""
-    module = importlib.import_module(type(board).__module__)
-    boards = module._DETOK_BOARDS if isinstance(board, module.DetokBoard) else module._BOARDS
-    boards[app_name] = board
+def _register(app_name: str, board: PredictedTTFARouter | DetokBoard, boards: str) -> None:
+    """Put `board` in the module's `boards` dict, where `estimated_loads` / `detok_loads` look.
+    Through the imported module, not this function's globals (nor its classes, for isinstance):
+    Serve ships the router class to the replica by value, with copies of them."""
+    getattr(importlib.import_module(type(board).__module__), boards)[app_name] = board
 
 
 def detok_loads(app_name: str) -> list[DetokLoad]:
@@ -79,7 +77,7 @@ class PredictedTTFARouter(RequestRouter):
         self._choosing: dict[str, ReplicaID] = {}  # request -> replica it was ranked first on, not yet sent
         self.leaving: set[str] = set()  # unique ids of replicas handing their streams off
         self.has_lost_replicas = False  # a replica died since start (then an empty set is an outage)
-        _register(self.app_name, self)  # the Router's early reject and deadline check read it
+        _register(self.app_name, self, "_BOARDS")  # the Router's early reject and deadline check read it
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         self.has_lost_replicas = True
@@ -153,4 +151,4 @@ class DetokBoard(PowerOfTwoChoicesRequestRouter):
 
     def initialize_state(self, **kwargs) -> None:
         super().initialize_state(**kwargs)
-        _register(self.app_name, self)
+        _register(self.app_name, self, "_DETOK_BOARDS")

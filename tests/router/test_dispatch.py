@@ -9,7 +9,8 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID, Repl
 from ray.serve._private.request_router.common import PendingRequest
 
 from router.admission import ReplicaLoad, admits_anywhere
-from router.dispatch import PredictedTTFARouter, estimated_loads
+from router.detok_load import DetokPace
+from router.dispatch import DetokBoard, PredictedTTFARouter, detok_loads, estimated_loads
 
 APP = "board-test"
 DEPLOYMENT = DeploymentID(name="LLMStage", app_name=APP)
@@ -21,6 +22,9 @@ class Replica:
 
     replica_id: ReplicaID
     routing_stats: dict = field(default_factory=dict)
+    multiplexed_model_ids: set = field(default_factory=set)  # read by Serve's default (power-of-two) router
+    node_id: str = "node"
+    availability_zone: str | None = None
 
     async def get_queue_len(self, deadline_s: float) -> int:  # Serve's router probes new replicas
         return 0
@@ -84,5 +88,22 @@ def test_a_report_measured_after_requests_arrived_replaces_their_count():
         clock[0] += 0.01
         board.on_request_completed(replica.replica_id, "a")
         assert [load.num_active for load in estimated_loads(APP)] == [1]
+
+    asyncio.run(run())
+
+
+def test_the_detok_handles_board_never_replaces_the_llm_board():
+    """Both boards live in one process (the Router calls the detok stage too): each in its own place."""
+
+    async def run() -> None:
+        llm_board, replica = await _board([3000.0])
+        detok_id = DeploymentID(name="DetokStage", app_name=APP)
+        detok_board = DetokBoard(deployment_id=detok_id, handle_source=DeploymentHandleSource.UNKNOWN)
+        detok_board.initialize_state()
+        detok = Replica(ReplicaID(unique_id="d1", deployment_id=detok_id))
+        detok.routing_stats = DetokPace().load(num_queued_chunks=3).to_stats()
+        detok_board.update_replicas([detok])
+        assert [load.num_active for load in estimated_loads(APP)] == [0]  # still the LLM board's
+        assert [load.num_queued_chunks for load in detok_loads(APP)] == [3]
 
     asyncio.run(run())
