@@ -74,7 +74,8 @@ class _Batch:
         if self.num_waiting == 0 and not self.result.done():
             if self.response is not None:  # None: the call was not sent yet, and now never will be
                 self.response.cancel()
-            self.result.cancel()
+            self.result.cancel()  # Serve ends it with RequestCancelledError: consumed, not logged unobserved
+            self.result.add_done_callback(lambda task: task.cancelled() or task.exception())
 
 
 @dataclass

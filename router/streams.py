@@ -10,7 +10,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -104,6 +104,25 @@ class SentChunk:
     elapsed_s: float
     llm_replica: str = ""
     frames: tuple[tuple[int, ...], ...] = ()  # the codec frames the audio covers
+
+
+async def first_event(stream, is_lost: Callable[[], bool], poll_s: float = HEAD_POLL_S):
+    """`stream`'s first event, or None once `is_lost()` says no replica is left to serve it. The
+    read is its own task; when the caller gives up (a client gone, the replicas lost) the read is
+    cancelled and its outcome consumed: Serve turns the cancel into RequestCancelledError, which
+    an unobserved task logged as a traceback ("Task exception was never retrieved")."""
+    head = asyncio.ensure_future(anext(stream))
+    try:
+        while True:
+            done, _ = await asyncio.wait({head}, timeout=poll_s)
+            if done:
+                return head.result()
+            if is_lost():
+                return None
+    finally:
+        if not head.done():
+            head.cancel()
+            head.add_done_callback(lambda task: task.cancelled() or task.exception())
 
 
 class RouterCore:
@@ -247,14 +266,10 @@ class RouterCore:
         """The stream's head event; UNAVAILABLE as soon as no LLM replica is left to route it to
         (Serve drops a dead replica when routing to it fails, then holds the request until it has
         started another one: 10-20 s)."""
-        head = asyncio.ensure_future(stream.__anext__())
-        while True:
-            done, _ = await asyncio.wait({head}, timeout=HEAD_POLL_S)
-            if done:
-                return head.result()
-            if num_live_replicas(self.config.app_name) == 0:
-                head.cancel()
-                raise ReplicasUnavailable(self.config.admission.unavailable_retry_after_s)
+        head = await first_event(stream, lambda: num_live_replicas(self.config.app_name) == 0)
+        if head is None:
+            raise ReplicasUnavailable(self.config.admission.unavailable_retry_after_s)
+        return head
 
     async def _fetch(self, event: AudioReady) -> AudioChunk:
         """The chunk's audio, straight from the detok replica's object store; if that replica died
