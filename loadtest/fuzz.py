@@ -288,7 +288,12 @@ def stages_idle(address: str, app: str, wait_s: float = 5.0) -> dict:
     import ray
     from ray import serve
 
-    ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    from cluster.ray_loopback import loopback_init_kwargs
+
+    host = address.rsplit(":", 1)[0]
+    # an embedded loopback-only Ray (`voxray serve`): join it on 127.0.0.1, as Ray would rewrite the address
+    extra = loopback_init_kwargs() if host in ("127.0.0.1", "localhost") else {}
+    ray.init(address=address, logging_level="ERROR", log_to_driver=False, **extra)
     llm, detok = serve.get_deployment_handle("LLMStage", app), serve.get_deployment_handle("DetokStage", app)
     deadline = time.monotonic() + wait_s
     while True:
@@ -317,12 +322,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ray-address", default=None, help="e.g. 'auto': also check both stages are idle after")
     args = parser.parse_args(argv)
     result = run(args)
-    report = health(args)
     failures = {f"{p}:{s}": n for (p, s), n in result["counts"].items() if is_failure(p, s)}
     print(f"sent {result['sent']} requests in {result['wall_s']:.0f} s")
     for (protocol, status), n in sorted(result["counts"].items()):
-        print(f"  {protocol:5s} {status:22s} {n}")
-    print(f"failures: {failures or 'none'}; after: {report}")
+        print(f"  {protocol:9s} {status:22s} {n}")
+    print(f"failures: {failures or 'none'}", flush=True)  # before the health check, which may hang
+    report = health(args)
+    print(f"after: {report}")
     idle = report.get("idle")
     healthy = report["http"] == "200" and report["grpc"] == "OK" and not (idle and any(idle.values()))
     return 0 if healthy and not failures else 1
