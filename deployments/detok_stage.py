@@ -43,7 +43,8 @@ class DetokStage:
         started_s = time.perf_counter()
         decoded = self.engine.step()
         elapsed_s = time.perf_counter() - started_s
-        self.pace.record_step(elapsed_s, [a.duration_s for a in decoded], [a.req_id for a in decoded])
+        ids, finished = [a.req_id for a in decoded], [a.req_id for a in decoded if a.is_final]
+        self.pace.record_step(elapsed_s, [a.duration_s for a in decoded], ids, finished)
         for audio in decoded:
             self.num_decoded_chunks += 1
             self._resolve((audio.req_id, audio.seq), audio)
@@ -94,6 +95,7 @@ class DetokStage:
             for req_id in req_ids:
                 self.engine.release(req_id)
             waiting = [self.waiters.pop(k) for k in [k for k in self.waiters if k[0] in req_ids]]
+        self.pace.forget(req_ids)  # cancelled streams run here no more
         for future in waiting:
             future.get_loop().call_soon_threadsafe(future.cancel)
 

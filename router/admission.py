@@ -67,13 +67,15 @@ def detok_stream_limit(load: ReplicaLoad) -> int | None:
 
 
 def stream_limit(load: ReplicaLoad) -> int:
-    """Streams the replica runs at once: its KV cap, and once its pace is measured, a margin under
-    what its largest measured batch keeps at real time, probing one stream past that batch (the
-    limit grows as larger batches are measured, and shrinks when steps slow down); and the same
-    margin under what the detok stage keeps at real time."""
+    """Streams the replica runs at once: its KV cap, and once its pace is measured, one stream past
+    its largest measured batch while that batch keeps real time with the margin to spare (a probe:
+    its step is measured next, so the limit grows as larger batches are measured), else the margin
+    under what that batch keeps at real time (it shrinks when steps slow down); and the same margin
+    under what the detok stage keeps at real time."""
     paced = load.max_streams
     if load.real_time_streams > 0:
-        paced = min(math.floor(load.real_time_margin * load.real_time_streams), load.measured_streams + 1)
+        spare = load.real_time_margin * load.real_time_streams
+        paced = load.measured_streams + 1 if spare >= load.measured_streams else math.floor(spare)
     detok = detok_stream_limit(load)
     if detok is not None:
         paced = min(paced, detok)

@@ -39,7 +39,7 @@ class DetokLoad:
     step_s_by_chunks: dict[int, float]  # EMA of one decode step, per number of chunks it decoded
     chunk_audio_s: float  # EMA of the audio one chunk carries; 0 = none decoded yet
     num_queued_chunks: int  # chunks submitted and not decoded yet
-    num_streams: int  # streams that sent a chunk within STREAM_WINDOW_S
+    num_streams: int  # streams that sent a chunk within STREAM_WINDOW_S and have not ended
     reported_unix_s: float = 0.0
 
     def to_stats(self) -> dict:
@@ -107,8 +107,11 @@ class DetokPace:
     _last_seen_s: dict[str, float] = field(default_factory=dict)  # req_id -> when its last chunk was decoded
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def record_step(self, elapsed_s: float, audio_s: list[float], req_ids: list[str]) -> None:
-        """One decode step that decoded `len(audio_s)` chunks (of `req_ids`) in `elapsed_s`."""
+    def record_step(
+        self, elapsed_s: float, audio_s: list[float], req_ids: list[str], finished_ids: list[str] = ()
+    ) -> None:
+        """One decode step that decoded `len(audio_s)` chunks (of `req_ids`) in `elapsed_s`; the
+        streams in `finished_ids` got their final chunk (they run here no more)."""
         if not audio_s:
             return
         size = len(audio_s)
@@ -117,6 +120,13 @@ class DetokPace:
             self.step_s_by_chunks[size] = _ema(self.step_s_by_chunks.get(size), elapsed_s)
             self.chunk_audio_s = _ema(self.chunk_audio_s, sum(audio_s) / size)
             self._last_seen_s.update((req_id, now_s) for req_id in req_ids)
+        self.forget(finished_ids)
+
+    def forget(self, req_ids) -> None:
+        """Streams that ended here (final chunk decoded, or cancelled): no longer counted as running."""
+        with self._lock:
+            for req_id in req_ids:
+                self._last_seen_s.pop(req_id, None)
 
     def num_streams(self) -> int:
         since_s = self.clock() - STREAM_WINDOW_S

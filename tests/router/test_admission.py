@@ -23,6 +23,22 @@ def test_limit_follows_the_measured_pace_under_the_kv_cap():
     assert stream_limit(load(0, real_time=0.5, measured=1)) == 1  # never zero: one stream always runs
 
 
+def test_a_batch_at_real_time_with_margin_to_spare_probes_one_stream_more():
+    # one stream measured at 1.73x real time (a contended CPU): 0.85 x 1.73 >= 1, so a second one
+    # is let in and its step measured; before, floor(0.85 x 1.73) = 1 held the replica at one stream
+    assert stream_limit(load(0, real_time=1.73, measured=1)) == 2
+    timer = StepTimer(tokens_per_frame=7, frame_s=FRAME_S)
+    budget_s = FRAME_S / 7  # a step this long keeps every stream exactly at real time
+    streams = 1
+    for step_s in (0.55 * budget_s, 0.6 * budget_s, 0.7 * budget_s, 0.8 * budget_s, 0.95 * budget_s):
+        timer.record_step(step_s, rows=streams)  # the batch the limit let in, measured
+        paced = load(0, real_time=timer.measured_real_time_rows(), measured=streams)
+        streams = stream_limit(paced)
+    # grew one stream per measured batch while each kept real time with 15% to spare; 5 streams at
+    # 0.95 of the budget leave none: back under the margin
+    assert streams == 4
+
+
 def test_past_the_limit_it_queues_only_what_starts_in_time_then_rejects():
     paced = dict(real_time=6.0, measured=8)  # limit 5
     assert decide(load(4, **paced), 1.0) is Admission.ADMIT
@@ -118,8 +134,13 @@ def test_a_stream_whose_first_audio_misses_its_deadline_is_rejected_even_with_ro
     assert admits_anywhere([], 0.01)  # nothing known yet: the LLM replica decides
 
 
-def test_detok_counts_streams_not_cfg_rows():
+def test_detok_counts_running_streams_not_cfg_rows_nor_ended_ones():
     # a guided stream and its twin decode as one stream: the twin's rows send no chunks
-    pace = DetokPace(clock=lambda: 0.0)
-    pace.record_step(0.1, [0.5, 0.5], ["guided-a", "guided-b"])
-    assert pace.load(0).num_streams == 2
+    clock = [0.0]
+    pace = DetokPace(clock=lambda: clock[0])
+    pace.record_step(0.1, [0.5, 0.5, 0.5], ["guided-a", "guided-b", "short"], finished_ids=["short"])
+    assert pace.load(0).num_streams == 2  # "short" got its final chunk
+    pace.forget(["guided-b"])  # cancelled
+    assert pace.load(0).num_streams == 1
+    clock[0] += 2.5  # no chunk for longer than the window: gone (a stream lost upstream)
+    assert pace.load(0).num_streams == 0
