@@ -250,6 +250,7 @@ class LLMStage:
             reported_unix_s=time.time(),
             next_step_s=step_s_at(timer.step_s_by_rows, (num_streams + 1) * rows_per_stream) or 0.0,
             detok_real_time_streams=detok.real_time_streams,
+            detok_measured_chunks=detok.measured_chunks,
             detok_other_streams=max(0, detok.num_streams - num_streams),
             detok_first_chunk_s=detok.first_chunk_s,
         )

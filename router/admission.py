@@ -43,6 +43,7 @@ class ReplicaLoad:
     next_step_s: float = 0.0  # its step measured at the batch one more stream makes; 0 = use step_s
     # the detok stage as this replica last saw it (router.detok_load.DetokSummary); 0 = not measured
     detok_real_time_streams: float = 0.0  # streams all detok replicas keep at real time
+    detok_measured_chunks: int = 0  # chunks in their largest measured decode steps (summed)
     detok_other_streams: int = 0  # streams other LLM replicas run through the detok stage
     detok_first_chunk_s: float = 0.0  # decode time of a new stream's first chunk
 
@@ -57,13 +58,22 @@ class ReplicaLoad:
             return None
 
 
+def _paced(margin: float, real_time: float, measured: int) -> int:
+    """One past the largest measured batch (`measured`) while that batch keeps real time with the
+    margin to spare (a probe: the larger batch is measured next, so the limit grows with what is
+    measured); else the margin under what it keeps at real time (it shrinks when steps slow)."""
+    spare = margin * real_time
+    return measured + 1 if spare >= measured else math.floor(spare)
+
+
 def detok_stream_limit(load: ReplicaLoad) -> int | None:
-    """Streams this replica may run through the detok stage: a margin under what the detok
-    replicas keep at real time, less what the other LLM replicas run there (None: not measured).
-    A CFG twin sends no chunks, so the detok stage counts streams, not rows."""
+    """Streams this replica may run through the detok stage: paced like the LLM's own limit (a
+    stream adds a chunk to the stage's batches), less what the other LLM replicas run there
+    (None: not measured). A CFG twin sends no chunks, so the detok stage counts streams, not rows."""
     if load.detok_real_time_streams <= 0:
         return None
-    return math.floor(load.real_time_margin * load.detok_real_time_streams) - load.detok_other_streams
+    paced = _paced(load.real_time_margin, load.detok_real_time_streams, load.detok_measured_chunks)
+    return paced - load.detok_other_streams
 
 
 def stream_limit(load: ReplicaLoad) -> int:
@@ -74,8 +84,7 @@ def stream_limit(load: ReplicaLoad) -> int:
     under what the detok stage keeps at real time."""
     paced = load.max_streams
     if load.real_time_streams > 0:
-        spare = load.real_time_margin * load.real_time_streams
-        paced = load.measured_streams + 1 if spare >= load.measured_streams else math.floor(spare)
+        paced = _paced(load.real_time_margin, load.real_time_streams, load.measured_streams)
     detok = detok_stream_limit(load)
     if detok is not None:
         paced = min(paced, detok)

@@ -79,6 +79,7 @@ class DetokSummary:
 
     real_time_streams: float = 0.0  # streams the stage keeps at real time (sum over replicas); 0 = unknown
     num_streams: int = 0  # streams running through it (the largest count one replica saw)
+    measured_chunks: int = 0  # chunks in the replicas' largest measured steps (summed)
     first_chunk_s: float = 0.0  # decode time of a new stream's first chunk on the best replica
 
 
@@ -92,6 +93,7 @@ def summarize_detok(loads: list[DetokLoad]) -> DetokSummary:
     return DetokSummary(
         real_time_streams=sum(load.real_time_streams() for load in measured),
         num_streams=max(load.num_streams for load in loads),
+        measured_chunks=sum(max(load.step_s_by_chunks) for load in measured),
         first_chunk_s=min(load.first_chunk_s() for load in measured),
     )
 

@@ -85,6 +85,7 @@ def with_detok(base: ReplicaLoad, detok: list[DetokLoad], own_streams: int | Non
     summary = summarize_detok(detok)
     own = base.num_active if own_streams is None else own_streams
     return ReplicaLoad(**{**base.to_stats(), "detok_real_time_streams": summary.real_time_streams,
+                          "detok_measured_chunks": summary.measured_chunks,
                           "detok_other_streams": max(0, summary.num_streams - own),
                           "detok_first_chunk_s": summary.first_chunk_s})  # fmt: skip
 
@@ -102,12 +103,14 @@ def test_detok_pace_reports_streams_it_keeps_at_real_time_from_its_measured_step
 def test_a_slow_detok_stage_limits_admission_below_the_llm_pace():
     llm_paced = load(4, real_time=40.0, measured=16)  # the LLM alone: 16 (its KV cap)
     assert stream_limit(llm_paced) == 16
-    slow = measured_detok(step_s=0.5, chunks=4)  # its 4 streams: 4 x 0.68 s / 0.5 s = 5.46 at real time
-    assert stream_limit(with_detok(llm_paced, [slow])) == 4  # floor(0.85 x 5.46) - 0 others
-    assert decide(with_detok(llm_paced, [slow]), 60.0) is Admission.QUEUE  # full: a fifth waits
-    assert stream_limit(with_detok(llm_paced, [slow, slow])) == 9  # a second detok replica doubles it
+    slow = measured_detok(step_s=0.6, chunks=4)  # its 4 streams: 4 x 0.68 s / 0.6 s = 4.55 at real time
+    assert stream_limit(with_detok(llm_paced, [slow])) == 3  # floor(0.85 x 4.55) - 0 others
+    assert decide(with_detok(llm_paced, [slow]), 60.0) is Admission.QUEUE  # full: a fourth waits
+    assert stream_limit(with_detok(llm_paced, [slow, slow])) == 7  # a second detok replica: floor(0.85 x 9.1)
     busy_elsewhere = with_detok(llm_paced, [slow], own_streams=1)
     assert stream_limit(busy_elsewhere) == 1  # 3 of the 4 streams there come from another LLM replica
+    spare = measured_detok(step_s=0.5, chunks=4)  # 5.46 at real time: 4 chunks with 15% to spare
+    assert stream_limit(with_detok(llm_paced, [spare])) == 5  # probes a fifth stream (a batch of 5 chunks)
 
 
 def test_predicted_ttfa_counts_the_first_chunks_decode_and_the_step_at_the_would_be_batch():
