@@ -22,6 +22,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from router.admission import ReplicaLoad, predict_ttfa_s
 from router.detok_load import DetokLoad
 
+CHOOSING_KEEP_S = 5.0  # a ranked request not sent by then was abandoned (routing takes milliseconds)
 UNREPORTED_EVENTS_KEEP_S = 60.0  # routed / completed counts kept for a replica that never reported
 
 _BOARDS: dict[str, PredictedTTFARouter] = {}  # app name -> the LLMStage router living in this process
@@ -74,7 +75,9 @@ class PredictedTTFARouter(RequestRouter):
         # (unix time, +1 routed / -1 completed) per replica, since the time of its last report
         self._events: dict[ReplicaID, deque[tuple[float, int]]] = defaultdict(deque)
         self._replicas_seen: dict[ReplicaID, RunningReplica] = {}
-        self._choosing: dict[str, ReplicaID] = {}  # request -> replica it was ranked first on, not yet sent
+        # request -> (replica it was ranked first on, when), not yet sent; a request whose client left
+        # while it was being routed is never sent: it stops counting after CHOOSING_KEEP_S
+        self._choosing: dict[str, tuple[ReplicaID, float]] = {}
         self.leaving: set[str] = set()  # unique ids of replicas handing their streams off
         self.has_lost_replicas = False  # a replica died since start (then an empty set is an outage)
         _register(self.app_name, self, "_BOARDS")  # the Router's early reject and deadline check read it
@@ -92,7 +95,9 @@ class PredictedTTFARouter(RequestRouter):
         events = self._events[replica_id]
         while events and events[0][0] <= since_unix_s:
             events.popleft()
-        choosing = sum(1 for rid in self._choosing.values() if rid == replica_id)
+        since_s = self._get_curr_time_s() - CHOOSING_KEEP_S
+        self._choosing = {key: (rid, at) for key, (rid, at) in self._choosing.items() if at > since_s}
+        choosing = sum(1 for rid, _ in self._choosing.values() if rid == replica_id)
         return sum(delta for _, delta in events) + choosing
 
     def _refresh(self, replica: RunningReplica) -> ReplicaLoad | None:
@@ -132,7 +137,7 @@ class PredictedTTFARouter(RequestRouter):
             self._choosing.pop(key, None)  # a retry ranks afresh
         ranked = sorted(candidate_replicas, key=self._score)
         if key is not None and ranked:
-            self._choosing[key] = ranked[0].replica_id
+            self._choosing[key] = (ranked[0].replica_id, self._get_curr_time_s())
         return [[replica] for replica in ranked]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:

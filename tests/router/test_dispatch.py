@@ -10,7 +10,7 @@ from ray.serve._private.request_router.common import PendingRequest
 
 from router.admission import ReplicaLoad, admits_anywhere
 from router.detok_load import DetokPace
-from router.dispatch import DetokBoard, PredictedTTFARouter, detok_loads, estimated_loads
+from router.dispatch import CHOOSING_KEEP_S, DetokBoard, PredictedTTFARouter, detok_loads, estimated_loads
 
 APP = "board-test"
 DEPLOYMENT = DeploymentID(name="LLMStage", app_name=APP)
@@ -105,5 +105,22 @@ def test_the_detok_handles_board_never_replaces_the_llm_board():
         detok_board.update_replicas([detok])
         assert [load.num_active for load in estimated_loads(APP)] == [0]  # still the LLM board's
         assert [load.num_queued_chunks for load in detok_loads(APP)] == [3]
+
+    asyncio.run(run())
+
+
+def test_a_request_abandoned_while_being_routed_stops_counting():
+    """A client that leaves while its request is ranked: it is never sent, so never routed nor
+    completed. It counted on the board for good, and three such locked an idle app out (fuzz run)."""
+
+    async def run() -> None:
+        clock = [4000.0]
+        board, replica = await _board(clock)
+        for i in range(3):
+            await board.choose_replicas([replica], pending(f"gone-{i}"))  # ranked, then the client left
+        assert [load.num_active for load in estimated_loads(APP)] == [3]
+        clock[0] += CHOOSING_KEEP_S + 0.1
+        assert [load.num_active for load in estimated_loads(APP)] == [0]
+        assert admits_anywhere(estimated_loads(APP), deadline_s=5.0)
 
     asyncio.run(run())
