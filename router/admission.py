@@ -109,7 +109,11 @@ def predict_ttfa_s(load: ReplicaLoad, extra_requests: int = 0) -> float:
 
 def decide(load: ReplicaLoad, deadline_s: float) -> Admission:
     """Reject when the predicted first audio misses `deadline_s`; otherwise admit under the stream
-    limit, and queue past it while the queue has room (the prediction counts the wait)."""
+    limit, and queue past it while the queue has room (the prediction counts the wait). An idle
+    replica admits: only a running stream measures its steps again, so a slow figure (a cold
+    first decode, a burst of load beside it) would otherwise reject everything for good."""
+    if load.num_active == 0:
+        return Admission.ADMIT
     if predict_ttfa_s(load) > deadline_s:
         return Admission.REJECT
     limit = stream_limit(load)

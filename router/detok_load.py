@@ -108,6 +108,7 @@ class DetokPace:
     chunk_audio_s: float | None = None
     _last_seen_s: dict[str, float] = field(default_factory=dict)  # req_id -> when its last chunk was decoded
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _warm: bool = False
 
     def record_step(
         self, elapsed_s: float, audio_s: list[float], req_ids: list[str], finished_ids: list[str] = ()
@@ -115,6 +116,9 @@ class DetokPace:
         """One decode step that decoded `len(audio_s)` chunks (of `req_ids`) in `elapsed_s`; the
         streams in `finished_ids` got their final chunk (they run here no more)."""
         if not audio_s:
+            return
+        if not self._warm:  # the first decode builds the codec's buffers: seconds on a busy CPU, not a step
+            self._warm = True
             return
         size = len(audio_s)
         now_s = self.clock()

@@ -74,6 +74,7 @@ def measured_detok(step_s: float, chunks: int, chunk_frames: int = 8, queued: in
     """A detok replica's report after decoding batches of `chunks` chunks of `chunk_frames` frames."""
     clock = [0.0]
     pace = DetokPace(clock=lambda: clock[0])
+    pace.record_step(9.0, [chunk_frames * FRAME_S] * chunks, ["warm-up"], finished_ids=["warm-up"])  # not counted
     for _ in range(3):
         pace.record_step(step_s, [chunk_frames * FRAME_S] * chunks, [f"s{i}" for i in range(chunks)])
         clock[0] += 0.1
@@ -129,18 +130,28 @@ def test_predicted_ttfa_counts_the_first_chunks_decode_and_the_step_at_the_would
 
 
 def test_a_stream_whose_first_audio_misses_its_deadline_is_rejected_even_with_room():
-    idle = with_detok(load(0), [measured_detok(step_s=0.4, chunks=1)])
-    assert predict_ttfa_s(idle) > 0.5
-    assert decide(idle, 0.5) is Admission.REJECT
-    assert decide(idle, 2.0) is Admission.ADMIT
-    assert not admits_anywhere([idle], 0.5) and admits_anywhere([idle, load(0)], 0.6)
+    busy = with_detok(load(1, real_time=20.0, measured=8), [measured_detok(step_s=0.4, chunks=1)], own_streams=1)
+    assert stream_limit(busy) > 1 and predict_ttfa_s(busy) > 0.5
+    assert decide(busy, 0.5) is Admission.REJECT
+    assert decide(busy, 2.0) is Admission.ADMIT
+    assert not admits_anywhere([busy], 0.5) and admits_anywhere([busy, load(1)], 0.6)
     assert admits_anywhere([], 0.01)  # nothing known yet: the LLM replica decides
+
+
+def test_an_idle_replica_admits_whatever_its_last_figures_predict():
+    # a cold first decode measured seconds; with nothing running nothing measures it again, so
+    # rejecting on it locked the app out for good (the overload benchmark on a busy box)
+    stale = with_detok(load(0), [measured_detok(step_s=3.5, chunks=1)])
+    assert predict_ttfa_s(stale) > 1.0
+    assert decide(stale, 1.0) is Admission.ADMIT and admits_anywhere([stale], 1.0)
 
 
 def test_detok_counts_running_streams_not_cfg_rows_nor_ended_ones():
     # a guided stream and its twin decode as one stream: the twin's rows send no chunks
     clock = [0.0]
     pace = DetokPace(clock=lambda: clock[0])
+    pace.record_step(3.0, [0.5], ["cold"], finished_ids=["cold"])  # the first decode: a warm-up, not measured
+    assert pace.load(0).step_s_by_chunks == {} and pace.load(0).num_streams == 0
     pace.record_step(0.1, [0.5, 0.5, 0.5], ["guided-a", "guided-b", "short"], finished_ids=["short"])
     assert pace.load(0).num_streams == 2  # "short" got its final chunk
     pace.forget(["guided-b"])  # cancelled
