@@ -41,7 +41,12 @@ def deployment_options(stage: StageDeploymentConfig, graceful_timeout_s: float) 
 def build_app(config: ServeConfig) -> serve.Application:
     args = config.model_dump(mode="json")
     graceful_s = config.drain.serve_graceful_timeout_s
-    detok = serve.deployment(DetokStage, name="DetokStage", **deployment_options(config.detok, graceful_s)).bind(args)
+    detok_router = RequestRouterConfig(
+        request_router_class="router.dispatch:DetokBoard", request_routing_stats_period_s=0.5
+    )  # Serve's default routing, keeping the detok replicas' reports for the LLM replicas' admission
+    detok_options = deployment_options(config.detok, graceful_s)
+    detok = serve.deployment(DetokStage, name="DetokStage", request_router_config=detok_router, **detok_options)
+    detok = detok.bind(args)
     llm_router = RequestRouterConfig(
         request_router_class="router.dispatch:PredictedTTFARouter", request_routing_stats_period_s=0.5
     )

@@ -21,6 +21,7 @@ from core.messages import AudioChunk, AudioRef, TokenChunk
 from deployments.engine_loop import EngineLoop, finish_on_thread, replica_tag
 from deployments.metrics import StageMetrics
 from llm_stage.wiring import build_detok_engine
+from router.detok_load import DetokPace
 from router.replica_listener import keep_replica_listener_on_loopback
 
 
@@ -34,11 +35,16 @@ class DetokStage:
         self.waiters: dict[tuple[str, int], asyncio.Future] = {}
         self.num_decoded_chunks = 0
         self.num_decode_calls = 0
+        self.pace = DetokPace()  # measured decode steps, reported to the LLM replicas for admission
         self.loop = EngineLoop(self._step, lambda: self.engine.has_work, self._fail_all, "detok-engine")
         self.loop.start()
 
     def _step(self) -> None:
+        started_s = time.perf_counter()
         decoded = self.engine.step()
+        elapsed_s = time.perf_counter() - started_s
+        ids, finished = [a.req_id for a in decoded], [a.req_id for a in decoded if a.is_final]
+        self.pace.record_step(elapsed_s, [a.duration_s for a in decoded], ids, finished)
         for audio in decoded:
             self.num_decoded_chunks += 1
             self._resolve((audio.req_id, audio.seq), audio)
@@ -95,11 +101,12 @@ class DetokStage:
             for req_id in req_ids:
                 self.engine.release(req_id)
             waiting = [self.waiters.pop(k) for k in [k for k in self.waiters if k[0] in req_ids]]
+        self.pace.forget(req_ids)  # cancelled streams run here no more
         for future in waiting:
             future.get_loop().call_soon_threadsafe(future.cancel)
 
     def record_routing_stats(self) -> dict:
-        return {"queued_chunks": len(self.waiters), "step_s": self.loop.step_time_ema_s}
+        return self.pace.load(num_queued_chunks=len(self.waiters)).to_stats()
 
     def stats(self) -> dict:
         return {

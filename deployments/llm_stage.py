@@ -44,6 +44,8 @@ from llm_stage.migration import KVSnapshot
 from llm_stage.registry import check_model_config
 from llm_stage.wiring import build_llm_side, size_for_streams
 from router.admission import Admission, ReplicaLoad, decide
+from router.detok_load import step_s_at, summarize_detok
+from router.dispatch import detok_loads
 from router.drain import announce_llm_replica, is_move_out_requested, publish_moving_out
 from router.replica_listener import keep_replica_listener_on_loopback
 
@@ -72,7 +74,8 @@ class _Batch:
         if self.num_waiting == 0 and not self.result.done():
             if self.response is not None:  # None: the call was not sent yet, and now never will be
                 self.response.cancel()
-            self.result.cancel()
+            self.result.cancel()  # Serve ends it with RequestCancelledError: consumed, not logged unobserved
+            self.result.add_done_callback(lambda task: task.cancelled() or task.exception())
 
 
 @dataclass
@@ -230,9 +233,12 @@ class LLMStage:
         timer, rows_per_stream = self.side.engine.timer, self.rows_per_stream
         real_time_rows = timer.measured_real_time_rows() or 0.0
         full = admission.max_streams_per_replica + admission.max_queued_per_replica
+        kv_streams = self.side.engine.scheduler.slots.num_slots // rows_per_stream  # a CFG twin holds a slot
+        detok = summarize_detok(detok_loads(self.config.app_name))
+        num_streams = len(self.streams)
         return ReplicaLoad(
-            num_active=full if self.is_moving_out else len(self.streams),  # routers then send it nothing
-            max_streams=admission.max_streams_per_replica,
+            num_active=full if self.is_moving_out else num_streams,  # routers then send it nothing
+            max_streams=max(1, min(admission.max_streams_per_replica, kv_streams)),
             max_queued=admission.max_queued_per_replica,
             step_s=self.side.engine.timer.step_s,  # the estimate the policy uses too
             first_chunk_tokens=first_tokens * self.side.engine.adapter.tokens_per_frame,
@@ -242,6 +248,11 @@ class LLMStage:
             real_time_margin=admission.real_time_margin,
             num_starving=self.side.num_starving(),
             reported_unix_s=time.time(),
+            next_step_s=step_s_at(timer.step_s_by_rows, (num_streams + 1) * rows_per_stream) or 0.0,
+            detok_real_time_streams=detok.real_time_streams,
+            detok_measured_chunks=detok.measured_chunks,
+            detok_other_streams=max(0, detok.num_streams - num_streams),
+            detok_first_chunk_s=detok.first_chunk_s,
         )
 
     def record_routing_stats(self) -> dict:

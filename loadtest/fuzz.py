@@ -4,11 +4,13 @@
 
 Sends random requests at a bounded rate: gRPC messages with random fields (unicode, sizes,
 enum values, NaN / inf), malformed bytes (garbage, truncated, bit-flipped, unknown fields),
-streams abandoned after the first chunk; HTTP bodies of random JSON, wrong types, lone
-surrogates, deep nesting, oversized bodies, bad or repeated X-Request-Id headers, wrong
-content types. Counts answers by protocol and status; a gRPC UNKNOWN / INTERNAL or an HTTP 5xx
-or dropped connection is a failure. Afterwards one valid request per protocol must succeed and
-(with `--ray-address`) the LLM and detokenizer stages must hold no request within 5 s.
+streams abandoned after the first chunk, bidi SynthesizeStream calls (a config, then random
+text / flush / end / garbage messages) and ListModels / ListVoices with random bytes; HTTP
+bodies of random JSON, wrong types, lone surrogates, deep nesting, oversized bodies, bad or
+repeated X-Request-Id headers, wrong content types. Counts answers by protocol and status; a
+gRPC UNKNOWN / INTERNAL or an HTTP 5xx or dropped connection is a failure. Afterwards one valid
+request per protocol must succeed and (with `--ray-address`) the LLM and detokenizer stages
+must hold no request within 5 s.
 """
 
 from __future__ import annotations
@@ -101,6 +103,27 @@ class Fuzzer:
             return raw + b"\xa0\x06\x01"  # unknown field 100
         return raw
 
+    def stream_messages(self, rng: random.Random) -> list[bytes]:
+        """A bidi SynthesizeStream call's messages: mostly a config first, then pieces."""
+        messages: list[bytes] = []
+        if rng.random() < 0.85:
+            config = self.valid_proto(rng) if rng.random() < 0.5 else self.proto_request(rng)
+            messages.append(voxray_pb2.SynthesizeStreamRequest(config=config).SerializeToString())
+        for _ in range(rng.randint(0, 4)):
+            pick = rng.random()
+            if pick < 0.5:
+                text = self.text(rng).encode("utf-8", "replace").decode("utf-8")
+                piece = voxray_pb2.SynthesizeStreamRequest(text=text)
+            elif pick < 0.65:
+                piece = voxray_pb2.SynthesizeStreamRequest(flush=True)
+            elif pick < 0.8:
+                piece = voxray_pb2.SynthesizeStreamRequest(end=True)
+            else:
+                messages.append(rng.randbytes(rng.randint(0, 32)))
+                continue
+            messages.append(piece.SerializeToString())
+        return messages
+
     def json_body(self, rng: random.Random) -> dict:
         body: dict = {"input": self.text(rng) if rng.random() < 0.85 else self.number(rng)}
         for key in rng.sample(
@@ -160,6 +183,31 @@ def grpc_once(
         return "OK(cancelled)" if err.code() == grpc.StatusCode.CANCELLED else err.code().name
 
 
+def grpc_stream_once(channel: grpc.Channel, app: str, messages: list[bytes], key: str | None) -> str:
+    """A bidi SynthesizeStream call sending `messages`, then half-closing."""
+    call = channel.stream_stream(
+        "/voxray.Speech/SynthesizeStream", request_serializer=None,
+        response_deserializer=voxray_pb2.AudioChunk.FromString,
+    )  # fmt: skip
+    meta = [("application", app)] + ([("authorization", f"Bearer {key}")] if key else [])
+    try:
+        for _ in call(iter(messages), metadata=meta, timeout=60):
+            pass
+        return "OK"
+    except grpc.RpcError as err:
+        return err.code().name
+
+
+def grpc_unary_once(channel: grpc.Channel, app: str, method: str, payload: bytes, key: str | None) -> str:
+    call = channel.unary_unary(f"/voxray.Speech/{method}", request_serializer=None, response_deserializer=None)
+    meta = [("application", app)] + ([("authorization", f"Bearer {key}")] if key else [])
+    try:
+        call(payload, metadata=meta, timeout=30)
+        return "OK"
+    except grpc.RpcError as err:
+        return err.code().name
+
+
 def http_once(host: str, port: int, body: bytes, headers: list[tuple[str, bytes]], key: str | None) -> str:
     conn = http.client.HTTPConnection(host, port, timeout=60)
     try:
@@ -179,7 +227,7 @@ def http_once(host: str, port: int, body: bytes, headers: list[tuple[str, bytes]
 
 
 def is_failure(protocol: str, status: str) -> bool:
-    if protocol == "grpc":
+    if protocol.startswith("grpc"):
         return status in BAD_GRPC
     return not status.isdigit() or int(status) >= 500
 
@@ -193,9 +241,15 @@ def run(args: argparse.Namespace) -> dict:
 
     def one(i: int) -> None:
         rng = random.Random(args.seed * 1_000_003 + i)
-        if rng.random() < 0.5:
+        pick = rng.random()
+        if pick < 0.4:
             status = grpc_once(channel, args.app, fuzzer.grpc_payload(rng), rng, args.key)
             protocol = "grpc"
+        elif pick < 0.47:
+            status, protocol = grpc_stream_once(channel, args.app, fuzzer.stream_messages(rng), args.key), "grpc-bidi"
+        elif pick < 0.5:
+            method, payload = rng.choice(["ListModels", "ListVoices"]), rng.randbytes(rng.randint(0, 16))
+            status, protocol = grpc_unary_once(channel, args.app, method, payload, args.key), "grpc-list"
         else:
             body, headers = fuzzer.http_request(rng)
             status, protocol = http_once(host, int(port), body, headers, args.key), "http"
@@ -234,7 +288,12 @@ def stages_idle(address: str, app: str, wait_s: float = 5.0) -> dict:
     import ray
     from ray import serve
 
-    ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    from cluster.ray_loopback import loopback_init_kwargs
+
+    host = address.rsplit(":", 1)[0]
+    # an embedded loopback-only Ray (`voxray serve`): join it on 127.0.0.1, as Ray would rewrite the address
+    extra = loopback_init_kwargs() if host in ("127.0.0.1", "localhost") else {}
+    ray.init(address=address, logging_level="ERROR", log_to_driver=False, **extra)
     llm, detok = serve.get_deployment_handle("LLMStage", app), serve.get_deployment_handle("DetokStage", app)
     deadline = time.monotonic() + wait_s
     while True:
@@ -263,12 +322,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ray-address", default=None, help="e.g. 'auto': also check both stages are idle after")
     args = parser.parse_args(argv)
     result = run(args)
-    report = health(args)
     failures = {f"{p}:{s}": n for (p, s), n in result["counts"].items() if is_failure(p, s)}
     print(f"sent {result['sent']} requests in {result['wall_s']:.0f} s")
     for (protocol, status), n in sorted(result["counts"].items()):
-        print(f"  {protocol:5s} {status:22s} {n}")
-    print(f"failures: {failures or 'none'}; after: {report}")
+        print(f"  {protocol:9s} {status:22s} {n}")
+    print(f"failures: {failures or 'none'}", flush=True)  # before the health check, which may hang
+    report = health(args)
+    print(f"after: {report}")
     idle = report.get("idle")
     healthy = report["http"] == "200" and report["grpc"] == "OK" and not (idle and any(idle.values()))
     return 0 if healthy and not failures else 1

@@ -1,9 +1,11 @@
 """Admission and TTFA prediction (pure functions over replica stats).
 
 The LLMStage replica decides admit / queue / reject with `decide`; the request router ranks
-replicas with `predict_ttfa_s`. Both read the same `ReplicaLoad` the replica publishes. How
-many streams a replica takes comes from its measured pace (`stream_limit`), capped by its KV
-slots: a fixed count is either too cautious on a fast machine or too bold on a slow one.
+replicas with `predict_ttfa_s`, and the Router rejects at once with `admits_anywhere`. All read
+the `ReplicaLoad` the LLM replica publishes, which carries the detok stage's measured pace too
+(router.detok_load). How many streams a replica takes comes from both stages' measured pace
+(`stream_limit`), capped by its KV slots: a fixed count is either too cautious on a fast
+machine or too bold on a slow one.
 """
 
 from __future__ import annotations
@@ -38,6 +40,12 @@ class ReplicaLoad:
     # when the replica made this report: every report differs, so a router resets the requests it
     # counted as routed / completed since the last one even when an idle replica's load is unchanged
     reported_unix_s: float = 0.0
+    next_step_s: float = 0.0  # its step measured at the batch one more stream makes; 0 = use step_s
+    # the detok stage as this replica last saw it (router.detok_load.DetokSummary); 0 = not measured
+    detok_real_time_streams: float = 0.0  # streams all detok replicas keep at real time
+    detok_measured_chunks: int = 0  # chunks in their largest measured decode steps (summed)
+    detok_other_streams: int = 0  # streams other LLM replicas run through the detok stage
+    detok_first_chunk_s: float = 0.0  # decode time of a new stream's first chunk
 
     def to_stats(self) -> dict:
         return asdict(self)
@@ -50,22 +58,47 @@ class ReplicaLoad:
             return None
 
 
+def _paced(margin: float, real_time: float, measured: int) -> int:
+    """One past the largest measured batch (`measured`) while that batch keeps real time with the
+    margin to spare (a probe: the larger batch is measured next, so the limit grows with what is
+    measured); else the margin under what it keeps at real time (it shrinks when steps slow)."""
+    spare = margin * real_time
+    return measured + 1 if spare >= measured else math.floor(spare)
+
+
+def detok_stream_limit(load: ReplicaLoad) -> int | None:
+    """Streams this replica may run through the detok stage: paced like the LLM's own limit (a
+    stream adds a chunk to the stage's batches), less what the other LLM replicas run there
+    (None: not measured). A CFG twin sends no chunks, so the detok stage counts streams, not rows."""
+    if load.detok_real_time_streams <= 0:
+        return None
+    paced = _paced(load.real_time_margin, load.detok_real_time_streams, load.detok_measured_chunks)
+    return paced - load.detok_other_streams
+
+
 def stream_limit(load: ReplicaLoad) -> int:
-    """Streams the replica runs at once: its KV cap, and once its pace is measured, a margin under
-    what its largest measured batch keeps at real time, probing one stream past that batch (the
-    limit grows as larger batches are measured, and shrinks when steps slow down)."""
-    if load.real_time_streams <= 0:
-        return load.max_streams
-    paced = min(math.floor(load.real_time_margin * load.real_time_streams), load.measured_streams + 1)
+    """Streams the replica runs at once: its KV cap, and once its pace is measured, one stream past
+    its largest measured batch while that batch keeps real time with the margin to spare (a probe:
+    its step is measured next, so the limit grows as larger batches are measured), else the margin
+    under what that batch keeps at real time (it shrinks when steps slow down); and the same margin
+    under what the detok stage keeps at real time."""
+    paced = load.max_streams
+    if load.real_time_streams > 0:
+        paced = _paced(load.real_time_margin, load.real_time_streams, load.measured_streams)
+    detok = detok_stream_limit(load)
+    if detok is not None:
+        paced = min(paced, detok)
     if load.num_starving:  # a stream is already behind: nothing new starts until it catches up
         paced = min(paced, load.num_active)
     return max(1, min(load.max_streams, paced))
 
 
 def predict_ttfa_s(load: ReplicaLoad, extra_requests: int = 0) -> float:
-    """Predicted time to first audio for one more request on this replica."""
-    step_s = load.step_s or DEFAULT_STEP_S
-    generate_s = (load.first_chunk_tokens + 1) * step_s
+    """Predicted time to first audio for one more request on this replica: its first chunk's
+    tokens at the step measured for the batch it joins, that chunk's decode at the detok stage,
+    and, past the stream limit, the wait for running streams to end."""
+    step_s = load.next_step_s or load.step_s or DEFAULT_STEP_S
+    generate_s = (load.first_chunk_tokens + 1) * step_s + load.detok_first_chunk_s
     limit = stream_limit(load)
     position = load.num_active + extra_requests - limit  # >= 0: waits for a running stream to end
     if position < 0:
@@ -75,10 +108,21 @@ def predict_ttfa_s(load: ReplicaLoad, extra_requests: int = 0) -> float:
 
 
 def decide(load: ReplicaLoad, deadline_s: float) -> Admission:
-    """Admit under the stream limit; queue while the queue has room and the deadline can be met."""
+    """Reject when the predicted first audio misses `deadline_s`; otherwise admit under the stream
+    limit, and queue past it while the queue has room (the prediction counts the wait). An idle
+    replica admits: only a running stream measures its steps again, so a slow figure (a cold
+    first decode, a burst of load beside it) would otherwise reject everything for good."""
+    if load.num_active == 0:
+        return Admission.ADMIT
+    if predict_ttfa_s(load) > deadline_s:
+        return Admission.REJECT
     limit = stream_limit(load)
     if load.num_active < limit:
         return Admission.ADMIT
-    if load.num_active - limit >= load.max_queued:
-        return Admission.REJECT
-    return Admission.QUEUE if predict_ttfa_s(load) <= deadline_s else Admission.REJECT
+    return Admission.QUEUE if load.num_active - limit < load.max_queued else Admission.REJECT
+
+
+def admits_anywhere(loads: list[ReplicaLoad], deadline_s: float) -> bool:
+    """Whether some LLM replica would admit, or queue in time, a request with this TTFA deadline
+    (the Router's reject-at-once check over its load board; [] = unknown, so yes)."""
+    return not loads or any(decide(load, deadline_s) is not Admission.REJECT for load in loads)

@@ -1,28 +1,48 @@
 """Data-parallel dispatch: a Serve RequestRouter that sends each request to the LLM replica
-with the lowest predicted TTFA, and a per-process load board for early admission.
+with the lowest predicted TTFA, and per-process load boards for admission.
 
-Replicas publish a `ReplicaLoad` through `record_routing_stats`; between two stats refreshes
-this router counts the requests it routed and saw complete, so a burst neither piles onto one
-replica nor waits for the next refresh. The Router ingress reads `estimated_loads` to reject
-at once when every replica is full (the LLMStage replica still makes the final decision).
+Replicas publish a `ReplicaLoad` through `record_routing_stats`, stamped with the time they
+measured it; this router counts the requests it routed and saw complete after that time, so a
+burst neither piles onto one replica nor waits for the next refresh, and streams ending after a
+burst count at once (a report measured before they ended arrives up to a stats period later).
+The Router ingress reads `estimated_loads` to reject at once when no replica admits (the
+LLMStage replica still makes the final decision). The detok handle's router (`DetokBoard`,
+power-of-two routing as Serve's default) keeps the detok replicas' `DetokLoad` reports where
+the LLM replica calling them reads them (`detok_loads`).
 """
 
 from __future__ import annotations
 
 import importlib
-from collections import defaultdict
+from collections import defaultdict, deque
 
+from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter  # Serve's default router
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from router.admission import ReplicaLoad, predict_ttfa_s
+from router.detok_load import DetokLoad
+
+CHOOSING_KEEP_S = 5.0  # a ranked request not sent by then was abandoned (routing takes milliseconds)
+UNREPORTED_EVENTS_KEEP_S = 60.0  # routed / completed counts kept for a replica that never reported
 
 _BOARDS: dict[str, PredictedTTFARouter] = {}  # app name -> the LLMStage router living in this process
+_DETOK_BOARDS: dict[str, DetokBoard] = {}  # app name -> the DetokStage router living in this process
 
 
-def _register(app_name: str, board: PredictedTTFARouter) -> None:
-    """Put `board` where `estimated_loads` looks. Through the imported module, not this function's
-    globals: Serve ships the router class to the replica by value, with a copy of `_BOARDS`."""
-    importlib.import_module(type(board).__module__)._BOARDS[app_name] = board
+def _register(app_name: str, board: PredictedTTFARouter | DetokBoard, boards: str) -> None:
+    """Put `board` in the module's `boards` dict, where `estimated_loads` / `detok_loads` look.
+    Through the imported module, not this function's globals (nor its classes, for isinstance):
+    Serve ships the router class to the replica by value, with copies of them."""
+    getattr(importlib.import_module(type(board).__module__), boards)[app_name] = board
+
+
+def detok_loads(app_name: str) -> list[DetokLoad]:
+    """The last report of every detok replica of `app_name` this process calls ([] = none yet)."""
+    board = _DETOK_BOARDS.get(app_name)
+    if board is None:
+        return []
+    loads = [DetokLoad.from_stats(replica.routing_stats or {}) for replica in board.curr_replicas.values()]
+    return [load for load in loads if load is not None]
 
 
 def estimated_loads(app_name: str) -> list[ReplicaLoad]:
@@ -52,34 +72,43 @@ def pass_over(app_name: str, replica_tag: str) -> None:
 class PredictedTTFARouter(RequestRouter):
     def initialize_state(self, **kwargs) -> None:
         """Serve calls this right after construction (so `_ensure_state` alone never registered the board)."""
-        self._routed: dict[ReplicaID, int] = defaultdict(int)  # since that replica's last stats
-        self._completed: dict[ReplicaID, int] = defaultdict(int)
-        self._last_stats: dict[ReplicaID, dict] = {}
+        # (unix time, +1 routed / -1 completed) per replica, since the time of its last report
+        self._events: dict[ReplicaID, deque[tuple[float, int]]] = defaultdict(deque)
         self._replicas_seen: dict[ReplicaID, RunningReplica] = {}
-        self._choosing: dict[str, ReplicaID] = {}  # request -> replica it was ranked first on, not yet sent
+        # request -> (replica it was ranked first on, when), not yet sent; a request whose client left
+        # while it was being routed is never sent: it stops counting after CHOOSING_KEEP_S
+        self._choosing: dict[str, tuple[ReplicaID, float]] = {}
         self.leaving: set[str] = set()  # unique ids of replicas handing their streams off
         self.has_lost_replicas = False  # a replica died since start (then an empty set is an outage)
-        _register(self.app_name, self)  # the Router's early reject and deadline check read it
+        _register(self.app_name, self, "_BOARDS")  # the Router's early reject and deadline check read it
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         self.has_lost_replicas = True
         super().on_replica_actor_died(replica_id)
 
     def _ensure_state(self) -> None:
-        if not hasattr(self, "_routed"):
+        if not hasattr(self, "_events"):
             self.initialize_state()
 
+    def _pending(self, replica_id: ReplicaID, since_unix_s: float) -> int:
+        """Requests routed less those completed after `since_unix_s`, and those being routed."""
+        events = self._events[replica_id]
+        while events and events[0][0] <= since_unix_s:
+            events.popleft()
+        since_s = self._get_curr_time_s() - CHOOSING_KEEP_S
+        self._choosing = {key: (rid, at) for key, (rid, at) in self._choosing.items() if at > since_s}
+        choosing = sum(1 for rid, _ in self._choosing.values() if rid == replica_id)
+        return sum(delta for _, delta in events) + choosing
+
     def _refresh(self, replica: RunningReplica) -> ReplicaLoad | None:
+        """The replica's last report plus what this router routed to it and saw complete since the
+        report was measured (a report arrives up to a stats period after that)."""
         self._replicas_seen[replica.replica_id] = replica
-        stats = replica.routing_stats or {}
-        if stats != self._last_stats.get(replica.replica_id):
-            self._last_stats[replica.replica_id] = stats
-            self._routed[replica.replica_id] = self._completed[replica.replica_id] = 0
-        load = ReplicaLoad.from_stats(stats)
+        load = ReplicaLoad.from_stats(replica.routing_stats or {})
         if load is None:
+            self._pending(replica.replica_id, self._get_curr_time_s() - UNREPORTED_EVENTS_KEEP_S)
             return None
-        choosing = sum(1 for rid in self._choosing.values() if rid == replica.replica_id)
-        pending = self._routed[replica.replica_id] - self._completed[replica.replica_id] + choosing
+        pending = self._pending(replica.replica_id, load.reported_unix_s)
         return ReplicaLoad(**{**load.to_stats(), "num_active": max(0, load.num_active + pending)})
 
     def _score(self, replica: RunningReplica) -> tuple[float, int]:
@@ -87,9 +116,7 @@ class PredictedTTFARouter(RequestRouter):
             return (float("inf"), 0)
         load = self._refresh(replica)
         if load is None:  # no stats yet: spread by what we routed or are routing
-            routed = self._routed[replica.replica_id] + sum(
-                1 for r in self._choosing.values() if r == replica.replica_id
-            )
+            routed = max(0, self._pending(replica.replica_id, 0.0))
             return (float(routed), routed)
         return (predict_ttfa_s(load), load.num_active)
 
@@ -110,14 +137,23 @@ class PredictedTTFARouter(RequestRouter):
             self._choosing.pop(key, None)  # a retry ranks afresh
         ranked = sorted(candidate_replicas, key=self._score)
         if key is not None and ranked:
-            self._choosing[key] = ranked[0].replica_id
+            self._choosing[key] = (ranked[0].replica_id, self._get_curr_time_s())
         return [[replica] for replica in ranked]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         self._ensure_state()
         self._choosing.pop(pending_request.metadata.internal_request_id, None)
-        self._routed[replica_id] += 1
+        self._events[replica_id].append((self._get_curr_time_s(), 1))
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self._ensure_state()
-        self._completed[replica_id] += 1
+        self._events[replica_id].append((self._get_curr_time_s(), -1))
+
+
+class DetokBoard(PowerOfTwoChoicesRequestRouter):
+    """Serve's default routing for the detok handle, kept where `detok_loads` finds it: the LLM
+    replica calling the detok replicas reads their reports from it."""
+
+    def initialize_state(self, **kwargs) -> None:
+        super().initialize_state(**kwargs)
+        _register(self.app_name, self, "_DETOK_BOARDS")

@@ -10,7 +10,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -33,7 +33,7 @@ from core.messages import (
     StreamHead,
 )
 from llm_stage.registry import get_entry
-from router.admission import stream_limit
+from router.admission import admits_anywhere, stream_limit
 from router.audio_fetch import StepAudio
 from router.deadlines import best_predicted_ttfa_s, client_deadline_s, fit_to_client_deadline
 from router.dispatch import estimated_loads, num_live_replicas, pass_over
@@ -107,6 +107,25 @@ class SentChunk:
     frames: tuple[tuple[int, ...], ...] = ()  # the codec frames the audio covers
 
 
+async def first_event(stream, is_lost: Callable[[], bool], poll_s: float = HEAD_POLL_S):
+    """`stream`'s first event, or None once `is_lost()` says no replica is left to serve it. The
+    read is its own task; when the caller gives up (a client gone, the replicas lost) the read is
+    cancelled and its outcome consumed: Serve turns the cancel into RequestCancelledError, which
+    an unobserved task logged as a traceback ("Task exception was never retrieved")."""
+    head = asyncio.ensure_future(anext(stream))
+    try:
+        while True:
+            done, _ = await asyncio.wait({head}, timeout=poll_s)
+            if done:
+                return head.result()
+            if is_lost():
+                return None
+    finally:
+        if not head.done():
+            head.cancel()
+            head.add_done_callback(lambda task: task.cancelled() or task.exception())
+
+
 class RouterCore:
     """Transport-independent part of the router: validation, dispatch, ordered streaming."""
 
@@ -130,15 +149,15 @@ class RouterCore:
             return job
         return fit_to_client_deadline(job, remaining_s, best_predicted_ttfa_s(estimated_loads(self.config.app_name)))
 
-    def check_capacity(self) -> None:
-        """Reject at once when the LLM replicas known here are full: by their reported load, or by
-        the streams this router has open itself (a burst arrives before any stats refresh)."""
+    def check_capacity(self, job: Job) -> None:
+        """Reject at once when no LLM replica known here would admit `job`, or queue it to start by
+        its TTFA deadline (both stages' measured pace, router.admission), or when the streams this
+        router has open itself fill every replica (a burst arrives before any stats refresh)."""
         loads = estimated_loads(self.config.app_name)
         if not loads:
             return
         capacity = sum(stream_limit(load) + load.max_queued for load in loads)
-        active = max(self.open_streams, sum(load.num_active for load in loads))
-        if active >= capacity:
+        if self.open_streams >= capacity or not admits_anywhere(loads, job.ttfa_deadline_s):
             self.metrics.rejections.inc()
             raise AdmissionRejected(self.config.admission.retry_after_s)
 
@@ -156,7 +175,7 @@ class RouterCore:
     async def run(self, job: Job) -> AsyncIterator[SentChunk]:
         self.check_open()
         self.check_alive()
-        self.check_capacity()
+        self.check_capacity(job)
         self.open_streams += 1
         try:
             async for sent in self._dispatch(job):
@@ -170,7 +189,7 @@ class RouterCore:
         its segments run one after another on any LLM replica, the first one admitted there."""
         self.check_open()
         self.check_alive()
-        self.check_capacity()
+        self.check_capacity(template)
         self.open_streams += 1
         try:
             yield IncrementalSession(
@@ -249,14 +268,10 @@ class RouterCore:
         """The stream's head event; UNAVAILABLE as soon as no LLM replica is left to route it to
         (Serve drops a dead replica when routing to it fails, then holds the request until it has
         started another one: 10-20 s)."""
-        head = asyncio.ensure_future(stream.__anext__())
-        while True:
-            done, _ = await asyncio.wait({head}, timeout=HEAD_POLL_S)
-            if done:
-                return head.result()
-            if num_live_replicas(self.config.app_name) == 0:
-                head.cancel()
-                raise ReplicasUnavailable(self.config.admission.unavailable_retry_after_s)
+        head = await first_event(stream, lambda: num_live_replicas(self.config.app_name) == 0)
+        if head is None:
+            raise ReplicasUnavailable(self.config.admission.unavailable_retry_after_s)
+        return head
 
     async def _fetch(self, event: AudioReady) -> AudioChunk:
         """The chunk's audio, straight from the detok replica's object store; if that replica died

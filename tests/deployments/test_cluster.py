@@ -76,12 +76,30 @@ def test_overload_rejects_excess_quickly_and_admitted_streams_complete(cluster):
     assert all(retry_delay_s(o.trailers) == retry_s for o in rejected)  # google.rpc.RetryInfo
     assert all(o.trailers["retry-after-ms"] == str(round(retry_s * 1000)) for o in rejected)
     assert all(len(o.pcm16) == 20 * SPF * 2 and o.chunks[-1].final for o in admitted)
-    # Leave the app admitting again for the next tests: the replica idle, and the Router's load board
-    # refreshed by two routing-stats reports (0.5 s apart) so the burst it counted has aged out.
+    # Once the replicas are idle the Router admits at once: its load board counts the streams that
+    # ended after the last report was measured (it used to reject until the next report arrived).
     give_up_s = time.time() + 30
     while _idle_since(ep.app_name) is None and time.time() < give_up_s:
         time.sleep(0.05)
-    time.sleep(1.0)
+    after = run_stream(ep.grpc_target, ep.app_name, "right after the burst", sampling={"max_tokens": 14})
+    assert after.code == grpc.StatusCode.OK, after.details
+
+
+def test_llm_replica_reports_the_detok_stages_measured_pace(cluster):
+    """Admission predicts both stages: after a stream, the LLM replica's load carries the detok
+    replicas' measured pace (their reports reach it through the detok handle's router)."""
+    ep = cluster["dp"]
+    assert run_stream(ep.grpc_target, ep.app_name, "detok pace", sampling={"max_tokens": 70}).code == grpc.StatusCode.OK
+    detok = serve.get_deployment_handle("DetokStage", ep.app_name)
+    assert detok.record_routing_stats.remote().result()["step_s_by_chunks"]  # measured decode steps
+    llm = serve.get_deployment_handle("LLMStage", ep.app_name)
+    give_up_s = time.time() + 30  # the next routing-stats report carries it to the LLM replicas
+    while time.time() < give_up_s:
+        loads = [llm.stats.remote().result() for _ in range(4)]
+        if any(load["detok_real_time_streams"] > 0 and load["detok_first_chunk_s"] > 0 for load in loads):
+            break
+        time.sleep(0.1)
+    assert any(load["detok_real_time_streams"] > 0 for load in loads), loads
 
 
 def _idle_since(app: str) -> float | None:

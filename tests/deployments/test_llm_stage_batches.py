@@ -5,6 +5,7 @@ The detok handle here records calls; the real path is covered by tests/deploymen
 from __future__ import annotations
 
 import asyncio
+import gc
 from types import SimpleNamespace
 
 from core.messages import TokenChunk
@@ -76,3 +77,30 @@ def test_one_call_carries_a_steps_chunks_of_every_live_stream():
         assert stage.streams["a"].pending[0].num_waiting == 2
 
     asyncio.run(run())
+
+
+def test_the_last_stream_leaving_leaves_no_unobserved_error():
+    """Serve turns the call's cancel into RequestCancelledError; nobody awaits the batch any more,
+    so the batch consumes it (an unobserved task error was logged with a traceback)."""
+
+    async def decoded_until_cancelled() -> list:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            raise RuntimeError("request was cancelled") from None
+        return []
+
+    async def run() -> list[str]:
+        errors: list[str] = []
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: errors.append(context["message"]))
+        batch = _Batch(chunks=[], num_waiting=1, response=_Response())
+        batch.result = asyncio.ensure_future(decoded_until_cancelled())
+        await asyncio.sleep(0)  # the call is under way
+        batch.release()
+        for _ in range(3):
+            await asyncio.sleep(0)
+        del batch
+        gc.collect()
+        return errors
+
+    assert asyncio.run(run()) == []

@@ -40,3 +40,11 @@ def test_failures_are_internal_errors_only():
     assert is_failure("http", "conn:RemoteDisconnected")
     assert not any(is_failure("grpc", s) for s in ("OK", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "UNAUTHENTICATED"))
     assert not any(is_failure("http", s) for s in ("200", "400", "401", "415", "429"))
+
+
+def test_bidi_streams_open_with_a_config_mostly_and_every_message_is_bytes():
+    fuzzer = Fuzzer(0)
+    calls = [fuzzer.stream_messages(random.Random(i)) for i in range(200)]
+    assert all(isinstance(m, bytes) for call in calls for m in call)
+    assert 0.7 < sum(bool(call) and call[0][:1] == b"\x0a" for call in calls) / len(calls) < 0.95  # field 1: config
+    assert is_failure("grpc-bidi", "INTERNAL") and not is_failure("grpc-list", "INVALID_ARGUMENT")

@@ -1,7 +1,8 @@
-"""Admission from measured pace (router.admission), pure: no Ray."""
+"""Admission from both stages' measured pace (router.admission, router.detok_load), pure: no Ray."""
 
 from core.policy import StepTimer
-from router.admission import Admission, ReplicaLoad, decide, predict_ttfa_s, stream_limit
+from router.admission import Admission, ReplicaLoad, admits_anywhere, decide, predict_ttfa_s, stream_limit
+from router.detok_load import DetokLoad, DetokPace, step_s_at, summarize_detok
 
 
 def load(num_active: int, real_time: float = 0.0, measured: int = 0, max_streams: int = 16) -> ReplicaLoad:
@@ -20,6 +21,22 @@ def test_limit_follows_the_measured_pace_under_the_kv_cap():
     assert stream_limit(load(0, real_time=6.0, measured=8)) == 5  # 0.85 x 6 streams at real time
     assert stream_limit(load(0, real_time=100.0, measured=40)) == 16  # the KV cap still holds
     assert stream_limit(load(0, real_time=0.5, measured=1)) == 1  # never zero: one stream always runs
+
+
+def test_a_batch_at_real_time_with_margin_to_spare_probes_one_stream_more():
+    # one stream measured at 1.73x real time (a contended CPU): 0.85 x 1.73 >= 1, so a second one
+    # is let in and its step measured; before, floor(0.85 x 1.73) = 1 held the replica at one stream
+    assert stream_limit(load(0, real_time=1.73, measured=1)) == 2
+    timer = StepTimer(tokens_per_frame=7, frame_s=FRAME_S)
+    budget_s = FRAME_S / 7  # a step this long keeps every stream exactly at real time
+    streams = 1
+    for step_s in (0.55 * budget_s, 0.6 * budget_s, 0.7 * budget_s, 0.8 * budget_s, 0.95 * budget_s):
+        timer.record_step(step_s, rows=streams)  # the batch the limit let in, measured
+        paced = load(0, real_time=timer.measured_real_time_rows(), measured=streams)
+        streams = stream_limit(paced)
+    # grew one stream per measured batch while each kept real time with 15% to spare; 5 streams at
+    # 0.95 of the budget leave none: back under the margin
+    assert streams == 4
 
 
 def test_past_the_limit_it_queues_only_what_starts_in_time_then_rejects():
@@ -46,3 +63,98 @@ def test_a_starving_stream_holds_new_admissions():
     assert decide(load(4, **paced), 60.0) is Admission.ADMIT
     behind = ReplicaLoad(**{**load(4, **paced).to_stats(), "num_starving": 1})
     assert stream_limit(behind) == 4 and decide(behind, 60.0) is Admission.QUEUE
+
+
+# ---- both stages: the detok replicas' measured pace (router.detok_load) ----------------------
+
+FRAME_S = 2048 / 24000
+
+
+def measured_detok(step_s: float, chunks: int, chunk_frames: int = 8, queued: int = 0) -> DetokLoad:
+    """A detok replica's report after decoding batches of `chunks` chunks of `chunk_frames` frames."""
+    clock = [0.0]
+    pace = DetokPace(clock=lambda: clock[0])
+    pace.record_step(9.0, [chunk_frames * FRAME_S] * chunks, ["warm-up"], finished_ids=["warm-up"])  # not counted
+    for _ in range(3):
+        pace.record_step(step_s, [chunk_frames * FRAME_S] * chunks, [f"s{i}" for i in range(chunks)])
+        clock[0] += 0.1
+    return pace.load(num_queued_chunks=queued)
+
+
+def with_detok(base: ReplicaLoad, detok: list[DetokLoad], own_streams: int | None = None) -> ReplicaLoad:
+    """`base` as the LLM replica reports it next to the detok stage `detok`."""
+    summary = summarize_detok(detok)
+    own = base.num_active if own_streams is None else own_streams
+    return ReplicaLoad(**{**base.to_stats(), "detok_real_time_streams": summary.real_time_streams,
+                          "detok_measured_chunks": summary.measured_chunks,
+                          "detok_other_streams": max(0, summary.num_streams - own),
+                          "detok_first_chunk_s": summary.first_chunk_s})  # fmt: skip
+
+
+def test_detok_pace_reports_streams_it_keeps_at_real_time_from_its_measured_steps():
+    detok = measured_detok(step_s=0.2, chunks=4)  # 4 chunks of 0.68 s audio decoded in 0.2 s
+    assert abs(detok.real_time_streams() - 4 * 8 * FRAME_S / 0.2) < 1e-9
+    assert detok.num_streams == 4
+    assert detok.first_chunk_s() == 0.2  # nothing queued: one step
+    assert measured_detok(step_s=0.2, chunks=4, queued=9).first_chunk_s() == 3 * 0.2  # 10 chunks: 3 steps of 4
+    assert DetokLoad.from_stats(detok.to_stats()) == detok
+    assert summarize_detok([]).real_time_streams == 0  # unknown until a replica measured a step
+
+
+def test_a_slow_detok_stage_limits_admission_below_the_llm_pace():
+    llm_paced = load(4, real_time=40.0, measured=16)  # the LLM alone: 16 (its KV cap)
+    assert stream_limit(llm_paced) == 16
+    slow = measured_detok(step_s=0.6, chunks=4)  # its 4 streams: 4 x 0.68 s / 0.6 s = 4.55 at real time
+    assert stream_limit(with_detok(llm_paced, [slow])) == 3  # floor(0.85 x 4.55) - 0 others
+    assert decide(with_detok(llm_paced, [slow]), 60.0) is Admission.QUEUE  # full: a fourth waits
+    assert stream_limit(with_detok(llm_paced, [slow, slow])) == 7  # a second detok replica: floor(0.85 x 9.1)
+    busy_elsewhere = with_detok(llm_paced, [slow], own_streams=1)
+    assert stream_limit(busy_elsewhere) == 1  # 3 of the 4 streams there come from another LLM replica
+    spare = measured_detok(step_s=0.5, chunks=4)  # 5.46 at real time: 4 chunks with 15% to spare
+    assert stream_limit(with_detok(llm_paced, [spare])) == 5  # probes a fifth stream (a batch of 5 chunks)
+
+
+def test_predicted_ttfa_counts_the_first_chunks_decode_and_the_step_at_the_would_be_batch():
+    idle = load(0)
+    generate_s = (idle.first_chunk_tokens + 1) * idle.step_s
+    assert predict_ttfa_s(idle) == generate_s
+    queued_detok = with_detok(idle, [measured_detok(step_s=0.1, chunks=2, queued=5)])  # 6 chunks: 3 steps
+    assert abs(predict_ttfa_s(queued_detok) - (generate_s + 3 * 0.1)) < 1e-9
+    timer = StepTimer(tokens_per_frame=7, frame_s=FRAME_S)
+    for rows, step_s in ((1, 0.01), (4, 0.02), (8, 0.05)):
+        timer.record_step(step_s, rows=rows)
+    assert step_s_at(timer.step_s_by_rows, 3) == 0.02  # 3 rows run at the 4-row batch's measured step
+    assert step_s_at(timer.step_s_by_rows, 16) == 0.1  # past the largest measured: scaled, not assumed equal
+    slower = ReplicaLoad(**{**idle.to_stats(), "next_step_s": step_s_at(timer.step_s_by_rows, 16)})
+    assert predict_ttfa_s(slower) == (idle.first_chunk_tokens + 1) * 0.1
+
+
+def test_a_stream_whose_first_audio_misses_its_deadline_is_rejected_even_with_room():
+    busy = with_detok(load(1, real_time=20.0, measured=8), [measured_detok(step_s=0.4, chunks=1)], own_streams=1)
+    assert stream_limit(busy) > 1 and predict_ttfa_s(busy) > 0.5
+    assert decide(busy, 0.5) is Admission.REJECT
+    assert decide(busy, 2.0) is Admission.ADMIT
+    assert not admits_anywhere([busy], 0.5) and admits_anywhere([busy, load(1)], 0.6)
+    assert admits_anywhere([], 0.01)  # nothing known yet: the LLM replica decides
+
+
+def test_an_idle_replica_admits_whatever_its_last_figures_predict():
+    # a cold first decode measured seconds; with nothing running nothing measures it again, so
+    # rejecting on it locked the app out for good (the overload benchmark on a busy box)
+    stale = with_detok(load(0), [measured_detok(step_s=3.5, chunks=1)])
+    assert predict_ttfa_s(stale) > 1.0
+    assert decide(stale, 1.0) is Admission.ADMIT and admits_anywhere([stale], 1.0)
+
+
+def test_detok_counts_running_streams_not_cfg_rows_nor_ended_ones():
+    # a guided stream and its twin decode as one stream: the twin's rows send no chunks
+    clock = [0.0]
+    pace = DetokPace(clock=lambda: clock[0])
+    pace.record_step(3.0, [0.5], ["cold"], finished_ids=["cold"])  # the first decode: a warm-up, not measured
+    assert pace.load(0).step_s_by_chunks == {} and pace.load(0).num_streams == 0
+    pace.record_step(0.1, [0.5, 0.5, 0.5], ["guided-a", "guided-b", "short"], finished_ids=["short"])
+    assert pace.load(0).num_streams == 2  # "short" got its final chunk
+    pace.forget(["guided-b"])  # cancelled
+    assert pace.load(0).num_streams == 1
+    clock[0] += 2.5  # no chunk for longer than the window: gone (a stream lost upstream)
+    assert pace.load(0).num_streams == 0

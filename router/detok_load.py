@@ -1,0 +1,152 @@
+"""The detokenizer stage's measured pace, for admission (pure: no Ray).
+
+Each DetokStage replica times its decode steps in a `DetokPace` and publishes a `DetokLoad`
+through Serve's routing stats; the LLM replicas read those (router.dispatch's detok board) and
+fold them with `summarize_detok` into their own load report, so admission predicts both stages.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+STREAM_WINDOW_S = 2.0  # a stream counts as running at the detok stage while it sent a chunk this recently
+
+
+def _ema(last: float | None, value: float) -> float:
+    return value if last is None else 0.9 * last + 0.1 * value
+
+
+def step_s_at(step_s_by_size: dict[int, float], size: int) -> float | None:
+    """Measured step time at a batch of `size`: the smallest measured batch at least that large,
+    or, past the largest measured, that one scaled linearly (steps grow sublinearly with the
+    batch, so this errs slow). None until a step was measured."""
+    if not step_s_by_size:
+        return None
+    larger = [measured for measured in step_s_by_size if measured >= size]
+    if larger:
+        return step_s_by_size[min(larger)]
+    largest = max(step_s_by_size)
+    return step_s_by_size[largest] * size / largest
+
+
+@dataclass(frozen=True)
+class DetokLoad:
+    """What one detok replica publishes through Serve's routing stats."""
+
+    step_s_by_chunks: dict[int, float]  # EMA of one decode step, per number of chunks it decoded
+    chunk_audio_s: float  # EMA of the audio one chunk carries; 0 = none decoded yet
+    num_queued_chunks: int  # chunks submitted and not decoded yet
+    num_streams: int  # streams that sent a chunk within STREAM_WINDOW_S and have not ended
+    reported_unix_s: float = 0.0
+
+    def to_stats(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_stats(cls, stats: dict) -> DetokLoad | None:
+        try:
+            load = cls(**{k: stats[k] for k in cls.__dataclass_fields__})
+        except (KeyError, TypeError):
+            return None
+        return load if isinstance(load.step_s_by_chunks, dict) else None
+
+    def real_time_streams(self) -> float:
+        """Streams this replica keeps at real time at its largest measured batch: each stream
+        needs one chunk per `chunk_audio_s`, a step decodes that batch in its measured time
+        (0 = not measured yet). Like the LLM's figure it never assumes a larger batch."""
+        if not self.step_s_by_chunks or self.chunk_audio_s <= 0:
+            return 0.0
+        chunks = max(self.step_s_by_chunks)
+        return chunks * self.chunk_audio_s / self.step_s_by_chunks[chunks]
+
+    def first_chunk_s(self) -> float:
+        """Time until one more chunk sent now is decoded: the steps for the chunks queued ahead of
+        it and itself, at the batch they make (0 = not measured yet)."""
+        if not self.step_s_by_chunks:
+            return 0.0
+        batch = max(self.step_s_by_chunks)
+        full_steps, last_chunks = divmod(self.num_queued_chunks + 1, batch)
+        last_s = step_s_at(self.step_s_by_chunks, last_chunks) if last_chunks else 0.0
+        return full_steps * self.step_s_by_chunks[batch] + (last_s or 0.0)
+
+
+@dataclass(frozen=True)
+class DetokSummary:
+    """The detok stage as an LLM replica reports it (all detok replicas it calls)."""
+
+    real_time_streams: float = 0.0  # streams the stage keeps at real time (sum over replicas); 0 = unknown
+    num_streams: int = 0  # streams running through it (the largest count one replica saw)
+    measured_chunks: int = 0  # chunks in the replicas' largest measured steps (summed)
+    first_chunk_s: float = 0.0  # decode time of a new stream's first chunk on the best replica
+
+
+def summarize_detok(loads: list[DetokLoad]) -> DetokSummary:
+    """Fold the detok replicas' reports. A replica not measured yet counts for no capacity, so the
+    stage's capacity is unknown (0) only while none is measured. Every replica sees chunks of
+    (nearly) every running stream, so the largest count is the stage's."""
+    measured = [load for load in loads if load.real_time_streams() > 0]
+    if not measured:
+        return DetokSummary()
+    return DetokSummary(
+        real_time_streams=sum(load.real_time_streams() for load in measured),
+        num_streams=max(load.num_streams for load in loads),
+        measured_chunks=sum(max(load.step_s_by_chunks) for load in measured),
+        first_chunk_s=min(load.first_chunk_s() for load in measured),
+    )
+
+
+@dataclass
+class DetokPace:
+    """A detok replica's measurements: its decode steps by batch, the audio per chunk, and which
+    streams sent chunks lately. The replica's engine thread records; `load` reads."""
+
+    clock: Callable[[], float] = time.monotonic
+    step_s_by_chunks: dict[int, float] = field(default_factory=dict)
+    chunk_audio_s: float | None = None
+    _last_seen_s: dict[str, float] = field(default_factory=dict)  # req_id -> when its last chunk was decoded
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _warm: bool = False
+
+    def record_step(
+        self, elapsed_s: float, audio_s: list[float], req_ids: list[str], finished_ids: list[str] = ()
+    ) -> None:
+        """One decode step that decoded `len(audio_s)` chunks (of `req_ids`) in `elapsed_s`; the
+        streams in `finished_ids` got their final chunk (they run here no more)."""
+        if not audio_s:
+            return
+        if not self._warm:  # the first decode builds the codec's buffers: seconds on a busy CPU, not a step
+            self._warm = True
+            return
+        size = len(audio_s)
+        now_s = self.clock()
+        with self._lock:
+            self.step_s_by_chunks[size] = _ema(self.step_s_by_chunks.get(size), elapsed_s)
+            self.chunk_audio_s = _ema(self.chunk_audio_s, sum(audio_s) / size)
+            self._last_seen_s.update((req_id, now_s) for req_id in req_ids)
+        self.forget(finished_ids)
+
+    def forget(self, req_ids) -> None:
+        """Streams that ended here (final chunk decoded, or cancelled): no longer counted as running."""
+        with self._lock:
+            for req_id in req_ids:
+                self._last_seen_s.pop(req_id, None)
+
+    def num_streams(self) -> int:
+        since_s = self.clock() - STREAM_WINDOW_S
+        with self._lock:
+            self._last_seen_s = {req_id: at for req_id, at in self._last_seen_s.items() if at >= since_s}
+            return len(self._last_seen_s)
+
+    def load(self, num_queued_chunks: int) -> DetokLoad:
+        with self._lock:
+            step_s_by_chunks = dict(self.step_s_by_chunks)
+        return DetokLoad(
+            step_s_by_chunks=step_s_by_chunks,
+            chunk_audio_s=self.chunk_audio_s or 0.0,
+            num_queued_chunks=num_queued_chunks,
+            num_streams=self.num_streams(),
+            reported_unix_s=time.time(),
+        )
