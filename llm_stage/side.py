@@ -11,7 +11,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 
-from core.messages import Checkpoint, HopTimes, Job, ResumeState, TokenChunk
+from core.messages import Checkpoint, HopTimes, Job, ResumeState, TextPiece, TokenChunk
 from core.policy import buffered_s
 from llm_stage.chunking import Chunker, ChunkSchedule
 from llm_stage.engine import LLMEngine, StepOutput
@@ -59,6 +59,18 @@ class LLMSide:
         req = self.engine.requests[req_id]
         req.first_audio_s = self.clock()
         req.audio_sent_s = max(0.0, buffered_audio_s)
+
+    def push_text(self, piece: TextPiece) -> bool:
+        """More text for a streaming-text request (False: it is not here any more). Text that ends a
+        wait whose client has played all its audio restarts its playback clock: the request then
+        goes first like a new stream, as the client's silence was its own (no text), not ours."""
+        req = self.engine.requests.get(piece.req_id)
+        was_waiting = req is not None and req.is_waiting_for_text
+        if not self.engine.push_text(piece.req_id, piece.text, piece.flush, piece.end):
+            return False
+        if was_waiting and not req.is_waiting_for_text and buffered_s(req, self.clock()) <= 0:
+            req.first_audio_s, req.audio_sent_s = None, 0.0
+        return True
 
     def cancel(self, req_id: str) -> None:
         self.engine.cancel(req_id)

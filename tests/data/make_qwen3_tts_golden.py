@@ -13,7 +13,8 @@ torchaudio, serve only audio files, the 25 Hz tokenizer and voice cloning, and a
 It writes, with the reference's own `save_pretrained`, a tiny checkpoint in the published layout
 (checkpoint/: config.json, model.safetensors, speech_tokenizer/) and golden.json + golden_audio.npz:
 greedy frames of `Qwen3TTSForConditionalGeneration.generate` (talker + code predictor, the
-CustomVoice non-streaming prompt, and its streaming-text prompt: `streaming_frames`) and waveforms of `Qwen3TTSTokenizerV2Model.decode`.
+CustomVoice non-streaming prompt; `streaming_frames`: its streaming-text prompt) and waveforms of
+`Qwen3TTSTokenizerV2Model.decode`.
 tests/llm_stage/test_qwen3_tts_golden.py checks ours against them without the reference installed.
 """
 
@@ -159,8 +160,13 @@ def main() -> None:
             codes = greedy_frames(model, text_ids, speaker)
             streaming = greedy_frames(model, text_ids, speaker, streaming=True)
             golden["cases"].append(
-                {"role_ids": ROLE_IDS, "text_ids": text_ids, "speaker": speaker, "frames": codes.tolist(),
-                 "streaming_frames": streaming.tolist()}
+                {
+                    "role_ids": ROLE_IDS,
+                    "text_ids": text_ids,
+                    "speaker": speaker,
+                    "frames": codes.tolist(),
+                    "streaming_frames": streaming.tolist(),
+                }
             )
             audio[f"generated_{index}"] = tokenizer.decode(codes[None]).audio_values[0].numpy()
         random_codes = torch.randint(
