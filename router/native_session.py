@@ -5,8 +5,11 @@ The request waits there for text holding its KV and no batch row. Same interface
 `IncrementalSession` (push / flush / end in, `audio()` out), so the WebSocket and gRPC bidi
 endpoints drive either; `RouterCore.incremental` picks by family.
 
-No text for `idle_timeout_s` while no audio flows closes it (IdleTimeout); a drain ends its text
-(what it holds is spoken, then the final chunk; later pieces are dropped).
+If the request stops first (the model's EOS, or `max_tokens`) while the client still sends text,
+the text that comes after opens another request (segment 1, 2, ...; text sent to the stopped one
+and not read by it is not spoken, as the reference stops there too). No text for `idle_timeout_s`
+while no audio flows closes it (IdleTimeout); a drain ends its text (what it holds is spoken, then
+the final chunk; later pieces are dropped).
 """
 
 from __future__ import annotations
@@ -91,13 +94,14 @@ class NativeTextSession:
     # ---- output -------------------------------------------------------------------------
     async def audio(self) -> AsyncIterator[SessionAudio]:
         """The stream's audio, then one empty final chunk once it has ended."""
-        first = await self._first_text()
-        if first is not None:
-            async for part in self._stream(first):
+        index = 0
+        while (first := await self._first_text()) is not None:
+            async for part in self._stream(first, index):
                 yield part
+            index += 1
         self.is_finished = True
         final = AudioChunk(self.template.req_id, self.next_seq, b"", self.sample_rate_hz, is_final=True)
-        yield SessionAudio(final, 0, is_segment_end=True)
+        yield SessionAudio(final, index, is_segment_end=True)
 
     async def _first_text(self) -> str | None:
         """The text that opens the request: everything sent until it holds a word (None: it ended blank)."""
@@ -111,8 +115,15 @@ class NativeTextSession:
             self.has_input.clear()
             await self._watch(asyncio.ensure_future(self.has_input.wait()))
 
-    async def _stream(self, first: str) -> AsyncIterator[SessionAudio]:
-        job = dataclasses.replace(self.template, text=check_text(self.adapter, first, "text"), text_streaming=True)
+    async def _stream(self, first: str, index: int) -> AsyncIterator[SessionAudio]:
+        """One streaming-text request (`index`: how many stopped before it) to its final chunk."""
+        text = check_text(self.adapter, first, "text")
+        req_id = self.template.req_id if index == 0 else f"{self.template.req_id}.{index}"
+        buffered_s = max(0.0, self._last_audio_s() - self.clock()) if self.playback.period_start_s is not None else None
+        job = dataclasses.replace(
+            self.template, req_id=req_id, text=text, segment_index=index, text_streaming=True,
+            buffered_audio_s=buffered_s,
+        )  # fmt: skip
         replica: asyncio.Future = asyncio.get_running_loop().create_future()
         sender = asyncio.ensure_future(self._send_loop(job.req_id, replica))
         parts = self.run_stream(job, replica)
@@ -123,10 +134,10 @@ class NativeTextSession:
                     part = await self._watch(asyncio.ensure_future(anext(parts)), sender)
                 except StopAsyncIteration:
                     return
-                audio = dataclasses.replace(part.audio, seq=self.next_seq, is_final=False)
+                audio = dataclasses.replace(part.audio, req_id=self.template.req_id, seq=self.next_seq, is_final=False)
                 self.next_seq += 1
                 self.playback.on_chunk(self.clock(), audio.duration_s)
-                yield SessionAudio(audio, 0, part.audio.is_final, first if is_first else "")
+                yield SessionAudio(audio, index, part.audio.is_final, first if is_first else "")
                 is_first = False
                 if part.audio.is_final:
                     return
