@@ -79,9 +79,10 @@ class LLMSide:
 
     def move_out(self, req_id: str) -> tuple[ResumeState, KVSnapshot | None] | None:
         """Stop a stream here so another engine continues it: its state (every sampled token, the
-        generator, where its chunks stand) and its KV rows when they can move (None: not running)."""
+        generator, where its chunks stand) and its KV rows when they can move (None: not running,
+        or it streams its text: that comes to this replica, so it finishes here)."""
         req, chunker = self.engine.requests.get(req_id), self.chunkers.get(req_id)
-        if req is None or chunker is None:
+        if req is None or chunker is None or req.text_feed is not None:
             return None
         kv = self.engine.export_kv(req_id)
         tokens, rng_state = tuple(req.output_ids), self.engine.sampler_state(req_id)

@@ -191,3 +191,16 @@ def test_split_last_word_holds_back_what_may_still_merge():
     assert feed.push("!") == 1 and feed.ids == [1, 3]
     feed.end()
     assert [feed.at(i) for i in range(5)] == [1, 3, 5, 9, 8]
+
+
+def test_a_streaming_text_request_is_not_moved_out_its_text_comes_here():
+    from core.config import EngineConfig
+    from llm_stage.wiring import build_llm_side
+
+    side = build_llm_side(EngineConfig(model=ModelConfig(name="qwen3-tts-tiny")))
+    side.add(Job("s", "Hello", "ryan", GREEDY, 1.0, text_streaming=True))
+    side.add(Job("w", "Hello", "ryan", GREEDY, 1.0))
+    for _ in range(3):
+        side.step()
+    assert side.move_out("s") is None and "s" in side.engine.requests
+    assert side.move_out("w") is not None and "w" not in side.engine.requests
