@@ -81,14 +81,29 @@ def split_whole(encode: Callable[[str], list[int]]) -> SplitText:
     return lambda text, is_final: (encode(text), "")
 
 
-def split_last_word(encode_offsets: Callable[[str], tuple[list[int], list[int]]]) -> SplitText:
-    """For merging (BPE) tokenizers: every id but the last is final; the last one's text waits for the
-    next piece (it may merge: "wor" + "ld"). `encode_offsets(text)` -> (ids, each id's start character)."""
+def _kind(ch: str) -> str:
+    return "S" if ch.isspace() else "L" if ch.isalpha() else "N" if ch.isdigit() else "P"
+
+
+def last_word_start(text: str) -> int:
+    """Where the last pre-token of a Qwen2 / GPT-style byte-level BPE may begin, as far as `text` shows:
+    the last break between a letter run, a digit, a punctuation run and the whitespace that opens the
+    next word (" ?\\p{L}+", "\\p{N}", " ?[^\\s\\p{L}\\p{N}]+", "\\s+"). Ids never merge across it."""
+    for i in range(len(text) - 1, 0, -1):
+        before, here = _kind(text[i - 1]), _kind(text[i])
+        if before != "S" and (here == "S" or here == "N" or before != here):
+            return i
+    return 0
+
+
+def split_last_word(encode: Callable[[str], list[int]]) -> SplitText:
+    """For merging (BPE) tokenizers: the text up to its last word is final (ids never merge across
+    a pre-token break); the last word waits for the next piece (it may grow: "wor" + "ld")."""
 
     def split(text: str, is_final: bool) -> tuple[list[int], str]:
-        ids, starts = encode_offsets(text)
-        if is_final or len(ids) < 2:
-            return (ids, "") if is_final else ([], text)
-        return ids[:-1], text[starts[-1] :]
+        if is_final:
+            return encode(text), ""
+        start = last_word_start(text)
+        return (encode(text[:start]), text[start:]) if start else ([], text)
 
     return split

@@ -110,7 +110,7 @@ class QwenChatTokenizer:
         return ids[:3], ids[3:-5]
 
     def text_splitter(self) -> SplitText:
-        return split_last_word(self.tokenizer.encode_offsets)
+        return split_last_word(self.tokenizer.encode)
 
 
 class PresetChatTokenizer:

@@ -44,11 +44,6 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self._tok(text, add_special_tokens=self.add_special_tokens).input_ids)
 
-    def encode_offsets(self, text: str) -> tuple[list[int], list[int]]:
-        """(ids of the bare text, the character each id starts at) - a fast tokenizer's offsets."""
-        encoded = self._tok(text, add_special_tokens=False, return_offsets_mapping=True)
-        return list(encoded.input_ids), [start for start, _ in encoded.offset_mapping]
-
 
 class SpaceMarkedTokenizer:
     """A `tokenizers` file whose vocabulary spells spaces as a marker token (Chatterbox's `[SPACE]`)."""

@@ -16,7 +16,7 @@ from core.errors import InvalidArgumentError
 from core.messages import Job, SamplingParams
 from llm_stage.engine import LLMEngine
 from llm_stage.models.qwen3_tts import PresetChatTokenizer, Qwen3TTSAdapter, load_qwen3_tts
-from llm_stage.text_feed import TextFeed, split_last_word
+from llm_stage.text_feed import TextFeed, last_word_start, split_last_word
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "qwen3_tts"
 CONFIG = ModelConfig(name="qwen3-tts", checkpoint_dir=DATA / "checkpoint")
@@ -174,23 +174,29 @@ def test_streaming_job_through_add_job_reads_the_preset_tokenizer():
 
 
 def test_split_last_word_holds_back_what_may_still_merge():
-    words = {"Hello": 1, " wor": 2, " world": 3, "ld": 4, "!": 5}
+    words = {"Hello": 1, " wor": 2, " world": 3, "ld": 4, "!": 5, "o": 6}
 
-    def encode_offsets(text: str) -> tuple[list[int], list[int]]:  # greedy longest match over `words`
-        ids, starts, at = [], [], 0
+    def encode(text: str) -> list[int]:  # greedy longest match over `words`
+        ids, at = [], 0
         while at < len(text):
             piece = max((w for w in words if text.startswith(w, at)), key=len)
             ids.append(words[piece])
-            starts.append(at)
             at += len(piece)
-        return ids, starts
+        return ids
 
-    feed = TextFeed(split_last_word(encode_offsets), (9,), 8)
+    feed = TextFeed(split_last_word(encode), (9,), 8)
     assert feed.push("Hello") == 0 and feed.push(" wor") == 1  # "Hello" final, " wor" may grow
     assert feed.push("ld") == 0 and feed.held_text == " world"
     assert feed.push("!") == 1 and feed.ids == [1, 3]
     feed.end()
     assert [feed.at(i) for i in range(5)] == [1, 3, 5, 9, 8]
+
+
+def test_last_word_start_is_the_last_pre_token_break_the_text_shows():
+    assert last_word_start("Hello") == 0 and last_word_start("Hello wor") == 5
+    assert last_word_start("friend.") == 6 and last_word_start("friend. ") == 7  # "." may still grow: "..."
+    assert last_word_start("in 12") == 4  # digits are single pre-tokens
+    assert last_word_start("\u4f60\u597d\uff0c\u4e16") == 3  # CJK: a letter run, punctuation, a letter run
 
 
 def test_a_streaming_text_request_is_not_moved_out_its_text_comes_here():
@@ -204,3 +210,22 @@ def test_a_streaming_text_request_is_not_moved_out_its_text_comes_here():
         side.step()
     assert side.move_out("s") is None and "s" in side.engine.requests
     assert side.move_out("w") is not None and "w" not in side.engine.requests
+
+
+@pytest.mark.parametrize(
+    "pieces", [["hello world"], ["he", "llo", " w", "or", "ld"], ["h", "e", "l", "l", "o", " ", "t"]]
+)
+def test_bpe_pieces_tokenize_as_the_whole_text_does(tmp_path, pieces):
+    """The checkpoint's byte-level BPE (Qwen2 style): however the text is cut, the feed's ids are the
+    ones the whole text gets (merges across pieces are kept)."""
+    from llm_stage.models.qwen3_tts import QwenChatTokenizer
+    from tests.published_layouts import qwen_tokenizer_files
+
+    qwen_tokenizer_files(tmp_path)
+    tokenizer = QwenChatTokenizer(tmp_path)
+    feed = TextFeed(tokenizer.text_splitter(), (5,), 3)
+    for piece in pieces:
+        feed.push(piece)
+    feed.end()
+    whole = tokenizer.tokenizer.encode("".join(pieces))
+    assert feed.ids == whole and feed.held_text == "" and len(whole) < len("".join(pieces))  # merges happened
