@@ -201,7 +201,6 @@ class DrainConfig(_Strict):
         `grace_s` (at their next chunk), so Serve never has to kill a replica mid-stream."""
         return self.grace_s + SERVE_GRACE_MARGIN_S
 
-
 CHECK_FILES = "check_files"  # validation context key: False when rendering a config for other machines (k8s)
 
 

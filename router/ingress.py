@@ -222,6 +222,8 @@ def _http_fail(err: Exception, req_id: str) -> Response:
     return http_error(failure, req_id, echo_id=req_id != _serve_request_id())
 
 
+
+
 def _serve_request_id() -> str:
     """Serve's id for this HTTP request: the client's X-Request-Id, else one Serve made and returns
     in its own X-Request-Id response header (so ours is added only when it differs)."""
