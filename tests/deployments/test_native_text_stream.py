@@ -98,3 +98,25 @@ def test_typed_streams_on_two_replicas_equal_the_whole_text_and_wait_holding_kv(
     assert seen_waiting >= 1  # a stream ran out of text and waited on its replica
     # (a piece routed to the other replica would be refused there, and its stream would wait for
     # text until the idle timeout: the audio above shows every piece reached its stream)
+
+
+def test_grpc_bidi_stream_of_typed_words_equals_the_whole_text(agents):
+    """The same native stream over the bidi `SynthesizeStream` (the client's half-close ends its text)."""
+    import grpc
+
+    from protos import voxray_pb2, voxray_pb2_grpc
+
+    def requests():
+        sampling = voxray_pb2.SamplingOptions(seed=SEEDS[0], max_tokens=SAMPLING["max_tokens"])
+        config = voxray_pb2.SynthesizeRequest(voice="ryan", request_id="nat-grpc", sampling=sampling)
+        yield voxray_pb2.SynthesizeStreamRequest(config=config)
+        for word in WORDS:
+            yield voxray_pb2.SynthesizeStreamRequest(text=word)
+            time.sleep(0.15)
+
+    with grpc.insecure_channel(agents.grpc_target) as channel:
+        chunks = list(voxray_pb2_grpc.SpeechStub(channel).SynthesizeStream(requests(), timeout=120))
+    assert chunks[-1].final and [c.seq for c in chunks] == list(range(len(chunks)))
+    got = np.frombuffer(b"".join(c.audio for c in chunks), dtype="<i2").astype(np.int32)
+    want = np.frombuffer(whole_text_audio(0), dtype="<i2").astype(np.int32)
+    assert got.shape == want.shape and np.abs(got - want).max() <= 2
