@@ -120,3 +120,29 @@ def test_grpc_bidi_stream_of_typed_words_equals_the_whole_text(agents):
     got = np.frombuffer(b"".join(c.audio for c in chunks), dtype="<i2").astype(np.int32)
     want = np.frombuffer(whole_text_audio(0), dtype="<i2").astype(np.int32)
     assert got.shape == want.shape and np.abs(got - want).max() <= 2
+
+
+def test_zz_drain_ends_a_stream_waiting_for_text_with_its_final_chunk(agents):
+    """(last here: it drains the app) A stream whose client went quiet ends at once, cleanly: the
+    rest of its audio, an empty final, `done`, close 1000, long before the idle timeout (30 s)."""
+    from websockets.sync.client import connect
+
+    from router.drain import clear_drain, start_drain
+
+    llm = serve.get_deployment_handle("LLMStage", AGENTS.app_name)
+    url = agents.http_url.replace("http://", "ws://", 1) + AGENTS.route_prefix + "/v1/audio/speech/stream"
+    try:
+        with connect(url, open_timeout=60) as ws:
+            ws.send(json.dumps({"voice": "ryan", "sampling": {"seed": SEEDS[0], **SAMPLING}}))
+            assert json.loads(ws.recv(timeout=60))["type"] == "ready"
+            ws.send(json.dumps({"text": "Hi "}))
+            deadline_s = time.monotonic() + 60
+            while not (waiting := llm.stats.remote().result()["waiting_for_text"]) and time.monotonic() < deadline_s:
+                time.sleep(0.05)
+            assert waiting == 1  # it read "Hi " and waits for more, holding its KV
+            start_drain(AGENTS.app_name, grace_s=60.0)
+            started_s = time.monotonic()
+            got, code = ws_messages(ws)
+        assert code == 1000 and got[-1]["type"] == "done" and time.monotonic() - started_s < 15.0
+    finally:
+        clear_drain(AGENTS.app_name)
