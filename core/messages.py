@@ -134,6 +134,22 @@ class Job:
     # A later segment of a playing stream: the audio its client has not played yet when the segment
     # is sent, so the engine schedules it by its stream's playback deadline, not as a new startup.
     buffered_audio_s: float | None = None
+    # Native text streaming (`ModelFamily.streams_text`): `text` is the first piece; later pieces reach
+    # the running request (`LLMEngine.push_text`), which waits for them holding its KV.
+    text_streaming: bool = False
+
+
+@dataclass(frozen=True)
+class TextPiece:
+    """More text for a running streaming-text job (`Job.text_streaming`), sent by the Router to the LLM
+    replica serving it (`llm_replica`, the tag its head event named: the request router pins it there).
+    `flush` tokenizes the text held back; `end` closes the text."""
+
+    req_id: str
+    llm_replica: str
+    text: str = ""
+    flush: bool = False
+    end: bool = False
 
 
 @dataclass(frozen=True)

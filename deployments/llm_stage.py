@@ -6,7 +6,8 @@ DetokStage replica in one `decode_batch` call; each stream then yields, in seq o
 AudioReady event carrying the chunk's `AudioRef`: duration and frames for this replica's
 playback clock, and a handle the router fetches the audio from. Audio never passes through
 this replica. A decode call whose detok replica dies is resent (chunks are self-describing).
-Cancelling a stream frees its KV slot and drops its undecoded chunks.
+Cancelling a stream frees its KV slot and drops its undecoded chunks. A streaming-text job gets its
+later text through `push_text` (the Router's request router pins those calls to this replica).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from core.messages import (
     Queued,
     Rejected,
     StreamEvent,
+    TextPiece,
     TokenChunk,
 )
 from deployments.engine_loop import EngineLoop, finish_on_thread, replica_tag
@@ -263,6 +265,7 @@ class LLMStage:
         return {
             **self.load().to_stats(),
             "engine_requests": len(engine.requests),
+            "waiting_for_text": engine.scheduler.num_waiting_for_text,  # streams idle for text (KV held)
             "kv_slots_used": engine.scheduler.slots.num_used,
             "kv_slots_total": engine.scheduler.slots.num_slots,
             "decode_calls": self.num_decode_calls,  # one per engine step that cut chunks
@@ -330,6 +333,22 @@ class LLMStage:
             if ref.is_final:
                 stream.is_done = True
                 return
+
+    async def push_text(self, piece: TextPiece) -> bool | Invalid:
+        """More text for a streaming-text job running here: True when taken, False when the stream is
+        not here any more (finished or cancelled), Invalid when the text cannot be taken."""
+        if piece.req_id not in self.streams:
+            return False
+        try:
+            return await finish_on_thread(self._push_text, piece)
+        except InvalidArgumentError as err:
+            return Invalid(err.field, err.message)
+
+    def _push_text(self, piece: TextPiece) -> bool:
+        with self.loop.exclusive():
+            taken = self.side.push_text(piece)
+        self.loop.wake()
+        return taken
 
     def _add(self, job: Job, kv: KVSnapshot | None = None) -> None:
         with self.loop.exclusive():

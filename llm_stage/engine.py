@@ -3,8 +3,9 @@
 `add_request` validates and queues; each `step` is schedule -> run -> sample -> update and
 returns the new tokens and completed codec frames per request; `cancel` frees the KV slot.
 A step samples one id or K codebook ids per row; a request with `guidance_scale` runs with a
-hidden unconditional twin whose logits are merged in (CFG). The LLMStage deployment and the
-in-process pipeline drive it.
+hidden unconditional twin whose logits are merged in (CFG). A streaming-text job (native text
+streaming) gets later text pieces through `push_text` while it runs. The LLMStage deployment and
+the in-process pipeline drive it.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from llm_stage.request import FinishReason, Request, RequestStatus, Token
 from llm_stage.runner import ModelRunner
 from llm_stage.sampler import SamplingRow, sample
 from llm_stage.scheduler import Scheduler, StepPlan
+from llm_stage.text_feed import TextFeed
 
 
 @dataclass
@@ -85,6 +87,8 @@ class LLMEngine:
     def add_job(self, job: Job, kv: KVSnapshot | None = None) -> Request:
         """Queue a validated Job; the tokenized prompt must fit the KV context (errors name `job.text_field`)."""
         try:
+            if job.text_streaming:
+                return self._add_streaming(job)
             prompt = self.adapter.job_prompt(job)
             guided = job.sampling.guidance_scale is not None
             uncond = self.adapter.unconditional_job_prompt(job) if guided else None
@@ -94,6 +98,36 @@ class LLMEngine:
                 raise
             raise InvalidArgumentError(job.text_field, err.message) from None
 
+    def _add_streaming(self, job: Job) -> Request:
+        """A native text-streaming job: its prompt reads the first piece, later positions the feed."""
+        if job.sampling.guidance_scale is not None:
+            raise InvalidArgumentError("sampling.guidance_scale", "is not supported with streamed text")
+        if job.resume is not None:
+            raise InvalidArgumentError("text_streaming", "a streamed-text request cannot be resumed")
+        prompt, feed = self.adapter.streaming_prompt(job)
+        return self.add_prompt(job.req_id, prompt, job.sampling, text_feed=feed)
+
+    def push_text(self, req_id: str, text: str = "", flush: bool = False, end: bool = False) -> bool:
+        """More text for a running streaming-text request: a piece, a flush of the text held back for
+        the tokenizer, or the end of its text. False: no such request here (finished or cancelled)."""
+        req = self.requests.get(req_id)
+        if req is None or req.is_done:
+            return False
+        feed = req.text_feed
+        if feed is None:
+            raise InvalidArgumentError("text", f"request {req_id!r} does not stream its text")
+        if feed.is_ended and (text or not end):
+            raise InvalidArgumentError("text", "the request's text has already ended")
+        if feed.num_chars + len(text) > self.adapter.max_text_chars:
+            raise InvalidArgumentError("text", f"the streamed text passes the limit of {self.adapter.max_text_chars}")
+        if text:
+            feed.push(text)
+        if end:
+            feed.end()
+        elif flush:
+            feed.flush()
+        return True
+
     def add_prompt(
         self,
         req_id: str,
@@ -102,15 +136,17 @@ class LLMEngine:
         uncond_prompt: list[Token] | None = None,
         resume: ResumeState | None = None,
         kv: KVSnapshot | None = None,
+        text_feed: TextFeed | None = None,
     ) -> Request:
-        """Queue a formatted prompt; a guided request (CFG) passes its twin's `uncond_prompt`.
+        """Queue a formatted prompt; a guided request (CFG) passes its twin's `uncond_prompt`, a
+        streaming-text one the `text_feed` its later positions read.
         `resume` continues a stream another replica started (see `_restore`), decoding at once from
         its migrated `kv` when that fits and slots are free, else prefilled again."""
         if not req_id or req_id in self.requests:
             raise InvalidArgumentError("request_id", f"{req_id!r} is empty or already in use")
         resumed = len(resume.tokens) if resume is not None else 0
         self._check_fits(prompt_ids, uncond_prompt, sampling, resumed)
-        req = Request(req_id, list(prompt_ids), sampling)
+        req = Request(req_id, list(prompt_ids), sampling, text_feed=text_feed)
         if uncond_prompt is not None:
             req.twin = Request(f"{req_id}#uncond", list(uncond_prompt), sampling, req.arrival_s, is_twin=True)
         if sampling.seed is not None:

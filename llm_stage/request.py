@@ -2,7 +2,8 @@
 
 Created by `LLMEngine.add_request`, mutated only by the scheduler's `update` / `cancel` /
 `preempt`. A position holds a `Token`: one vocab id, or a tuple of ids (K codebooks, plus
-model-specific lanes). A guided (CFG) request owns a hidden unconditional `twin`.
+model-specific lanes). A guided (CFG) request owns a hidden unconditional `twin`. A streaming-text
+request reads its text from a `text_feed`: positions past the text that has arrived wait for it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from core.messages import SamplingParams
+from llm_stage.text_feed import TextFeed
 
 Token = int | tuple[int, ...]
 
@@ -48,6 +50,7 @@ class Request:
     first_audio_s: float | None = None  # monotonic time the first chunk left for the client
     audio_sent_s: float = 0.0  # seconds of audio shipped so far
     tokens_to_next_chunk: int = 0  # engine steps until the smallest next chunk can be cut
+    text_feed: TextFeed | None = None  # native text streaming: the text its positions read, as it arrives
 
     @property
     def prompt_len(self) -> int:
@@ -59,9 +62,21 @@ class Request:
         return self.prompt_len + len(self.output_ids)
 
     @property
+    def num_ready(self) -> int:
+        """Known positions that can be computed: all, but those whose streamed text has not arrived."""
+        if self.text_feed is None:
+            return self.num_known
+        return min(self.num_known, self.text_feed.ready_through)
+
+    @property
     def num_prompt_left(self) -> int:
         """Known positions still to prefill (after a preemption, generated ones are re-prefilled too)."""
-        return max(0, self.num_known - self.num_cached)
+        return max(0, self.num_ready - self.num_cached)
+
+    @property
+    def is_waiting_for_text(self) -> bool:
+        """The next position to compute reads streamed text that has not arrived: no batch row, KV kept."""
+        return self.text_feed is not None and self.num_cached >= self.text_feed.ready_through
 
     @property
     def unit(self) -> list[Request]:

@@ -4,6 +4,8 @@ Every step it picks the decode rows and the prompt chunks to prefill under a tok
 then `update` applies the sampled tokens: append, stop detection, slot release. A guided
 (CFG) request and its hidden unconditional twin form one unit: admitted, prefilled, decoded
 (adjacent rows), preempted, cancelled and finished together, each row on its own KV slot.
+A streaming-text request whose next position reads text that has not arrived keeps its slot
+but gets no batch row (prefill or decode) until the text comes.
 The engine calls `schedule` -> runner -> `update`; tests drive it with hand-made tokens.
 """
 
@@ -95,7 +97,19 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
+        """Whether a step would do anything (requests waiting only for streamed text do not count)."""
+        return any(not r.is_waiting_for_text for r in self.waiting) or any(
+            not r.is_waiting_for_text for r in self.running.values()
+        )
+
+    @property
+    def has_requests(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting_for_text(self) -> int:
+        """Requests idle until their client sends more text (running ones hold their KV slots)."""
+        return sum(r.is_waiting_for_text for r in [*self.waiting, *self.running.values()])
 
     def add(self, req: Request) -> None:
         if req.is_twin:
@@ -117,7 +131,9 @@ class Scheduler:
         """Decode rows in policy order, prefill work for new requests (ahead of the order's tail
         when the policy says so), then more prefill work while rows and token budget last."""
         plan = StepPlan()
-        decoding = [r for r in self.running.values() if r.status is RequestStatus.DECODING]
+        decoding = [
+            r for r in self.running.values() if r.status is RequestStatus.DECODING and not r.is_waiting_for_text
+        ]
         phases = self.policy.phases
         phases.begin_step(decoding)
         priority = self.policy.decode_priority(decoding, self.waiting)
@@ -149,7 +165,7 @@ class Scheduler:
             if budget <= 0 or len(plan.decodes) + rows + len(req.unit) > self.config.max_batch_size:
                 break
             sizes = unit_prefill_sizes(req, budget)
-            completes = sizes == [r.num_prompt_left for r in req.unit]
+            completes = all(r.num_cached + n >= r.num_known for r, n in zip(req.unit, sizes, strict=True))
             if completes and not self.policy.phases.may_start(req):
                 break
             if req.status is RequestStatus.WAITING and not self._admit(req):
@@ -163,7 +179,7 @@ class Scheduler:
 
     def _prefill_candidates(self) -> list[Request]:
         partial = [r for r in self.running.values() if r.status is RequestStatus.PREFILLING]
-        return fcfs_order(partial) + list(self.waiting)
+        return [r for r in fcfs_order(partial) + list(self.waiting) if not r.is_waiting_for_text]
 
     def _admit(self, req: Request) -> bool:
         """Give every row of the unit its own KV slot, or admit nothing."""
@@ -219,7 +235,7 @@ class Scheduler:
 
         Rows go or stay with their unit (a CFG twin shares its request's status).
         """
-        decodes = [r for r in plan.decodes if r.status is RequestStatus.DECODING]
+        decodes = [r for r in plan.decodes if r.status is RequestStatus.DECODING and not r.is_waiting_for_text]
         prefills = [
             w for w in plan.prefills if w.req.status is RequestStatus.PREFILLING and w.req.num_cached == w.start
         ]

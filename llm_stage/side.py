@@ -11,7 +11,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 
-from core.messages import Checkpoint, HopTimes, Job, ResumeState, TokenChunk
+from core.messages import Checkpoint, HopTimes, Job, ResumeState, TextPiece, TokenChunk
 from core.policy import buffered_s
 from llm_stage.chunking import Chunker, ChunkSchedule
 from llm_stage.engine import LLMEngine, StepOutput
@@ -60,6 +60,18 @@ class LLMSide:
         req.first_audio_s = self.clock()
         req.audio_sent_s = max(0.0, buffered_audio_s)
 
+    def push_text(self, piece: TextPiece) -> bool:
+        """More text for a streaming-text request (False: it is not here any more). Text that ends a
+        wait whose client has played all its audio restarts its playback clock: the request then
+        goes first like a new stream, as the client's silence was its own (no text), not ours."""
+        req = self.engine.requests.get(piece.req_id)
+        was_waiting = req is not None and req.is_waiting_for_text
+        if not self.engine.push_text(piece.req_id, piece.text, piece.flush, piece.end):
+            return False
+        if was_waiting and not req.is_waiting_for_text and buffered_s(req, self.clock()) <= 0:
+            req.first_audio_s, req.audio_sent_s = None, 0.0
+        return True
+
     def cancel(self, req_id: str) -> None:
         self.engine.cancel(req_id)
         self.chunkers.pop(req_id, None)
@@ -67,9 +79,10 @@ class LLMSide:
 
     def move_out(self, req_id: str) -> tuple[ResumeState, KVSnapshot | None] | None:
         """Stop a stream here so another engine continues it: its state (every sampled token, the
-        generator, where its chunks stand) and its KV rows when they can move (None: not running)."""
+        generator, where its chunks stand) and its KV rows when they can move (None: not running,
+        or it streams its text: that comes to this replica, so it finishes here)."""
         req, chunker = self.engine.requests.get(req_id), self.chunkers.get(req_id)
-        if req is None or chunker is None:
+        if req is None or chunker is None or req.text_feed is not None:
             return None
         kv = self.engine.export_kv(req_id)
         tokens, rng_state = tuple(req.output_ids), self.engine.sampler_state(req_id)

@@ -2,16 +2,20 @@
 WebSocket as an LLM writes them) vs whole text (the same words sent once the last one is written),
 against a running server. One stream at a time, the two modes alternate per reply; with
 `--streams N`, N clients run at once, half of them incremental, and each mode's share of viable
-streams (every chunk on time, DESIGN §1) is reported too.
+streams (every chunk on time, DESIGN §1) is reported too. With `--rates`, a Poisson sweep: streams
+arrive at each rate for `--duration-s`, every other one incremental.
 
 Usage (with `voxray serve` running): python -m loadtest.incremental_bench --pace 30 --trials 5 [--streams 4]
+    python -m loadtest.incremental_bench --pace 30 --rates 0.5,1,2 --duration-s 30
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from cluster.incremental_client import IncrementalResult, type_text
@@ -67,6 +71,33 @@ def run_concurrent(url: str, pace: float, trials: int, max_tokens: int, num_stre
     return {"pace_words_per_s": pace, "streams": num_streams, **summary(results)}
 
 
+def poisson_offsets_s(rate_per_s: float, duration_s: float, seed: int) -> list[float]:
+    rng, offsets, at_s = random.Random(seed), [], 0.0
+    while (at_s := at_s + rng.expovariate(rate_per_s)) < duration_s:
+        offsets.append(at_s)
+    return offsets
+
+
+def run_poisson(url: str, pace: float, rate_per_s: float, duration_s: float, max_tokens: int) -> dict:
+    """Streams arriving as a Poisson process at `rate_per_s` for `duration_s`, every other one incremental
+    (the replies in turn); each mode's first-piece -> first-audio and viability."""
+    offsets = poisson_offsets_s(rate_per_s, duration_s, seed=round(rate_per_s * 1000))
+    start_s = time.monotonic() + 0.5
+
+    def client(index: int) -> tuple[str, IncrementalResult]:
+        time.sleep(max(0.0, start_s + offsets[index] - time.monotonic()))
+        whole = index % 2 == 1
+        config = {"sampling": {"seed": index, "max_tokens": max_tokens}}
+        return ("whole_text" if whole else "incremental"), type_text(url, REPLIES[index % 4], config, pace, whole)
+
+    with ThreadPoolExecutor(max(1, len(offsets))) as pool:
+        done = list(pool.map(client, range(len(offsets))))
+    results: dict[str, list[IncrementalResult]] = {"incremental": [], "whole_text": []}
+    for mode, result in done:
+        results[mode].append(result)
+    return {"pace_words_per_s": pace, "rate_per_s": rate_per_s, "streams": len(offsets), **summary(results)}
+
+
 def run(url: str, pace: float, trials: int, max_tokens: int) -> dict:
     """One stream at a time, each reply in both modes (alternating which goes first)."""
     results: dict[str, list[IncrementalResult]] = {"incremental": [], "whole_text": []}
@@ -85,7 +116,14 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=3, help="rounds over the replies, each in both modes")
     parser.add_argument("--max-tokens", type=int, default=70, help="per segment (orpheus: 7 per frame)")
     parser.add_argument("--streams", type=int, default=1, help="clients at once, half of them incremental")
+    parser.add_argument("--rates", default="", help="Poisson sweep: arrival rates (streams/s), comma-separated")
+    parser.add_argument("--duration-s", type=float, default=30.0, help="arrivals per rate of the sweep")
     args = parser.parse_args()
+    if args.rates:
+        rates = [float(rate) for rate in args.rates.split(",")]
+        sweep = [run_poisson(args.url, args.pace, rate, args.duration_s, args.max_tokens) for rate in rates]
+        print(json.dumps(sweep, indent=2))
+        return
     if args.streams > 1:
         report = run_concurrent(args.url, args.pace, args.trials, args.max_tokens, args.streams)
     else:

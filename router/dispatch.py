@@ -9,6 +9,7 @@ The Router ingress reads `estimated_loads` to reject at once when no replica adm
 LLMStage replica still makes the final decision). The detok handle's router (`DetokBoard`,
 power-of-two routing as Serve's default) keeps the detok replicas' `DetokLoad` reports where
 the LLM replica calling them reads them (`detok_loads`).
+A `TextPiece` (more text for a streaming-text job) goes to the replica running that job, uncounted.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections import defaultdict, deque
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter  # Serve's default router
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from core.messages import TextPiece
 from router.admission import ReplicaLoad, predict_ttfa_s
 from router.detok_load import DetokLoad
 
@@ -78,6 +80,7 @@ class PredictedTTFARouter(RequestRouter):
         # request -> (replica it was ranked first on, when), not yet sent; a request whose client left
         # while it was being routed is never sent: it stops counting after CHOOSING_KEEP_S
         self._choosing: dict[str, tuple[ReplicaID, float]] = {}
+        self._pinned: set[str] = set()  # text pieces in flight: sent to their stream's replica, not counted
         self.leaving: set[str] = set()  # unique ids of replicas handing their streams off
         self.has_lost_replicas = False  # a replica died since start (then an empty set is an outage)
         _register(self.app_name, self, "_BOARDS")  # the Router's early reject and deadline check read it
@@ -133,6 +136,10 @@ class PredictedTTFARouter(RequestRouter):
         self._replicas_seen = {rid: r for rid, r in self._replicas_seen.items() if rid in live}
         self.leaving &= {rid.unique_id for rid in live}
         key = pending_request.metadata.internal_request_id if pending_request is not None else None
+        pinned = _pinned_replica(pending_request, candidate_replicas)
+        if pinned is not None:
+            self._pinned.add(key)
+            return [[pinned]]
         if key is not None:
             self._choosing.pop(key, None)  # a retry ranks afresh
         ranked = sorted(candidate_replicas, key=self._score)
@@ -142,11 +149,16 @@ class PredictedTTFARouter(RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         self._ensure_state()
-        self._choosing.pop(pending_request.metadata.internal_request_id, None)
-        self._events[replica_id].append((self._get_curr_time_s(), 1))
+        key = pending_request.metadata.internal_request_id
+        self._choosing.pop(key, None)
+        if key not in self._pinned:
+            self._events[replica_id].append((self._get_curr_time_s(), 1))
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self._ensure_state()
+        if internal_request_id in self._pinned:
+            self._pinned.discard(internal_request_id)
+            return
         self._events[replica_id].append((self._get_curr_time_s(), -1))
 
 
@@ -157,3 +169,13 @@ class DetokBoard(PowerOfTwoChoicesRequestRouter):
     def initialize_state(self, **kwargs) -> None:
         super().initialize_state(**kwargs)
         _register(self.app_name, self, "_DETOK_BOARDS")
+
+
+def _pinned_replica(request: PendingRequest | None, candidates: list[RunningReplica]) -> RunningReplica | None:
+    """The replica a text piece must reach (None: not a text piece, or that replica is gone; then it
+    is routed like any call and the replica it reaches answers that the stream is not there)."""
+    args = request.args if request is not None else []
+    if not args or not isinstance(args[0], TextPiece):
+        return None
+    unique_id = args[0].llm_replica.rsplit("#", 1)[-1]
+    return next((r for r in candidates if r.replica_id.unique_id == unique_id), None)

@@ -8,7 +8,9 @@ seed and sampling, carrying the context its family needs (CSM: earlier segments 
 speaker tag; Orpheus: the voice prefix every prompt has), run by `run_segment`; a segment whose
 text is complete starts while the one before still generates (`lookahead_segments`; CSM waits
 for the audio it conditions on), its audio held until its turn. Waiting for text, nothing is
-queued in the engine. Joins fade to zero (`router.joins`). No text for `idle_timeout_s` closes it.
+queued in the engine. Joins fade to zero (`router.joins`). No text for `idle_timeout_s` closes it;
+a drain ends a stream waiting for text (its final chunk; later pieces are dropped). Families that
+read text while they speak use `router.native_session` instead.
 """
 
 from __future__ import annotations
@@ -26,9 +28,20 @@ from core.messages import AudioChunk, ContextTurn, Job
 from llm_stage.jobs import check_text, check_unicode
 from llm_stage.models.base import LMAdapter
 from router.joins import fade_in, fade_out, fade_samples
+from router.playback import TextPacedPlayback
 from router.segmenter import TextSegmenter
 
 END = None  # queued after the last segment
+DRAIN_POLL_S = 0.1  # while waiting for text: how often a drain is looked for
+
+
+def check_piece(text: object, field: str, config: IncrementalConfig) -> None:
+    """A client's text piece: a string within `max_piece_chars`, valid Unicode."""
+    if not isinstance(text, str):
+        raise InvalidArgumentError(field, "must be a string")
+    if len(text) > config.max_piece_chars:
+        raise InvalidArgumentError(field, f"is {len(text)} characters; the limit is {config.max_piece_chars}")
+    check_unicode(text, field)
 
 
 @dataclass(frozen=True)
@@ -90,6 +103,7 @@ class IncrementalSession:
         run_segment: SegmentRunner,
         sample_rate_hz: int,
         clock: Callable[[], float] = time.monotonic,
+        is_draining: Callable[[], bool] = lambda: False,
     ) -> None:
         self.template = template  # validated once: voice, sampling, deadline, format, request id
         self.adapter = adapter
@@ -103,6 +117,10 @@ class IncrementalSession:
         self.cut_texts: list[str] = []  # the segments as cut from the client's text
         self.turns: list[ContextTurn] = []
         self.is_ended = False
+        self.is_draining = is_draining
+        self.is_drain_ended = False  # the drain ended the text: later pieces are dropped
+        self.is_finished = False  # the final chunk went out
+        self.playback = TextPacedPlayback(clock())  # the whole stream's, for the Router's metrics
         self.last_activity_s = clock()
         self.next_seq = 0
         self.first_audio_s: float | None = None  # when the stream's first audio left the session
@@ -114,17 +132,18 @@ class IncrementalSession:
     # ---- input --------------------------------------------------------------------------
     def push(self, text: object, field: str = "text") -> None:
         """A piece of text; complete segments are queued for synthesis."""
+        if self.is_drain_ended:
+            return
         self._check_open(field)
-        if not isinstance(text, str):
-            raise InvalidArgumentError(field, "must be a string")
-        if len(text) > self.config.max_piece_chars:
-            raise InvalidArgumentError(field, f"is {len(text)} characters; the limit is {self.config.max_piece_chars}")
-        check_unicode(text, field)
+        check_piece(text, field, self.config)
         self.last_activity_s = self.clock()
-        self._queue(self.segmenter.push(text))
+        self.playback.on_text(self.last_activity_s)
+        self._queue(self.segmenter.push(text))  # type: ignore[arg-type]
 
     def flush(self) -> None:
         """Speak what is buffered now, without waiting for a boundary."""
+        if self.is_drain_ended:
+            return
         self._check_open("flush")
         self.last_activity_s = self.clock()
         self._queue(self.segmenter.flush())
@@ -163,6 +182,7 @@ class IncrementalSession:
         finally:  # a stream closed early cancels the segments started ahead (their streams are freed)
             for prefetch in self.prefetches:
                 prefetch.task.cancel()
+        self.is_finished = True
         final = AudioChunk(self.template.req_id, self.next_seq, b"", self.sample_rate_hz, is_final=True)
         yield SessionAudio(final, len(self.texts), is_segment_end=True)
 
@@ -191,9 +211,12 @@ class IncrementalSession:
     async def _next_segment(self) -> str | None:
         timeout_s = self.config.idle_timeout_s
         while True:
+            if self.is_draining() and not self.is_ended:  # only waiting for text: end it cleanly
+                self.end()
+                self.is_drain_ended = True
             left_s = self.last_activity_s + timeout_s - self.clock()
             try:
-                return await asyncio.wait_for(self.queue.get(), timeout=max(left_s, 0.0))
+                return await asyncio.wait_for(self.queue.get(), timeout=min(max(left_s, 0.0), DRAIN_POLL_S))
             except TimeoutError:
                 if self.clock() - self.last_activity_s >= timeout_s:
                     message = f"no text for {timeout_s:g} s (incremental.idle_timeout_s); stream closed"
@@ -233,6 +256,7 @@ class IncrementalSession:
             )
             self.next_seq += 1
             self._mark_sent(audio.duration_s)
+            self.playback.on_chunk(self.clock(), audio.duration_s)
             cut_text = self.cut_texts[job.segment_index] if is_first else ""
             is_first = False
             yield SessionAudio(audio, job.segment_index, part.audio.is_final, cut_text)

@@ -1,7 +1,8 @@
 """The transport-independent part of the Router: admission checks, dispatch to an LLM replica,
 ordered audio from the detok replicas' object stores, resuming a stream whose LLM replica died
-or moved it, the drain, and incremental-text sessions. `router.ingress` wraps it in the gRPC and
-HTTP front doors (the Router deployment).
+or moved it, the drain, and incremental-text sessions (one streaming-text request fed text pieces
+for families that read text while they speak, else a request per text segment), each counted once
+in the metrics. `router.ingress` wraps it in the gRPC and HTTP front doors (the Router deployment).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from core.messages import (
     Rejected,
     ResumeState,
     StreamHead,
+    TextPiece,
 )
 from llm_stage.registry import get_entry
 from router.admission import admits_anywhere, stream_limit
@@ -43,7 +45,8 @@ from router.jobs import (
     job_from_fields,
 )
 from router.metrics import RouterMetrics
-from router.playback import PlaybackTracker
+from router.native_session import NativeTextSession
+from router.playback import PlaybackTracker, TextPacedPlayback
 from router.resume import StreamProgress
 
 
@@ -133,6 +136,7 @@ class RouterCore:
         self.config = ServeConfig.model_validate(config)
         self.entry = get_entry(self.config.engine.model.name)
         self.llm = llm_handle.options(stream=True)
+        self.llm_text = llm_handle  # text pieces of streaming-text requests (pinned to their replica)
         self.detok = detok_handle  # decodes a chunk again when the replica holding its audio is lost
         self.step_audio = StepAudio()  # one fetch per engine step's audio, shared by its streams
         self.open_streams = 0
@@ -184,26 +188,57 @@ class RouterCore:
             self.open_streams -= 1
 
     @asynccontextmanager
-    async def incremental(self, template: Job) -> AsyncIterator[IncrementalSession]:
-        """An incremental-text stream: admitted (and counted as one stream here) for its whole life;
-        its segments run one after another on any LLM replica, the first one admitted there."""
+    async def incremental(self, template: Job) -> AsyncIterator[IncrementalSession | NativeTextSession]:
+        """An incremental-text stream: admitted (and counted as one stream here, in the metrics too)
+        for its whole life. A family that reads text while it speaks runs it as one streaming-text
+        request; the others run its segments one after another on any LLM replica."""
         self.check_open()
         self.check_alive()
         self.check_capacity(template)
         self.open_streams += 1
-        try:
-            yield IncrementalSession(
-                template, self.entry.family.lm, self.config.incremental, self.segment_audio, self.entry.sample_rate_hz
+        family, config = self.entry.family, self.config.incremental
+        is_draining = lambda: self.drain.is_draining  # noqa: E731
+        if family.streams_text:
+            session: IncrementalSession | NativeTextSession = NativeTextSession(
+                template, family.lm, config, self.text_stream_audio, self.send_text, self.entry.sample_rate_hz,
+                is_draining,
+            )  # fmt: skip
+        else:
+            session = IncrementalSession(
+                template, family.lm, config, self.segment_audio, self.entry.sample_rate_hz, is_draining=is_draining
             )
+        try:
+            yield session
         finally:
             self.open_streams -= 1
+            if session.is_finished:
+                self._record_session(session.playback)
 
     async def segment_audio(self, job: Job) -> AsyncIterator[SegmentAudio]:
         """One segment of an incremental stream, as its session wants it: audio and frames."""
-        async for sent in self._dispatch(job):
+        async for sent in self._dispatch(job, record=False):
             yield SegmentAudio(sent.audio, sent.frames)
 
-    async def _dispatch(self, job: Job) -> AsyncIterator[SentChunk]:
+    async def text_stream_audio(self, job: Job, replica: asyncio.Future) -> AsyncIterator[SegmentAudio]:
+        """A streaming-text request's audio; `replica` gets the tag of the LLM replica running it (where
+        `send_text` sends its pieces). Not resumed on another replica: its text went to this one."""
+        tracker, progress = PlaybackTracker(time.monotonic()), StreamProgress()
+        try:
+            async for sent in self._relay(job, tracker, progress, replica.set_result, record=False):
+                yield SegmentAudio(sent.audio, sent.frames)
+        finally:
+            if not replica.done():
+                replica.cancel()
+
+    async def send_text(self, piece: TextPiece) -> bool | Invalid:
+        return await self.llm_text.push_text.remote(piece)
+
+    def _record_session(self, playback: TextPacedPlayback) -> None:
+        for underrun_s in playback.underruns_s:
+            self.metrics.underrun.observe(underrun_s)
+        self._record_finished(playback, time.monotonic())
+
+    async def _dispatch(self, job: Job, record: bool = True) -> AsyncIterator[SentChunk]:
         """Stream `job` from an LLM replica. When that replica dies mid-stream, resume it on another
         from the last checkpoint the client's chunks carried (`router.resume`); when it hands the
         stream off (a Moved event: it is leaving), continue it elsewhere with the KV it sent."""
@@ -213,7 +248,8 @@ class RouterCore:
         while True:
             resume = handoff or (progress.resume_state() if progress.next_seq else None)
             try:
-                async for sent in self._relay(dataclasses.replace(job, resume=resume), tracker, progress):
+                relayed = self._relay(dataclasses.replace(job, resume=resume), tracker, progress, record=record)
+                async for sent in relayed:
                     yield sent
                 return
             except StreamMoved as moved:
@@ -234,12 +270,22 @@ class RouterCore:
                 lost = type(err).__name__
                 logger.warning("%s: LLM replica lost (%s); resuming at chunk %d", job.req_id, lost, progress.next_seq)
 
-    async def _relay(self, job: Job, tracker: PlaybackTracker, progress: StreamProgress) -> AsyncIterator[SentChunk]:
-        """One LLM replica's stream of `job`, its audio fetched, in seq order, to the final chunk."""
+    async def _relay(
+        self,
+        job: Job,
+        tracker: PlaybackTracker,
+        progress: StreamProgress,
+        on_head: Callable[[str], None] | None = None,
+        record: bool = True,
+    ) -> AsyncIterator[SentChunk]:
+        """One LLM replica's stream of `job`, its audio fetched, in seq order, to the final chunk
+        (`on_head` gets the replica's tag; `record`: count it in the metrics as a whole stream)."""
         stream = self.llm.generate.remote(job)
         finished = False
         try:
             llm_replica = self._check_head(await self._head(stream))
+            if on_head is not None:
+                on_head(llm_replica)
             async for event in stream:
                 if isinstance(event, Failed):
                     raise StreamFailed(event.message)
@@ -248,14 +294,15 @@ class RouterCore:
                 audio = await self._fetch(event)
                 now = time.monotonic()
                 underrun = tracker.on_chunk(now, audio.duration_s)
-                if underrun is not None:
+                if underrun is not None and record:
                     self.metrics.underrun.observe(underrun)
                 finished = audio.is_final
                 frames = event.ref.chunk.kept_frames
                 yield SentChunk(audio, audio.seq, tracker.ttfa_s, now - tracker.start_s, llm_replica, frames)
                 progress.record(event)
                 if finished:
-                    self._record_finished(tracker, now)
+                    if record:
+                        self._record_finished(tracker, now)
                     return
                 if self.drain.is_past_deadline:
                     raise Draining(self.config.drain.retry_after_s)
@@ -286,7 +333,7 @@ class RouterCore:
         except Exception as err:
             raise StreamFailed(f"audio of chunk {event.ref.seq} lost: {type(err).__name__}") from err
 
-    def _record_finished(self, tracker: PlaybackTracker, now_s: float) -> None:
+    def _record_finished(self, tracker: PlaybackTracker | TextPacedPlayback, now_s: float) -> None:
         metrics = self.metrics
         metrics.finished.inc()
         if tracker.ttfa_s is not None:

@@ -23,6 +23,7 @@ from llm_stage.chunking import ChunkSchedule
 from llm_stage.kv_cache import SlotKVCache
 from llm_stage.models.llama import BatchInputs
 from llm_stage.request import Request, Token
+from llm_stage.text_feed import TextFeed
 
 # (logits [N, C], cand ids [N, C] | None, request of each row, codebook of each row) -> sampled ids [N]
 DrawFn = Callable[[torch.Tensor, torch.Tensor | None, list[Request], list[int]], list[int]]
@@ -97,6 +98,11 @@ class LMAdapter(ABC):
         """An incremental stream's next segment as the model should read it, given the segments
         before it (override to carry text-level context, e.g. Dia's speaker tag)."""
         return text
+
+    def streaming_prompt(self, job: Job) -> tuple[list[Token], TextFeed]:
+        """Native text streaming (families with `ModelFamily.streams_text`): the prompt and the feed its
+        later positions read the streamed text from, holding `job.text`, the first piece."""
+        raise InvalidArgumentError("text_streaming", f"{self.family} reads its text whole (segment pipelining)")
 
     def unconditional_job_prompt(self, job: Job) -> list[Token]:
         """The prompt of a guided job's hidden twin."""
@@ -179,6 +185,9 @@ class ModelFamily:
     # the chunk schedule `detok.schedule: auto` uses: the family's detokenizer needs its own
     # (None = the wide fields of DetokConfig)
     chunk_schedule: ChunkSchedule | None = None
+    # native text streaming: the LM reads text while it speaks (`LMAdapter.streaming_prompt`), so an
+    # incremental stream is one request fed text pieces, not a request per text segment
+    streams_text: bool = False
 
     @property
     def tokens_per_s(self) -> float:

@@ -6,7 +6,10 @@ codebooks 1..K-1 for every row of the batch at once. A position is K codec lanes
 its input is the projected text embedding plus the codebook embeddings of the lanes that are set
 (prompt positions pair one text id with one talker codec id; a generated frame is its K codes over
 the `tts_pad` text). The prompt is the reference's non-streaming CustomVoice layout (the whole text
-up front, `talker_prompt`); a frame whose codebook 0 is the codec EOS stops.
+up front, `talker_prompt`), or for streamed text its streaming layout (`streaming_talker_prompt`):
+the prompt ends on the first text id, and each generated frame reads the next text id, then
+`tts_eos`, then `tts_pad` (a `TextFeed`, filled as the text arrives). A frame whose codebook 0 is
+the codec EOS stops.
 """
 
 from __future__ import annotations
@@ -20,14 +23,16 @@ import torch
 from core.checkpoints import load_or_preset, load_prefixed_state, read_config, resolve_model_ref
 from core.config import ModelConfig
 from core.errors import InvalidArgumentError
-from core.messages import SamplingParams
+from core.messages import Job, SamplingParams
 from detok_stage.codecs.qwen3_tts_codec import Qwen3TTSCodec
 from llm_stage.models.base import DrawFn, FrameBuilder, LMAdapter, ModelFamily
 from llm_stage.models.llama import LlamaBackbone
 from llm_stage.models.qwen3_tts_talker import PredictorRunner, Qwen3TTSModel, TalkerSpec, qwen3_config
 from llm_stage.models.tokenizers import ByteTokenizer, HFTokenizer
 from llm_stage.request import Request, Token
+from llm_stage.text_feed import SplitText, TextFeed, split_last_word, split_whole
 
+FROM_FEED = -2  # a text lane read from the request's `TextFeed` (streamed text)
 NONE = -1  # an unset lane: a text-only position's codec lanes, a prompt position's codebooks 1..K-1
 NUM_SPECIAL_CODEC_IDS = 1024  # the talker vocab's top ids (specials, speakers, languages): never sampled but EOS
 MIN_NEW_FRAMES = 2  # EOS is masked for the first frames, as the reference's min_new_tokens
@@ -89,6 +94,10 @@ class ChatTokenizer(Protocol):
         """(the 3 role ids `<|im_start|>assistant\\n`, the text's ids)."""
         ...
 
+    def text_splitter(self) -> SplitText:
+        """Tokenizes streamed text pieces (ids of the bare text, as `chat_ids` slices them)."""
+        ...
+
 
 class QwenChatTokenizer:
     """The checkpoint's Qwen2 tokenizer over the whole chat string, sliced as the reference slices it."""
@@ -100,6 +109,9 @@ class QwenChatTokenizer:
         ids = self.tokenizer.encode(CHAT_TEMPLATE.format(text=text))
         return ids[:3], ids[3:-5]
 
+    def text_splitter(self) -> SplitText:
+        return split_last_word(self.tokenizer.encode)
+
 
 class PresetChatTokenizer:
     """The tiny preset's: fixed role ids, UTF-8 bytes at 16.. (its text vocab is 300)."""
@@ -108,6 +120,9 @@ class PresetChatTokenizer:
 
     def chat_ids(self, text: str) -> tuple[list[int], list[int]]:
         return list(self.role_ids), ByteTokenizer(offset=16, bos_id=None).encode(text)
+
+    def text_splitter(self) -> SplitText:
+        return split_whole(ByteTokenizer(offset=16, bos_id=None).encode)
 
 
 class Qwen3TTSFrameBuilder(FrameBuilder):
@@ -185,6 +200,26 @@ class Qwen3TTSAdapter(LMAdapter):
             at(f["codec_bos_id"], spec.tts_pad_id),
         ]
 
+    def streaming_talker_prompt(self, role_ids: list[int], codec_prefix: list[int]) -> list[Token]:
+        """Streamed text: the non-streaming layout up to the codec prefix, then `codec_bos` over the
+        first text id (read from the feed, as every generated frame's text lane after it)."""
+        prompt = self.talker_prompt(role_ids, [], codec_prefix)[: len(role_ids) + len(codec_prefix)]
+        return [*prompt, self.position(self.spec.talker["codec_bos_id"], FROM_FEED)]
+
+    def streaming_prompt(self, job: Job) -> tuple[list[Token], TextFeed]:
+        role_ids, _ = self.tokenizer.chat_ids(job.text)
+        prompt = self.streaming_talker_prompt(role_ids, self.codec_prefix(job.voice))
+        feed = TextFeed(self.tokenizer.text_splitter(), (self.spec.tts_eos_id,), self.spec.tts_pad_id, len(prompt) - 1)
+        feed.push(job.text)
+        return prompt, feed
+
+    def lanes_at(self, req: Request, index: int) -> list[int]:
+        lanes = self.token_lanes(req.token_at(index))
+        feed = req.text_feed
+        if feed is not None and index >= feed.first_position:
+            lanes[-1] = feed.at(index - feed.first_position)
+        return lanes
+
     def format_prompt(self, text: str, voice: str | None) -> list[Token]:
         role_ids, text_ids = self.tokenizer.chat_ids(text)
         return self.talker_prompt(role_ids, text_ids, self.codec_prefix(voice))
@@ -257,4 +292,5 @@ FAMILY = ModelFamily(
     repo_id="Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice",
     codec_in_checkpoint=True,
     is_checkpoint=lambda config: config.get("model_type") == "qwen3_tts",
+    streams_text=True,
 )

@@ -13,7 +13,8 @@ torchaudio, serve only audio files, the 25 Hz tokenizer and voice cloning, and a
 It writes, with the reference's own `save_pretrained`, a tiny checkpoint in the published layout
 (checkpoint/: config.json, model.safetensors, speech_tokenizer/) and golden.json + golden_audio.npz:
 greedy frames of `Qwen3TTSForConditionalGeneration.generate` (talker + code predictor, the
-CustomVoice non-streaming prompt) and waveforms of `Qwen3TTSTokenizerV2Model.decode`.
+CustomVoice non-streaming prompt; `streaming_frames`: its streaming-text prompt) and waveforms of
+`Qwen3TTSTokenizerV2Model.decode`.
 tests/llm_stage/test_qwen3_tts_golden.py checks ours against them without the reference installed.
 """
 
@@ -113,10 +114,15 @@ def randomize(model: torch.nn.Module, seed: int, scales: dict[str, float]) -> No
                 p.add_(0.1 * noise * scale)
 
 
-def greedy_frames(model: Qwen3TTSForConditionalGeneration, text_ids: list[int], speaker: str) -> torch.Tensor:
+def greedy_frames(
+    model: Qwen3TTSForConditionalGeneration, text_ids: list[int], speaker: str, streaming: bool = False
+) -> torch.Tensor:
+    """Greedy frames of the reference's `generate`; `streaming` is its streaming-text layout
+    (`non_streaming_mode=False`: the prompt ends with the first text id, every later text id and
+    then `tts_eos` ride on one generated frame each, `tts_pad` after them)."""
     input_ids = torch.tensor([ROLE_IDS + text_ids + TAIL_IDS])
     codes, _ = model.generate(
-        input_ids=[input_ids], languages=["auto"], speakers=[speaker], non_streaming_mode=True,
+        input_ids=[input_ids], languages=["auto"], speakers=[speaker], non_streaming_mode=not streaming,
         max_new_tokens=NUM_FRAMES, do_sample=False, subtalker_dosample=False, repetition_penalty=REPETITION_PENALTY,
     )  # fmt: skip
     return codes[0]
@@ -152,8 +158,15 @@ def main() -> None:
     with torch.no_grad():
         for index, (text_ids, speaker) in enumerate(PROMPTS):
             codes = greedy_frames(model, text_ids, speaker)
+            streaming = greedy_frames(model, text_ids, speaker, streaming=True)
             golden["cases"].append(
-                {"role_ids": ROLE_IDS, "text_ids": text_ids, "speaker": speaker, "frames": codes.tolist()}
+                {
+                    "role_ids": ROLE_IDS,
+                    "text_ids": text_ids,
+                    "speaker": speaker,
+                    "frames": codes.tolist(),
+                    "streaming_frames": streaming.tolist(),
+                }
             )
             audio[f"generated_{index}"] = tokenizer.decode(codes[None]).audio_values[0].numpy()
         random_codes = torch.randint(

@@ -1,0 +1,148 @@
+"""Native text streaming (issue 27) under a real local Ray + Serve: qwen3-tts-tiny on two LLM
+replicas, incremental WebSocket streams typed word by word. Each stream is one streaming-text
+request fed its pieces on the replica that runs it (the request router pins them there), waiting
+for text with its KV held; its audio equals the in-process engine's for the whole text at once."""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from ray import serve
+
+from cluster.pipeline import InProcessPipeline
+from core.config import AdmissionConfig, EngineConfig, ModelConfig, StageDeploymentConfig
+from core.messages import Job
+from tests.deployments.conftest import small_config
+
+pytestmark = pytest.mark.slow
+AGENTS = small_config(
+    app_name="voxray-agents", route_prefix="/agents", engine=EngineConfig(model=ModelConfig(name="qwen3-tts-tiny")),
+    llm=StageDeploymentConfig(num_replicas=2, num_cpus=0.25), detok=StageDeploymentConfig(num_cpus=0.25),
+    router=StageDeploymentConfig(num_cpus=0.25),
+    admission=AdmissionConfig(max_streams_per_replica=4, max_queued_per_replica=4, default_ttfa_deadline_s=120.0),
+)  # fmt: skip
+WORDS = ["Hello ", "there, ", "my ", "good ", "friend."]
+SEEDS = (33, 36, 37)  # seeds whose stream reads all the text before its EOS (the tiny model stops at random)
+SAMPLING = {"max_tokens": 80}
+
+
+@pytest.fixture(scope="module")
+def agents(cluster):
+    from cluster.server import deploy_app
+
+    ep = deploy_app(AGENTS)
+    yield ep
+    serve.delete(AGENTS.app_name)
+
+
+def ws_messages(ws) -> tuple[list, int]:
+    from websockets.exceptions import ConnectionClosed
+
+    got = []
+    try:
+        while True:
+            message = ws.recv(timeout=120)
+            got.append(json.loads(message) if isinstance(message, str) else message)
+    except ConnectionClosed as closed:
+        return got, closed.rcvd.code if closed.rcvd else -1
+
+
+def typed_stream(ep, index: int) -> tuple[bytes, int, list]:
+    """One WebSocket stream: a word, its first audio, then the other words 0.15 s apart, then end."""
+    from websockets.sync.client import connect
+
+    url = ep.http_url.replace("http://", "ws://", 1) + AGENTS.route_prefix + "/v1/audio/speech/stream"
+    with connect(url, open_timeout=60) as ws:
+        config = {"voice": "ryan", "sampling": {"seed": SEEDS[index], **SAMPLING}, "request_id": f"nat-{index}"}
+        ws.send(json.dumps(config))
+        assert json.loads(ws.recv(timeout=60))["type"] == "ready"
+        for word in WORDS:
+            ws.send(json.dumps({"text": word}))
+            time.sleep(0.15)
+        ws.send(json.dumps({"end": True}))
+        got, code = ws_messages(ws)
+    metas = [m for m in got if isinstance(m, dict)]
+    audio = b"".join(m for m in got if isinstance(m, bytes))
+    return audio, code, metas
+
+
+def whole_text_audio(index: int) -> bytes:
+    pipeline = InProcessPipeline(AGENTS.engine)
+    adapter = pipeline.llm.engine.adapter
+    sampling = adapter.default_sampling.model_copy(update={"seed": SEEDS[index], **SAMPLING})
+    pipeline.add_job(Job(f"whole-{index}", "".join(WORDS), "ryan", sampling, 60.0, text_streaming=True))
+    pipeline.llm.engine.push_text(f"whole-{index}", end=True)
+    return b"".join(chunk.pcm16 for chunk in pipeline.stream())
+
+
+def test_typed_streams_on_two_replicas_equal_the_whole_text_and_wait_holding_kv(agents):
+    llm = serve.get_deployment_handle("LLMStage", AGENTS.app_name)
+    with ThreadPoolExecutor(3) as pool:
+        streams = [pool.submit(typed_stream, agents, i) for i in range(3)]
+        seen_waiting = 0
+        while not all(s.done() for s in streams):
+            seen_waiting = max(seen_waiting, llm.stats.remote().result()["waiting_for_text"])
+            time.sleep(0.05)
+        results = [s.result() for s in streams]
+    for index, (audio, code, metas) in enumerate(results):
+        assert code == 1000 and metas[-1]["type"] == "done", metas[-1]
+        assert {m["segment"] for m in metas if m["type"] == "audio"} == {0}  # one request, not segments
+        want = np.frombuffer(whole_text_audio(index), dtype="<i2").astype(np.int32)
+        got = np.frombuffer(audio, dtype="<i2").astype(np.int32)
+        assert got.shape == want.shape and got.size > 0
+        assert np.abs(got - want).max() <= 2  # same frames; float noise of batched decoding only
+    assert seen_waiting >= 1  # a stream ran out of text and waited on its replica
+    # (a piece routed to the other replica would be refused there, and its stream would wait for
+    # text until the idle timeout: the audio above shows every piece reached its stream)
+
+
+def test_grpc_bidi_stream_of_typed_words_equals_the_whole_text(agents):
+    """The same native stream over the bidi `SynthesizeStream` (the client's half-close ends its text)."""
+    import grpc
+
+    from protos import voxray_pb2, voxray_pb2_grpc
+
+    def requests():
+        sampling = voxray_pb2.SamplingOptions(seed=SEEDS[0], max_tokens=SAMPLING["max_tokens"])
+        config = voxray_pb2.SynthesizeRequest(voice="ryan", request_id="nat-grpc", sampling=sampling)
+        yield voxray_pb2.SynthesizeStreamRequest(config=config)
+        for word in WORDS:
+            yield voxray_pb2.SynthesizeStreamRequest(text=word)
+            time.sleep(0.15)
+
+    with grpc.insecure_channel(agents.grpc_target) as channel:
+        chunks = list(voxray_pb2_grpc.SpeechStub(channel).SynthesizeStream(requests(), timeout=120))
+    assert chunks[-1].final and [c.seq for c in chunks] == list(range(len(chunks)))
+    got = np.frombuffer(b"".join(c.audio for c in chunks), dtype="<i2").astype(np.int32)
+    want = np.frombuffer(whole_text_audio(0), dtype="<i2").astype(np.int32)
+    assert got.shape == want.shape and np.abs(got - want).max() <= 2
+
+
+def test_zz_drain_ends_a_stream_waiting_for_text_with_its_final_chunk(agents):
+    """(last here: it drains the app) A stream whose client went quiet ends at once, cleanly: the
+    rest of its audio, an empty final, `done`, close 1000, long before the idle timeout (30 s)."""
+    from websockets.sync.client import connect
+
+    from router.drain import clear_drain, start_drain
+
+    llm = serve.get_deployment_handle("LLMStage", AGENTS.app_name)
+    url = agents.http_url.replace("http://", "ws://", 1) + AGENTS.route_prefix + "/v1/audio/speech/stream"
+    try:
+        with connect(url, open_timeout=60) as ws:
+            ws.send(json.dumps({"voice": "ryan", "sampling": {"seed": SEEDS[0], **SAMPLING}}))
+            assert json.loads(ws.recv(timeout=60))["type"] == "ready"
+            ws.send(json.dumps({"text": "Hi "}))
+            deadline_s = time.monotonic() + 60
+            while not (waiting := llm.stats.remote().result()["waiting_for_text"]) and time.monotonic() < deadline_s:
+                time.sleep(0.05)
+            assert waiting == 1  # it read "Hi " and waits for more, holding its KV
+            start_drain(AGENTS.app_name, grace_s=60.0)
+            started_s = time.monotonic()
+            got, code = ws_messages(ws)
+        assert code == 1000 and got[-1]["type"] == "done" and time.monotonic() - started_s < 15.0
+    finally:
+        clear_drain(AGENTS.app_name)
