@@ -20,6 +20,7 @@ from core.config import CHECK_FILES, ServeConfig
 from core.messages import AudioChunk, AudioRef, TokenChunk
 from deployments.engine_loop import EngineLoop, finish_on_thread, replica_tag
 from deployments.metrics import StageMetrics
+from deployments.voices import DetokVoices
 from llm_stage.wiring import build_detok_engine
 from router.replica_listener import keep_replica_listener_on_loopback
 
@@ -34,6 +35,7 @@ class DetokStage:
         self.waiters: dict[tuple[str, int], asyncio.Future] = {}
         self.num_decoded_chunks = 0
         self.num_decode_calls = 0
+        self.voices = DetokVoices(self.config, self.replica_tag)  # registered voices' tensors, fetched once
         self.loop = EngineLoop(self._step, lambda: self.engine.has_work, self._fail_all, "detok-engine")
         self.loop.start()
 
@@ -60,6 +62,9 @@ class DetokStage:
     async def decode_batch(self, chunks: list[TokenChunk]) -> list[AudioRef]:
         """Decode `chunks` (one LLM step's, any streams); each audio stays here behind its ref."""
         self.num_decode_calls += 1
+        handles = {chunk.voice_handle for chunk in chunks if chunk.voice_handle}
+        if handles:  # a registered voice this replica lacks comes over the stage transport first
+            await self.voices.ensure(handles, self.engine.codec)
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in chunks]
         try:
@@ -94,6 +99,10 @@ class DetokStage:
 
     def record_routing_stats(self) -> dict:
         return {"queued_chunks": len(self.waiters), "step_s": self.loop.step_time_ema_s}
+
+    async def voice_stats(self) -> dict:
+        """The registered voices this replica fetched and its tensor endpoint's transfer counters."""
+        return await self.voices.stats()
 
     def stats(self) -> dict:
         return {
