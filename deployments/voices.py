@@ -1,16 +1,16 @@
 """The app's zero-shot voices: one VoiceBank actor encodes each voice once and keeps it by id.
 
-Where a voice lives: its tensors (prompt speech tokens, prompt mel, x-vector) in the bank's
-`TensorEndpoint`; its LM prompt (transcript + speech tokens, a few hundred ints) in the bank, read
-by an LLM replica the first time a request names the voice; on each detok replica, a copy of the
-tensors in its codec, which arrived over the stage `TensorTransport` (RDT gloo / nccl, or the
-object store) from the bank's endpoint to the replica's own endpoint, once per replica. Chunks
-carry only the voice's id as a cache handle; a replica that lacks it (new, restarted, evicted)
-asks the bank to send it again: the same tensors, so the same audio.
+Where a voice lives: its tensors (prompt speech tokens, prompt mel, x-vector) and its LM prompt
+(transcript + speech tokens) in the bank; an LLM replica reads the LM prompt the first time a
+request names the voice; each detok replica gets the tensors once, over the stage
+`TensorTransport` (RDT gloo / nccl, or the object store) from a source endpoint the bank keeps on
+its own node to the replica's endpoint, and keeps them in its codec. Chunks carry only the
+voice's id as a cache handle; a replica that lacks it (new, restarted, evicted) asks the bank to
+send it again: the same tensors, so the same audio.
 
-The bank is a synchronous threaded actor (RDT needs one process to create the collective group
-and submit every transfer; that process is the bank). A detok endpoint joining rebuilds the
-group over the bank's endpoint and every live detok endpoint (Ray allows one group per actor).
+The bank is a synchronous threaded actor: RDT needs the process that made a collective group to
+submit its transfers, and that is the bank. torch's gloo gives a process one group for life, so
+each detok replica is paired with a source endpoint of its own (a two-member group).
 """
 
 from __future__ import annotations
@@ -82,24 +82,34 @@ def _encoder_path(config: ServeConfig) -> Path | None:
     return resolve_model_ref(config.engine.model.checkpoint_dir, field="model.checkpoint_dir")
 
 
+@dataclass
+class _Pair:
+    """The bank's side of one detok replica: a source endpoint on the bank's node, grouped with the
+    replica's endpoint (torch gloo gives a process one group for life, so each replica gets its own)."""
+
+    source: object
+    sink: object
+    transport: TensorTransport
+    lock: threading.Lock
+
+
 @ray.remote
 class VoiceBank:
-    """Registered voices by id: encodes each clip once, holds its LM prompt, and sends its tensors
-    to the detok endpoints that ask for them."""
+    """Registered voices by id: encodes each clip once, holds its LM prompt and tensors, and sends
+    the tensors to the detok replicas that ask for them."""
 
     def __init__(self, config: dict) -> None:
         self.config = ServeConfig.model_validate(config, context={CHECK_FILES: False})
         self.kind = TransportKind(self.config.voices.transport)
-        self.source = new_endpoint("voice-bank")
         self.prompts: dict[str, VoicePrompt] = {}
-        self.durations_s: dict[str, float] = {}
-        self.sinks: dict[str, object] = {}  # detok replica tag -> its TensorEndpoint
-        self.transport: TensorTransport | None = None
-        self.group: tuple[str, ...] = ()  # replica tags in the current collective group
-        self.lock = threading.Lock()  # one transfer / group change at a time
+        self.tensors: dict[str, dict[str, torch.Tensor]] = {}
+        self.pairs: dict[str, _Pair] = {}  # detok replica tag -> its pair
+        self.lock = threading.Lock()  # pairs
         self.encoder_lock = threading.Lock()
         self.encoder = None
-        self.num_encoded = self.num_deliveries = self.bytes_delivered = self.num_group_builds = 0
+        self.num_encoded = self.num_deliveries = self.bytes_delivered = self.num_pairs = 0
+        self.deliveries_by: dict[str, int] = {}  # "voice_id@replica" -> transfers (1 unless the replica lost it)
+        self.source_counters: dict[str, int] = {"sent": 0, "bytes_sent": 0}  # of sources of closed pairs too
 
     def _encoder(self):
         from detok_stage.voice.encoder import VoiceEncoder
@@ -120,9 +130,8 @@ class VoiceBank:
             if len(self.prompts) >= self.config.voices.max_voices:
                 return Refused("audio", f"this server holds {len(self.prompts)} voices, its limit")
             tensors = self._encoder().encode(wave, sample_rate_hz)
-            ray.get(self.source.hold.remote(voice_id, tensor_dict(tensors.with_id(voice_id))))
+            self.tensors[voice_id] = tensor_dict(tensors.with_id(voice_id))
             self.prompts[voice_id] = VoicePrompt(voice_id, prompt_text, tuple(tensors.prompt_tokens.tolist()))
-            self.durations_s[voice_id] = duration_s
             self.num_encoded += 1
         return Registered(voice_id, int(tensors.prompt_tokens.numel()), duration_s, True)
 
@@ -132,55 +141,71 @@ class VoiceBank:
     def voice_ids(self) -> list[str]:
         return sorted(self.prompts)
 
-    def join(self, replica: str, endpoint) -> None:
-        """A detok replica's endpoint; the group is rebuilt at its first delivery."""
+    def join(self, replica: str, sink) -> None:
+        """Pair a detok replica's endpoint with a new source endpoint here (one group per pair)."""
         with self.lock:
-            self.sinks[replica] = endpoint
+            old = self.pairs.pop(replica, None)
+        if old is not None:
+            self._close(old)
+        node = ray.get_runtime_context().get_node_id()
+        source = TensorEndpoint.options(
+            max_concurrency=ENDPOINT_CONCURRENCY,
+            scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(node, soft=True),
+        ).remote(f"voice-bank>{replica}")
+        pair = _Pair(source, sink, TensorTransport([source, sink], self.kind), threading.Lock())
+        with self.lock:
+            self.pairs[replica] = pair
+            self.num_pairs += 1
 
     def deliver(self, voice_id: str, replica: str) -> int | Refused:
-        """Send the voice's tensors to `replica`'s endpoint over the transport; the bytes sent."""
-        if voice_id not in self.prompts:
+        """Send the voice's tensors to `replica`'s endpoint over its pair's transport; the bytes sent."""
+        tensors = self.tensors.get(voice_id)
+        if tensors is None:
             return Refused("voice", f"unknown voice {voice_id!r}")
         with self.lock:
-            endpoint = self.sinks[replica]
-            transfer = self._move(voice_id, replica, endpoint)
+            pair = self.pairs.get(replica)
+        if pair is None:
+            return Refused("voice", f"detok replica {replica} has not joined the voice bank")
+        with pair.lock:
+            ray.get(pair.source.hold.remote(voice_id, tensors))  # same node: the bank's copy to its sender
+            transfer: Transfer = pair.transport.move(voice_id, pair.source, pair.sink)
+            ray.get(pair.source.drop.remote(voice_id))
+        with self.lock:
             self.num_deliveries += 1
             self.bytes_delivered += transfer.num_bytes
+            key = f"{voice_id}@{replica}"
+            self.deliveries_by[key] = self.deliveries_by.get(key, 0) + 1
         return transfer.num_bytes
 
-    def _move(self, voice_id: str, replica: str, endpoint) -> Transfer:
-        if self.transport is None or replica not in self.group:
-            self._rebuild_group()
+    def _close(self, pair: _Pair) -> None:
         try:
-            return self.transport.move(voice_id, self.source, endpoint)  # type: ignore[union-attr]
-        except ray.exceptions.RayError:  # a member died: regroup the live ones and try once more
-            self._rebuild_group()
-            return self.transport.move(voice_id, self.source, endpoint)  # type: ignore[union-attr]
-
-    def _rebuild_group(self) -> None:
-        if self.transport is not None:
-            try:
-                self.transport.close()
-            except Exception:  # a dead member's part of the group is gone with it
-                pass
-        live = {}
-        for tag, endpoint in self.sinks.items():
-            try:
-                ray.get(endpoint.stats.remote(), timeout=PING_TIMEOUT_S)
-                live[tag] = endpoint
-            except ray.exceptions.RayError:
-                continue
-        self.sinks = live
-        self.transport = TensorTransport([self.source, *live.values()], self.kind)
-        self.group = tuple(live)
-        self.num_group_builds += 1
+            counters = ray.get(pair.source.stats.remote(), timeout=PING_TIMEOUT_S)
+            self.source_counters["sent"] += counters["sent"]
+            self.source_counters["bytes_sent"] += counters["bytes_sent"]
+            pair.transport.close()
+        except Exception:  # the sink's side of the group is gone with its replica
+            pass
+        ray.kill(pair.source)
 
     def stats(self) -> dict:
+        """The bank's counters and its source endpoints' own (sent, bytes_sent), open and closed pairs."""
+        with self.lock:
+            pairs = dict(self.pairs)
+        sent = dict(self.source_counters)
+        for pair in pairs.values():
+            counters = ray.get(pair.source.stats.remote(), timeout=PING_TIMEOUT_S)
+            sent = {k: sent[k] + counters[k] for k in sent}
         return {
             "voices": len(self.prompts), "encoded": self.num_encoded, "deliveries": self.num_deliveries,
-            "bytes_delivered": self.bytes_delivered, "transport": self.kind.value, "group": list(self.group),
-            "group_builds": self.num_group_builds, "source": ray.get(self.source.stats.remote()),
+            "bytes_delivered": self.bytes_delivered, "transport": self.kind.value, "replicas": sorted(pairs),
+            "pairs_made": self.num_pairs, "deliveries_by": dict(self.deliveries_by), "source": sent,
         }  # fmt: skip
+
+    def sink_stats(self) -> dict[str, dict]:
+        """Each paired detok endpoint's own transfer counters, by replica."""
+        with self.lock:
+            pairs = dict(self.pairs)
+        return {tag: ray.get(pair.sink.stats.remote(), timeout=PING_TIMEOUT_S) for tag, pair in pairs.items()}
 
 
 def tensor_dict(voice: VoiceConditioning) -> dict[str, torch.Tensor]:
@@ -213,7 +238,11 @@ class DetokVoices:
         if self.bank is None:
             self.bank, self.endpoint = voice_bank(self.config), new_endpoint(f"detok:{self.replica}")
             await self.bank.join.remote(self.replica, self.endpoint)
-        sent = await self.bank.deliver.remote(handle, self.replica)
+        try:
+            sent = await self.bank.deliver.remote(handle, self.replica)
+        except ray.exceptions.RayError:  # the pair broke (its source died): pair again, once
+            await self.bank.join.remote(self.replica, self.endpoint)
+            sent = await self.bank.deliver.remote(handle, self.replica)
         if isinstance(sent, Refused):
             raise sent.error()
         tensors = await self.endpoint.get.remote(handle)
