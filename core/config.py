@@ -289,11 +289,12 @@ class VoicesConfig(_Strict):
     take them: cosyvoice2). A voice is encoded once, in the app's VoiceBank actor, and its tensors
     reach each detok replica over `transport`, once per replica."""
 
-    transport: Literal["gloo", "nccl", "object_store"] = Field(
+    transport: Literal["gloo", "object_store"] = Field(
         "gloo",
-        description="How voice tensors cross to the detok replicas: Ray Direct Transport over gloo (CPU tensors), "
-        "over nccl (CUDA tensors: the VoiceBank's and detok replicas' endpoints must hold a GPU), or the object "
-        "store (the fallback wherever RDT cannot run).",
+        description="How voice tensors cross to the detok replicas: Ray Direct Transport over torch gloo, point to "
+        "point (the default, on CPU and GPU clusters alike: a voice is tens of KB, sent once per replica, and moves "
+        "to the GPU inside the codec), or the object store (the fallback wherever RDT cannot run). nccl is not "
+        "offered: its endpoints would each need a GPU of their own.",
     )
     encoder_dir: Path | str | None = Field(
         None,

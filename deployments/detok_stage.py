@@ -21,6 +21,7 @@ from core.messages import AudioChunk, AudioRef, TokenChunk
 from deployments.engine_loop import EngineLoop, finish_on_thread, replica_tag
 from deployments.metrics import StageMetrics
 from deployments.voices import DetokVoices
+from llm_stage.registry import check_model_config
 from llm_stage.wiring import build_detok_engine
 from router.replica_listener import keep_replica_listener_on_loopback
 
@@ -36,6 +37,8 @@ class DetokStage:
         self.num_decoded_chunks = 0
         self.num_decode_calls = 0
         self.voices = DetokVoices(self.config, self.replica_tag)  # registered voices' tensors, fetched once
+        if check_model_config(self.config.engine.model).family.lm.takes_registered_voices:
+            self.voices.join_soon()
         self.loop = EngineLoop(self._step, lambda: self.engine.has_work, self._fail_all, "detok-engine")
         self.loop.start()
 

@@ -15,6 +15,8 @@ each detok replica is paired with a source endpoint of its own (a two-member gro
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import hashlib
 import json
 import threading
@@ -217,15 +219,24 @@ class DetokVoices:
 
     def __init__(self, config: ServeConfig, replica: str) -> None:
         self.config, self.replica = config, replica
-        self.endpoint = None  # made at the first voice (families without voices never make one)
+        self.endpoint = None  # made when joining the bank (families without voices never join)
         self.bank = None
         self.num_fetched = 0
         self.fetch_lock = None  # an asyncio.Lock, made on the replica's loop
+        self.joining: concurrent.futures.Future | None = None
+
+    def join_soon(self) -> None:
+        """Pair with the bank in the background now, so the first voice does not wait for the group
+        to form (seconds on a loaded CPU box); a failure here is retried at the first voice."""
+        self.joining = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="voice-join").submit(self._join)
+
+    def _join(self) -> None:
+        bank, endpoint = voice_bank(self.config), new_endpoint(f"detok:{self.replica}")
+        ray.get(bank.join.remote(self.replica, endpoint))
+        self.bank, self.endpoint = bank, endpoint
 
     async def ensure(self, handles: set[str], codec) -> None:
         """Every voice in `handles` is in `codec` (fetched from the bank over the transport if not)."""
-        import asyncio
-
         missing = {h for h in handles if not codec.has_voice(h)}
         if not missing:
             return
@@ -235,6 +246,12 @@ class DetokVoices:
                 await self._fetch(handle, codec)
 
     async def _fetch(self, handle: str, codec) -> None:
+        if self.joining is not None:
+            try:
+                await asyncio.wrap_future(self.joining)
+            except Exception:  # joined below instead
+                pass
+            self.joining = None
         if self.bank is None:
             self.bank, self.endpoint = voice_bank(self.config), new_endpoint(f"detok:{self.replica}")
             await self.bank.join.remote(self.replica, self.endpoint)

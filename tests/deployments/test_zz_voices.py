@@ -102,10 +102,15 @@ def test_a_registered_voice_conditions_the_detokenizer_over_the_transport(voices
     assert http.status_code == 200, http.text
     assert np.abs(np.frombuffer(http.content, dtype="<i2").astype(np.int32) - audio["a1"]).max() <= MAX_PCM_STEPS
 
+    # with a transcript, the LM is prompted with it and the clip's speech tokens too (CosyVoice's zero-shot mode)
+    voice_c = register_grpc(ep.grpc_target, ep.app_name, clip_a, prompt_text="A tone, not a voice.").voice_id
+    prompted = [run_stream(ep.grpc_target, ep.app_name, TEXT, voice=voice_c, sampling=GREEDY) for _ in range(2)]
+    assert voice_c not in (voice_a, voice_b) and np.array_equal(pcm(prompted[0]), pcm(prompted[1]))
+
     bank = ray.get_actor(bank_name(config), namespace=NAMESPACE)
     stats, sinks = ray.get(bank.stats.remote()), ray.get(bank.sink_stats.remote())
     served_a = {c.detok_replica for name in ("a1", "a2", "a3") for c in outcomes[name].chunks}
-    assert stats["transport"] == config.voices.transport and stats["encoded"] == 2
+    assert stats["transport"] == config.voices.transport and stats["encoded"] == 3
     assert all(count == 1 for count in stats["deliveries_by"].values())  # once per voice and replica
     delivered_a = {key.split("@", 1)[1] for key in stats["deliveries_by"] if key.startswith(voice_a)}
     assert served_a <= delivered_a and len(delivered_a) <= 2  # every replica that decoded voice A got it, once
