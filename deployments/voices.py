@@ -154,6 +154,7 @@ class VoiceBank:
             max_concurrency=ENDPOINT_CONCURRENCY,
             scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(node, soft=True),
         ).remote(f"voice-bank>{replica}")
+        ray.get([source.stats.remote(), sink.stats.remote()])  # both started: the first voice never waits for them
         pair = _Pair(source, sink, TensorTransport([source, sink], self.kind), threading.Lock())
         with self.lock:
             self.pairs[replica] = pair
