@@ -47,10 +47,13 @@ class VoiceEncoder:
         return cls(tokenizer, speaker)  # type: ignore[arg-type]
 
     @classmethod
-    def from_checkpoint(cls, path: Path) -> VoiceEncoder:
-        """Published full-size encoders: a chatterbox s3gen file / directory, or `voice_encoders.pt`."""
+    def from_checkpoint(
+        cls, path: Path, tokenizer_config: S3TokenizerConfig | None = None, speaker_config: CAMPPlusConfig | None = None
+    ) -> VoiceEncoder:
+        """Published encoders (the full-size shapes unless configs are given): a chatterbox s3gen
+        file / directory, or `voice_encoders.pt`."""
         state = _read_state(Path(path))
-        tokenizer, speaker = S3TokenizerV2(S3TokenizerConfig()), CAMPPlus(CAMPPlusConfig())
+        tokenizer, speaker = S3TokenizerV2(tokenizer_config), CAMPPlus(speaker_config)
         tokenizer.load_state_dict(strip_prefix(state, "tokenizer."), strict=False)
         missing = set(tokenizer.state_dict()) - set(strip_prefix(state, "tokenizer."))
         if missing:

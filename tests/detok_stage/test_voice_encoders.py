@@ -86,3 +86,25 @@ def test_voice_encoding_is_deterministic_and_sized():
     assert torch.equal(first.prompt_tokens, again.prompt_tokens) and torch.equal(first.xvector, again.xvector)
     other = encoder.encode(0.1 * torch.randn(int(24_000 * 2.5), generator=gen), 24_000)
     assert not torch.allclose(first.xvector, other.xvector)
+
+
+def test_encoders_load_from_a_chatterbox_s3gen_file_layout(tmp_path):
+    """chatterbox's s3gen.safetensors keeps the encoders beside the flow as `tokenizer.*` and
+    `speaker_encoder.*`; they load from it (here at the tiny shapes) and encode as the originals."""
+    from safetensors.torch import save_file
+
+    original = VoiceEncoder.seeded(4)
+    state = {f"tokenizer.{k}": v for k, v in original.tokenizer.state_dict().items()}
+    state |= {f"speaker_encoder.{k}": v for k, v in original.speaker.state_dict().items()}
+    state["flow.input_embedding.weight"] = torch.zeros(2, 2)  # the rest of the file is ignored
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "s3gen.safetensors"))
+    loaded = VoiceEncoder.from_checkpoint(tmp_path, tiny_s3tokenizer_config(), tiny_campplus_config())
+    clip = 0.1 * torch.randn(24_000 * 2, generator=torch.Generator().manual_seed(1))
+    want, got = original.encode(clip, 24_000), loaded.encode(clip, 24_000)
+    assert torch.equal(want.prompt_tokens, got.prompt_tokens) and torch.equal(want.xvector, got.xvector)
+    del state["tokenizer.encoder.conv1.weight"]
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "s3gen.safetensors"))
+    with pytest.raises(KeyError, match="conv1"):
+        VoiceEncoder.from_checkpoint(tmp_path, tiny_s3tokenizer_config(), tiny_campplus_config())
+    with pytest.raises(FileNotFoundError):
+        VoiceEncoder.from_checkpoint(tmp_path / "missing")
