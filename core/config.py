@@ -201,6 +201,7 @@ class DrainConfig(_Strict):
         `grace_s` (at their next chunk), so Serve never has to kill a replica mid-stream."""
         return self.grace_s + SERVE_GRACE_MARGIN_S
 
+
 CHECK_FILES = "check_files"  # validation context key: False when rendering a config for other machines (k8s)
 
 
@@ -283,6 +284,36 @@ class IncrementalConfig(_Strict):
     )  # fmt: skip
 
 
+class VoicesConfig(_Strict):
+    """Zero-shot voices (`POST /v1/voices`, gRPC `RegisterVoice`; families with a flow detokenizer that
+    take them: cosyvoice2). A voice is encoded once, in the app's VoiceBank actor, and its tensors
+    reach each detok replica over `transport`, once per replica."""
+
+    transport: Literal["gloo", "object_store"] = Field(
+        "gloo",
+        description="How voice tensors cross to the detok replicas: Ray Direct Transport over torch gloo, point to "
+        "point (the default, on CPU and GPU clusters alike: a voice is tens of KB, sent once per replica, and moves "
+        "to the GPU inside the codec), or the object store (the fallback wherever RDT cannot run). nccl is not "
+        "offered: its endpoints would each need a GPU of their own.",
+    )
+    encoder_dir: Path | str | None = Field(
+        None,
+        description="Published voice encoders (S3 speech tokenizer v2 + CAM++): chatterbox's s3gen.safetensors / "
+        "s3gen.pt (its tokenizer.* and speaker_encoder.* tensors) or a directory with voice_encoders.pt; "
+        "None = the model checkpoint directory's when it has them, else seeded tiny encoders (tests, CPU preset).",
+    )
+    min_clip_s: float = Field(1.0, gt=0, le=60, description="Shortest reference clip accepted.")
+    max_clip_s: float = Field(20.0, gt=0, le=30, description="Longest reference clip (the tokenizer's window is 30 s).")
+    max_prompt_text_chars: int = Field(1000, ge=0, le=10_000, description="Longest transcript of a clip.")
+    max_voices: int = Field(1000, ge=1, le=1_000_000, description="Voices the VoiceBank keeps; more are refused.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> VoicesConfig:
+        if self.min_clip_s >= self.max_clip_s:
+            raise ValueError("voices.min_clip_s must be < voices.max_clip_s")
+        return self
+
+
 class ServeConfig(_Strict):
     """The whole cluster app: engines, the three deployments, admission, ports, what is exposed."""
 
@@ -324,6 +355,7 @@ class ServeConfig(_Strict):
     auth: AuthConfig = AuthConfig()
     drain: DrainConfig = DrainConfig()
     incremental: IncrementalConfig = IncrementalConfig()
+    voices: VoicesConfig = VoicesConfig()
 
     @field_validator("http_host", "grpc_host")
     @classmethod

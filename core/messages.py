@@ -194,6 +194,9 @@ class TokenChunk:
     # Stateful flow detokenizers: the request's voice (None = the model's default), carried on every
     # chunk so a replica that never saw the request (cache miss) conditions it the same way.
     voice: VoiceConditioning | None = None
+    # A registered zero-shot voice, by reference: its id, the handle under which the detok replica
+    # keeps the voice's tensors (sent to it once over the stage transport, fetched again on a miss).
+    voice_handle: str | None = None
 
     @property
     def num_frames(self) -> int:

@@ -7,12 +7,15 @@ by the Router replicas themselves (`router.grpc_server`), so Serve's gRPC proxy 
 
 from __future__ import annotations
 
+from functools import partial
+
 from ray import serve
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
 from core.config import CHECK_FILES, GRACEFUL_WAIT_LOOP_S, ServeConfig, StageDeploymentConfig
 from deployments.detok_stage import DetokStage
 from deployments.llm_stage import LLMStage
+from deployments.voices import voice_bank
 from router.ingress import Router
 
 
@@ -54,7 +57,7 @@ def build_app(config: ServeConfig) -> serve.Application:
         LLMStage, name="LLMStage", request_router_config=llm_router, **deployment_options(config.llm, graceful_s)
     ).bind(args, detok)
     router = serve.deployment(Router, name="Router", **deployment_options(config.router, graceful_s))
-    return router.bind(args, llm, detok)
+    return router.bind(args, llm, detok, partial(voice_bank, config))
 
 
 def app_builder(args: dict) -> serve.Application:

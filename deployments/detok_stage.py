@@ -20,6 +20,8 @@ from core.config import CHECK_FILES, ServeConfig
 from core.messages import AudioChunk, AudioRef, TokenChunk
 from deployments.engine_loop import EngineLoop, finish_on_thread, replica_tag
 from deployments.metrics import StageMetrics
+from deployments.voices import DetokVoices
+from llm_stage.registry import check_model_config
 from llm_stage.wiring import build_detok_engine
 from router.detok_load import DetokPace
 from router.replica_listener import keep_replica_listener_on_loopback
@@ -36,6 +38,9 @@ class DetokStage:
         self.num_decoded_chunks = 0
         self.num_decode_calls = 0
         self.pace = DetokPace()  # measured decode steps, reported to the LLM replicas for admission
+        self.voices = DetokVoices(self.config, self.replica_tag)  # registered voices' tensors, fetched once
+        if check_model_config(self.config.engine.model).family.lm.takes_registered_voices:
+            self.voices.join_soon()
         self.loop = EngineLoop(self._step, lambda: self.engine.has_work, self._fail_all, "detok-engine")
         self.loop.start()
 
@@ -66,6 +71,9 @@ class DetokStage:
     async def decode_batch(self, chunks: list[TokenChunk]) -> list[AudioRef]:
         """Decode `chunks` (one LLM step's, any streams); each audio stays here behind its ref."""
         self.num_decode_calls += 1
+        handles = {chunk.voice_handle for chunk in chunks if chunk.voice_handle}
+        if handles:  # a registered voice this replica lacks comes over the stage transport first
+            await self.voices.ensure(handles, self.engine.codec)
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in chunks]
         try:
@@ -107,6 +115,10 @@ class DetokStage:
 
     def record_routing_stats(self) -> dict:
         return self.pace.load(num_queued_chunks=len(self.waiters)).to_stats()
+
+    async def voice_stats(self) -> dict:
+        """The registered voices this replica fetched and its tensor endpoint's transfer counters."""
+        return await self.voices.stats()
 
     def stats(self) -> dict:
         return {

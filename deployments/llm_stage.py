@@ -40,8 +40,10 @@ from core.messages import (
     TextPiece,
     TokenChunk,
 )
+from core.voices import is_voice_id
 from deployments.engine_loop import EngineLoop, finish_on_thread, replica_tag
 from deployments.metrics import StageMetrics
+from deployments.voices import LLMVoices
 from llm_stage.migration import KVSnapshot
 from llm_stage.registry import check_model_config
 from llm_stage.wiring import build_llm_side, size_for_streams
@@ -105,6 +107,7 @@ class LLMStage:
         self.avg_stream_s = 0.0
         self.num_decode_calls = 0
         self.num_audio_refs = 0
+        self.voices = LLMVoices(self.config)  # registered voices' LM prompts, read once from the VoiceBank
         self.num_detok_retries = 0
         self.num_moved_out = self.num_kv_moved_in = self.kv_bytes_moved_in = 0
         self.is_moving_out = False  # set once asked to hand every stream to the other replicas
@@ -300,6 +303,8 @@ class LLMStage:
         self.streams[job.req_id] = stream
         try:
             try:
+                if is_voice_id(job.voice):
+                    await self.voices.ensure(job.voice, self.side.engine.adapter)
                 await finish_on_thread(self._add, job, kv)  # a cancel mid-add reaches `_close` after it
             except InvalidArgumentError as err:
                 yield Invalid(err.field, err.message)

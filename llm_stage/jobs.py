@@ -20,6 +20,7 @@ import pydantic
 
 from core.errors import InvalidArgumentError, from_validation_error
 from core.messages import Job, OutputFormat, SamplingParams
+from core.voices import is_voice_id
 from llm_stage.models.base import LMAdapter
 
 MAX_REQUEST_ID_CHARS = 128
@@ -89,6 +90,10 @@ def check_voice(adapter: type[LMAdapter] | LMAdapter, voice: str | None) -> str 
     """The voice to use (the family's default when none is named)."""
     if voice:
         check_name(voice, "voice")
+    if is_voice_id(voice):  # a registered zero-shot voice: the LLM replica looks it up by id
+        if not adapter.takes_registered_voices:
+            raise InvalidArgumentError("voice", f"{adapter.family} does not take registered (zero-shot) voices")
+        return voice
     if not adapter.voices:
         if voice:
             raise InvalidArgumentError("voice", f"{adapter.family} has no voices; leave it empty")

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from core.messages import Checkpoint, HopTimes, Job, ResumeState, TextPiece, TokenChunk
 from core.policy import buffered_s
+from core.voices import is_voice_id
 from llm_stage.chunking import Chunker, ChunkSchedule
 from llm_stage.engine import LLMEngine, StepOutput
 from llm_stage.migration import KVSnapshot
@@ -36,11 +37,14 @@ class LLMSide:
         self.chunkers: dict[str, Chunker] = {}
         self.num_checkpointed: dict[str, int] = {}  # tokens each stream's checkpoints cover so far
         self.checkpoints: dict[tuple[str, int], Checkpoint] = {}  # (req_id, seq) -> taken at its cut
+        self.voice_handles: dict[str, str] = {}  # req_id -> its registered voice (stamped on its chunks)
 
     def add(self, job: Job, kv: KVSnapshot | None = None) -> None:
         """Queue `job`; a resumed one continues its chunks, decoding at once from a migrated `kv`;
         a later segment of an incremental stream keeps the stream's playback clock."""
         self.engine.add_job(job, kv)
+        if is_voice_id(job.voice):
+            self.voice_handles[job.req_id] = job.voice  # type: ignore[assignment]
         if job.buffered_audio_s is not None:
             self._continue_playback(job.req_id, job.buffered_audio_s)
         resume = job.resume
@@ -76,6 +80,7 @@ class LLMSide:
         self.engine.cancel(req_id)
         self.chunkers.pop(req_id, None)
         self.num_checkpointed.pop(req_id, None)
+        self.voice_handles.pop(req_id, None)
 
     def move_out(self, req_id: str) -> tuple[ResumeState, KVSnapshot | None] | None:
         """Stop a stream here so another engine continues it: its state (every sampled token, the
@@ -124,7 +129,8 @@ class LLMSide:
             del self.chunkers[out.req_id]
             self.num_checkpointed.pop(out.req_id, None)
         deadline, hops = self._deadline_wall_s(req), HopTimes(chunk_ready_unix_s=time.time())
-        return [dataclasses.replace(c, deadline_s=deadline, hops=hops) for c in chunks]
+        voice = self.voice_handles.pop(out.req_id, None) if out.finished else self.voice_handles.get(out.req_id)
+        return [dataclasses.replace(c, deadline_s=deadline, hops=hops, voice_handle=voice) for c in chunks]
 
     def _checkpoint(self, req: Request, seq: int) -> None:
         """The sampler state after this step's tokens, kept with the step's first chunk of `req`

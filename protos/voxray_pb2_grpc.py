@@ -54,6 +54,11 @@ class SpeechStub:
                 request_serializer=protos_dot_voxray__pb2.ListVoicesRequest.SerializeToString,
                 response_deserializer=protos_dot_voxray__pb2.ListVoicesResponse.FromString,
                 _registered_method=True)
+        self.RegisterVoice = channel.unary_unary(
+                '/voxray.Speech/RegisterVoice',
+                request_serializer=protos_dot_voxray__pb2.RegisterVoiceRequest.SerializeToString,
+                response_deserializer=protos_dot_voxray__pb2.RegisterVoiceResponse.FromString,
+                _registered_method=True)
 
 
 class SpeechServicer:
@@ -88,6 +93,14 @@ class SpeechServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterVoice(self, request, context):
+        """Zero-shot voices (families with a flow detokenizer, e.g. cosyvoice2): register a reference
+        clip once, then name its voice_id in SynthesizeRequest.voice.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SpeechServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -110,6 +123,11 @@ def add_SpeechServicer_to_server(servicer, server):
                     servicer.ListVoices,
                     request_deserializer=protos_dot_voxray__pb2.ListVoicesRequest.FromString,
                     response_serializer=protos_dot_voxray__pb2.ListVoicesResponse.SerializeToString,
+            ),
+            'RegisterVoice': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterVoice,
+                    request_deserializer=protos_dot_voxray__pb2.RegisterVoiceRequest.FromString,
+                    response_serializer=protos_dot_voxray__pb2.RegisterVoiceResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -220,6 +238,33 @@ class Speech:
             '/voxray.Speech/ListVoices',
             protos_dot_voxray__pb2.ListVoicesRequest.SerializeToString,
             protos_dot_voxray__pb2.ListVoicesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterVoice(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/voxray.Speech/RegisterVoice',
+            protos_dot_voxray__pb2.RegisterVoiceRequest.SerializeToString,
+            protos_dot_voxray__pb2.RegisterVoiceResponse.FromString,
             options,
             channel_credentials,
             insecure,

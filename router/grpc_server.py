@@ -43,6 +43,8 @@ class SpeechMethods(Protocol):
 
     def ListVoices(self, request: bytes, grpc_context) -> Awaitable[Message]: ...  # noqa: N802
 
+    def RegisterVoice(self, request: bytes, grpc_context) -> Awaitable[Message]: ...  # noqa: N802
+
 
 def _serialize(message: Message) -> bytes:
     return message.SerializeToString()
@@ -108,6 +110,7 @@ def speech_handler(methods: SpeechMethods, app_name: str) -> grpc.GenericRpcHand
             "SynthesizeStream": _bidi_handler(methods.SynthesizeStream, app_name),
             "ListModels": _unary_handler(methods.ListModels, app_name),
             "ListVoices": _unary_handler(methods.ListVoices, app_name),
+            "RegisterVoice": _unary_handler(methods.RegisterVoice, app_name),
         },
     )
 

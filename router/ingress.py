@@ -50,6 +50,7 @@ from router.replies import Failure, http_error, log_failure, with_request_id
 from router.sse import MEDIA_TYPE as SSE_MEDIA_TYPE
 from router.sse import audio_delta, audio_done, error_event
 from router.streams import AdmissionRejected, Draining, ReplicasUnavailable, RouterCore, SentChunk, StreamFailed
+from router.voices import MAX_HTTP_BODY_BYTES, VoiceRegistry, voice_request_from_json, voice_request_from_proto
 from router.websocket import StreamEndpoint
 
 http_app = FastAPI(title="VoxRay", docs_url=None, redoc_url=None, openapi_url=None)  # docs: ServeConfig.http_docs
@@ -132,8 +133,8 @@ async def _sse_body(
         await lease.aclose()
 
 
-async def _read_body(request: Request) -> bytes:
-    """The request body, refused past MAX_BODY_BYTES without reading the rest."""
+async def _read_body(request: Request, max_bytes: int = MAX_BODY_BYTES) -> bytes:
+    """The request body, refused past `max_bytes` without reading the rest."""
     content_type = request.headers.get("content-type", "").split(";")[0].strip()
     if content_type != "application/json":
         got = printable_name(content_type) if content_type else "nothing"
@@ -141,8 +142,8 @@ async def _read_body(request: Request) -> bytes:
     body = bytearray()
     async for part in request.stream():
         body += part
-        if len(body) > MAX_BODY_BYTES:
-            raise InvalidArgumentError("body", f"larger than {MAX_BODY_BYTES} bytes")
+        if len(body) > max_bytes:
+            raise InvalidArgumentError("body", f"larger than {max_bytes} bytes")
     return bytes(body)
 
 
@@ -222,8 +223,6 @@ def _http_fail(err: Exception, req_id: str) -> Response:
     return http_error(failure, req_id, echo_id=req_id != _serve_request_id())
 
 
-
-
 def _serve_request_id() -> str:
     """Serve's id for this HTTP request: the client's X-Request-Id, else one Serve made and returns
     in its own X-Request-Id response header (so ours is added only when it differs)."""
@@ -237,9 +236,10 @@ def _serve_request_id() -> str:
 class Router:
     """Serve ingress class (FastAPI routes + gRPC methods); deployed by `deployments.app`."""
 
-    async def __init__(self, config: dict, llm_handle, detok_handle) -> None:  # Serve awaits it; ready = gRPC up
+    async def __init__(self, config: dict, llm_handle, detok_handle, voice_bank=None) -> None:  # ready = gRPC up
         keep_replica_listener_on_loopback()
         self.core = RouterCore(config, llm_handle, detok_handle)
+        self.voices = VoiceRegistry(self.core.entry, self.core.config.voices, voice_bank)  # zero-shot voices
         self.core.drain.start()
         self.auth = ApiKeys(self.core.config.auth, listen_host=widest_host(self.core.config))
         if self.core.config.http_docs:
@@ -304,7 +304,43 @@ class Router:
             _grpc_fail(grpc_context, err, reply_request_id(""))
         return voices_response(entry)
 
+    async def RegisterVoice(self, request: voxray_pb2.RegisterVoiceRequest | bytes, grpc_context=None):  # noqa: N802
+        try:
+            self.auth.check(_authorization(grpc_context))
+            registered = await self.voices.register(**voice_request_from_proto(request))
+        except Exception as err:
+            _grpc_fail(grpc_context, err, reply_request_id(""))
+        return voxray_pb2.RegisterVoiceResponse(
+            voice_id=registered["voice_id"], prompt_tokens=registered["prompt_tokens"],
+            duration_s=registered["duration_s"], created=registered["created"],
+        )  # fmt: skip
+
     # ---- HTTP -----------------------------------------------------------------------------
+    @http_app.post("/v1/voices")
+    async def register_voice(self, request: Request) -> Response:
+        """Register a zero-shot voice from a reference clip (`router.voices` documents the body)."""
+        req_id = reply_request_id(_serve_request_id())
+        try:
+            self.auth.check(_http_authorization(request))
+            registered = await self.voices.register(
+                **voice_request_from_json(await _read_body(request, MAX_HTTP_BODY_BYTES))
+            )
+        except Exception as err:
+            return _http_fail(err, req_id)
+        return JSONResponse({"object": "voice", "id": registered.pop("voice_id"), **registered})
+
+    @http_app.get("/v1/voices")
+    async def list_voices(self, request: Request) -> Response:
+        """The built-in voices and the registered ones."""
+        try:
+            self.auth.check(_http_authorization(request))
+            registered = await self.voices.voice_ids()
+        except Exception as err:
+            return _http_fail(err, reply_request_id(_serve_request_id()))
+        entry = self.core.entry
+        return JSONResponse({"object": "list", "default": entry.default_voice, "voices": list(entry.voices),
+                             "registered": registered})  # fmt: skip
+
     @http_app.websocket("/v1/audio/speech/stream")
     async def speech_stream(self, websocket: WebSocket) -> None:
         """Incremental text in, audio out (`router.websocket` documents the messages)."""

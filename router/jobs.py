@@ -136,11 +136,11 @@ def speech_request(body: bytes, header_req_ids: list[str] = ()) -> tuple[dict, S
     return fields, stream_format
 
 
-def parse_json_object(body: bytes) -> dict:
-    """A JSON object from at most MAX_BODY_BYTES of strict UTF-8 JSON: no duplicate keys, no
+def parse_json_object(body: bytes, max_bytes: int = MAX_BODY_BYTES) -> dict:
+    """A JSON object from at most `max_bytes` of strict UTF-8 JSON: no duplicate keys, no
     NaN / Infinity literals, no nesting deep enough to exhaust the parser."""
-    if len(body) > MAX_BODY_BYTES:
-        raise InvalidArgumentError("body", f"larger than {MAX_BODY_BYTES} bytes")
+    if len(body) > max_bytes:
+        raise InvalidArgumentError("body", f"larger than {max_bytes} bytes")
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError:

@@ -19,7 +19,7 @@ chunk, requests with equal chunk lengths in one forward (KV buffers stay per req
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from pathlib import Path
 
 import torch
@@ -38,6 +38,7 @@ class CacheMissError(ValueError):
     """A chunk reached a replica without its request's state, and does not carry the history to rebuild it."""
 
 
+MAX_CACHED_VOICES = 256  # registered voices a replica keeps (a voice evicted is fetched again by handle)
 STREAM_CHUNK_TOKENS = 25  # the published attention chunk: audio leaves per whole chunk (CosyVoice 2's hop)
 
 
@@ -89,6 +90,28 @@ class S3GenCodec(CodecAdapter):
         self._states: dict[str, S3GenStream] = {}
         self.default_voice = model.default_conditioning()
         self.num_rebuilds = 0
+        self.voices: OrderedDict[str, Conditioning] = OrderedDict()  # registered voices by handle, LRU
+
+    # ---- registered voices (their tensors arrive over the stage transport, once per replica) ---
+
+    def has_voice(self, handle: str) -> bool:
+        return handle in self.voices
+
+    def add_voice(self, voice: VoiceConditioning) -> None:
+        self.voices[voice.voice_id] = self.conditioning(voice)
+        self.voices.move_to_end(voice.voice_id)
+        while len(self.voices) > MAX_CACHED_VOICES:
+            self.voices.popitem(last=False)
+
+    def chunk_conditioning(self, chunk: TokenChunk) -> Conditioning:
+        """The chunk's voice: a registered one by handle, one carried inline, or the default."""
+        if chunk.voice_handle is None:
+            return self.conditioning(chunk.voice)
+        found = self.voices.get(chunk.voice_handle)
+        if found is None:
+            raise CacheMissError(f"request {chunk.req_id}: voice {chunk.voice_handle} is not on this replica")
+        self.voices.move_to_end(chunk.voice_handle)
+        return found
 
     @classmethod
     def build(cls, model_config: ModelConfig, device: str = "cpu", preset: S3GenConfig | None = None) -> S3GenCodec:
@@ -190,7 +213,7 @@ class S3GenCodec(CodecAdapter):
                 f"request {chunk.req_id} chunk {chunk.seq}: no cached state on this replica and the chunk's "
                 f"history starts at token {chunk.window_start}, not 0"
             )
-        stream = self.model.new_stream(self.conditioning(chunk.voice), self.n_timesteps)
+        stream = self.model.new_stream(self.chunk_conditioning(chunk), self.n_timesteps)
         if chunk.keep_start > 0:
             self.num_rebuilds += 1
             history = TokenChunk(chunk.req_id, -1, chunk.frames, 0, 0, chunk.keep_start, False)

@@ -72,6 +72,7 @@ class LMAdapter(ABC):
     tokens_per_frame: int = 1  # engine steps per codec frame
     head_phase_period: int = 1  # steps per cycle of the output head (rows in one phase share a head matmul)
     uses_context_turns: bool = False  # incremental streams: later segments get earlier ones as `Job.context`
+    takes_registered_voices: bool = False  # zero-shot voices by id (`core.voices`), registered from a clip
 
     def __init__(self, backbone: Backbone) -> None:
         self.backbone = backbone

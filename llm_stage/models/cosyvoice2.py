@@ -19,6 +19,7 @@ from core.checkpoints import resolve_model_ref
 from core.config import ModelConfig
 from core.errors import InvalidArgumentError
 from core.messages import SamplingParams
+from core.voices import VoicePrompt
 from detok_stage.codecs.s3gen_codec import STREAM_CHUNK_TOKENS, S3GenCodec
 from llm_stage.chunking import whole_stream_schedule
 from llm_stage.models.base import FrameBuilder, LMAdapter, ModelFamily
@@ -61,7 +62,8 @@ class SpeechFrameBuilder(FrameBuilder):
 class CosyVoice2Adapter(LMAdapter):
     family = "cosyvoice2"
     voices: tuple[str, ...] = ()  # no built-in speakers: voices come from reference clips (zero-shot)
-    no_voices_note = "none built in (zero-shot voices from a reference clip are not served yet)"
+    no_voices_note = "none built in; zero-shot voices from a reference clip (POST /v1/voices, gRPC RegisterVoice)"
+    takes_registered_voices = True
     eos_token_ids = STOP_TOKENS
     input_width = 2  # (id, Kind)
     pad_token = (0, Kind.TEXT)
@@ -81,6 +83,7 @@ class CosyVoice2Adapter(LMAdapter):
         if default_sampling is not None:
             self.default_sampling = default_sampling
         self._text_len: weakref.WeakKeyDictionary[Request, int] = weakref.WeakKeyDictionary()
+        self.voice_prompts: dict[str, VoicePrompt] = {}  # registered voices this replica has looked up
 
     @classmethod
     def build(cls, config: ModelConfig) -> CosyVoice2Adapter:
@@ -94,8 +97,21 @@ class CosyVoice2Adapter(LMAdapter):
         sampling = published_sampling(cls.default_sampling, read_published_settings(directory))
         return cls(model, tokenizer, sampling)
 
+    def add_voice_prompt(self, prompt: VoicePrompt) -> None:
+        self.voice_prompts[prompt.voice_id] = prompt
+
     def format_prompt(self, text: str, voice: str | None) -> list[Token]:
-        return self.voice_prompt(text)
+        """A registered voice with a transcript conditions the LM on it and its speech tokens (CosyVoice's
+        zero-shot mode); without a transcript the LM gets neither (its cross-lingual mode) and the voice
+        conditions the detokenizer only."""
+        if voice is None:
+            return self.voice_prompt(text)
+        found = self.voice_prompts.get(voice)
+        if found is None:
+            raise InvalidArgumentError("voice", f"unknown voice {voice!r}; register it first (POST /v1/voices)")
+        if not found.prompt_text:
+            return self.voice_prompt(text)
+        return self.voice_prompt(text, found.prompt_text, list(found.prompt_tokens))
 
     def voice_prompt(self, text: str, prompt_text: str = "", prompt_speech: list[int] | None = None) -> list[Token]:
         """`[sos, prompt text + text, task_id, prompt speech]`: a zero-shot voice passes its clip's

@@ -53,6 +53,9 @@ class StandInRouter:
     async def ListVoices(self, request: bytes, grpc_context):  # noqa: N802
         return voxray_pb2.ListVoicesResponse()
 
+    async def RegisterVoice(self, request: bytes, grpc_context):  # noqa: N802
+        return voxray_pb2.RegisterVoiceResponse()
+
 
 def free_port() -> int:
     with socket.socket() as probe:

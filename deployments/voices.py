@@ -1,0 +1,293 @@
+"""The app's zero-shot voices: one VoiceBank actor encodes each voice once and keeps it by id.
+
+Where a voice lives: its tensors (prompt speech tokens, prompt mel, x-vector) and its LM prompt
+(transcript + speech tokens) in the bank; an LLM replica reads the LM prompt the first time a
+request names the voice; each detok replica gets the tensors once, over the stage
+`TensorTransport` (RDT gloo / nccl, or the object store) from a source endpoint the bank keeps on
+its own node to the replica's endpoint, and keeps them in its codec. Chunks carry only the
+voice's id as a cache handle; a replica that lacks it (new, restarted, evicted) asks the bank to
+send it again: the same tensors, so the same audio.
+
+The bank is a synchronous threaded actor: RDT needs the process that made a collective group to
+submit its transfers, and that is the bank. torch's gloo gives a process one group for life, so
+each detok replica is paired with a source endpoint of its own (a two-member group).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import json
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+import torch
+
+from core.checkpoints import resolve_model_ref
+from core.config import CHECK_FILES, ServeConfig
+from core.errors import InvalidArgumentError
+from core.messages import VoiceConditioning
+from core.voices import VoicePrompt, voice_id_for
+from deployments.transport import TensorEndpoint, TensorTransport, Transfer, TransportKind
+
+NAMESPACE = "voxray-voices"
+ENDPOINT_CONCURRENCY = 4  # RDT transfers hang on endpoints that run one call at a time
+PING_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class Registered:
+    voice_id: str
+    num_prompt_tokens: int
+    duration_s: float
+    is_new: bool  # False: the same clip was registered before (same id, same tensors)
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A request the bank cannot serve, returned (not raised) so the caller gets the field intact."""
+
+    field: str
+    message: str
+
+    def error(self) -> InvalidArgumentError:
+        return InvalidArgumentError(self.field, self.message)
+
+
+def bank_name(config: ServeConfig) -> str:
+    """One bank per app and model / encoder setup (a redeploy with another model gets a new bank)."""
+    setup = json.dumps([config.engine.model.model_dump(mode="json"), config.voices.model_dump(mode="json")])
+    return f"{config.app_name}:{hashlib.sha256(setup.encode()).hexdigest()[:12]}"
+
+
+def voice_bank(config: ServeConfig):
+    """The app's VoiceBank actor, created by whichever replica asks first (detached: it outlives them)."""
+    return VoiceBank.options(
+        name=bank_name(config), namespace=NAMESPACE, get_if_exists=True, lifetime="detached", max_concurrency=16,
+        num_cpus=0,
+    ).remote(config.model_dump(mode="json"))  # fmt: skip
+
+
+def new_endpoint(name: str):
+    return TensorEndpoint.options(max_concurrency=ENDPOINT_CONCURRENCY).remote(name)
+
+
+def _encoder_path(config: ServeConfig) -> Path | None:
+    """Where the published encoders are, or None for the seeded tiny ones (a preset model)."""
+    if config.voices.encoder_dir is not None:
+        return resolve_model_ref(config.voices.encoder_dir, field="voices.encoder_dir")
+    if config.engine.model.checkpoint_dir is None:
+        return None
+    return resolve_model_ref(config.engine.model.checkpoint_dir, field="model.checkpoint_dir")
+
+
+@dataclass
+class _Pair:
+    """The bank's side of one detok replica: a source endpoint on the bank's node, grouped with the
+    replica's endpoint (torch gloo gives a process one group for life, so each replica gets its own)."""
+
+    source: object
+    sink: object
+    transport: TensorTransport
+    lock: threading.Lock
+
+
+@ray.remote
+class VoiceBank:
+    """Registered voices by id: encodes each clip once, holds its LM prompt and tensors, and sends
+    the tensors to the detok replicas that ask for them."""
+
+    def __init__(self, config: dict) -> None:
+        self.config = ServeConfig.model_validate(config, context={CHECK_FILES: False})
+        self.kind = TransportKind(self.config.voices.transport)
+        self.prompts: dict[str, VoicePrompt] = {}
+        self.tensors: dict[str, dict[str, torch.Tensor]] = {}
+        self.pairs: dict[str, _Pair] = {}  # detok replica tag -> its pair
+        self.lock = threading.Lock()  # pairs
+        self.encoder_lock = threading.Lock()
+        self.encoder = None
+        self.num_encoded = self.num_deliveries = self.bytes_delivered = self.num_pairs = 0
+        self.deliveries_by: dict[str, int] = {}  # "voice_id@replica" -> transfers (1 unless the replica lost it)
+        self.source_counters: dict[str, int] = {"sent": 0, "bytes_sent": 0}  # of sources of closed pairs too
+
+    def _encoder(self):
+        from detok_stage.voice.encoder import VoiceEncoder
+
+        if self.encoder is None:
+            self.encoder = VoiceEncoder.build(_encoder_path(self.config), self.config.engine.model.seed)
+        return self.encoder
+
+    def register(self, wave: torch.Tensor, sample_rate_hz: int, prompt_text: str) -> Registered | Refused:
+        """Encode a checked clip (once: the same clip gives the same id, encoded the first time only)."""
+        model = self.config.engine.model.name
+        voice_id = voice_id_for(model, wave.numpy().tobytes(), sample_rate_hz, prompt_text)
+        duration_s = wave.numel() / sample_rate_hz
+        with self.encoder_lock:
+            known = self.prompts.get(voice_id)
+            if known is not None:
+                return Registered(voice_id, len(known.prompt_tokens), duration_s, False)
+            if len(self.prompts) >= self.config.voices.max_voices:
+                return Refused("audio", f"this server holds {len(self.prompts)} voices, its limit")
+            tensors = self._encoder().encode(wave, sample_rate_hz)
+            self.tensors[voice_id] = tensor_dict(tensors.with_id(voice_id))
+            self.prompts[voice_id] = VoicePrompt(voice_id, prompt_text, tuple(tensors.prompt_tokens.tolist()))
+            self.num_encoded += 1
+        return Registered(voice_id, int(tensors.prompt_tokens.numel()), duration_s, True)
+
+    def prompt(self, voice_id: str) -> VoicePrompt | None:
+        return self.prompts.get(voice_id)
+
+    def voice_ids(self) -> list[str]:
+        return sorted(self.prompts)
+
+    def join(self, replica: str, sink) -> None:
+        """Pair a detok replica's endpoint with a new source endpoint here (one group per pair)."""
+        with self.lock:
+            old = self.pairs.pop(replica, None)
+        if old is not None:
+            self._close(old)
+        node = ray.get_runtime_context().get_node_id()
+        source = TensorEndpoint.options(
+            max_concurrency=ENDPOINT_CONCURRENCY,
+            scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(node, soft=True),
+        ).remote(f"voice-bank>{replica}")
+        ray.get([source.stats.remote(), sink.stats.remote()])  # both started: the first voice never waits for them
+        pair = _Pair(source, sink, TensorTransport([source, sink], self.kind), threading.Lock())
+        with self.lock:
+            self.pairs[replica] = pair
+            self.num_pairs += 1
+
+    def deliver(self, voice_id: str, replica: str) -> int | Refused:
+        """Send the voice's tensors to `replica`'s endpoint over its pair's transport; the bytes sent."""
+        tensors = self.tensors.get(voice_id)
+        if tensors is None:
+            return Refused("voice", f"unknown voice {voice_id!r}")
+        with self.lock:
+            pair = self.pairs.get(replica)
+        if pair is None:
+            return Refused("voice", f"detok replica {replica} has not joined the voice bank")
+        with pair.lock:
+            ray.get(pair.source.hold.remote(voice_id, tensors))  # same node: the bank's copy to its sender
+            transfer: Transfer = pair.transport.move(voice_id, pair.source, pair.sink)
+            ray.get(pair.source.drop.remote(voice_id))
+        with self.lock:
+            self.num_deliveries += 1
+            self.bytes_delivered += transfer.num_bytes
+            key = f"{voice_id}@{replica}"
+            self.deliveries_by[key] = self.deliveries_by.get(key, 0) + 1
+        return transfer.num_bytes
+
+    def _close(self, pair: _Pair) -> None:
+        try:
+            counters = ray.get(pair.source.stats.remote(), timeout=PING_TIMEOUT_S)
+            self.source_counters["sent"] += counters["sent"]
+            self.source_counters["bytes_sent"] += counters["bytes_sent"]
+            pair.transport.close()
+        except Exception:  # the sink's side of the group is gone with its replica
+            pass
+        ray.kill(pair.source)
+
+    def stats(self) -> dict:
+        """The bank's counters and its source endpoints' own (sent, bytes_sent), open and closed pairs."""
+        with self.lock:
+            pairs = dict(self.pairs)
+        sent = dict(self.source_counters)
+        for pair in pairs.values():
+            counters = ray.get(pair.source.stats.remote(), timeout=PING_TIMEOUT_S)
+            sent = {k: sent[k] + counters[k] for k in sent}
+        return {
+            "voices": len(self.prompts), "encoded": self.num_encoded, "deliveries": self.num_deliveries,
+            "bytes_delivered": self.bytes_delivered, "transport": self.kind.value, "replicas": sorted(pairs),
+            "pairs_made": self.num_pairs, "deliveries_by": dict(self.deliveries_by), "source": sent,
+        }  # fmt: skip
+
+    def sink_stats(self) -> dict[str, dict]:
+        """Each paired detok endpoint's own transfer counters, by replica."""
+        with self.lock:
+            pairs = dict(self.pairs)
+        return {tag: ray.get(pair.sink.stats.remote(), timeout=PING_TIMEOUT_S) for tag, pair in pairs.items()}
+
+
+def tensor_dict(voice: VoiceConditioning) -> dict[str, torch.Tensor]:
+    return {"prompt_tokens": voice.prompt_tokens, "prompt_mel": voice.prompt_mel, "xvector": voice.xvector}
+
+
+class DetokVoices:
+    """A detok replica's side: its endpoint, and fetching the voices its chunks name into its codec."""
+
+    def __init__(self, config: ServeConfig, replica: str) -> None:
+        self.config, self.replica = config, replica
+        self.endpoint = None  # made when joining the bank (families without voices never join)
+        self.bank = None
+        self.num_fetched = 0
+        self.fetch_lock = None  # an asyncio.Lock, made on the replica's loop
+        self.joining: concurrent.futures.Future | None = None
+
+    def join_soon(self) -> None:
+        """Pair with the bank in the background now, so the first voice does not wait for the group
+        to form (seconds on a loaded CPU box); a failure here is retried at the first voice."""
+        self.joining = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="voice-join").submit(self._join)
+
+    def _join(self) -> None:
+        bank, endpoint = voice_bank(self.config), new_endpoint(f"detok:{self.replica}")
+        ray.get(bank.join.remote(self.replica, endpoint))
+        self.bank, self.endpoint = bank, endpoint
+
+    async def ensure(self, handles: set[str], codec) -> None:
+        """Every voice in `handles` is in `codec` (fetched from the bank over the transport if not)."""
+        missing = {h for h in handles if not codec.has_voice(h)}
+        if not missing:
+            return
+        self.fetch_lock = self.fetch_lock or asyncio.Lock()
+        async with self.fetch_lock:
+            for handle in sorted(h for h in missing if not codec.has_voice(h)):
+                await self._fetch(handle, codec)
+
+    async def _fetch(self, handle: str, codec) -> None:
+        if self.joining is not None:
+            try:
+                await asyncio.wrap_future(self.joining)
+            except Exception:  # joined below instead
+                pass
+            self.joining = None
+        if self.bank is None:
+            self.bank, self.endpoint = voice_bank(self.config), new_endpoint(f"detok:{self.replica}")
+            await self.bank.join.remote(self.replica, self.endpoint)
+        try:
+            sent = await self.bank.deliver.remote(handle, self.replica)
+        except ray.exceptions.RayError:  # the pair broke (its source died): pair again, once
+            await self.bank.join.remote(self.replica, self.endpoint)
+            sent = await self.bank.deliver.remote(handle, self.replica)
+        if isinstance(sent, Refused):
+            raise sent.error()
+        tensors = await self.endpoint.get.remote(handle)
+        codec.add_voice(VoiceConditioning(handle, tensors["prompt_tokens"], tensors["prompt_mel"], tensors["xvector"]))
+        await self.endpoint.drop.remote(handle)  # the codec holds it now
+        self.num_fetched += 1
+
+    async def stats(self) -> dict:
+        endpoint = None if self.endpoint is None else await self.endpoint.stats.remote()
+        return {"voices_fetched": self.num_fetched, "endpoint": endpoint}
+
+
+class LLMVoices:
+    """An LLM replica's side: the LM prompt of each registered voice its requests name, read once."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        self.config = config
+        self.bank = None
+        self.num_fetched = 0
+
+    async def ensure(self, voice_id: str, adapter) -> None:
+        """`adapter` knows `voice_id`'s prompt; an unknown id raises InvalidArgumentError('voice')."""
+        if voice_id in adapter.voice_prompts:
+            return
+        self.bank = self.bank or voice_bank(self.config)
+        prompt = await self.bank.prompt.remote(voice_id)
+        if prompt is None:
+            raise InvalidArgumentError("voice", f"unknown voice {voice_id!r}; register it first (POST /v1/voices)")
+        adapter.add_voice_prompt(prompt)
+        self.num_fetched += 1
