@@ -54,13 +54,28 @@ class DetokEngine:
         self.policy = policy or SchedulingPolicy(PolicyKind.FCFS)
         self._queue: list[_Pending] = []
         self._states: dict[str, _RequestState] = defaultdict(_RequestState)
+        self._last_decoded_seq: dict[str, int] = {}  # stateful codecs: each request's decode order
         self.num_decoded_frames = 0  # frames through the codec, context included
         self._forward_thread = ThreadPoolExecutor(1, "detok-forward") if config.async_steps else None
         self.graphs = ChunkGraphs.build(codec, config)
 
     @property
     def has_work(self) -> bool:
-        return bool(self._queue)
+        """A queued chunk can be decoded now (a stateful codec's chunk waits for its predecessor)."""
+        if not self.codec.is_stateful:
+            return bool(self._queue)
+        through = self._decoded_through()
+        return any(p.chunk.seq <= through[p.chunk.req_id] + 1 for p in self._queue)
+
+    def _decoded_through(self) -> dict[str, int]:
+        """Each queued request's last decoded seq; a request this replica has not decoded yet
+        starts at its lowest queued seq (a failover replica sees a stream from mid-way)."""
+        through = dict(self._last_decoded_seq)
+        for pending in self._queue:
+            req_id, seq = pending.chunk.req_id, pending.chunk.seq
+            if req_id not in self._last_decoded_seq:
+                through[req_id] = min(through.get(req_id, seq), seq - 1)
+        return through
 
     @property
     def num_requests(self) -> int:
@@ -82,6 +97,7 @@ class DetokEngine:
     def release(self, req_id: str) -> int:
         """Forget a request; returns how many of its chunks were dropped undelivered."""
         self.codec.release(req_id)
+        self._last_decoded_seq.pop(req_id, None)
         state = self._states.pop(req_id, None)
         kept = [p for p in self._queue if p.chunk.req_id != req_id]
         dropped = len(self._queue) - len(kept) + (len(state.done) if state is not None else 0)
@@ -104,8 +120,32 @@ class DetokEngine:
 
     def _select(self) -> list[TokenChunk]:
         self._queue.sort(key=self._priority)
+        if self.codec.is_stateful:
+            return self._select_in_seq_order()
         picked, self._queue = self._queue[: self.config.max_batch_chunks], self._queue[self.config.max_batch_chunks :]
         return [p.chunk for p in picked]
+
+    def _select_in_seq_order(self) -> list[TokenChunk]:
+        """By priority, but a stateful codec decodes each request's chunks in seq order: a chunk
+        whose predecessor has not been decoded yet waits here (chunks of one stream can arrive out
+        of order in concurrent decode calls; decoding one early would restart the codec's state)."""
+        expected = self._decoded_through()
+        picked, waiting = [], []
+        for pending in self._queue:
+            chunk = pending.chunk
+            is_next = chunk.seq <= expected[chunk.req_id] + 1  # (a repeat of a decoded seq goes through)
+            if is_next and len(picked) < self.config.max_batch_chunks:
+                picked.append(chunk)
+                expected[chunk.req_id] = max(expected[chunk.req_id], chunk.seq)
+            else:
+                waiting.append(pending)
+        self._queue = waiting
+        for chunk in picked:
+            if chunk.is_final:
+                self._last_decoded_seq.pop(chunk.req_id, None)
+            else:
+                self._last_decoded_seq[chunk.req_id] = max(self._last_decoded_seq.get(chunk.req_id, -1), chunk.seq)
+        return picked
 
     def _decode(self, chunks: list[TokenChunk]) -> list[AudioChunk]:
         if self.codec.is_stateful:  # per-request decoder caches: the codec crops to the kept frames itself

@@ -111,6 +111,10 @@ class Qwen3TTSCodec(CodecAdapter):
         self._states.pop(req_id, None)
 
     def _decode_chunk(self, chunk: TokenChunk) -> torch.Tensor:
+        if chunk.keep_end == chunk.keep_start:  # an empty final (the stream ended on a chunk boundary)
+            if chunk.is_final:
+                self._states.pop(chunk.req_id, None)
+            return torch.zeros(0)
         frames = torch.tensor(chunk.frames, dtype=torch.long, device=self.device).T.unsqueeze(0)  # [1, K, n]
         offset = chunk.keep_start - chunk.window_start
         found = self._states.get(chunk.req_id)

@@ -167,7 +167,7 @@ def test_models_lists_both_families(capsys):
     assert main(["models"]) == 0
     out = capsys.readouterr().out
     assert "\ncosyvoice2  (and cosyvoice2-tiny" in out and "\nchatterbox  (and chatterbox-tiny" in out
-    assert "voices: none built in (zero-shot" in out and "voices: default" in out
+    assert "voices: none built in; zero-shot voices from a reference clip" in out and "voices: default" in out
     assert out.count("24000 Hz; 25.00 codec frames/s") == 2
 
 

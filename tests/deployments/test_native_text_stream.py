@@ -26,7 +26,8 @@ AGENTS = small_config(
     admission=AdmissionConfig(max_streams_per_replica=4, max_queued_per_replica=4, default_ttfa_deadline_s=120.0),
 )  # fmt: skip
 WORDS = ["Hello ", "there, ", "my ", "good ", "friend."]
-SEEDS = (33, 36, 37)  # seeds whose stream reads all the text before its EOS (the tiny model stops at random)
+SEEDS = (40, 60, 70)  # seeds whose stream reads all 29 text ids before its EOS (36-40 frames; the tiny
+# model stops at random: re-pick them when the sampler's draws change)
 SAMPLING = {"max_tokens": 80}
 
 

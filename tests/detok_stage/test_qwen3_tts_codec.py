@@ -15,6 +15,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3Omni
 from core.config import DetokConfig, ModelConfig
 from detok_stage.codecs.qwen3_tts_codec import Qwen3TTSCodec, tiny_tokenizer_config
 from detok_stage.codecs.qwen3_tts_decoder import DecoderState
+from detok_stage.engine import DetokEngine, pcm16_to_float
 from llm_stage.chunking import Chunker, ChunkSchedule
 from tests.detok_stage.interleaved import stream_interleaved
 
@@ -68,6 +69,39 @@ def test_decoding_is_causal():
     frames = streams([20])["r0"]
     whole = codec().decode(frames[None])[0]
     torch.testing.assert_close(codec().decode(frames[None, :9])[0], whole[: 9 * 1920], atol=1e-5, rtol=0)
+
+
+def test_chunks_arriving_out_of_order_decode_in_seq_order():
+    """The detok deployment's engine (in_order=False, priority order) receives a stream's chunks
+    from concurrent decode calls, later ones first: each waits for its predecessor, so the carried
+    state stays exact (decoding one early restarted the state: audible drift mid-stream)."""
+    frames_by_req = streams([19, 26])
+    engine = DetokEngine(codec(), DetokConfig(), in_order=False)
+    chunks = {}
+    for rid, frames in frames_by_req.items():
+        chunker = Chunker(rid, ChunkSchedule(2, 4, 3, 0))
+        chunks[rid] = chunker.push(frames.tolist()) + chunker.finish()
+    pcm: dict[str, dict[int, bytes]] = {rid: {} for rid in frames_by_req}
+
+    def decode_ready() -> None:
+        while engine.has_work:
+            for out in engine.step():
+                pcm[out.req_id][out.seq] = out.pcm16
+
+    for cs in chunks.values():
+        engine.submit(cs[0])
+    decode_ready()
+    for chunk in sorted((c for cs in chunks.values() for c in cs[2:]), key=lambda c: -c.seq):
+        engine.submit(chunk)  # later chunks first: none can be decoded before its predecessor
+        assert not engine.has_work
+    for cs in chunks.values():
+        engine.submit(cs[1])
+        decode_ready()
+        assert len(pcm[cs[1].req_id]) == len(cs)  # its missing link came: the whole stream decoded
+    assert not engine.num_queued and not codec()._states
+    for rid, frames in frames_by_req.items():
+        got = torch.from_numpy(pcm16_to_float(b"".join(pcm[rid][seq] for seq in sorted(pcm[rid]))))
+        torch.testing.assert_close(got, quantized(codec().decode(frames[None])[0]), atol=4e-5, rtol=0)
 
 
 def test_cold_replica_mid_stream_rebuilds_state_from_left_context():

@@ -42,7 +42,8 @@ def test_golden_names_its_reference(golden):
 def test_front_ends_match_the_references(golden):
     data, make = golden
     wave_16k, wave_24k = make.clips()
-    torch.testing.assert_close(whisper_log_mel(wave_16k), torch.from_numpy(data["log_mel"]), atol=1e-5, rtol=0)
+    # (1e-4: the FFT's rounding differs by CPU; one bin of 38400 was 4e-5 off on one machine of this kind)
+    torch.testing.assert_close(whisper_log_mel(wave_16k), torch.from_numpy(data["log_mel"]), atol=1e-4, rtol=0)
     torch.testing.assert_close(kaldi_fbank(wave_16k), torch.from_numpy(data["fbank"]), atol=5e-4, rtol=1e-4)
     torch.testing.assert_close(s3gen_mel(wave_24k), torch.from_numpy(data["prompt_mel"]), atol=1e-5, rtol=0)
 
