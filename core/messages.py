@@ -247,6 +247,7 @@ class AudioRef:
     handle: object  # ray.ObjectRef[list[AudioChunk]] (core stays free of Ray)
     chunk: TokenChunk
     index: int = 0  # this chunk's audio in the list behind `handle`
+    detok_replica: str = ""  # the detok replica that decoded it (`DetokStage#<id>`)
 
 
 # ---- stream events: LLM replica -> router --------------------------------------------------

@@ -6,7 +6,9 @@ The call's audio stays in this replica's object store as one object; the caller 
 `AudioRef` per chunk (frames, duration, the handle, its index) and the router fetches the object
 from here once for all its streams, so audio takes one hop to the ingress and never passes
 through the LLM replica. Chunks are self-describing, so any replica can decode any chunk (M:N
-routing); cancelling a call drops its chunks.
+routing; a stateful codec's streams are pinned to one replica by their LLM replica, see
+`router.detok_pins`, and its engine decodes each stream's chunks in seq order); cancelling a call
+drops its chunks.
 """
 
 from __future__ import annotations
@@ -68,8 +70,10 @@ class DetokStage:
         for key in list(self.waiters):
             self._resolve(key, RuntimeError(f"detokenizer failed: {err}"))
 
-    async def decode_batch(self, chunks: list[TokenChunk]) -> list[AudioRef]:
-        """Decode `chunks` (one LLM step's, any streams); each audio stays here behind its ref."""
+    async def decode_batch(self, chunks: list[TokenChunk], to_replica: str = "") -> list[AudioRef]:
+        """Decode `chunks` (one LLM step's, any streams); each audio stays here behind its ref.
+        `to_replica` is read by the caller's request router only (`DetokBoard`: the replica the
+        streams are pinned to); a call it could not place there is decoded here all the same."""
         self.num_decode_calls += 1
         handles = {chunk.voice_handle for chunk in chunks if chunk.voice_handle}
         if handles:  # a registered voice this replica lacks comes over the stage transport first
@@ -91,7 +95,7 @@ class DetokStage:
             audio.detok_replica = self.replica_tag
         handle = ray.put(decoded)
         return [
-            AudioRef(a.req_id, a.seq, a.is_final, a.duration_s, a.num_frames, handle, chunk, index)
+            AudioRef(a.req_id, a.seq, a.is_final, a.duration_s, a.num_frames, handle, chunk, index, self.replica_tag)
             for index, (chunk, a) in enumerate(zip(chunks, decoded, strict=True))
         ]
 

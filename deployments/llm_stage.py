@@ -49,7 +49,8 @@ from llm_stage.registry import check_model_config
 from llm_stage.wiring import build_llm_side, size_for_streams
 from router.admission import Admission, ReplicaLoad, decide
 from router.detok_load import step_s_at, summarize_detok
-from router.dispatch import detok_loads
+from router.detok_pins import DetokPins
+from router.dispatch import detok_loads, live_detok_replicas
 from router.drain import announce_llm_replica, is_move_out_requested, publish_moving_out
 from router.replica_listener import keep_replica_listener_on_loopback
 
@@ -69,6 +70,7 @@ class _Batch:
 
     chunks: list[TokenChunk]
     num_waiting: int  # streams still waiting for a chunk of this batch
+    to_replica: str = ""  # the detok replica its streams are pinned to ("" = the handle's router picks)
     response: object = None  # the current DeploymentResponse (a retry replaces it)
     result: asyncio.Future | None = None  # -> list[AudioRef], index-aligned with `chunks`
 
@@ -109,6 +111,8 @@ class LLMStage:
         self.num_audio_refs = 0
         self.voices = LLMVoices(self.config)  # registered voices' LM prompts, read once from the VoiceBank
         self.num_detok_retries = 0
+        # a stateful detokenizer keeps each stream's decoder state on one detok replica: pin them
+        self.detok_pins = DetokPins() if entry.family.codec.is_stateful else None
         self.num_moved_out = self.num_kv_moved_in = self.kv_bytes_moved_in = 0
         self.is_moving_out = False  # set once asked to hand every stream to the other replicas
         self.moved_kv_refs: list[tuple[float, object]] = []  # (when, ObjectRef) of KV handed off
@@ -140,7 +144,16 @@ class LLMStage:
         live = [chunk for chunk in chunks if chunk.req_id in self.streams]
         if not live:
             return
-        batch = _Batch(live, len({c.req_id for c in live}))
+        if self.detok_pins is None:
+            self._send_batch(live, "", checkpoints)
+            return
+        for to_replica, pinned in self.detok_pins.split(live, live_detok_replicas(self.config.app_name)).items():
+            self._send_batch(pinned, to_replica, checkpoints)
+
+    def _send_batch(
+        self, live: list[TokenChunk], to_replica: str, checkpoints: dict[tuple[str, int], Checkpoint]
+    ) -> None:
+        batch = _Batch(live, len({c.req_id for c in live}), to_replica)
         batch.result = asyncio.ensure_future(self._decoded(batch))
         for index, chunk in enumerate(live):
             stream = self.streams[chunk.req_id]
@@ -152,7 +165,7 @@ class LLMStage:
         (chunks are self-describing, so any replica decodes them to the same audio)."""
         give_up_s = time.monotonic() + DETOK_RETRY_WINDOW_S
         for attempt in itertools.count():
-            batch.response = self.detok.decode_batch.remote(batch.chunks)
+            batch.response = self.detok.decode_batch.remote(batch.chunks, to_replica=batch.to_replica)
             self.num_decode_calls += 1
             sent_s = time.perf_counter()
             try:
@@ -164,7 +177,17 @@ class LLMStage:
                 await asyncio.sleep(DETOK_RETRY_BACKOFF_S[min(attempt, len(DETOK_RETRY_BACKOFF_S) - 1)])
                 continue
             self.side.engine.timer.record_detok(time.perf_counter() - sent_s)
+            self._follow_decoder_state(refs)
             return refs
+
+    def _follow_decoder_state(self, refs: list[AudioRef]) -> None:
+        """A pinned stream whose chunk another detok replica decoded (its own was gone) is pinned
+        there from now on: its decoder state is rebuilt there."""
+        if self.detok_pins is None:
+            return
+        for ref in refs:
+            if not ref.is_final and ref.req_id in self.streams:
+                self.detok_pins.decoded_on(ref.req_id, ref.detok_replica.rsplit("#", 1)[-1])
 
     def _fail_stream(self, req_id: str, err: BaseException) -> None:
         stream = self.streams.get(req_id)
@@ -274,6 +297,8 @@ class LLMStage:
             "decode_calls": self.num_decode_calls,  # one per engine step that cut chunks
             "audio_refs": self.num_audio_refs,  # chunks forwarded by reference (their audio never came here)
             "detok_retries": self.num_detok_retries,  # decode calls resent after losing a detok replica
+            # streams placed on each detok replica so far (a stateful detokenizer's are pinned)
+            "detok_streams_placed": dict(self.detok_pins.placed) if self.detok_pins is not None else {},
             "moved_out": self.num_moved_out,  # streams handed to other replicas (move-out)
             "kv_moved_in": self.num_kv_moved_in,  # streams that arrived with their KV rows
             "kv_bytes_moved_in": self.kv_bytes_moved_in,
@@ -362,6 +387,8 @@ class LLMStage:
 
     async def _close(self, req_id: str, stream: _Stream) -> None:
         self.streams.pop(req_id, None)
+        if self.detok_pins is not None:
+            self.detok_pins.forget(req_id)
         lifetime = time.monotonic() - stream.started_s
         if stream.is_done:
             self.avg_stream_s = lifetime if not self.avg_stream_s else 0.8 * self.avg_stream_s + 0.2 * lifetime

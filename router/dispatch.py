@@ -47,6 +47,19 @@ def detok_loads(app_name: str) -> list[DetokLoad]:
     return [load for load in loads if load is not None]
 
 
+def live_detok_replicas(app_name: str) -> dict[str, int]:
+    """Unique id -> streams its last report counts (0 before one), of every detok replica of
+    `app_name` the handle in this process may call ({} = not listed yet)."""
+    board = _DETOK_BOARDS.get(app_name)
+    if board is None:
+        return {}
+    live = {}
+    for replica_id, replica in board.curr_replicas.items():
+        load = DetokLoad.from_stats(replica.routing_stats or {})
+        live[replica_id.unique_id] = load.num_streams if load is not None else 0
+    return live
+
+
 def estimated_loads(app_name: str) -> list[ReplicaLoad]:
     """Current load estimate of every LLM replica of `app_name` known to this process ([] = unknown)."""
     router = _BOARDS.get(app_name)
@@ -164,11 +177,21 @@ class PredictedTTFARouter(RequestRouter):
 
 class DetokBoard(PowerOfTwoChoicesRequestRouter):
     """Serve's default routing for the detok handle, kept where `detok_loads` finds it: the LLM
-    replica calling the detok replicas reads their reports from it."""
+    replica calling the detok replicas reads their reports from it. A decode call naming a live
+    replica (`to_replica`: the streams of a stateful detokenizer are pinned) goes there."""
 
     def initialize_state(self, **kwargs) -> None:
         super().initialize_state(**kwargs)
         _register(self.app_name, self, "_DETOK_BOARDS")
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        wanted = (pending_request.kwargs or {}).get("to_replica") if pending_request is not None else None
+        named = next((r for r in candidate_replicas if r.replica_id.unique_id == wanted), None) if wanted else None
+        if named is not None:
+            return [[named]]
+        return await super().choose_replicas(candidate_replicas, pending_request)
 
 
 def _pinned_replica(request: PendingRequest | None, candidates: list[RunningReplica]) -> RunningReplica | None:

@@ -52,17 +52,19 @@ class _RecordingDetok:
 
     def __init__(self) -> None:
         self.calls: list[list[TokenChunk]] = []
+        self.targets: list[str] = []
         self.decode_batch = self
 
-    def remote(self, chunks: list[TokenChunk]) -> _Response:
+    def remote(self, chunks: list[TokenChunk], to_replica: str = "") -> _Response:
         self.calls.append(chunks)
+        self.targets.append(to_replica)
         return _Response()
 
 
 def test_one_call_carries_a_steps_chunks_of_every_live_stream():
     async def run() -> None:
         stage = object.__new__(LLMStage)  # only the hand-off under test: no engine, no Serve
-        stage.detok, stage.num_decode_calls = _RecordingDetok(), 0
+        stage.detok, stage.num_decode_calls, stage.detok_pins = _RecordingDetok(), 0, None
         stage.streams = {rid: _Stream(asyncio.Queue()) for rid in ("a", "b")}
         stage.side = SimpleNamespace(engine=SimpleNamespace(timer=StepTimer()))
         chunks = [
@@ -104,3 +106,29 @@ def test_the_last_stream_leaving_leaves_no_unobserved_error():
         return errors
 
     assert asyncio.run(run()) == []
+
+
+def test_a_stateful_detokenizers_streams_go_each_to_its_pinned_replica(monkeypatch):
+    """One call per detok replica per step, each stream's chunks always to the same replica."""
+    import deployments.llm_stage as llm_stage_module
+    from router.detok_pins import DetokPins
+
+    monkeypatch.setattr(llm_stage_module, "live_detok_replicas", lambda app: {"d1": 0, "d2": 0})
+
+    async def run() -> None:
+        stage = object.__new__(LLMStage)
+        stage.detok, stage.num_decode_calls, stage.detok_pins = _RecordingDetok(), 0, DetokPins()
+        stage.config = SimpleNamespace(app_name="app")
+        stage.streams = {rid: _Stream(asyncio.Queue()) for rid in ("a", "b", "c")}
+        stage.side = SimpleNamespace(engine=SimpleNamespace(timer=StepTimer()))
+        for seq in range(3):
+            stage._send([TokenChunk(rid, seq, [[0] * 7], 0, 0, 1, False) for rid in ("a", "b", "c")], {})
+        await asyncio.sleep(0.01)
+        by_replica: dict[str, set[str]] = {}
+        for target, call in zip(stage.detok.targets, stage.detok.calls, strict=True):
+            by_replica.setdefault(target, set()).update(c.req_id for c in call)
+        assert len(stage.detok.calls) == 6  # two replicas, three steps
+        assert sorted(map(len, by_replica.values())) == [1, 2] and set(by_replica) == {"d1", "d2"}
+        assert not by_replica["d1"] & by_replica["d2"]  # no stream on both
+
+    asyncio.run(run())

@@ -1,7 +1,9 @@
 """Native text streaming (issue 27) under a real local Ray + Serve: qwen3-tts-tiny on two LLM
-replicas, incremental WebSocket streams typed word by word. Each stream is one streaming-text
-request fed its pieces on the replica that runs it (the request router pins them there), waiting
-for text with its KV held; its audio equals the in-process engine's for the whole text at once."""
+and two detok replicas, incremental WebSocket streams typed word by word. Each stream is one
+streaming-text request fed its pieces on the replica that runs it (the request router pins them
+there), waiting for text with its KV held; its audio equals the in-process engine's for the whole
+text at once (the stateful detokenizer decodes each stream on the one detok replica it is pinned
+to, in seq order, whichever decode call brings its chunks first)."""
 
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ from tests.deployments.conftest import small_config
 pytestmark = pytest.mark.slow
 AGENTS = small_config(
     app_name="voxray-agents", route_prefix="/agents", engine=EngineConfig(model=ModelConfig(name="qwen3-tts-tiny")),
-    llm=StageDeploymentConfig(num_replicas=2, num_cpus=0.25), detok=StageDeploymentConfig(num_cpus=0.25),
+    llm=StageDeploymentConfig(num_replicas=2, num_cpus=0.25),
+    detok=StageDeploymentConfig(num_replicas=2, num_cpus=0.125),  # (the test cluster has 1 CPU left for it)
     router=StageDeploymentConfig(num_cpus=0.25),
     admission=AdmissionConfig(max_streams_per_replica=4, max_queued_per_replica=4, default_ttfa_deadline_s=120.0),
 )  # fmt: skip
@@ -118,6 +121,7 @@ def test_grpc_bidi_stream_of_typed_words_equals_the_whole_text(agents):
     with grpc.insecure_channel(agents.grpc_target) as channel:
         chunks = list(voxray_pb2_grpc.SpeechStub(channel).SynthesizeStream(requests(), timeout=120))
     assert chunks[-1].final and [c.seq for c in chunks] == list(range(len(chunks)))
+    assert len({c.detok_replica for c in chunks}) == 1  # the stream is pinned to one of the two detok replicas
     got = np.frombuffer(b"".join(c.audio for c in chunks), dtype="<i2").astype(np.int32)
     want = np.frombuffer(whole_text_audio(0), dtype="<i2").astype(np.int32)
     assert got.shape == want.shape and np.abs(got - want).max() <= 2
