@@ -12,18 +12,22 @@ import ray
 from ray import serve
 
 from cluster.drain import live_llm_replicas
-from core.config import AdmissionConfig, StageDeploymentConfig
+from core.config import AdmissionConfig, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, StageDeploymentConfig
 from tests.deployments.conftest import small_config
 from tests.deployments.test_zz_failover import _check_audio, _play_all, _replica_actor, _replica_of_a_playing_stream
 
 pytestmark = pytest.mark.slow
 
+# Streams of 500 frames (~80 s on the shared 2-core box): they outlive Serve's restart of the lost
+# replica (19-35 s measured there) by a wide margin; the KV cache holds them (4096 tokens a slot).
+MAX_TOKENS = 7 * 500
 REBALANCE = small_config(
     app_name="voxray-rebal", route_prefix="/rebal", llm=StageDeploymentConfig(num_replicas=2, num_cpus=0.25),
     detok=StageDeploymentConfig(num_cpus=0.25),
+    engine=EngineConfig(model=ModelConfig(torch_threads=1), cache=CacheConfig(num_slots=8, max_seq_len=4096),
+                        scheduler=SchedulerConfig(max_batch_size=8)),
     admission=AdmissionConfig(max_streams_per_replica=4, max_queued_per_replica=4, default_ttfa_deadline_s=60.0),
 )  # fmt: skip
-MAX_TOKENS = 7 * 280  # as long as the KV cache holds (2048 tokens): they outlive Serve's restart
 
 
 def _replica_stats(app_name: str, replica_id: str) -> dict:
