@@ -85,7 +85,7 @@ def clear_drain(app_name: str) -> None:
     """Forget the app's drain (a redeploy of it serves again)."""
     internal_kv._internal_kv_del(_deadline_key(app_name), namespace=KV_NAMESPACE)
     internal_kv._internal_kv_del(_count_prefix(app_name), del_by_prefix=True, namespace=KV_NAMESPACE)
-    for prefix in ("move-out:", "move-out-open:", "rebalance:"):
+    for prefix in ("move-out:", "move-out-open:", "rebalance:", "rebalance-claim:"):
         internal_kv._internal_kv_del(f"{prefix}{app_name}:".encode(), del_by_prefix=True, namespace=KV_NAMESPACE)
 
 

@@ -50,6 +50,22 @@ def request_rebalance(app_name: str, replica: str, count: int) -> None:
     internal_kv._internal_kv_put(_rebalance_key(app_name, replica), str(count).encode(), namespace=KV_NAMESPACE)
 
 
+def claim_rebalance(app_name: str, cooldown_s: float) -> bool:
+    """True for the one Router of `app_name` that may ask for a move now: the first to claim since
+    the last claim expired (each Router replica runs a Rebalancer over the same replica reports;
+    two asking at once would move twice the gap). Two Routers taking over an expired claim in the
+    same instant both get it: rare, and the next cooldown evens out what they moved."""
+    key, now_s = f"rebalance-claim:{app_name}:".encode(), time.time()
+    claim = str(now_s + cooldown_s).encode()
+    if not internal_kv._internal_kv_put(key, claim, overwrite=False, namespace=KV_NAMESPACE):
+        return True  # nobody held it
+    held = internal_kv._internal_kv_get(key, namespace=KV_NAMESPACE)
+    if held is not None and float(held) > now_s:
+        return False
+    internal_kv._internal_kv_put(key, claim, namespace=KV_NAMESPACE)  # expired: take it over
+    return True
+
+
 def take_rebalance_request(app_name: str, replica: str) -> int:
     """Streams the replica was asked to hand off since it last looked (0: none), forgetting the request."""
     key = _rebalance_key(app_name, replica)
@@ -62,27 +78,30 @@ def take_rebalance_request(app_name: str, replica: str) -> int:
 
 class Rebalancer:
     """One Router replica's rebalancing loop: every `period_s` it reads the LLM load board, plans a
-    move and asks the busy replica for it, then lets `cooldown_s` pass (the reports catch up with
-    the move) before planning again. `loads` and `ask` are injectable for tests."""
+    move and asks the busy replica for it (unless another Router of the app just did), then lets
+    `cooldown_s` pass (the reports catch up with the move) before planning again. `loads` and
+    `ask` (True when it asked) are injectable for tests."""
 
     def __init__(
         self,
         app_name: str,
         config: RebalanceConfig,
         loads: Callable[[], dict[str, int]] | None = None,
-        ask: Callable[[str, int], None] | None = None,
+        ask: Callable[[str, int], bool] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.config = config
-        self.loads = loads or (lambda: active_streams_by_replica(app_name))
-        self.ask = ask or (lambda replica, count: request_rebalance(app_name, replica, count))
+        self.app_name, self.config = app_name, config
+        self.loads = loads if loads is not None else lambda: active_streams_by_replica(app_name)
+        self.ask = ask if ask is not None else self._ask_through_kv
         self.clock = clock
         self.quiet_until_s = 0.0  # no plan before then (the cooldown after the last ask)
-        self.asked: list[MovePlan] = []  # every move asked for, in order
+        self.num_asked = 0  # moves this Router asked for
+        self.last_asked: MovePlan | None = None
         self._task: asyncio.Task | None = None
 
     def plan(self) -> MovePlan | None:
-        """The move to ask for now (None: cooling down, or balanced enough); starts the cooldown."""
+        """The move to ask for now (None: cooling down, or balanced enough); starts the cooldown
+        (whether this Router asks or another one did)."""
         now_s = self.clock()
         if now_s < self.quiet_until_s:
             return None
@@ -92,15 +111,23 @@ class Rebalancer:
         return plan
 
     async def tick(self) -> MovePlan | None:
-        """Plan on the event loop (the board is read there, as the admission checks read it); ask
-        off it (a GCS write)."""
+        """The move this Router asked for now, if any. Plans on the event loop (the board is read
+        there, as the admission checks read it); asks off it (GCS calls)."""
         plan = self.plan()
-        if plan is not None:
-            await asyncio.to_thread(self.ask, plan.from_replica, plan.count)
-            self.asked.append(plan)
-            busy, idle, count = plan
-            logger.info("rebalance: asked LLM replica %s to move %d streams (to %s)", busy, count, idle)
+        if plan is None or not await asyncio.to_thread(self.ask, plan.from_replica, plan.count):
+            return None
+        # the same plan again: the replica had nothing it could move (streaming-text streams)
+        level = logging.DEBUG if plan == self.last_asked else logging.INFO
+        self.num_asked, self.last_asked = self.num_asked + 1, plan
+        busy, idle, count = plan
+        logger.log(level, "rebalance: asked LLM replica %s to move %d streams (to %s)", busy, count, idle)
         return plan
+
+    def _ask_through_kv(self, replica: str, count: int) -> bool:
+        if not claim_rebalance(self.app_name, self.config.cooldown_s):
+            return False  # another Router asked: its move is under way
+        request_rebalance(self.app_name, replica, count)
+        return True
 
     def start(self) -> None:
         """Run on the caller's event loop (the Router replica's), when the config enables it."""

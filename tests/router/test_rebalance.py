@@ -15,7 +15,14 @@ from core.config import RebalanceConfig, ServeConfig
 from core.messages import Failed, Moved, ResumeState
 from router import rebalance
 from router.dispatch import active_streams_by_replica, pass_over
-from router.rebalance import MovePlan, Rebalancer, plan_move, request_rebalance, take_rebalance_request
+from router.rebalance import (
+    MovePlan,
+    Rebalancer,
+    claim_rebalance,
+    plan_move,
+    request_rebalance,
+    take_rebalance_request,
+)
 from router.streams import MAX_MOVES, RouterCore, StreamFailed
 from tests.router.test_dispatch import APP, DEPLOYMENT, Replica, _board, report
 
@@ -38,11 +45,23 @@ def test_plan_move(active, min_imbalance, plan):
     assert plan_move(active, min_imbalance) == plan
 
 
-def _rebalancer(active: dict[str, int], clock: list[float], **config) -> tuple[Rebalancer, list[tuple[str, int]]]:
-    asked: list[tuple[str, int]] = []
+class _Asks(list):
+    """The asks a Rebalancer made, as (replica, count); `granted` False: another Router holds the claim."""
+
+    def __init__(self, granted: bool = True) -> None:
+        super().__init__()
+        self.granted = granted
+
+    def __call__(self, replica: str, count: int) -> bool:
+        if self.granted:
+            self.append((replica, count))
+        return self.granted
+
+
+def _rebalancer(active: dict[str, int], clock: list[float], asks: _Asks | None = None, **config):
+    asked = asks if asks is not None else _Asks()
     rebalancer = Rebalancer(
-        APP, RebalanceConfig(**config), loads=lambda: dict(active), ask=lambda r, n: asked.append((r, n)),
-        clock=lambda: clock[0],
+        APP, RebalanceConfig(**config), loads=lambda: dict(active), ask=asked, clock=lambda: clock[0]
     )  # fmt: skip
     return rebalancer, asked
 
@@ -58,7 +77,7 @@ def test_the_rebalancer_asks_the_busy_replica_then_cools_down():
     assert asyncio.run(rebalancer.tick()) == MovePlan("survivor", "replacement", 2)  # still unbalanced: again
     active.update(survivor=2, replacement=2)
     clock[0] += 10.0
-    assert asyncio.run(rebalancer.tick()) is None and len(asked) == 2 == len(rebalancer.asked)
+    assert asyncio.run(rebalancer.tick()) is None and len(asked) == 2 == rebalancer.num_asked
 
 
 def test_a_balanced_board_starts_no_cooldown():
@@ -67,6 +86,18 @@ def test_a_balanced_board_starts_no_cooldown():
     assert asyncio.run(rebalancer.tick()) is None
     active["a"] = 5  # the imbalance appears right after: asked at once, no cooldown in the way
     assert asyncio.run(rebalancer.tick()) == MovePlan("a", "b", 2) and asked == [("a", 2)]
+
+
+def test_a_router_cools_down_when_another_one_asked():
+    """Every Router replica runs a Rebalancer over the same reports: one claim per cooldown asks."""
+    clock, asks = [0.0], _Asks(granted=False)
+    rebalancer, _ = _rebalancer({"a": 4, "b": 0}, clock, asks, cooldown_s=3.0)
+    assert asyncio.run(rebalancer.tick()) is None and asks == [] and rebalancer.num_asked == 0
+    asks.granted = True
+    clock[0] += 1.0  # the other Router's move is under way: this one waits its cooldown too
+    assert asyncio.run(rebalancer.tick()) is None and asks == []
+    clock[0] += 2.5
+    assert asyncio.run(rebalancer.tick()) == MovePlan("a", "b", 2) and asks == [("a", 2)]
 
 
 def test_the_rebalancer_runs_on_the_event_loop_and_stops_cleanly():
@@ -90,7 +121,7 @@ def test_the_rebalancer_runs_on_the_event_loop_and_stops_cleanly():
 def test_the_rebalancer_survives_an_ask_that_fails():
     """The GCS away (the cluster stopping) costs one period, not the loop."""
 
-    def ask(replica: str, count: int) -> None:
+    def ask(replica: str, count: int) -> bool:
         calls.append(replica)
         raise ConnectionError("GCS unavailable")
 
@@ -106,14 +137,35 @@ def test_the_rebalancer_survives_an_ask_that_fails():
     assert len(calls) >= 2
 
 
-def test_requests_go_through_the_internal_kv_once(monkeypatch):
-    """A request is taken once (the replica moves that many, once); a later one replaces an earlier."""
+@pytest.fixture
+def kv_store(monkeypatch) -> dict:
+    """Ray's internal KV as a dict (its put answers whether the key existed; overwrite=False keeps it)."""
     store: dict[tuple[bytes, str], bytes] = {}
+
+    def put(key: bytes, value: bytes, overwrite: bool = True, *, namespace: str) -> bool:
+        existed = (key, namespace) in store
+        if overwrite or not existed:
+            store[(key, namespace)] = value
+        return existed
+
     kv = rebalance.internal_kv
-    put = lambda key, value, namespace: store.__setitem__((key, namespace), value)  # noqa: E731
     monkeypatch.setattr(kv, "_internal_kv_put", put)
     monkeypatch.setattr(kv, "_internal_kv_get", lambda key, namespace: store.get((key, namespace)))
     monkeypatch.setattr(kv, "_internal_kv_del", lambda key, namespace: store.pop((key, namespace), None))
+    return store
+
+
+def test_one_router_of_an_app_claims_each_cooldown(kv_store, monkeypatch):
+    now = [1000.0]
+    monkeypatch.setattr(rebalance.time, "time", lambda: now[0])
+    assert claim_rebalance("app", 3.0) and not claim_rebalance("app", 3.0)  # the second Router waits
+    assert claim_rebalance("other-app", 3.0)
+    now[0] += 3.1
+    assert claim_rebalance("app", 3.0) and not claim_rebalance("app", 3.0)  # expired: taken over once
+
+
+def test_requests_go_through_the_internal_kv_once(kv_store):
+    """A request is taken once (the replica moves that many, once); a later one replaces an earlier."""
     assert take_rebalance_request("app", "r1") == 0
     request_rebalance("app", "r1", 3)
     request_rebalance("app", "r1", 2)
