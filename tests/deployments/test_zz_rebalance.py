@@ -14,7 +14,13 @@ from ray import serve
 from cluster.drain import live_llm_replicas
 from core.config import AdmissionConfig, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, StageDeploymentConfig
 from tests.deployments.conftest import small_config
-from tests.deployments.test_zz_failover import _check_audio, _play_all, _replica_actor, _replica_of_a_playing_stream
+from tests.deployments.test_zz_failover import (
+    _check_audio,
+    _play_all,
+    _replica_actor,
+    _replica_of_a_playing_stream,
+    _wait_until_all_play,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -80,6 +86,7 @@ def test_streams_move_to_the_replica_that_replaced_a_lost_one(cluster):
                                                                                   "max_tokens": MAX_TOKENS}}
                 for i in range(4)]  # fmt: skip
         outcomes, threads = _play_all(ep, jobs)
+        _wait_until_all_play(outcomes)  # (a stream lost before its first chunk is admitted afresh: maybe refused)
         victim = _replica_of_a_playing_stream(outcomes).rsplit("#", 1)[-1]
         [survivor] = live_llm_replicas(ep.app_name) - {victim}
         killed_at = time.monotonic()
