@@ -202,6 +202,28 @@ class DrainConfig(_Strict):
         return self.grace_s + SERVE_GRACE_MARGIN_S
 
 
+class RebalanceConfig(_Strict):
+    """Rebalancing active streams between LLM replicas (`router.rebalance`): when one replica runs
+    `min_imbalance` more streams than another (say the streams that failed over onto a survivor
+    while Serve's replacement idles), each Router asks the busy one to hand half the gap over,
+    KV included, the way a leaving replica hands off all of its streams."""
+
+    enabled: bool = Field(True, description="Move streams from the busiest LLM replica to the least busy one.")
+    min_imbalance: int = Field(
+        2, ge=2, le=4096, description="Active streams the busiest replica must run beyond the least busy one before "
+        "any moves (half the gap moves; a gap of 1 would only swap the imbalance around)."
+    )  # fmt: skip
+    period_s: float = Field(1.0, gt=0, le=3600, description="How often each Router compares the replicas' loads.")
+    cooldown_s: float = Field(
+        3.0, ge=0, le=3600, description="After asking for a move, wait this long before planning the next one (the "
+        "load reports catch up with the move meanwhile)."
+    )  # fmt: skip
+    pass_over_s: float = Field(
+        2.0, ge=0, le=3600, description="A replica that handed streams off to rebalance is ranked last for this "
+        "long, so the moved streams (and new ones) land on the others; a leaving replica is passed over for good."
+    )  # fmt: skip
+
+
 CHECK_FILES = "check_files"  # validation context key: False when rendering a config for other machines (k8s)
 
 
@@ -354,6 +376,7 @@ class ServeConfig(_Strict):
     admission: AdmissionConfig = AdmissionConfig()
     auth: AuthConfig = AuthConfig()
     drain: DrainConfig = DrainConfig()
+    rebalance: RebalanceConfig = RebalanceConfig()
     incremental: IncrementalConfig = IncrementalConfig()
     voices: VoicesConfig = VoicesConfig()
 

@@ -294,11 +294,14 @@ class AudioReady:
 
 @dataclass(frozen=True)
 class Moved:
-    """The LLM replica handed the stream off (it is leaving): the router continues it elsewhere
-    from `resume`, which carries the stream's KV; every chunk before `resume.next_seq` came first."""
+    """The LLM replica handed the stream off: the router continues it elsewhere from `resume`,
+    which carries the stream's KV; every chunk before `resume.next_seq` came first. A replica
+    leaving (drain, node move-out) hands off every stream; one rebalancing (`router.rebalance`)
+    hands off a few and stays."""
 
     resume: ResumeState
-    llm_replica: str = ""  # the replica leaving, which routers should pass over from now on
+    llm_replica: str = ""  # the replica that handed it off
+    is_leaving: bool = True  # routers pass over `llm_replica` from now on (False: only briefly)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,8 @@ playback clock, and a handle the router fetches the audio from. Audio never pass
 this replica. A decode call whose detok replica dies is resent (chunks are self-describing).
 Cancelling a stream frees its KV slot and drops its undecoded chunks. A streaming-text job gets its
 later text through `push_text` (the Router's request router pins those calls to this replica).
+Asked to leave, it hands every stream (KV included) to the other replicas; asked to rebalance
+(`router.rebalance`), the few cheapest to move.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from router.detok_load import step_s_at, summarize_detok
 from router.detok_pins import DetokPins
 from router.dispatch import detok_loads, live_detok_replicas
 from router.drain import announce_llm_replica, is_move_out_requested, publish_moving_out
+from router.rebalance import take_rebalance_request
 from router.replica_listener import keep_replica_listener_on_loopback
 
 # A decode call whose detok replica died is resent, backing off, for this long: long enough for
@@ -114,6 +117,7 @@ class LLMStage:
         # a stateful detokenizer keeps each stream's decoder state on one detok replica: pin them
         self.detok_pins = DetokPins() if entry.family.codec.is_stateful else None
         self.num_moved_out = self.num_kv_moved_in = self.kv_bytes_moved_in = 0
+        self.num_rebalanced_out = 0  # streams handed off to rebalance (this replica stays)
         self.is_moving_out = False  # set once asked to hand every stream to the other replicas
         self.moved_kv_refs: list[tuple[float, object]] = []  # (when, ObjectRef) of KV handed off
         self.loop = EngineLoop(self._step, lambda: self.side.engine.has_work, self._fail_all, "llm-engine")
@@ -194,10 +198,11 @@ class LLMStage:
         if stream is not None:
             stream.queue.put_nowait(err)
 
-    # ---- moving streams out (a replica about to leave) -------------------------------------
+    # ---- moving streams out (a replica about to leave, or rebalancing) ----------------------
     def _watch_move_out(self) -> None:
-        """Say which node this replica runs on, poll for a move-out request, and from then on hand
-        every stream here to the other replicas, publishing how many are left."""
+        """Say which node this replica runs on, then poll for requests: hand a few streams to the
+        other replicas when asked to rebalance (`router.rebalance`); once asked to leave, hand off
+        every stream here, publishing how many are left."""
         app, replica = self.config.app_name, self.replica_tag.split("#")[-1]
         try:
             announce_llm_replica(app, replica, ray.get_runtime_context().get_node_id())
@@ -207,11 +212,12 @@ class LLMStage:
             time.sleep(MOVE_OUT_POLL_S)
             try:
                 self.is_moving_out = is_move_out_requested(app, replica)
+                num_to_move = 0 if self.is_moving_out else take_rebalance_request(app, replica)
             except Exception:  # the GCS is going away with the cluster
                 continue
+            if num_to_move:
+                self._move_streams_out(limit=num_to_move, is_leaving=False)
         while True:
-            kept_since_s = time.monotonic() - MOVED_KV_KEEP_S
-            self.moved_kv_refs = [(at, ref) for at, ref in self.moved_kv_refs if at > kept_since_s]
             self._move_streams_out()
             try:
                 publish_moving_out(app, replica, len(self.streams))
@@ -219,23 +225,39 @@ class LLMStage:
                 pass
             time.sleep(MOVE_OUT_POLL_S)
 
-    def _move_streams_out(self) -> None:
-        """Stop every running stream between two engine steps and send each a Moved event (after
-        the chunks already cut) carrying its state and KV, put in the object store."""
+    def _move_streams_out(self, limit: int | None = None, is_leaving: bool = True) -> None:
+        """Stop running streams between two engine steps (every one, or the `limit` cheapest to move)
+        and send each a Moved event (after the chunks already cut) carrying its state and KV, put in
+        the object store."""
+        kept_since_s = time.monotonic() - MOVED_KV_KEEP_S
+        self.moved_kv_refs = [(at, ref) for at, ref in self.moved_kv_refs if at > kept_since_s]
         if self.event_loop is None:
             return
         with self.loop.exclusive():
-            moved = [(req_id, self.side.move_out(req_id)) for req_id in list(self.streams)]
+            req_ids = list(self.streams) if limit is None else self._movable_streams(limit)
+            moved = [(req_id, self.side.move_out(req_id)) for req_id in req_ids]
         for req_id, taken in moved:
-            if taken is None:  # not in the engine yet (still being added), or finished
+            if taken is None:  # not in the engine yet (still being added), finished, or streaming its text
                 continue
             state, kv = taken
             kv_ref = ray.put(kv) if kv is not None else None
             if kv_ref is not None:  # this replica owns the object: keep it until the new one has read it
                 self.moved_kv_refs.append((time.monotonic(), kv_ref))
             resume = dataclasses.replace(state, kv=kv_ref)
-            self.num_moved_out += 1
-            self.event_loop.call_soon_threadsafe(self._queue_moved, req_id, Moved(resume, self.replica_tag))
+            if is_leaving:
+                self.num_moved_out += 1
+            else:
+                self.num_rebalanced_out += 1
+            moved_event = Moved(resume, self.replica_tag, is_leaving)
+            self.event_loop.call_soon_threadsafe(self._queue_moved, req_id, moved_event)
+
+    def _movable_streams(self, limit: int) -> list[str]:
+        """Up to `limit` streams to rebalance, fewest generated tokens first (the least KV to ship).
+        A streaming-text request stays (its text pieces come to this replica). Under `exclusive`."""
+        requests, chunkers = self.side.engine.requests, self.side.chunkers  # a finished stream has no chunker
+        running = [req_id for req_id in list(self.streams) if req_id in requests and req_id in chunkers]
+        movable = [req_id for req_id in running if requests[req_id].text_feed is None]
+        return sorted(movable, key=lambda req_id: len(requests[req_id].output_ids))[:limit]
 
     def _queue_moved(self, req_id: str, moved: Moved) -> None:
         stream = self.streams.get(req_id)
@@ -300,6 +322,7 @@ class LLMStage:
             # streams placed on each detok replica so far (a stateful detokenizer's are pinned)
             "detok_streams_placed": dict(self.detok_pins.placed) if self.detok_pins is not None else {},
             "moved_out": self.num_moved_out,  # streams handed to other replicas (move-out)
+            "rebalanced_out": self.num_rebalanced_out,  # streams handed to other replicas (rebalance)
             "kv_moved_in": self.num_kv_moved_in,  # streams that arrived with their KV rows
             "kv_bytes_moved_in": self.kv_bytes_moved_in,
             "replica": self.replica_tag,

@@ -76,12 +76,26 @@ def num_live_replicas(app_name: str) -> int | None:
     return len(router.curr_replicas)
 
 
-def pass_over(app_name: str, replica_tag: str) -> None:
-    """Rank the LLM replica `replica_tag` (`LLMStage#<id>`) last from now on: it is leaving and hands
-    its streams back (its own load report says so too, but only at its next stats refresh)."""
+def active_streams_by_replica(app_name: str) -> dict[str, int]:
+    """Streams each reporting LLM replica of `app_name` runs (by unique id), as this process estimates
+    them; a leaving replica is left out (it takes nothing, and its report says it is full)."""
     router = _BOARDS.get(app_name)
-    if router is not None and replica_tag:
-        router.leaving.add(replica_tag.rsplit("#", 1)[-1])
+    return router.active_streams_by_replica() if router is not None else {}
+
+
+def pass_over(app_name: str, replica_tag: str, for_s: float | None = None) -> None:
+    """Rank the LLM replica `replica_tag` (`LLMStage#<id>`) last: from now on when it is leaving and
+    hands its streams back (its own load report says so too, but only at its next stats refresh), for
+    `for_s` when it handed a few streams off to rebalance (they, and new ones, land elsewhere)."""
+    router = _BOARDS.get(app_name)
+    if router is None or not replica_tag:
+        return
+    unique_id = replica_tag.rsplit("#", 1)[-1]
+    if for_s is None:
+        router.leaving.add(unique_id)
+    else:
+        until_s = router._get_curr_time_s() + for_s
+        router.passed_over_until[unique_id] = max(until_s, router.passed_over_until.get(unique_id, 0.0))
 
 
 class PredictedTTFARouter(RequestRouter):
@@ -95,6 +109,7 @@ class PredictedTTFARouter(RequestRouter):
         self._choosing: dict[str, tuple[ReplicaID, float]] = {}
         self._pinned: set[str] = set()  # text pieces in flight: sent to their stream's replica, not counted
         self.leaving: set[str] = set()  # unique ids of replicas handing their streams off
+        self.passed_over_until: dict[str, float] = {}  # unique id -> ranked last until then (rebalanced from)
         self.has_lost_replicas = False  # a replica died since start (then an empty set is an outage)
         _register(self.app_name, self, "_BOARDS")  # the Router's early reject and deadline check read it
 
@@ -127,8 +142,11 @@ class PredictedTTFARouter(RequestRouter):
         pending = self._pending(replica.replica_id, load.reported_unix_s)
         return ReplicaLoad(**{**load.to_stats(), "num_active": max(0, load.num_active + pending)})
 
+    def _is_passed_over(self, unique_id: str) -> bool:
+        return unique_id in self.leaving or self.passed_over_until.get(unique_id, 0.0) > self._get_curr_time_s()
+
     def _score(self, replica: RunningReplica) -> tuple[float, int]:
-        if replica.replica_id.unique_id in self.leaving:
+        if self._is_passed_over(replica.replica_id.unique_id):
             return (float("inf"), 0)
         load = self._refresh(replica)
         if load is None:  # no stats yet: spread by what we routed or are routing
@@ -141,13 +159,27 @@ class PredictedTTFARouter(RequestRouter):
         loads = [self._refresh(r) for r in self.curr_replicas.values()]
         return [load for load in loads if load is not None]
 
+    def active_streams_by_replica(self) -> dict[str, int]:
+        """Active streams of every running replica that reported and is not leaving, by unique id."""
+        active = {}
+        for replica in list(self.curr_replicas.values()):
+            unique_id = replica.replica_id.unique_id
+            load = self._refresh(replica)
+            if load is not None and unique_id not in self.leaving:
+                active[unique_id] = load.num_active
+        return active
+
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
         self._ensure_state()
         live = {r.replica_id for r in candidate_replicas}
         self._replicas_seen = {rid: r for rid, r in self._replicas_seen.items() if rid in live}
-        self.leaving &= {rid.unique_id for rid in live}
+        live_ids, now_s = {rid.unique_id for rid in live}, self._get_curr_time_s()
+        self.leaving &= live_ids
+        for unique_id, until_s in list(self.passed_over_until.items()):  # in place: `pass_over` runs elsewhere
+            if unique_id not in live_ids or until_s <= now_s:
+                self.passed_over_until.pop(unique_id, None)
         key = pending_request.metadata.internal_request_id if pending_request is not None else None
         pinned = _pinned_replica(pending_request, candidate_replicas)
         if pinned is not None:

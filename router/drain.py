@@ -17,7 +17,7 @@ from collections.abc import Callable
 from ray.experimental import internal_kv
 
 POLL_S = 0.2
-_NAMESPACE = "voxray"
+KV_NAMESPACE = "voxray"  # Ray internal KV namespace of drain, move-out and rebalance requests
 
 
 def _deadline_key(app_name: str) -> bytes:
@@ -31,15 +31,15 @@ def _count_prefix(app_name: str) -> bytes:
 def start_drain(app_name: str, grace_s: float) -> float:
     """Start draining `app_name`: its Routers finish or end their streams by the returned deadline (Unix s)."""
     deadline_unix_s = time.time() + grace_s
-    internal_kv._internal_kv_put(_deadline_key(app_name), str(deadline_unix_s).encode(), namespace=_NAMESPACE)
+    internal_kv._internal_kv_put(_deadline_key(app_name), str(deadline_unix_s).encode(), namespace=KV_NAMESPACE)
     return deadline_unix_s
 
 
 def open_streams_by_router(app_name: str) -> dict[str, int]:
     """Streams each draining Router replica still has, as it last published them."""
     prefix = _count_prefix(app_name)
-    keys = internal_kv._internal_kv_list(prefix, namespace=_NAMESPACE)
-    counts = {key: internal_kv._internal_kv_get(key, namespace=_NAMESPACE) for key in keys}
+    keys = internal_kv._internal_kv_list(prefix, namespace=KV_NAMESPACE)
+    counts = {key: internal_kv._internal_kv_get(key, namespace=KV_NAMESPACE) for key in keys}
     return {key[len(prefix) :].decode(): int(value) for key, value in counts.items() if value is not None}
 
 
@@ -49,44 +49,44 @@ def _move_out_key(app_name: str, replica: str) -> bytes:
 
 def request_move_out(app_name: str, replica: str) -> None:
     """Ask one LLM replica to hand its streams to the others (with their KV) and take no new ones."""
-    internal_kv._internal_kv_put(_move_out_key(app_name, replica), b"1", namespace=_NAMESPACE)
+    internal_kv._internal_kv_put(_move_out_key(app_name, replica), b"1", namespace=KV_NAMESPACE)
 
 
 def is_move_out_requested(app_name: str, replica: str) -> bool:
-    return internal_kv._internal_kv_exists(_move_out_key(app_name, replica), namespace=_NAMESPACE)
+    return internal_kv._internal_kv_exists(_move_out_key(app_name, replica), namespace=KV_NAMESPACE)
 
 
 def publish_moving_out(app_name: str, replica: str, num_streams: int) -> None:
     """A leaving LLM replica's streams not yet handed off."""
     key = f"move-out-open:{app_name}:{replica}".encode()
-    internal_kv._internal_kv_put(key, str(num_streams).encode(), namespace=_NAMESPACE)
+    internal_kv._internal_kv_put(key, str(num_streams).encode(), namespace=KV_NAMESPACE)
 
 
 def moving_out_streams(app_name: str, replica: str) -> int | None:
     """What `publish_moving_out` last said (None: the replica has not answered the request yet)."""
-    value = internal_kv._internal_kv_get(f"move-out-open:{app_name}:{replica}".encode(), namespace=_NAMESPACE)
+    value = internal_kv._internal_kv_get(f"move-out-open:{app_name}:{replica}".encode(), namespace=KV_NAMESPACE)
     return int(value) if value is not None else None
 
 
 def announce_llm_replica(app_name: str, replica: str, node_id: str) -> None:
     """An LLM replica says which node it runs on (so a node's pod can move its streams out)."""
-    internal_kv._internal_kv_put(f"llm-node:{app_name}:{replica}".encode(), node_id.encode(), namespace=_NAMESPACE)
+    internal_kv._internal_kv_put(f"llm-node:{app_name}:{replica}".encode(), node_id.encode(), namespace=KV_NAMESPACE)
 
 
 def llm_replicas_on_node(app_name: str, node_id: str) -> list[str]:
     """The LLM replicas of `app_name` that announced `node_id` (dead ones included: check liveness)."""
     prefix = f"llm-node:{app_name}:".encode()
-    keys = internal_kv._internal_kv_list(prefix, namespace=_NAMESPACE)
-    on_node = [key for key in keys if internal_kv._internal_kv_get(key, namespace=_NAMESPACE) == node_id.encode()]
+    keys = internal_kv._internal_kv_list(prefix, namespace=KV_NAMESPACE)
+    on_node = [key for key in keys if internal_kv._internal_kv_get(key, namespace=KV_NAMESPACE) == node_id.encode()]
     return sorted(key[len(prefix) :].decode() for key in on_node)
 
 
 def clear_drain(app_name: str) -> None:
     """Forget the app's drain (a redeploy of it serves again)."""
-    internal_kv._internal_kv_del(_deadline_key(app_name), namespace=_NAMESPACE)
-    internal_kv._internal_kv_del(_count_prefix(app_name), del_by_prefix=True, namespace=_NAMESPACE)
-    for prefix in ("move-out:", "move-out-open:"):
-        internal_kv._internal_kv_del(f"{prefix}{app_name}:".encode(), del_by_prefix=True, namespace=_NAMESPACE)
+    internal_kv._internal_kv_del(_deadline_key(app_name), namespace=KV_NAMESPACE)
+    internal_kv._internal_kv_del(_count_prefix(app_name), del_by_prefix=True, namespace=KV_NAMESPACE)
+    for prefix in ("move-out:", "move-out-open:", "rebalance:", "rebalance-claim:"):
+        internal_kv._internal_kv_del(f"{prefix}{app_name}:".encode(), del_by_prefix=True, namespace=KV_NAMESPACE)
 
 
 class DrainWatch:
@@ -115,11 +115,11 @@ class DrainWatch:
         count_key = _count_prefix(self.app_name) + self.replica.encode()
         while True:
             try:
-                value = internal_kv._internal_kv_get(key, namespace=_NAMESPACE)
+                value = internal_kv._internal_kv_get(key, namespace=KV_NAMESPACE)
                 self.deadline_unix_s = float(value) if value is not None else None
                 if self.deadline_unix_s is not None:
                     count = str(self.open_streams()).encode()
-                    internal_kv._internal_kv_put(count_key, count, namespace=_NAMESPACE)
+                    internal_kv._internal_kv_put(count_key, count, namespace=KV_NAMESPACE)
             except Exception:  # the GCS is going away with the cluster: keep the last state
                 pass
             time.sleep(POLL_S)

@@ -241,6 +241,7 @@ class Router:
         self.core = RouterCore(config, llm_handle, detok_handle)
         self.voices = VoiceRegistry(self.core.entry, self.core.config.voices, voice_bank)  # zero-shot voices
         self.core.drain.start()
+        self.core.rebalancer.start()  # on this replica's event loop, like the admission checks
         self.auth = ApiKeys(self.core.config.auth, listen_host=widest_host(self.core.config))
         if self.core.config.http_docs:
             expose_docs(http_app)
@@ -248,6 +249,7 @@ class Router:
         await self.grpc.start()  # on the replica's event loop, where the gRPC methods run
 
     async def __del__(self) -> None:  # Serve calls it when the replica shuts down
+        await self.core.rebalancer.stop()
         await self.grpc.stop()
 
     # ---- gRPC -----------------------------------------------------------------------------

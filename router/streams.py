@@ -47,6 +47,7 @@ from router.jobs import (
 from router.metrics import RouterMetrics
 from router.native_session import NativeTextSession
 from router.playback import PlaybackTracker, TextPacedPlayback
+from router.rebalance import Rebalancer
 from router.resume import StreamProgress
 
 
@@ -62,7 +63,7 @@ logger = logging.getLogger("ray.serve.voxray")
 # A stream whose LLM replica dies is resumed elsewhere at most this many times, after these waits
 # (Serve's handle skips a replica once a call to it failed with ActorDiedError).
 RESUME_BACKOFF_S = (0.05, 0.2, 0.5)
-MAX_MOVES = 8  # hand-offs of one stream (a replica leaving bounces resumed streams it is sent)
+MAX_MOVES = 8  # hand-offs of one stream by leaving replicas (one bounces resumed streams it is sent)
 HEAD_POLL_S = 0.05  # while waiting for a stream's head: how often to look for live LLM replicas
 
 
@@ -142,6 +143,7 @@ class RouterCore:
         self.open_streams = 0
         self.metrics = RouterMetrics()
         self.drain = DrainWatch(self.config.app_name, _replica_name(), lambda: self.open_streams)
+        self.rebalancer = Rebalancer(self.config.app_name, self.config.rebalance)  # started by the Router
 
     def job(self, **fields) -> Job:
         return job_from_fields(self.entry, self.config.admission, **fields)
@@ -253,12 +255,12 @@ class RouterCore:
                     yield sent
                 return
             except StreamMoved as moved:
-                num_moved += 1
-                if num_moved > MAX_MOVES:
+                num_moved += moved.moved.is_leaving  # a rebalancing replica stays: its moves are bounded by
+                if num_moved > MAX_MOVES:  # the Rebalancer's cooldown, not by this count
                     raise StreamFailed(f"moved {num_moved} times without a replica taking it") from None
                 handoff = moved.moved.resume
                 progress.adopt(handoff)
-                pass_over(self.config.app_name, moved.moved.llm_replica)
+                self._pass_over(moved.moved)
                 self.metrics.moves.inc()
             except (RayActorError, ActorUnavailableError) as err:
                 if num_lost >= len(RESUME_BACKOFF_S) or not progress.is_resumable:
@@ -269,6 +271,12 @@ class RouterCore:
                 self.metrics.resumes.inc()
                 lost = type(err).__name__
                 logger.warning("%s: LLM replica lost (%s); resuming at chunk %d", job.req_id, lost, progress.next_seq)
+
+    def _pass_over(self, moved: Moved) -> None:
+        """Rank the replica that handed the stream off last: for good when it is leaving, for
+        `rebalance.pass_over_s` when it rebalanced (so the stream lands on a less busy one)."""
+        for_s = None if moved.is_leaving else self.config.rebalance.pass_over_s
+        pass_over(self.config.app_name, moved.llm_replica, for_s)
 
     async def _relay(
         self,
