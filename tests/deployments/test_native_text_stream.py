@@ -15,10 +15,12 @@ import numpy as np
 import pytest
 from ray import serve
 
+from cluster.drain import live_llm_replicas
 from cluster.pipeline import InProcessPipeline
 from core.config import AdmissionConfig, EngineConfig, ModelConfig, StageDeploymentConfig
 from core.messages import Job
 from tests.deployments.conftest import small_config
+from tests.deployments.test_zz_rebalance import _replica_stats
 
 pytestmark = pytest.mark.slow
 AGENTS = small_config(
@@ -83,13 +85,18 @@ def whole_text_audio(index: int) -> bytes:
     return b"".join(chunk.pcm16 for chunk in pipeline.stream())
 
 
+def streams_waiting_for_text() -> int:
+    """On every LLM replica (a handle's stats call reaches one replica only)."""
+    app = AGENTS.app_name
+    return sum(_replica_stats(app, replica)["waiting_for_text"] for replica in live_llm_replicas(app))
+
+
 def test_typed_streams_on_two_replicas_equal_the_whole_text_and_wait_holding_kv(agents):
-    llm = serve.get_deployment_handle("LLMStage", AGENTS.app_name)
     with ThreadPoolExecutor(3) as pool:
         streams = [pool.submit(typed_stream, agents, i) for i in range(3)]
         seen_waiting = 0
         while not all(s.done() for s in streams):
-            seen_waiting = max(seen_waiting, llm.stats.remote().result()["waiting_for_text"])
+            seen_waiting = max(seen_waiting, streams_waiting_for_text())
             time.sleep(0.05)
         results = [s.result() for s in streams]
     for index, (audio, code, metas) in enumerate(results):
