@@ -238,7 +238,10 @@ def test_a_stream_closed_mid_segment_also_stops_the_segment_started_ahead():
                     await asyncio.Event().wait()  # the client stops reading; then it leaves
 
         task = asyncio.create_task(consume())
-        await asyncio.sleep(0.2)
+        for _ in range(500):  # (0.2 s on a quiet box; a loaded one takes longer)
+            if len(session.prefetches) == 2:
+                break
+            await asyncio.sleep(0.01)
         assert len(session.prefetches) == 2  # the second segment was started ahead
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
