@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from llm_stage.models.cosyvoice2_lm import SPEECH_TOKEN_SIZE, TASK_ID, Kind
 from llm_stage.request import Request, Token
-from llm_stage.text_feed import NO_LIMIT, TextFeed
+from llm_stage.text_feed import NO_LIMIT, SplitText, TextFeed
 
 MIX_TEXT, MIX_SPEECH = 5, 15  # the published mix_ratio
 FILL_TOKEN = SPEECH_TOKEN_SIZE + 2  # sampled (or forced) after a group's speech: more text, please
@@ -41,7 +41,7 @@ class BistreamFeed(TextFeed):
     waits_from: int = 0  # the first position not to compute until text comes (NO_LIMIT: none)
 
     @classmethod
-    def open(cls, split, prompt_text_ids: list[int], prompt_speech: list[int]) -> BistreamFeed:  # noqa: ANN001
+    def open(cls, split: SplitText, prompt_text_ids: list[int], prompt_speech: list[int]) -> BistreamFeed:
         """A feed whose text starts with a voice's transcript; its speech tokens fill the first groups."""
         feed = cls(split, prompt_speech=list(prompt_speech), num_prompt_text=len(prompt_text_ids))
         feed.ids.extend(prompt_text_ids)
@@ -87,8 +87,9 @@ class BistreamFeed(TextFeed):
                 self._place_group(req.positions)
             elif self.is_ended:
                 self._place_end(req)
-            else:
-                self.waits_from = self.span_start
+            else:  # nothing of the current span, nor the position that drew the fill (a preempted
+                # request prefilled again must not draw there twice), is computed until text comes
+                self.waits_from = min(self.span_start, req.num_known - 1)
                 return
         self.waits_from = NO_LIMIT
 

@@ -105,7 +105,8 @@ def test_text_pushed_piece_by_piece_while_streams_run_gives_the_same_tokens(asyn
     assert got["whole"] == alone.run_to_completion()["whole"]
 
 
-def test_a_stream_waits_for_a_text_group_holding_its_slot_then_continues():
+@pytest.mark.parametrize("preempted", [False, True])
+def test_a_stream_waits_for_a_text_group_holding_its_slot_then_continues(preempted):
     eng = adapter_engine(adapter(), num_slots=2)
     case = golden()["cases"][0]  # no voice: the first group needs 5 text ids
     req = add_stream(eng, case, case["text"][:4])
@@ -116,6 +117,8 @@ def test_a_stream_waits_for_a_text_group_holding_its_slot_then_continues():
         got += [t for out in eng.step() for t in out.new_token_ids]
     assert got == case["tokens"][:15]  # the group's 15 tokens, then the fill: it waits again
     assert req.is_waiting_for_text and req.slot is not None and eng.scheduler.num_waiting_for_text == 1
+    if preempted:  # prefilled again, it still waits: the position that drew the fill draws nothing more
+        assert eng.scheduler.preempt(case["name"]) and eng.step() == [] and req.is_waiting_for_text
     eng.push_text(case["name"], case["text"][9:], end=True)
     got += [t for t in eng.run_to_completion()[case["name"]]]
     assert got == case["tokens"]
