@@ -292,8 +292,8 @@ class LLMEngine:
         params = req.sampling
         history = self.adapter.penalty_history(req, codebook) if params.repetition_penalty != 1.0 else []
         recent: list[int] = []
-        if params.is_repetition_aware:  # the row's own generated ids (its codebook's, for K codebooks)
-            recent = [t if isinstance(t, int) else t[codebook] for t in req.output_ids[-params.ras_window :]]
+        if params.is_repetition_aware:
+            recent = self.adapter.drawn_ids(req, codebook)[-params.ras_window :]
         return SamplingRow(params, history, self._seeded.get(req.req_id), recent)
 
     def _output(self, req: Request, token: Token, is_finished: bool) -> StepOutput:

@@ -141,6 +141,11 @@ class LMAdapter(ABC):
         `history_ids` of the last `repetition_window` positions of prompt + output."""
         return self.history_ids(req.history(req.sampling.repetition_window), codebook)
 
+    def drawn_ids(self, req: Request, codebook: int) -> list[int]:
+        """The ids `req` drew for `codebook`, in order, that repetition-aware sampling looks back on:
+        by default its output (the codebook's ids, for K codebooks)."""
+        return [t if isinstance(t, int) else t[codebook] for t in req.output_ids]
+
     def record_token(self, req: Request, token: Token) -> None:
         """Record a sampled token that did not stop `req`: by default every row's next output and next
         position. A family that lays out its own positions (`Request.positions`: text between sampled

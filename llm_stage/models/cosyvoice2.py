@@ -4,7 +4,9 @@ A prompt is `[sos, text, task_id, prompt speech]`: sos / task_id are rows of `ll
 ids embed through Qwen's own table, speech ids through `speech_embedding`; `llm_decoder` (with bias)
 scores the 6564 speech ids. Each position carries (id, kind) lanes so one batch mixes all three
 tables. Per request, stop ids are masked for the first 2x text tokens and forced after 20x (the
-published bounds). Weights: `llm_stage.models.cosyvoice2_lm`.
+published bounds). Streamed text (native text streaming, the published "bistream"): the prompt is
+`sos` and `llm_stage.models.cosyvoice2_bistream` lays out the text between the speech tokens.
+Weights: `llm_stage.models.cosyvoice2_lm`.
 """
 
 from __future__ import annotations
@@ -216,6 +218,11 @@ class CosyVoice2Adapter(LMAdapter):
             req.text_feed.take_token(req, int(token))  # type: ignore[arg-type]
         else:
             super().record_token(req, token)
+
+    def drawn_ids(self, req: Request, codebook: int) -> list[int]:
+        """Streamed text: fill tokens included (the published loop's RAS window counts them too)."""
+        feed = req.text_feed
+        return feed.drawn if isinstance(feed, BistreamFeed) else super().drawn_ids(req, codebook)
 
     def is_output(self, req: Request, token: Token) -> bool:
         return not (isinstance(req.text_feed, BistreamFeed) and token == FILL_TOKEN)

@@ -34,7 +34,8 @@ class BistreamFeed(TextFeed):
     num_placed: int = 0  # text ids placed as positions
     needs_text: bool = True  # the next positions are a text group (at the start without prompt speech, after a fill)
     is_final: bool = False  # the rest of the text and task_id are placed: the LM speaks to EOS
-    num_sampled: int = 0  # tokens drawn, fills included (the published loop counts them alike)
+    drawn: list[int] = field(default_factory=list)  # every draw, fills included (the published loop's
+    # `out_tokens`: its fill schedule and its repetition-aware sampling count them alike)
     next_fill: int = MIX_SPEECH  # the draw that is forced to be the fill token
     span_start: int = 0  # first position of the current forward span (positions since the last draw)
     last_fill_span: tuple[int, int] = (0, 0)  # the positions of the forward that drew the last fill
@@ -60,13 +61,13 @@ class BistreamFeed(TextFeed):
 
     @property
     def forces_fill(self) -> bool:
-        return not self.is_final and self.num_sampled == self.next_fill
+        return not self.is_final and len(self.drawn) == self.next_fill
 
     def take_token(self, req: Request, token: int) -> None:
         """A drawn token that did not stop `req`: a speech token is output and the next position; the
         fill token asks for the next text group (placed now if the text is there)."""
-        index, position = self.num_sampled, req.num_known
-        self.num_sampled += 1
+        index, position = len(self.drawn), req.num_known
+        self.drawn.append(token)
         if token == FILL_TOKEN:
             self.next_fill = index + MIX_SPEECH + 1
             self.last_fill_span, self.span_start = (self.span_start, position), position
@@ -110,7 +111,7 @@ class BistreamFeed(TextFeed):
         """The published end: once anything was drawn, the last fill's forward span again; the text
         left; task_id. Prompt speech not placed by then is dropped (the text was shorter than it)."""
         positions = req.positions
-        if self.num_sampled:
+        if self.drawn:
             first, end = self.last_fill_span
             positions += [req.token_at(i) for i in range(first, end)]  # type: ignore[operator]
         positions += self._text_positions(len(self.ids))  # type: ignore[operator]

@@ -1,7 +1,8 @@
 """CosyVoice 2 LM weights (`Qwen2LM` of the published code) under their published state-dict names,
 the `cosyvoice2-tiny` random preset, and the published `CosyVoice2-0.5B` directory: `cosyvoice2.yaml`
 (HyperPyYAML, read as plain data), `llm.pt` (the LM's state dict) and the `CosyVoice-BlankEN` Qwen
-folder (config.json + tokenizer). Used by the cosyvoice2 adapter (`llm_stage.models.cosyvoice2`)."""
+folder (config.json + tokenizer), and the kinds of positions (`Kind`: which table embeds them). Used by
+the cosyvoice2 adapter (`llm_stage.models.cosyvoice2`) and its bistream layout."""
 
 from __future__ import annotations
 

@@ -143,6 +143,7 @@ def test_layout_follows_the_published_mix_fill_and_end():
     assert feed.forces_fill
     feed.take_token(req, FILL_TOKEN)
     assert req.output_ids == list(range(100, 115)) and req.is_waiting_for_text  # 2 ids: not a group
+    assert adapter().drawn_ids(req, 0) == [*range(100, 115), FILL_TOKEN]  # RAS looks back on fills too
     feed.end()
     feed.lay_out(req)
     assert req.positions[20:] == [114, *text[5:], (1, Kind.LLM)] and not req.is_waiting_for_text
