@@ -56,7 +56,9 @@ class LLMEngine:
         self.cache_config = cache
         self.timer = StepTimer(tokens_per_frame=adapter.tokens_per_frame)
         self.policy: SchedulingPolicy = make_policy(scheduler, self.timer, adapter.head_phase_period)
-        self.scheduler = Scheduler(scheduler, cache, adapter.eos_token_ids, self.policy, adapter.is_stop)
+        self.scheduler = Scheduler(
+            scheduler, cache, adapter.eos_token_ids, self.policy, adapter.is_stop, adapter.record_token
+        )
         self.runner = ModelRunner(adapter, cache.num_slots, cache.max_seq_len, scheduler.cuda_graph_batch_sizes)
         self._forward_thread = ThreadPoolExecutor(1, "llm-forward") if scheduler.async_steps else None
         self._next_plan: StepPlan | None = None  # async: planned while the previous forward ran
@@ -105,7 +107,9 @@ class LLMEngine:
         if job.resume is not None:
             raise InvalidArgumentError("text_streaming", "a streamed-text request cannot be resumed")
         prompt, feed = self.adapter.streaming_prompt(job)
-        return self.add_prompt(job.req_id, prompt, job.sampling, text_feed=feed)
+        req = self.add_prompt(job.req_id, prompt, job.sampling, text_feed=feed)
+        self.adapter.text_arrived(req)
+        return req
 
     def push_text(self, req_id: str, text: str = "", flush: bool = False, end: bool = False) -> bool:
         """More text for a running streaming-text request: a piece, a flush of the text held back for
@@ -126,6 +130,8 @@ class LLMEngine:
             feed.end()
         elif flush:
             feed.flush()
+        self.adapter.text_arrived(req)
+        self.scheduler.positions_laid_out(req)
         return True
 
     def add_prompt(
@@ -286,13 +292,13 @@ class LLMEngine:
         params = req.sampling
         history = self.adapter.penalty_history(req, codebook) if params.repetition_penalty != 1.0 else []
         recent: list[int] = []
-        if params.is_repetition_aware:  # the row's own generated ids (its codebook's, for K codebooks)
-            recent = [t if isinstance(t, int) else t[codebook] for t in req.output_ids[-params.ras_window :]]
+        if params.is_repetition_aware:
+            recent = self.adapter.drawn_ids(req, codebook)[-params.ras_window :]
         return SamplingRow(params, history, self._seeded.get(req.req_id), recent)
 
     def _output(self, req: Request, token: Token, is_finished: bool) -> StepOutput:
         out = StepOutput(req.req_id, finished=is_finished, finish_reason=req.finish_reason if is_finished else None)
-        if req.finish_reason is not FinishReason.STOP:
+        if req.finish_reason is not FinishReason.STOP and self.adapter.is_output(req, token):
             out.new_token_ids.extend([token] if isinstance(token, int) else token)
             out.new_frames = self._frames[req.req_id].push(token)
         return out

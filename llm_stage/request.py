@@ -3,7 +3,9 @@
 Created by `LLMEngine.add_request`, mutated only by the scheduler's `update` / `cancel` /
 `preempt`. A position holds a `Token`: one vocab id, or a tuple of ids (K codebooks, plus
 model-specific lanes). A guided (CFG) request owns a hidden unconditional `twin`. A streaming-text
-request reads its text from a `text_feed`: positions past the text that has arrived wait for it.
+request reads its text from a `text_feed`: positions past the text that has arrived wait for it. A
+family that places positions of its own between its sampled tokens (CosyVoice 2's text streaming: text
+between speech) keeps them in `positions`; otherwise each output token is the next position.
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ class Request:
     audio_sent_s: float = 0.0  # seconds of audio shipped so far
     tokens_to_next_chunk: int = 0  # engine steps until the smallest next chunk can be cut
     text_feed: TextFeed | None = None  # native text streaming: the text its positions read, as it arrives
+    # the known positions after the prompt when the adapter lays them out (`LMAdapter.record_token`);
+    # None: the output tokens, one position each
+    positions: list[Token] | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -58,8 +63,8 @@ class Request:
 
     @property
     def num_known(self) -> int:
-        """Prompt plus generated positions."""
-        return self.prompt_len + len(self.output_ids)
+        """Prompt plus generated (or laid-out) positions."""
+        return self.prompt_len + len(self.output_ids if self.positions is None else self.positions)
 
     @property
     def num_ready(self) -> int:
@@ -91,7 +96,8 @@ class Request:
         """Token at absolute position `index` of prompt + output."""
         if index < self.prompt_len:
             return self.prompt_ids[index]
-        return self.output_ids[index - self.prompt_len]
+        after = self.output_ids if self.positions is None else self.positions
+        return after[index - self.prompt_len]
 
     def history(self, window: int) -> list[Token]:
         """The last `window` tokens of prompt + output (all when window == 0)."""

@@ -5,7 +5,8 @@ then `update` applies the sampled tokens: append, stop detection, slot release. 
 (CFG) request and its hidden unconditional twin form one unit: admitted, prefilled, decoded
 (adjacent rows), preempted, cancelled and finished together, each row on its own KV slot.
 A streaming-text request whose next position reads text that has not arrived keeps its slot
-but gets no batch row (prefill or decode) until the text comes.
+but gets no batch row (prefill or decode) until the text comes. The adapter may record a sampled
+token as more than one position (`record_rule`): the request then prefills them.
 The engine calls `schedule` -> runner -> `update`; tests drive it with hand-made tokens.
 """
 
@@ -20,6 +21,13 @@ from llm_stage.kv_slots import SlotAllocator
 from llm_stage.request import FinishReason, Request, RequestStatus, Token
 
 StopRule = Callable[[Request, Token], bool]
+RecordRule = Callable[[Request, Token], None]  # a sampled token that did not stop its request: record it
+
+
+def append_output(req: Request, token: Token) -> None:
+    """The default record: the token is every row's next output and next position."""
+    for row in req.unit:
+        row.output_ids.append(token)
 
 
 @dataclass(frozen=True)
@@ -85,6 +93,7 @@ class Scheduler:
         eos_token_ids: Collection[int],
         policy: SchedulingPolicy | None = None,
         stop_rule: StopRule | None = None,
+        record_rule: RecordRule | None = None,
     ) -> None:
         self.config = config
         self.policy = policy or SchedulingPolicy(PolicyKind.FCFS)
@@ -92,6 +101,7 @@ class Scheduler:
         self.slots = SlotAllocator(cache.num_slots)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.stop_rule = stop_rule or (lambda _req, token: token in self.eos_token_ids)
+        self.record_rule = record_rule or append_output
         self.waiting: list[Request] = []
         self.running: dict[str, Request] = {}
 
@@ -222,13 +232,20 @@ class Scheduler:
         if self.stop_rule(req, token):
             self._finish(req, FinishReason.STOP, RequestStatus.FINISHED)
             return True
-        for row in req.unit:
-            row.output_ids.append(token)
+        self.record_rule(req, token)
+        self.positions_laid_out(req)
         out_of_room = any(row.num_known - 1 >= self.max_seq_len for row in req.unit)  # next input position
         if len(req.output_ids) >= req.sampling.max_tokens or out_of_room:
             self._finish(req, FinishReason.LENGTH, RequestStatus.FINISHED)
             return True
         return False
+
+    def positions_laid_out(self, req: Request) -> None:
+        """A decoding request given more than one position to compute (a family's laid-out positions,
+        e.g. streamed text between sampled tokens) prefills them, sampling at the last."""
+        if req.status is RequestStatus.DECODING and req.num_known - req.num_cached > 1:
+            for row in req.unit:
+                row.status = RequestStatus.PREFILLING
 
     def revalidate(self, plan: StepPlan) -> StepPlan:
         """A plan made one step ahead, minus the rows finished, cancelled or preempted since.

@@ -4,7 +4,9 @@ A `TextFeed` turns the text pieces a client sends into the text ids the request'
 one id per position from `first_position` on: the committed ids, then the family's end ids, then
 its pad id for ever once the text has ended. Pieces are tokenized as they come, holding back what
 a later piece could still change (`SplitText`). Pure Python; the scheduler asks how far the text
-reaches (`ready_through`) and the adapter reads the ids (`at`). Created by the engine's `add_job`.
+reaches (`ready_through`) and the adapter reads the ids (`at`). Created by the engine's `add_job`. A family
+whose text positions sit between its sampled tokens subclasses it to lay them out itself
+(`ready_through` then says where the request waits; CosyVoice 2's `BistreamFeed`).
 """
 
 from __future__ import annotations

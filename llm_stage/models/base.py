@@ -141,6 +141,28 @@ class LMAdapter(ABC):
         `history_ids` of the last `repetition_window` positions of prompt + output."""
         return self.history_ids(req.history(req.sampling.repetition_window), codebook)
 
+    def drawn_ids(self, req: Request, codebook: int) -> list[int]:
+        """The ids `req` drew for `codebook`, in order, that repetition-aware sampling looks back on:
+        by default its output (the codebook's ids, for K codebooks)."""
+        return [t if isinstance(t, int) else t[codebook] for t in req.output_ids]
+
+    def record_token(self, req: Request, token: Token) -> None:
+        """Record a sampled token that did not stop `req`: by default every row's next output and next
+        position. A family that lays out its own positions (`Request.positions`: text between sampled
+        tokens) places them here; more than one new position is prefilled, sampling at the last."""
+        for row in req.unit:
+            row.output_ids.append(token)
+
+    def is_output(self, req: Request, token: Token) -> bool:
+        """Whether a sampled `token` that did not stop `req` is output (frames, audio); False for a
+        control token (CosyVoice 2's fill token, which asks for more streamed text)."""
+        return True
+
+    def text_arrived(self, req: Request) -> None:
+        """A streaming-text request got text (or its end): lay out the positions it now determines
+        (families that place text positions themselves; the engine then schedules them)."""
+        return None
+
     def constrain(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """Model sampling rules on the (CFG-merged) logits, e.g. forced BOS / EOS per codebook."""
         return logits

@@ -4,7 +4,9 @@ A prompt is `[sos, text, task_id, prompt speech]`: sos / task_id are rows of `ll
 ids embed through Qwen's own table, speech ids through `speech_embedding`; `llm_decoder` (with bias)
 scores the 6564 speech ids. Each position carries (id, kind) lanes so one batch mixes all three
 tables. Per request, stop ids are masked for the first 2x text tokens and forced after 20x (the
-published bounds). Weights: `llm_stage.models.cosyvoice2_lm`.
+published bounds). Streamed text (native text streaming, the published "bistream"): the prompt is
+`sos` and `llm_stage.models.cosyvoice2_bistream` lays out the text between the speech tokens.
+Weights: `llm_stage.models.cosyvoice2_lm`.
 """
 
 from __future__ import annotations
@@ -18,16 +20,20 @@ import torch.nn.functional as F
 from core.checkpoints import resolve_model_ref
 from core.config import ModelConfig
 from core.errors import InvalidArgumentError
-from core.messages import SamplingParams
+from core.messages import Job, SamplingParams
 from core.voices import VoicePrompt
 from detok_stage.codecs.s3gen_codec import STREAM_CHUNK_TOKENS, S3GenCodec
 from llm_stage.chunking import whole_stream_schedule
 from llm_stage.models.base import FrameBuilder, LMAdapter, ModelFamily
+from llm_stage.models.cosyvoice2_bistream import FILL_TOKEN, BistreamFeed
 from llm_stage.models.cosyvoice2_lm import (
     QWEN_DIR,
+    SOS,
     SPEECH_TOKEN_SIZE,
+    TASK_ID,
     TEXT_SPECIAL_TOKENS,
     CosyVoice2LM,
+    Kind,
     load_cosyvoice2_lm,
     published_sampling,
     read_published_settings,
@@ -35,21 +41,12 @@ from llm_stage.models.cosyvoice2_lm import (
 from llm_stage.models.llama import LlamaBackbone
 from llm_stage.models.tokenizers import ByteTokenizer, HFTokenizer, TextTokenizer
 from llm_stage.request import Request, Token
+from llm_stage.text_feed import NO_LIMIT, TextFeed, split_last_word, split_whole
 
 EOS_TOKEN = SPEECH_TOKEN_SIZE  # the stop id the published loop masks before the minimum length
 STOP_TOKENS = frozenset(SPEECH_TOKEN_SIZE + i for i in range(3))  # 6561..6563 all end a request
-SOS, TASK_ID = 0, 1  # rows of llm_embedding
 FRAME_RATE_HZ = 25.0
 MIN_TOKEN_TEXT_RATIO, MAX_TOKEN_TEXT_RATIO = 2, 20
-
-
-class Kind:
-    """Second lane of a position: which embedding table its id indexes."""
-
-    TEXT = 0  # the text to speak (Qwen's embed_tokens); its length sets the min / max output length
-    PROMPT_TEXT = 1  # a voice's transcript (Qwen's embed_tokens too), not counted in the text length
-    SPEECH = 2  # a speech token (speech_embedding): a voice's prompt tokens and every generated one
-    LLM = 3  # sos / task_id (llm_embedding)
 
 
 class SpeechFrameBuilder(FrameBuilder):
@@ -57,6 +54,12 @@ class SpeechFrameBuilder(FrameBuilder):
 
     def push(self, token_id: Token) -> list[list[int]]:
         return [[int(token_id)]]  # type: ignore[arg-type]
+
+
+def check_speech_tokens(speech: list[int]) -> None:
+    bad = next((s for s in speech if not 0 <= s < SPEECH_TOKEN_SIZE), None)
+    if bad is not None:
+        raise InvalidArgumentError("voice", f"prompt speech token {bad} is outside [0, {SPEECH_TOKEN_SIZE})")
 
 
 class CosyVoice2Adapter(LMAdapter):
@@ -101,25 +104,35 @@ class CosyVoice2Adapter(LMAdapter):
         self.voice_prompts[prompt.voice_id] = prompt
 
     def format_prompt(self, text: str, voice: str | None) -> list[Token]:
-        """A registered voice with a transcript conditions the LM on it and its speech tokens (CosyVoice's
-        zero-shot mode); without a transcript the LM gets neither (its cross-lingual mode) and the voice
-        conditions the detokenizer only."""
+        return self.voice_prompt(text, *self.voice_context(voice))
+
+    def voice_context(self, voice: str | None) -> tuple[str, list[int]]:
+        """(transcript, speech tokens) the LM is conditioned on: a registered voice with a transcript
+        gives both (CosyVoice's zero-shot mode); without a transcript the LM gets neither (its
+        cross-lingual mode) and the voice conditions the detokenizer only."""
         if voice is None:
-            return self.voice_prompt(text)
+            return "", []
         found = self.voice_prompts.get(voice)
         if found is None:
             raise InvalidArgumentError("voice", f"unknown voice {voice!r}; register it first (POST /v1/voices)")
-        if not found.prompt_text:
-            return self.voice_prompt(text)
-        return self.voice_prompt(text, found.prompt_text, list(found.prompt_tokens))
+        return (found.prompt_text, list(found.prompt_tokens)) if found.prompt_text else ("", [])
+
+    def streaming_prompt(self, job: Job) -> tuple[list[Token], TextFeed]:
+        """Streamed text (bistream): the prompt is `sos`; the feed lays out the voice's transcript and
+        speech tokens and the text in the published 5 : 15 mix (`cosyvoice2_bistream`)."""
+        prompt_text, speech = self.voice_context(job.voice)
+        check_speech_tokens(speech)
+        encode = self.tokenizer.encode
+        split = split_whole(encode) if isinstance(self.tokenizer, ByteTokenizer) else split_last_word(encode)
+        feed = BistreamFeed.open(split, encode(prompt_text) if prompt_text else [], speech)
+        feed.push(job.text)
+        return [(SOS, Kind.LLM)], feed
 
     def voice_prompt(self, text: str, prompt_text: str = "", prompt_speech: list[int] | None = None) -> list[Token]:
         """`[sos, prompt text + text, task_id, prompt speech]`: a zero-shot voice passes its clip's
         transcript and speech tokens; without them this is the plain text-to-speech prompt."""
         speech = list(prompt_speech or [])
-        bad = next((s for s in speech if not 0 <= s < SPEECH_TOKEN_SIZE), None)
-        if bad is not None:
-            raise InvalidArgumentError("voice", f"prompt speech token {bad} is outside [0, {SPEECH_TOKEN_SIZE})")
+        check_speech_tokens(speech)
         body = self.tokenizer.encode(text)
         if not body:
             raise InvalidArgumentError("text", "has no tokens")
@@ -158,7 +171,12 @@ class CosyVoice2Adapter(LMAdapter):
         return found
 
     def length_bounds(self, req: Request) -> tuple[int, int]:
-        """(min, max) generated tokens: 2x and 20x the text tokens, as the published loop bounds them."""
+        """(min, max) generated tokens: 2x and 20x the text tokens, as the published loop bounds them.
+        Streamed text: no minimum (as published), 20x the text once it has ended (ours: the published
+        loop has no bound there)."""
+        feed = req.text_feed
+        if isinstance(feed, BistreamFeed):
+            return 0, MAX_TOKEN_TEXT_RATIO * feed.num_text if feed.is_final else NO_LIMIT
         num_text = self.text_len(req)
         return MIN_TOKEN_TEXT_RATIO * num_text, MAX_TOKEN_TEXT_RATIO * num_text
 
@@ -174,7 +192,44 @@ class CosyVoice2Adapter(LMAdapter):
         if at_max:
             logits[at_max] = float("-inf")
             logits[at_max, EOS_TOKEN] = 0.0
+        return self.constrain_streaming(logits, reqs)
+
+    def constrain_streaming(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """Streamed text, before its end: speech or the fill token is drawn, never a stop id (the
+        published loop masks EOS and fails on 6562); every 16th draw is the fill token, forced."""
+        feeds = [(b, r.text_feed) for b, r in enumerate(reqs) if isinstance(r.text_feed, BistreamFeed)]
+        reading = [(b, feed) for b, feed in feeds if not feed.is_final]
+        forced = [b for b, feed in reading if feed.forces_fill]
+        speaking = [b for b, feed in reading if not feed.forces_fill]
+        if speaking:
+            logits[speaking, EOS_TOKEN:FILL_TOKEN] = float("-inf")
+        if forced:
+            logits[forced] = float("-inf")
+            logits[forced, FILL_TOKEN] = 0.0
         return logits
+
+    def is_stop(self, req: Request, token: Token) -> bool:
+        """Any of the 3 stop ids ends a request, but the fill token while streamed text is being read."""
+        feed = req.text_feed
+        return token in STOP_TOKENS and not (isinstance(feed, BistreamFeed) and not feed.is_final)
+
+    def record_token(self, req: Request, token: Token) -> None:
+        if isinstance(req.text_feed, BistreamFeed):
+            req.text_feed.take_token(req, int(token))  # type: ignore[arg-type]
+        else:
+            super().record_token(req, token)
+
+    def drawn_ids(self, req: Request, codebook: int) -> list[int]:
+        """Streamed text: fill tokens included (the published loop's RAS window counts them too)."""
+        feed = req.text_feed
+        return feed.drawn if isinstance(feed, BistreamFeed) else super().drawn_ids(req, codebook)
+
+    def is_output(self, req: Request, token: Token) -> bool:
+        return not (isinstance(req.text_feed, BistreamFeed) and token == FILL_TOKEN)
+
+    def text_arrived(self, req: Request) -> None:
+        if isinstance(req.text_feed, BistreamFeed):
+            req.text_feed.lay_out(req)
 
     def history_ids(self, tokens: list[Token], codebook: int) -> list[int]:
         """Speech ids among `tokens` (a voice's prompt speech and the output); text and sos / task_id
@@ -209,4 +264,5 @@ FAMILY = ModelFamily(
     codec_in_checkpoint=True,  # flow.pt / hift.pt sit beside llm.pt
     checkpoint_marker="cosyvoice2.yaml",  # the directory has no config.json
     chunk_schedule=S3GEN_SCHEDULE,
+    streams_text=True,  # bistream: text read while speaking, in the published 5 : 15 mix
 )

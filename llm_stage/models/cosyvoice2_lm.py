@@ -1,7 +1,8 @@
 """CosyVoice 2 LM weights (`Qwen2LM` of the published code) under their published state-dict names,
 the `cosyvoice2-tiny` random preset, and the published `CosyVoice2-0.5B` directory: `cosyvoice2.yaml`
 (HyperPyYAML, read as plain data), `llm.pt` (the LM's state dict) and the `CosyVoice-BlankEN` Qwen
-folder (config.json + tokenizer). Used by the cosyvoice2 adapter (`llm_stage.models.cosyvoice2`)."""
+folder (config.json + tokenizer), and the kinds of positions (`Kind`: which table embeds them). Used by
+the cosyvoice2 adapter (`llm_stage.models.cosyvoice2`) and its bistream layout."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from core.messages import SamplingParams
 
 SPEECH_TOKEN_SIZE = 6561  # FSQ codes of speech_tokenizer_v2, 25 per second
 SPEECH_VOCAB = SPEECH_TOKEN_SIZE + 3  # rows of speech_embedding / llm_decoder: codes + 3 stop ids
+SOS, TASK_ID = 0, 1  # rows of llm_embedding
 YAML_FILE, LLM_FILE, QWEN_DIR = "cosyvoice2.yaml", "llm.pt", "CosyVoice-BlankEN"
 FIELD = "model.checkpoint_dir"
 # The markers CosyVoice 2's text tokenizer adds to the Qwen tokenizer, in its order (their ids follow from it).
@@ -29,6 +31,15 @@ TEXT_SPECIAL_TOKENS = (
     "[cough]", "[clucking]", "[accent]", "[quick_breath]", "<laughter>", "</laughter>", "[hissing]", "[sigh]",
     "[vocalized-noise]", "[lipsmack]", "[mn]",
 )  # fmt: skip
+
+
+class Kind:
+    """Second lane of a position: which embedding table its id indexes."""
+
+    TEXT = 0  # the text to speak (Qwen's embed_tokens); its length sets the min / max output length
+    PROMPT_TEXT = 1  # a voice's transcript (Qwen's embed_tokens too), not counted in the text length
+    SPEECH = 2  # a speech token (speech_embedding): a voice's prompt tokens and every generated one
+    LLM = 3  # sos / task_id (llm_embedding)
 
 
 class QwenBody(nn.Module):

@@ -28,8 +28,8 @@ class LocalTextStream:
     """The cluster's two calls on one in-process pipeline: the streaming-text request's audio (its
     head names this "replica") and its text pieces; records how the engine held it meanwhile."""
 
-    def __init__(self) -> None:
-        self.pipeline = InProcessPipeline(EngineConfig(model=ModelConfig(name=MODEL)))
+    def __init__(self, model: str = MODEL) -> None:
+        self.pipeline = InProcessPipeline(EngineConfig(model=ModelConfig(name=model)))
         self.jobs: list[Job] = []
         self.pieces: list[TextPiece] = []
         self.parts: list[SegmentAudio] = []
@@ -64,14 +64,16 @@ class LocalTextStream:
             self.parts.append(SegmentAudio(chunk, frames))
 
 
-def make_native(draining: list[bool] | None = None, **config) -> tuple[NativeTextSession, LocalTextStream]:
-    local = LocalTextStream()
+def make_native(
+    draining: list[bool] | None = None, model: str = MODEL, voice: str | None = "ryan", **config
+) -> tuple[NativeTextSession, LocalTextStream]:
+    local = LocalTextStream(model)
     adapter = local.pipeline.llm.engine.adapter
-    template = Job("nat-1", "-", "ryan", adapter.default_sampling.model_copy(update=SAMPLING), 5.0)
+    template = Job("nat-1", "-", voice, adapter.default_sampling.model_copy(update=SAMPLING), 5.0)
     flags = draining if draining is not None else [False]
     session = NativeTextSession(
         template, adapter, IncrementalConfig(**config), local.run_stream, local.send_text,
-        get_entry(MODEL).sample_rate_hz, is_draining=lambda: flags[0],
+        get_entry(model).sample_rate_hz, is_draining=lambda: flags[0],
     )  # fmt: skip
     return session, local
 
@@ -118,6 +120,20 @@ def test_paced_words_make_one_request_that_waits_for_text_and_speaks_as_the_whol
     whole, local_whole = make_native()
     asyncio.run(collect(whole, ["".join(WORDS)]))
     assert local.frames == local_whole.frames and len(local.frames) > len(WORDS)
+
+
+def test_cosyvoice2_paced_words_wait_for_text_groups_and_speak_as_the_whole_text():
+    """CosyVoice 2 (bistream): one request that waits for each 5-token text group, seeded RAS sampling
+    (fill tokens forced, never output); the same audio as its text sent at once."""
+    session, local = make_native(model="cosyvoice2-tiny", voice=None)
+    chunks = asyncio.run(collect(session, WORDS, local))
+    assert len(local.jobs) == 1 and local.jobs[0].text_streaming and local.times_waited_for_text >= 3
+    assert chunks[-1].audio.is_final and session.is_finished
+    whole, local_whole = make_native(model="cosyvoice2-tiny", voice=None)
+    whole_chunks = asyncio.run(collect(whole, ["".join(WORDS)]))
+    assert local.frames == local_whole.frames and len(local.frames) == SAMPLING["max_tokens"]
+    got = b"".join(c.audio.pcm16 for c in chunks)
+    assert got and got == b"".join(c.audio.pcm16 for c in whole_chunks)
 
 
 def test_a_silent_client_is_closed_after_the_idle_timeout_once_no_audio_flows():
