@@ -20,7 +20,8 @@ from tests.deployments.test_native_text_stream import ws_messages
 
 pytestmark = pytest.mark.slow
 BISTREAM = small_config(
-    app_name="voxray-s3gen", route_prefix="/bistream", engine=EngineConfig(model=ModelConfig(name="cosyvoice2-tiny")),
+    app_name="voxray-bistream", route_prefix="/bistream",
+    engine=EngineConfig(model=ModelConfig(name="cosyvoice2-tiny")),
     llm=StageDeploymentConfig(num_cpus=0.25), detok=StageDeploymentConfig(num_cpus=0.25),
     router=StageDeploymentConfig(num_cpus=0.25),
     admission=AdmissionConfig(max_streams_per_replica=4, max_queued_per_replica=4, default_ttfa_deadline_s=120.0),
