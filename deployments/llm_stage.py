@@ -123,6 +123,17 @@ class LLMStage:
         self.loop = EngineLoop(self._step, lambda: self.side.engine.has_work, self._fail_all, "llm-engine")
         self.loop.start()
         threading.Thread(target=self._watch_move_out, name="llm-move-out", daemon=True).start()
+        if self.detok_pins is not None:
+            threading.Thread(target=self._list_detok_replicas, name="llm-detok-list", daemon=True).start()
+
+    def _list_detok_replicas(self) -> None:
+        """One call through the detok handle at start, so its router lists the detok replicas
+        before the first stream's first chunk: a stream's chunks are pinned from its first one
+        (sent unpinned, the first could land on another replica than the rest)."""
+        try:
+            self.detok.stats.remote().result(timeout_s=120)
+        except Exception:  # the detok deployment is not up yet: the first chunks go unpinned
+            pass
 
     # ---- engine thread -------------------------------------------------------------------
     def _step(self) -> None:
@@ -181,17 +192,21 @@ class LLMStage:
                 await asyncio.sleep(DETOK_RETRY_BACKOFF_S[min(attempt, len(DETOK_RETRY_BACKOFF_S) - 1)])
                 continue
             self.side.engine.timer.record_detok(time.perf_counter() - sent_s)
-            self._follow_decoder_state(refs)
+            self._follow_decoder_state(batch.to_replica, refs)
             return refs
 
-    def _follow_decoder_state(self, refs: list[AudioRef]) -> None:
-        """A pinned stream whose chunk another detok replica decoded (its own was gone) is pinned
-        there from now on: its decoder state is rebuilt there."""
+    def _follow_decoder_state(self, to_replica: str, refs: list[AudioRef]) -> None:
+        """A stream whose chunk was sent to its pinned detok replica but decoded on another (its own
+        was gone) is pinned there from now on: its decoder state is rebuilt there. (A call sent
+        unpinned, before the handle listed the replicas, pins only streams not pinned since.)"""
         if self.detok_pins is None:
             return
         for ref in refs:
-            if not ref.is_final and ref.req_id in self.streams:
-                self.detok_pins.decoded_on(ref.req_id, ref.detok_replica.rsplit("#", 1)[-1])
+            decoded_on = ref.detok_replica.rsplit("#", 1)[-1]
+            if ref.is_final or ref.req_id not in self.streams or decoded_on == to_replica:
+                continue
+            if to_replica or ref.req_id not in self.detok_pins.by_stream:
+                self.detok_pins.decoded_on(ref.req_id, decoded_on)
 
     def _fail_stream(self, req_id: str, err: BaseException) -> None:
         stream = self.streams.get(req_id)

@@ -132,3 +132,20 @@ def test_a_stateful_detokenizers_streams_go_each_to_its_pinned_replica(monkeypat
         assert not by_replica["d1"] & by_replica["d2"]  # no stream on both
 
     asyncio.run(run())
+
+
+def test_a_stream_follows_its_decoder_state_only_when_its_pinned_replica_was_passed_by():
+    from core.messages import AudioRef
+    from router.detok_pins import DetokPins
+
+    stage = object.__new__(LLMStage)
+    stage.detok_pins, stage.streams = DetokPins(), {"a": None, "b": None}
+    stage.detok_pins.target("a", {"d2": 0})
+
+    def ref(req_id: str, replica: str) -> AudioRef:
+        return AudioRef(req_id, 0, False, 0.1, 1, None, TokenChunk(req_id, 0, [[0]], 0, 0, 1, False), 0, replica)
+
+    stage._follow_decoder_state("", [ref("a", "DetokStage#d1"), ref("b", "DetokStage#d1")])  # sent unpinned
+    assert stage.detok_pins.by_stream == {"a": "d2", "b": "d1"}  # a stays where its later chunks went
+    stage._follow_decoder_state("d2", [ref("a", "DetokStage#d3")])  # d2 was gone: d3 decoded it
+    assert stage.detok_pins.by_stream["a"] == "d3"
