@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -56,6 +57,9 @@ def _serve(args: argparse.Namespace) -> int:
     from cluster.server import deploy
 
     config = serve_config(args)
+    stop = _StopSignal()
+    if not args.no_block:
+        stop.listen()  # from now on: a SIGTERM while deploying drains as soon as the app is up
     endpoints = deploy(config, address=args.address)
     print(f"VoxRay serving {config.engine.model.name} (app {endpoints.app_name!r})")
     tls = " over TLS" if config.tls.enabled else ""
@@ -64,28 +68,26 @@ def _serve(args: argparse.Namespace) -> int:
     print("Ctrl-C or SIGTERM to stop (streams playing get up to drain.grace_s to finish).", flush=True)
     if args.no_block:
         return 0
-    _wait_for_stop_signal()
+    stop.wait()
     return _stop(config, joined=args.address is not None)
 
 
-class _StopRequested(Exception):
-    pass
+class _StopSignal:
+    """SIGTERM (what Kubernetes and most supervisors send) or SIGINT, noted from `listen` on."""
 
+    def __init__(self) -> None:
+        self.requested = threading.Event()
 
-def _wait_for_stop_signal() -> None:
-    """Block until SIGTERM (what Kubernetes and most supervisors send) or SIGINT arrives."""
-
-    def request_stop(signum: int, frame: object) -> None:
-        raise _StopRequested
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, request_stop)
-    try:
-        while True:
-            time.sleep(3600)
-    except _StopRequested:
+    def listen(self) -> None:
         for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, signal.SIG_IGN)  # a second signal must not cut the drain short
+            signal.signal(signum, lambda signum, frame: self.requested.set())
+
+    def wait(self) -> None:
+        """Block until a stop signal has come; later ones are ignored (they must not cut the drain short)."""
+        while not self.requested.wait(0.2):
+            pass
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, signal.SIG_IGN)
 
 
 def _stop(config: ServeConfig, joined: bool) -> int:

@@ -8,8 +8,10 @@ by the cluster tests.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +56,11 @@ def start_ray(
     `quiet` keeps replica logs out of this process's output (tests)."""
     if ray.is_initialized():
         return
+    with _callers_stop_signals_kept():
+        _init_ray(address, metrics_export_port, loopback_only, quiet, num_cpus)
+
+
+def _init_ray(address: str | None, metrics_export_port: int | None, loopback_only: bool, quiet: bool, num_cpus) -> None:
     if address:
         ray.init(address=address)
         return
@@ -65,6 +72,23 @@ def start_ray(
     if loopback_only:
         extra |= loopback_init_kwargs()
     ray.init(num_cpus=num_cpus, include_dashboard=False, configure_logging=False, log_to_driver=not quiet, **extra)
+
+
+@contextlib.contextmanager
+def _callers_stop_signals_kept():
+    """`ray.init` installs its own SIGTERM handler in the driver (it exits with code 15); put back
+    the caller's, so a SIGTERM that comes while the app is still being deployed (`voxray serve`
+    already serves gRPC then) reaches `voxray serve`'s drain instead of killing it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    kept = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for signum, handler in kept.items():
+            if handler is not None:
+                signal.signal(signum, handler)
 
 
 def deploy(
