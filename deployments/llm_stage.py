@@ -329,6 +329,7 @@ class LLMStage:
             **self.load().to_stats(),
             "engine_requests": len(engine.requests),
             "waiting_for_text": engine.scheduler.num_waiting_for_text,  # streams idle for text (KV held)
+            "text_waits": self.side.num_text_waits,  # times a stream had run out of text when more came
             "kv_slots_used": engine.scheduler.slots.num_used,
             "kv_slots_total": engine.scheduler.slots.num_slots,
             "decode_calls": self.num_decode_calls,  # one per engine step that cut chunks

@@ -38,6 +38,7 @@ class LLMSide:
         self.num_checkpointed: dict[str, int] = {}  # tokens each stream's checkpoints cover so far
         self.checkpoints: dict[tuple[str, int], Checkpoint] = {}  # (req_id, seq) -> taken at its cut
         self.voice_handles: dict[str, str] = {}  # req_id -> its registered voice (stamped on its chunks)
+        self.num_text_waits = 0  # times a streaming-text request had run out of text when more came
 
     def add(self, job: Job, kv: KVSnapshot | None = None) -> None:
         """Queue `job`; a resumed one continues its chunks, decoding at once from a migrated `kv`;
@@ -72,6 +73,7 @@ class LLMSide:
         was_waiting = req is not None and req.is_waiting_for_text
         if not self.engine.push_text(piece.req_id, piece.text, piece.flush, piece.end):
             return False
+        self.num_text_waits += was_waiting
         if was_waiting and not req.is_waiting_for_text and buffered_s(req, self.clock()) <= 0:
             req.first_audio_s, req.audio_sent_s = None, 0.0
         return True

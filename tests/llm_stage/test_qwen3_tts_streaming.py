@@ -11,11 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from core.config import CacheConfig, ModelConfig, SchedulerConfig
+from core.config import CacheConfig, DetokConfig, ModelConfig, SchedulerConfig
 from core.errors import InvalidArgumentError
-from core.messages import Job, SamplingParams
+from core.messages import Job, SamplingParams, TextPiece
+from llm_stage.chunking import ChunkSchedule
 from llm_stage.engine import LLMEngine
 from llm_stage.models.qwen3_tts import PresetChatTokenizer, Qwen3TTSAdapter, load_qwen3_tts
+from llm_stage.side import LLMSide
 from llm_stage.text_feed import TextFeed, last_word_start, split_last_word
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "qwen3_tts"
@@ -135,6 +137,21 @@ def test_a_stream_waiting_for_text_holds_its_slot_and_no_batch_row_beside_a_runn
     while eng.has_work:
         step()
     assert frames["idle"] == cases[0]["streaming_frames"]
+
+
+def test_the_side_counts_text_that_ends_a_wait():
+    """`LLMSide.num_text_waits` (the `text_waits` stat): text that came while its stream was
+    waiting for it counts; text that came while it still had some does not."""
+    cases = golden()["cases"]
+    side = LLMSide(engine(), ChunkSchedule.from_config(DetokConfig()))
+    add_streaming(side.engine, "s", cases[0], cases[0]["text_ids"][:1])
+    assert side.push_text(TextPiece("s", "here", as_text(cases[0]["text_ids"][1:2])))
+    assert side.num_text_waits == 0  # not computed up to its text yet
+    while side.engine.has_work:
+        side.engine.step()
+    assert side.engine.requests["s"].is_waiting_for_text
+    assert side.push_text(TextPiece("s", "here", as_text(cases[0]["text_ids"][2:]), end=True))
+    assert side.num_text_waits == 1 and not side.push_text(TextPiece("gone", "here", "x"))
 
 
 def test_push_text_refuses_what_it_cannot_take():
