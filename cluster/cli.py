@@ -49,7 +49,10 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         kept = config.engine.model.model_dump(exclude={"name", "checkpoint_dir", "codec_dir"})
         engine = config.engine.model_copy(update={"model": model_config_for(args.model, args.codec, **kept)})
         config = ServeConfig.model_validate({**config.model_dump(), "engine": engine.model_dump()})
+    from deployments.voices import check_voice_encoders  # (imports Ray: only where a command needs it)
+
     check_engine_config(config.engine)
+    check_voice_encoders(config)
     return config
 
 

@@ -224,6 +224,23 @@ class RebalanceConfig(_Strict):
     )  # fmt: skip
 
 
+class MigrationConfig(_Strict):
+    """How a moved stream's KV (drain, move-out, rebalance) reaches the LLM replica that continues it."""
+
+    kv_transport: Literal["gloo", "object_store"] = Field(
+        "gloo",
+        description="gloo: Ray Direct Transport point to point between two endpoints, one on each replica's node, "
+        "driven by the LLM stage's KV courier (a Serve deployment actor, there when the stage may run more than one "
+        "replica); object_store: the KV is read from Ray's object store. A gloo delivery that fails falls back to "
+        "the object store, so a move never prefills for the transport's sake. nccl is not offered: its endpoints "
+        "would each need a GPU of their own.",
+    )  # fmt: skip
+    delivery_timeout_s: float = Field(
+        30.0, gt=0, le=600, description="Longest wait for a gloo delivery (the first one between two nodes forms "
+        "their group: seconds on a loaded CPU box) before reading the object store instead."
+    )  # fmt: skip
+
+
 CHECK_FILES = "check_files"  # validation context key: False when rendering a config for other machines (k8s)
 
 
@@ -377,6 +394,7 @@ class ServeConfig(_Strict):
     auth: AuthConfig = AuthConfig()
     drain: DrainConfig = DrainConfig()
     rebalance: RebalanceConfig = RebalanceConfig()
+    migration: MigrationConfig = MigrationConfig()
     incremental: IncrementalConfig = IncrementalConfig()
     voices: VoicesConfig = VoicesConfig()
 

@@ -94,6 +94,18 @@ class Checkpoint:
 
 
 @dataclass(frozen=True)
+class KVParcel:
+    """A moved stream's KV rows, handed from the replica that ran it to the one that continues it:
+    `ref` (a ray.ObjectRef of the rows as named tensors, owned by the sender) on node `node_id`,
+    sent over the stage transport under `key` when the receiver asks (or read from the object store)."""
+
+    ref: object
+    key: str
+    node_id: str
+    num_bytes: int
+
+
+@dataclass(frozen=True)
 class ResumeState:
     """Where a stream stood when its LLM replica was lost: the replica that resumes it prefills
     the prompt plus `tokens`, restores the generator, and continues its chunks at `next_seq`
@@ -104,7 +116,8 @@ class ResumeState:
     rng_state: bytes | None
     next_seq: int
     frames_shipped: int
-    kv: object = None  # a moved stream's KV rows: ray.ObjectRef[llm_stage.migration.KVSnapshot]; None = prefill
+    kv: KVParcel | None = None  # a moved stream's KV rows; None = prefill
+    detok_replica: str = ""  # where a stateful detokenizer keeps its decoder state ("": unknown / stateless)
 
 
 @dataclass(frozen=True)

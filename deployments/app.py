@@ -14,6 +14,7 @@ from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
 from core.config import CHECK_FILES, GRACEFUL_WAIT_LOOP_S, ServeConfig, StageDeploymentConfig
 from deployments.detok_stage import DetokStage
+from deployments.kv_courier import courier_actors
 from deployments.llm_stage import LLMStage
 from deployments.voices import voice_bank
 from router.ingress import Router
@@ -53,9 +54,9 @@ def build_app(config: ServeConfig) -> serve.Application:
     llm_router = RequestRouterConfig(
         request_router_class="router.dispatch:PredictedTTFARouter", request_routing_stats_period_s=0.5
     )
-    llm = serve.deployment(
-        LLMStage, name="LLMStage", request_router_config=llm_router, **deployment_options(config.llm, graceful_s)
-    ).bind(args, detok)
+    llm_options = deployment_options(config.llm, graceful_s) | {"deployment_actors": courier_actors(config)}
+    llm = serve.deployment(LLMStage, name="LLMStage", request_router_config=llm_router, **llm_options)
+    llm = llm.bind(args, detok)
     router = serve.deployment(Router, name="Router", **deployment_options(config.router, graceful_s))
     return router.bind(args, llm, detok, partial(voice_bank, config))
 

@@ -22,7 +22,7 @@ from core.config import CHECK_FILES, ServeConfig
 from core.messages import AudioChunk, AudioRef, TokenChunk
 from deployments.engine_loop import EngineLoop, finish_on_thread, replica_tag
 from deployments.metrics import StageMetrics
-from deployments.voices import DetokVoices
+from deployments.voices import DetokVoices, check_voice_encoders
 from llm_stage.registry import check_model_config
 from llm_stage.wiring import build_detok_engine
 from router.detok_load import DetokPace
@@ -42,6 +42,7 @@ class DetokStage:
         self.pace = DetokPace()  # measured decode steps, reported to the LLM replicas for admission
         self.voices = DetokVoices(self.config, self.replica_tag)  # registered voices' tensors, fetched once
         if check_model_config(self.config.engine.model).family.lm.takes_registered_voices:
+            check_voice_encoders(self.config)
             self.voices.join_soon()
         self.loop = EngineLoop(self._step, lambda: self.engine.has_work, self._fail_all, "detok-engine")
         self.loop.start()

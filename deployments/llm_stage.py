@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import ray
-from ray.exceptions import ActorUnavailableError, RayActorError, RayError
+from ray.exceptions import ActorUnavailableError, RayActorError
 
 from core.config import CHECK_FILES, ServeConfig
 from core.errors import InvalidArgumentError
@@ -44,6 +44,7 @@ from core.messages import (
 )
 from core.voices import is_voice_id
 from deployments.engine_loop import EngineLoop, finish_on_thread, replica_tag
+from deployments.kv_courier import KVMoves
 from deployments.metrics import StageMetrics
 from deployments.voices import LLMVoices
 from llm_stage.migration import KVSnapshot
@@ -62,9 +63,6 @@ from router.replica_listener import keep_replica_listener_on_loopback
 DETOK_RETRY_WINDOW_S = 30.0
 DETOK_RETRY_BACKOFF_S = (0.05, 0.2, 0.5, 1.0)
 MOVE_OUT_POLL_S = 0.2
-# A handed-off stream's KV object is owned here: hold a reference this long, so it is not freed
-# before the replica continuing the stream has fetched it (the router only borrows the ref).
-MOVED_KV_KEEP_S = 60.0
 
 
 @dataclass
@@ -116,15 +114,22 @@ class LLMStage:
         self.num_detok_retries = 0
         # a stateful detokenizer keeps each stream's decoder state on one detok replica: pin them
         self.detok_pins = DetokPins() if entry.family.codec.is_stateful else None
-        self.num_moved_out = self.num_kv_moved_in = self.kv_bytes_moved_in = 0
+        self.num_moved_out = 0
         self.num_rebalanced_out = 0  # streams handed off to rebalance (this replica stays)
         self.is_moving_out = False  # set once asked to hand every stream to the other replicas
-        self.moved_kv_refs: list[tuple[float, object]] = []  # (when, ObjectRef) of KV handed off
+        self.kv_moves = KVMoves(self.config, self.replica_tag)  # KV of streams moved out and in
         self.loop = EngineLoop(self._step, lambda: self.side.engine.has_work, self._fail_all, "llm-engine")
         self.loop.start()
         threading.Thread(target=self._watch_move_out, name="llm-move-out", daemon=True).start()
         if self.detok_pins is not None:
             threading.Thread(target=self._list_detok_replicas, name="llm-detok-list", daemon=True).start()
+        threading.Thread(target=self._warm_up_kv_moves, name="llm-kv-courier", daemon=True).start()
+
+    def _warm_up_kv_moves(self) -> None:
+        try:
+            self.kv_moves.warm_up()
+        except Exception:  # the courier is not up yet: the first move here forms the pair
+            pass
 
     def _list_detok_replicas(self) -> None:
         """One call through the detok handle at start, so its router lists the detok replicas
@@ -244,8 +249,6 @@ class LLMStage:
         """Stop running streams between two engine steps (every one, or the `limit` cheapest to move)
         and send each a Moved event (after the chunks already cut) carrying its state and KV, put in
         the object store."""
-        kept_since_s = time.monotonic() - MOVED_KV_KEEP_S
-        self.moved_kv_refs = [(at, ref) for at, ref in self.moved_kv_refs if at > kept_since_s]
         if self.event_loop is None:
             return
         with self.loop.exclusive():
@@ -255,10 +258,9 @@ class LLMStage:
             if taken is None:  # not in the engine yet (still being added), finished, or streaming its text
                 continue
             state, kv = taken
-            kv_ref = ray.put(kv) if kv is not None else None
-            if kv_ref is not None:  # this replica owns the object: keep it until the new one has read it
-                self.moved_kv_refs.append((time.monotonic(), kv_ref))
-            resume = dataclasses.replace(state, kv=kv_ref)
+            parcel = self.kv_moves.parcel(req_id, kv) if kv is not None else None
+            detok_replica = self.detok_pins.by_stream.get(req_id, "") if self.detok_pins is not None else ""
+            resume = dataclasses.replace(state, kv=parcel, detok_replica=detok_replica)
             if is_leaving:
                 self.num_moved_out += 1
             else:
@@ -283,13 +285,7 @@ class LLMStage:
         """A moved stream's KV rows (None: none sent, or lost with the replica that sent them)."""
         if job.resume is None or job.resume.kv is None:
             return None
-        try:
-            kv = await job.resume.kv
-        except RayError:
-            return None
-        self.num_kv_moved_in += 1
-        self.kv_bytes_moved_in += kv.num_bytes
-        return kv
+        return await self.kv_moves.receive(job.resume.kv)
 
     # ---- replica API ----------------------------------------------------------------------
     def load(self) -> ReplicaLoad:
@@ -339,8 +335,8 @@ class LLMStage:
             "detok_streams_placed": dict(self.detok_pins.placed) if self.detok_pins is not None else {},
             "moved_out": self.num_moved_out,  # streams handed to other replicas (move-out)
             "rebalanced_out": self.num_rebalanced_out,  # streams handed to other replicas (rebalance)
-            "kv_moved_in": self.num_kv_moved_in,  # streams that arrived with their KV rows
-            "kv_bytes_moved_in": self.kv_bytes_moved_in,
+            "kv_moved_in": sum(self.kv_moves.num_in.values()),  # streams that arrived with their KV rows
+            **self.kv_moves.stats(),  # kv_moved_in_over (gloo / object_store), kv_bytes_moved_in, fallbacks
             "replica": self.replica_tag,
             "at_s": time.time(),  # wall clock of this reading, for latency bounds measured from outside
         }
@@ -363,6 +359,8 @@ class LLMStage:
             return
         self.event_loop = asyncio.get_running_loop()
         kv = await self._fetch_kv(job)
+        if self.detok_pins is not None and job.resume is not None:  # its decoder state stays where it is
+            self.detok_pins.decoded_on(job.req_id, job.resume.detok_replica)
         stream = _Stream(asyncio.Queue())
         self.streams[job.req_id] = stream
         try:

@@ -12,14 +12,16 @@ drives all moves of its group. Each endpoint counts what it sent and received.
 
 from __future__ import annotations
 
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 import ray
 import torch
 
 Tensors = torch.Tensor | dict[str, torch.Tensor]
+ENDPOINT_CONCURRENCY = 4  # RDT transfers hang on endpoints that run one call at a time
 
 
 class TransportKind(str, Enum):
@@ -115,3 +117,50 @@ class TensorTransport:
 
             for group in get_collective_groups(self.endpoints):
                 destroy_collective_group(group)
+
+
+def new_endpoint(name: str, node_id: str | None = None):
+    """A TensorEndpoint, on `node_id` when given (soft: anywhere if that node is gone)."""
+    options: dict = {"max_concurrency": ENDPOINT_CONCURRENCY}
+    if node_id is not None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=True)
+    return TensorEndpoint.options(**options).remote(name)
+
+
+@dataclass
+class EndpointPair:
+    """A source and a sink endpoint in a two-member group of their own (torch gloo gives a process
+    one group for life), driven by the process that made it: it submits every send."""
+
+    source: object
+    sink: object
+    transport: TensorTransport
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @classmethod
+    def open(cls, source, sink, kind: TransportKind) -> EndpointPair:
+        ray.get([source.stats.remote(), sink.stats.remote()])  # both started: the first send never waits for them
+        return cls(source, sink, TensorTransport([source, sink], kind))
+
+    def send(self, key: str, tensors) -> Transfer:
+        """`tensors` (or an ObjectRef of them, read where the source runs) land in the sink under `key`."""
+        with self.lock:
+            ray.get(self.source.hold.remote(key, tensors))
+            try:
+                return self.transport.move(key, self.source, self.sink)
+            finally:
+                ray.get(self.source.drop.remote(key))
+
+    def close(self, timeout_s: float) -> dict[str, int]:
+        """Tear the group down and stop the source; its (sent, bytes_sent), zeros if the pair broke."""
+        counters = {"sent": 0, "bytes_sent": 0}
+        try:
+            sent = ray.get(self.source.stats.remote(), timeout=timeout_s)
+            counters = {key: sent[key] for key in counters}
+            self.transport.close()
+        except Exception:  # the sink's side of the group is gone with its replica
+            pass
+        ray.kill(self.source)
+        return counters

@@ -31,10 +31,10 @@ from core.config import CHECK_FILES, ServeConfig
 from core.errors import InvalidArgumentError
 from core.messages import VoiceConditioning
 from core.voices import VoicePrompt, voice_id_for
-from deployments.transport import TensorEndpoint, TensorTransport, Transfer, TransportKind
+from deployments.transport import EndpointPair, Transfer, TransportKind, new_endpoint
+from llm_stage.registry import get_entry
 
 NAMESPACE = "voxray-voices"
-ENDPOINT_CONCURRENCY = 4  # RDT transfers hang on endpoints that run one call at a time
 PING_TIMEOUT_S = 5.0
 
 
@@ -71,10 +71,6 @@ def voice_bank(config: ServeConfig):
     ).remote(config.model_dump(mode="json"))  # fmt: skip
 
 
-def new_endpoint(name: str):
-    return TensorEndpoint.options(max_concurrency=ENDPOINT_CONCURRENCY).remote(name)
-
-
 def _encoder_path(config: ServeConfig) -> Path | None:
     """Where the published encoders are, or None for the seeded tiny ones (a preset model)."""
     if config.voices.encoder_dir is not None:
@@ -84,15 +80,24 @@ def _encoder_path(config: ServeConfig) -> Path | None:
     return resolve_model_ref(config.engine.model.checkpoint_dir, field="model.checkpoint_dir")
 
 
-@dataclass
-class _Pair:
-    """The bank's side of one detok replica: a source endpoint on the bank's node, grouped with the
-    replica's endpoint (torch gloo gives a process one group for life, so each replica gets its own)."""
+def check_voice_encoders(config: ServeConfig) -> None:
+    """A family that takes registered voices needs its voice encoders: fail at start (`voxray serve`
+    before Ray starts; a detok replica's constructor on a cluster), naming the field to set, not at
+    the first registration."""
+    from detok_stage.voice.encoder import encoder_file
 
-    source: object
-    sink: object
-    transport: TensorTransport
-    lock: threading.Lock
+    if not get_entry(config.engine.model.name).family.lm.takes_registered_voices:
+        return
+    path = _encoder_path(config)
+    if path is None:
+        return  # a preset model: seeded tiny encoders
+    try:
+        encoder_file(path)
+    except FileNotFoundError as err:
+        raise InvalidArgumentError(
+            "voices.encoder_dir", f"{err}; set voices.encoder_dir to chatterbox's s3gen.safetensors / s3gen.pt "
+            "(or its directory), or to a directory holding voice_encoders.pt"
+        ) from None  # fmt: skip
 
 
 @ray.remote
@@ -105,7 +110,7 @@ class VoiceBank:
         self.kind = TransportKind(self.config.voices.transport)
         self.prompts: dict[str, VoicePrompt] = {}
         self.tensors: dict[str, dict[str, torch.Tensor]] = {}
-        self.pairs: dict[str, _Pair] = {}  # detok replica tag -> its pair
+        self.pairs: dict[str, EndpointPair] = {}  # detok replica tag -> its pair (a source here, its endpoint)
         self.lock = threading.Lock()  # pairs
         self.encoder_lock = threading.Lock()
         self.encoder = None
@@ -149,13 +154,8 @@ class VoiceBank:
             old = self.pairs.pop(replica, None)
         if old is not None:
             self._close(old)
-        node = ray.get_runtime_context().get_node_id()
-        source = TensorEndpoint.options(
-            max_concurrency=ENDPOINT_CONCURRENCY,
-            scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(node, soft=True),
-        ).remote(f"voice-bank>{replica}")
-        ray.get([source.stats.remote(), sink.stats.remote()])  # both started: the first voice never waits for them
-        pair = _Pair(source, sink, TensorTransport([source, sink], self.kind), threading.Lock())
+        source = new_endpoint(f"voice-bank>{replica}", ray.get_runtime_context().get_node_id())
+        pair = EndpointPair.open(source, sink, self.kind)
         with self.lock:
             self.pairs[replica] = pair
             self.num_pairs += 1
@@ -169,10 +169,7 @@ class VoiceBank:
             pair = self.pairs.get(replica)
         if pair is None:
             return Refused("voice", f"detok replica {replica} has not joined the voice bank")
-        with pair.lock:
-            ray.get(pair.source.hold.remote(voice_id, tensors))  # same node: the bank's copy to its sender
-            transfer: Transfer = pair.transport.move(voice_id, pair.source, pair.sink)
-            ray.get(pair.source.drop.remote(voice_id))
+        transfer: Transfer = pair.send(voice_id, tensors)  # (same node: the bank's copy to its sender)
         with self.lock:
             self.num_deliveries += 1
             self.bytes_delivered += transfer.num_bytes
@@ -180,15 +177,9 @@ class VoiceBank:
             self.deliveries_by[key] = self.deliveries_by.get(key, 0) + 1
         return transfer.num_bytes
 
-    def _close(self, pair: _Pair) -> None:
-        try:
-            counters = ray.get(pair.source.stats.remote(), timeout=PING_TIMEOUT_S)
-            self.source_counters["sent"] += counters["sent"]
-            self.source_counters["bytes_sent"] += counters["bytes_sent"]
-            pair.transport.close()
-        except Exception:  # the sink's side of the group is gone with its replica
-            pass
-        ray.kill(pair.source)
+    def _close(self, pair: EndpointPair) -> None:
+        counters = pair.close(PING_TIMEOUT_S)
+        self.source_counters = {key: self.source_counters[key] + counters[key] for key in self.source_counters}
 
     def stats(self) -> dict:
         """The bank's counters and its source endpoints' own (sent, bytes_sent), open and closed pairs."""

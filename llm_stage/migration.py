@@ -2,7 +2,8 @@
 another, so it continues there without prefilling again.
 
 `LLMEngine.export_kv` takes a `KVSnapshot` of a decoding request (and its CFG twin); the
-LLMStage ships it through Ray's object store with the stream's `ResumeState`, and the engine
+LLMStage hands it on with the stream's `ResumeState` (`deployments.kv_courier`: over the stage
+transport, or through Ray's object store), and the engine
 that resumes the stream writes it into fresh slots (`LLMEngine.add_prompt` with a snapshot)
 instead of prefilling. The rows hold every known position but the last sampled token, which the
 next decode step writes, as on the engine that exported them.
@@ -32,6 +33,16 @@ class KVSnapshot:
     @property
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    def as_tensors(self) -> dict[str, torch.Tensor]:
+        """Named tensors, the form the stage transport sends: keys.0, values.0, keys.1 (its twin) ..."""
+        named = {f"keys.{i}": k for i, k in enumerate(self.keys)}
+        return named | {f"values.{i}": v for i, v in enumerate(self.values)}
+
+    @classmethod
+    def from_tensors(cls, named: dict[str, torch.Tensor]) -> KVSnapshot:
+        rows = range(sum(name.startswith("keys.") for name in named))
+        return cls(tuple(named[f"keys.{i}"] for i in rows), tuple(named[f"values.{i}"] for i in rows))
 
 
 def take_rows(cache: SlotKVCache, unit: list[Request]) -> KVSnapshot:

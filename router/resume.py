@@ -1,10 +1,13 @@
 """What the router keeps of each stream so another LLM replica can continue it: the sampler
 checkpoints that arrive with the audio (`Checkpoint` deltas, added up) and the last chunk the
-client received. `RouterCore` turns it into the `ResumeState` of a resumed Job when the
-replica serving the stream dies.
+client received, and the detok replica that decoded it (a stateful detokenizer's decoder state
+lives there: the replica that resumes the stream pins it to the same one). `RouterCore` turns it
+into the `ResumeState` of a resumed Job when the replica serving the stream dies.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from core.messages import AudioReady, ResumeState, SampledToken
 
@@ -16,6 +19,7 @@ class StreamProgress:
         self.next_seq = 0  # the first chunk the client has not received
         self.frames_shipped = 0  # frames covered by the chunks it has
         self.is_resumable = True  # False once a checkpoint was missed (then a resume could skip tokens)
+        self.detok_replica = ""  # the detok replica that decoded its last chunk (a stateful codec's state is there)
 
     def record(self, event: AudioReady) -> None:
         """One chunk reached the client; its checkpoint (if any) extends the known tokens."""
@@ -28,11 +32,14 @@ class StreamProgress:
             self.rng_state = checkpoint.rng_state
         self.next_seq = event.ref.seq + 1
         self.frames_shipped = event.ref.chunk.keep_end
+        self.detok_replica = event.ref.detok_replica or self.detok_replica
 
     def adopt(self, handoff: ResumeState) -> None:
         """A replica handed the stream off with its full state: later checkpoints extend that."""
         self.tokens, self.rng_state = list(handoff.tokens), handoff.rng_state
         self.next_seq, self.frames_shipped = handoff.next_seq, handoff.frames_shipped
+        self.detok_replica = handoff.detok_replica or self.detok_replica
 
     def resume_state(self) -> ResumeState:
-        return ResumeState(tuple(self.tokens), self.rng_state, self.next_seq, self.frames_shipped)
+        state = ResumeState(tuple(self.tokens), self.rng_state, self.next_seq, self.frames_shipped)
+        return dataclasses.replace(state, detok_replica=self.detok_replica)

@@ -78,13 +78,19 @@ class VoiceEncoder:
         return VoiceTensors(tokens[:pairs].clone(), mel[: 2 * pairs].contiguous(), xvector.contiguous())
 
 
-def _read_state(path: Path) -> dict[str, torch.Tensor]:
+def encoder_file(path: Path) -> Path:
+    """The file holding the encoders: `path` itself, or its voice_encoders.pt / s3gen.* (FileNotFoundError: none)."""
     candidates = [path] if path.is_file() else [path / CONVERTED_FILE, *sorted(path.glob("s3gen.*"))]
     for file in candidates:
-        if file.is_file() and file.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            return load_file(str(file))
         if file.is_file():
-            return torch.load(file, map_location="cpu", weights_only=True)
+            return file
     raise FileNotFoundError(f"{path}: no {CONVERTED_FILE} and no s3gen.safetensors / s3gen.pt with the voice encoders")
+
+
+def _read_state(path: Path) -> dict[str, torch.Tensor]:
+    file = encoder_file(path)
+    if file.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(file))
+    return torch.load(file, map_location="cpu", weights_only=True)

@@ -200,6 +200,33 @@ def test_published_directories_without_config_json_are_detected(tmp_path):
     assert err.value.field == "model"
 
 
+def test_missing_voice_encoders_are_refused_at_start_naming_the_field(tmp_path):
+    """CosyVoice 2's published directory has no encoders we load (its front end is ONNX): serving it
+    without `voices.encoder_dir` fails at start, naming that field, not at the first registration."""
+    from core.config import ServeConfig
+    from deployments.voices import check_voice_encoders
+    from detok_stage.voice.encoder import VoiceEncoder
+
+    cosy = write_cosyvoice2_lm(tmp_path / "CosyVoice2-0.5B", cosyvoice2_lm(seed=1))
+
+    def config(**voices) -> ServeConfig:
+        model = ModelConfig(name="cosyvoice2", checkpoint_dir=cosy)
+        return ServeConfig.model_validate({"engine": {"model": model.model_dump()}, "voices": voices})
+
+    for voices, says in (({}, "no voice_encoders.pt"), ({"encoder_dir": str(tmp_path / "nowhere")}, "not a directory")):
+        with pytest.raises(InvalidArgumentError) as err:
+            check_voice_encoders(config(**voices))
+        assert err.value.field == "voices.encoder_dir" and says in str(err.value), err.value
+    encoders = tmp_path / "encoders"
+    encoders.mkdir()
+    seeded = VoiceEncoder.seeded(0)
+    state = {f"tokenizer.{k}": v for k, v in seeded.tokenizer.state_dict().items()}
+    state |= {f"speaker_encoder.{k}": v for k, v in seeded.speaker.state_dict().items()}
+    torch.save(state, encoders / "s3gen.pt")
+    check_voice_encoders(config(encoder_dir=str(encoders)))  # found: no error
+    check_voice_encoders(ServeConfig())  # a family without registered voices is not checked
+
+
 def test_chatterbox_directory_voice_conditions_the_detokenizer(tmp_path):
     """conds.pt's `gen` part (the voice T3 serves as `default`) becomes S3Gen's default conditioning."""
     from core.messages import VoiceConditioning

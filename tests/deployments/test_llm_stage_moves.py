@@ -33,8 +33,9 @@ def _stage(tokens: dict[str, int], text_streaming: set[str] = frozenset()) -> LL
     stage.side = _Side(tokens, set(text_streaming))
     stage.streams = {rid: _Stream(asyncio.Queue()) for rid in [*tokens, "being-added"]}  # not in the engine yet
     stage.loop = SimpleNamespace(exclusive=contextlib.nullcontext, stop=lambda: None)
-    stage.replica_tag, stage.moved_kv_refs = "LLMStage#busy", []
+    stage.replica_tag, stage.kv_moves = "LLMStage#busy", None  # (no KV here: the side moves none)
     stage.num_moved_out = stage.num_rebalanced_out = 0
+    stage.detok_pins = None  # a stateless codec's streams are not pinned
     return stage
 
 
@@ -60,6 +61,13 @@ def test_rebalancing_moves_the_fewest_tokens_first_and_never_a_streaming_text_on
 
 def test_leaving_moves_every_stream_it_can():
     stage = _stage({"a": 10, "b": 20, "typed": 5}, text_streaming={"typed"})
+    events = _leave(stage)
+    assert sorted(events) == ["a", "b"] and all(event.is_leaving for event in events.values())
+    assert (stage.num_rebalanced_out, stage.num_moved_out) == (0, 2)
+
+
+def _leave(stage: LLMStage) -> dict[str, Moved]:
+    """Ask `stage` to leave; the Moved event each stream got."""
 
     async def run() -> dict[str, Moved]:
         stage.event_loop = asyncio.get_running_loop()
@@ -68,9 +76,7 @@ def test_leaving_moves_every_stream_it_can():
         await asyncio.sleep(0)
         return _moved_events(stage)
 
-    events = asyncio.run(run())
-    assert sorted(events) == ["a", "b"] and all(event.is_leaving for event in events.values())
-    assert (stage.num_rebalanced_out, stage.num_moved_out) == (0, 2)
+    return asyncio.run(run())
 
 
 def _refusing_text_streams(side: _Side):
@@ -82,3 +88,18 @@ def _refusing_text_streams(side: _Side):
         return None if req is None or req.text_feed is not None else move_out(req_id)
 
     return refusing
+
+
+def test_a_moved_stream_names_the_detok_replica_holding_its_decoder_state():
+    """A stateful detokenizer's stream hands its pinned detok replica on with its state; the
+    replica continuing it pins it to the same one while that one lives (never re-placing it)."""
+    from router.detok_pins import DetokPins
+
+    stage = _stage({"a": 10, "b": 20})
+    stage.detok_pins = DetokPins({"a": "DetokStage#x"})
+    events = _leave(stage)
+    assert events["a"].resume.detok_replica == "DetokStage#x" and events["b"].resume.detok_replica == ""
+    taker = DetokPins()
+    taker.decoded_on("a", events["a"].resume.detok_replica)  # what LLMStage does with a resumed job
+    live = {"DetokStage#x": 9, "DetokStage#y": 0}  # y is idler, yet a's state is on x
+    assert taker.target("a", live) == "DetokStage#x" and taker.target("b", live) == "DetokStage#y"

@@ -63,3 +63,28 @@ def test_gloo_refs_stay_out_of_the_object_store(local_ray):
         transport.close()
         for endpoint in (llm, detok):
             ray.kill(endpoint)
+
+
+def test_the_kv_courier_delivers_a_parcel_over_gloo_between_nodes_endpoints(local_ray):
+    """A moved stream's KV (with a CFG twin's rows) put by its sender, delivered by a real
+    KVCourier over an RDT-gloo pair of its own, read from the sink: the same tensors, counted by
+    the sink endpoint as received over the group. A second delivery reuses the pair."""
+    from deployments.kv_courier import COURIER_CONCURRENCY, KVCourier
+    from llm_stage.migration import KVSnapshot
+
+    courier = ray.remote(KVCourier).options(max_concurrency=COURIER_CONCURRENCY).remote("gloo")
+    node = ray.get_runtime_context().get_node_id()
+    try:
+        for n, positions in enumerate((64, 9)):
+            kv = KVSnapshot(tuple(torch.randn(2, 2, positions, 64) for _ in range(2)),
+                            tuple(torch.randn(2, 2, positions, 64) for _ in range(2)))  # fmt: skip
+            ref = ray.put(kv.as_tensors())  # the sender's node's object store (here: the driver's)
+            delivered = ray.get(courier.deliver.remote([ref], f"req-{n}@LLMStage#a#1", node, node), timeout=120)
+            got = KVSnapshot.from_tensors(ray.get(delivered.sink.get.remote(f"req-{n}@LLMStage#a#1")))
+            assert all(torch.equal(a, b) for a, b in zip((*got.keys, *got.values), (*kv.keys, *kv.values), strict=True))
+            assert delivered.num_bytes == kv.num_bytes and got.num_positions == (positions, positions)
+        stats = ray.get(courier.stats.remote())
+        assert stats["pairs_formed"] == 1 and stats["delivered"] == 2 and stats["transport"] == "gloo"
+        assert stats["sinks"] == {"received": 2, "bytes_received": stats["bytes_delivered"]}
+    finally:
+        ray.kill(courier)

@@ -53,6 +53,17 @@ def _replica_actor(app_name: str, tag: str):
     return actor
 
 
+def _kv_courier(app_name: str):
+    """The LLM stage's KV courier (a Serve deployment actor: named by app, deployment, code version)."""
+    prefix, suffix = f"SERVE_DEPLOYMENT_ACTOR::{app_name}::LLMStage::", "::kv_courier"
+    [actor] = [
+        ray.get_actor(actor["name"], namespace=actor["namespace"])
+        for actor in ray.util.list_named_actors(all_namespaces=True)
+        if actor["name"].startswith(prefix) and actor["name"].endswith(suffix)
+    ]
+    return actor
+
+
 def _detok_replicas(app_name: str) -> list:
     return _replicas(app_name, "DetokStage")
 
@@ -240,7 +251,12 @@ def test_streams_move_with_their_kv_off_a_leaving_llm_replica(cluster):
         kept = serve.get_deployment_handle("LLMStage", ep.app_name).stats.remote().result()  # the leaving
         assert not kept["replica"].endswith(leaving_id)  # replica reports itself full: routers pick the other
         assert kept["kv_moved_in"] == len(moved) and kept["kv_bytes_moved_in"] > 0, kept  # decoded on, no prefill
+        # the KV crossed over RDT-gloo (the courier's pair), as the sink endpoint counted it
+        assert kept["kv_moved_in_over"] == {"gloo": len(moved), "object_store": 0}, kept
+        courier = _kv_courier(ep.app_name)
+        sent = ray.get(courier.stats.remote(), timeout=30)
+        assert sent["sinks"]["bytes_received"] >= kept["kv_bytes_moved_in"] and sent["failed"] == 0, sent
         print(f"{len(moved)} streams moved with {kept['kv_bytes_moved_in'] / 1e6:.2f} MB of KV "
-              f"in {report.moved_s:.2f} s")  # fmt: skip
+              f"in {report.moved_s:.2f} s; courier {sent}")  # fmt: skip
     finally:
         serve.delete(ep.app_name)
