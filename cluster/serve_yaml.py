@@ -47,6 +47,7 @@ def _stage_deployment(name: str, stage: StageDeploymentConfig, graceful_timeout_
     entry["ray_actor_options"] = actor_options
     entry["graceful_shutdown_timeout_s"] = graceful_timeout_s
     entry["graceful_shutdown_wait_loop_s"] = GRACEFUL_WAIT_LOOP_S
+    entry["health_check_period_s"] = stage.health_check_period_s
     return entry
 
 

@@ -132,6 +132,10 @@ class StageDeploymentConfig(_Strict):
     num_gpus: float = Field(0.0, ge=0, description="1 per replica on GPU clusters (one accelerator each).")
     max_ongoing_requests: int = Field(256, ge=1, description="Serve-level cap; admission is ours.")
     resources: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources (node steering).")
+    health_check_period_s: float = Field(
+        2.0, gt=0, le=600, description="How often Serve checks each replica; a lost replica is replaced after the "
+        "next check fails (Serve's default: 10 s). Streams do not wait for it: they fail over at once."
+    )  # fmt: skip
 
     @model_validator(mode="after")
     def _bounds(self) -> StageDeploymentConfig:
@@ -212,6 +216,11 @@ class RebalanceConfig(_Strict):
     min_imbalance: int = Field(
         2, ge=2, le=4096, description="Active streams the busiest replica must run beyond the least busy one before "
         "any moves (half the gap moves; a gap of 1 would only swap the imbalance around)."
+    )  # fmt: skip
+    min_busy_share: float = Field(
+        0.75, ge=0, le=1, description="The busiest replica must run at least this share of "
+        "admission.max_streams_per_replica before any moves: below it, it has room, and a move would only cost the "
+        "moved streams a hand-off (streams ending elsewhere would otherwise send streams back and forth)."
     )  # fmt: skip
     period_s: float = Field(1.0, gt=0, le=3600, description="How often each Router compares the replicas' loads.")
     cooldown_s: float = Field(

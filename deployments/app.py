@@ -30,6 +30,7 @@ def deployment_options(stage: StageDeploymentConfig, graceful_timeout_s: float) 
         "ray_actor_options": actor_options,
         "graceful_shutdown_timeout_s": graceful_timeout_s,
         "graceful_shutdown_wait_loop_s": GRACEFUL_WAIT_LOOP_S,
+        "health_check_period_s": stage.health_check_period_s,
     }
     if stage.autoscaling:
         options["autoscaling_config"] = AutoscalingConfig(

@@ -113,6 +113,9 @@ class KVCourier:
         return counters | {"sinks": received}
 
 
+KVCourierActor = ray.remote(KVCourier)  # (Serve's deployment actors take a Ray actor class)
+
+
 def may_run_several(stage: StageDeploymentConfig) -> bool:
     return stage.max_replicas > 1 if stage.autoscaling else stage.num_replicas > 1
 
@@ -125,7 +128,7 @@ def courier_actors(config: ServeConfig) -> list:
 
     return [
         DeploymentActorConfig(
-            name=COURIER_NAME, actor_class=KVCourier, init_kwargs={"kind": config.migration.kv_transport},
+            name=COURIER_NAME, actor_class=KVCourierActor, init_kwargs={"kind": config.migration.kv_transport},
             actor_options={"num_cpus": 0, "max_concurrency": COURIER_CONCURRENCY},
         )
     ]  # fmt: skip

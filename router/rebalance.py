@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import NamedTuple
@@ -28,15 +29,17 @@ class MovePlan(NamedTuple):
     count: int  # streams to move: half the gap
 
 
-def plan_move(active_by_replica: dict[str, int], min_imbalance: int) -> MovePlan | None:
+def plan_move(active_by_replica: dict[str, int], min_imbalance: int, min_busy: int = 0) -> MovePlan | None:
     """Move half the gap from the busiest replica to the least busy one when the gap is at least
-    `min_imbalance` (ties go to the smaller id, so every Router plans the same move)."""
+    `min_imbalance` and the busiest runs at least `min_busy` streams (below that it has room: a
+    move would only cost its streams a hand-off). Ties go to the smaller id, so every Router
+    plans the same move."""
     if len(active_by_replica) < 2:
         return None
     busy, num_busy = min(active_by_replica.items(), key=lambda item: (-item[1], item[0]))
     idle, num_idle = min(active_by_replica.items(), key=lambda item: (item[1], item[0]))
     gap = num_busy - num_idle
-    if gap < max(min_imbalance, 2):  # a gap of 1 moves nothing (half of it rounds to 0)
+    if gap < max(min_imbalance, 2) or num_busy < min_busy:  # a gap of 1 moves nothing (half of it rounds to 0)
         return None
     return MovePlan(busy, idle, gap // 2)
 
@@ -89,8 +92,10 @@ class Rebalancer:
         loads: Callable[[], dict[str, int]] | None = None,
         ask: Callable[[str, int], bool] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        max_streams_per_replica: int = 0,
     ) -> None:
         self.app_name, self.config = app_name, config
+        self.min_busy = math.ceil(config.min_busy_share * max_streams_per_replica)
         self.loads = loads if loads is not None else lambda: active_streams_by_replica(app_name)
         self.ask = ask if ask is not None else self._ask_through_kv
         self.clock = clock
@@ -105,7 +110,7 @@ class Rebalancer:
         now_s = self.clock()
         if now_s < self.quiet_until_s:
             return None
-        plan = plan_move(self.loads(), self.config.min_imbalance)
+        plan = plan_move(self.loads(), self.config.min_imbalance, self.min_busy)
         if plan is not None:
             self.quiet_until_s = now_s + self.config.cooldown_s
         return plan

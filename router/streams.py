@@ -143,7 +143,10 @@ class RouterCore:
         self.open_streams = 0
         self.metrics = RouterMetrics()
         self.drain = DrainWatch(self.config.app_name, _replica_name(), lambda: self.open_streams)
-        self.rebalancer = Rebalancer(self.config.app_name, self.config.rebalance)  # started by the Router
+        self.rebalancer = Rebalancer(  # started by the Router
+            self.config.app_name, self.config.rebalance,
+            max_streams_per_replica=self.config.admission.max_streams_per_replica,
+        )  # fmt: skip
 
     def job(self, **fields) -> Job:
         return job_from_fields(self.entry, self.config.admission, **fields)

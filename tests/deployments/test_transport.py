@@ -69,10 +69,10 @@ def test_the_kv_courier_delivers_a_parcel_over_gloo_between_nodes_endpoints(loca
     """A moved stream's KV (with a CFG twin's rows) put by its sender, delivered by a real
     KVCourier over an RDT-gloo pair of its own, read from the sink: the same tensors, counted by
     the sink endpoint as received over the group. A second delivery reuses the pair."""
-    from deployments.kv_courier import COURIER_CONCURRENCY, KVCourier
+    from deployments.kv_courier import COURIER_CONCURRENCY, KVCourierActor
     from llm_stage.migration import KVSnapshot
 
-    courier = ray.remote(KVCourier).options(max_concurrency=COURIER_CONCURRENCY).remote("gloo")
+    courier = KVCourierActor.options(max_concurrency=COURIER_CONCURRENCY).remote("gloo")
     node = ray.get_runtime_context().get_node_id()
     try:
         for n, positions in enumerate((64, 9)):

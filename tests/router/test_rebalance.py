@@ -45,6 +45,16 @@ def test_plan_move(active, min_imbalance, plan):
     assert plan_move(active, min_imbalance) == plan
 
 
+def test_a_busiest_replica_with_room_moves_nothing():
+    """Below `min_busy` streams the busiest has room: the tail of a failover, whose streams ended
+    on one side, is left alone rather than sent back."""
+    assert plan_move({"a": 2, "b": 0}, 2, min_busy=3) is None
+    assert plan_move({"a": 4, "b": 0}, 2, min_busy=3) == MovePlan("a", "b", 2)
+    rebalancer = Rebalancer(APP, RebalanceConfig(min_busy_share=0.75), loads=lambda: {"a": 2, "b": 0},
+                            ask=_Asks(), max_streams_per_replica=4)  # fmt: skip
+    assert rebalancer.min_busy == 3 and rebalancer.plan() is None
+
+
 class _Asks(list):
     """The asks a Rebalancer made, as (replica, count); `granted` False: another Router holds the claim."""
 
