@@ -52,7 +52,9 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     from deployments.voices import check_voice_encoders  # (imports Ray: only where a command needs it)
 
     check_engine_config(config.engine)
-    check_voice_encoders(config)
+    no_voices = check_voice_encoders(config)  # raises for a wrong voices.encoder_dir
+    if no_voices is not None:
+        print(f"note: {config.engine.model.name} serves without zero-shot voices: {no_voices}", file=sys.stderr)
     return config
 
 

@@ -42,7 +42,7 @@ class DetokStage:
         self.pace = DetokPace()  # measured decode steps, reported to the LLM replicas for admission
         self.voices = DetokVoices(self.config, self.replica_tag)  # registered voices' tensors, fetched once
         if check_model_config(self.config.engine.model).family.lm.takes_registered_voices:
-            check_voice_encoders(self.config)
+            check_voice_encoders(self.config)  # raises for a wrong voices.encoder_dir
             self.voices.join_soon()
         self.loop = EngineLoop(self._step, lambda: self.engine.has_work, self._fail_all, "detok-engine")
         self.loop.start()

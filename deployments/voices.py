@@ -80,24 +80,27 @@ def _encoder_path(config: ServeConfig) -> Path | None:
     return resolve_model_ref(config.engine.model.checkpoint_dir, field="model.checkpoint_dir")
 
 
-def check_voice_encoders(config: ServeConfig) -> None:
-    """A family that takes registered voices needs its voice encoders: fail at start (`voxray serve`
-    before Ray starts; a detok replica's constructor on a cluster), naming the field to set, not at
-    the first registration."""
-    from detok_stage.voice.encoder import encoder_file
+def check_voice_encoders(config: ServeConfig) -> str | None:
+    """For a family that takes registered voices: why this server cannot register any (None: it
+    can). Encoders named by `voices.encoder_dir` must be there: a wrong path raises, naming it
+    (`voxray serve` before Ray starts; a detok replica's constructor on a cluster). Without it,
+    a checkpoint directory lacking them (CosyVoice 2's published front end is ONNX) serves
+    without zero-shot voices: registrations are refused naming the setting."""
+    from detok_stage.voice.encoder import CONVERTED_FILE, encoder_file
 
     if not get_entry(config.engine.model.name).family.lm.takes_registered_voices:
-        return
+        return None
     path = _encoder_path(config)
     if path is None:
-        return  # a preset model: seeded tiny encoders
+        return None  # a preset model: seeded tiny encoders
     try:
         encoder_file(path)
     except FileNotFoundError as err:
-        raise InvalidArgumentError(
-            "voices.encoder_dir", f"{err}; set voices.encoder_dir to chatterbox's s3gen.safetensors / s3gen.pt "
-            "(or its directory), or to a directory holding voice_encoders.pt"
-        ) from None  # fmt: skip
+        if config.voices.encoder_dir is not None:
+            raise InvalidArgumentError("voices.encoder_dir", str(err)) from None
+        where = f"chatterbox's s3gen.safetensors / s3gen.pt or a directory with {CONVERTED_FILE}"
+        return f"{err}; set voices.encoder_dir to {where}"
+    return None
 
 
 @ray.remote
@@ -127,6 +130,10 @@ class VoiceBank:
 
     def register(self, wave: torch.Tensor, sample_rate_hz: int, prompt_text: str) -> Registered | Refused:
         """Encode a checked clip (once: the same clip gives the same id, encoded the first time only)."""
+        no_encoders = check_voice_encoders(self.config)
+        if no_encoders is not None:
+            model = self.config.engine.model.name
+            return Refused("model", f"{model} takes no zero-shot voices on this server (no encoders: {no_encoders})")
         model = self.config.engine.model.name
         voice_id = voice_id_for(model, wave.numpy().tobytes(), sample_rate_hz, prompt_text)
         duration_s = wave.numel() / sample_rate_hz

@@ -1,7 +1,10 @@
 """Milliseconds and bytes per stage-to-stage tensor transfer: RDT over gloo vs the object store
 (and NCCL when CUDA is present), for one request's KV at 1 / 64 / 512 positions and for voice
 conditioning tensors. Two `TensorEndpoint` actors on a local Ray, the same tensors, one run.
-Usage: python -m loadtest.transport_bench --repeats 20 [--kv-layout 28 8 128 --dtype bfloat16]
+With `--moves`, the whole path of a moved stream's KV instead, from the receiving replica's ask
+to the rows in its hands: read from the sender's object store vs delivered by the `KVCourier`
+(its source endpoint reads the parcel, RDT gloo to its sink, the receiver reads the sink).
+Usage: python -m loadtest.transport_bench --repeats 20 [--kv-layout 28 8 128 --dtype bfloat16] [--moves]
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from pathlib import Path
 
 import ray
@@ -55,6 +59,63 @@ def time_kind(kind: TransportKind, tensors: dict[str, dict[str, torch.Tensor]], 
     return rows
 
 
+@ray.remote(num_cpus=0)
+class _Sender:
+    """The replica a stream leaves: owns its parcel (ray.put here), as `KVMoves.parcel` does."""
+
+    def __init__(self) -> None:
+        self.kept: list = []
+
+    def parcel(self, payload: dict[str, torch.Tensor]) -> list:
+        self.kept.append(ray.put(payload))
+        return [self.kept[-1]]  # in a list: the ref itself, not its value
+
+
+@ray.remote(num_cpus=0)
+class _Receiver:
+    """The replica that continues it: seconds from its ask to the rows in hand, either way."""
+
+    def from_object_store(self, parcel: list) -> float:
+        start = time.perf_counter()
+        ray.get(parcel[0])
+        return time.perf_counter() - start
+
+    def over_courier(self, courier, parcel: list, key: str) -> float:
+        node = ray.get_runtime_context().get_node_id()
+        start = time.perf_counter()
+        delivered = ray.get(courier.deliver.remote(parcel, key, node, node))
+        ray.get(delivered.sink.get.remote(key))
+        elapsed = time.perf_counter() - start
+        ray.get(delivered.sink.drop.remote(key))
+        return elapsed
+
+
+def time_moves(tensors: dict[str, dict[str, torch.Tensor]], repeats: int) -> dict[str, dict]:
+    """Per KV payload: p50 ms of a moved stream's rows read from the object store vs over the courier."""
+    from deployments.kv_courier import COURIER_CONCURRENCY, KVCourierActor
+
+    sender, receiver = _Sender.remote(), _Receiver.remote()
+    courier = KVCourierActor.options(max_concurrency=COURIER_CONCURRENCY).remote("gloo")
+    node = ray.get_runtime_context().get_node_id()
+    ray.get(courier.prepare.remote(node, node))  # the pair forms once, at replica start
+    results: dict[str, dict] = {"object_store": {}, "courier (gloo)": {}}
+    try:
+        for label, payload in tensors.items():
+            if not label.startswith("KV"):
+                continue
+            parcels = [ray.get(sender.parcel.remote(payload)) for _ in range(repeats + 1)]
+            ways = {"object_store": lambda p: receiver.from_object_store.remote(p),
+                    "courier (gloo)": lambda p, n=label: receiver.over_courier.remote(courier, p, f"{n}-{id(p)}")}
+            for way, read in ways.items():
+                times = [ray.get(read(parcel)) for parcel in parcels][1:]  # the first warms the path
+                results[way][label] = {"bytes": num_bytes(payload), "p50_ms": 1000 * statistics.median(times),
+                                       "min_ms": 1000 * min(times)}  # fmt: skip
+    finally:
+        for actor in (sender, receiver, courier):
+            ray.kill(actor)
+    return results
+
+
 def table(results: dict[str, dict]) -> str:
     kinds = list(results)
     first = results[kinds[0]]
@@ -65,22 +126,28 @@ def table(results: dict[str, dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--kv-layout", type=int, nargs=3, default=list(DEFAULT_KV_LAYOUT), help="layers kv_heads head_dim")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--out", type=Path, default=None)
-    args = p.parse_args(argv)
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    tensors = payloads(tuple(args.kv_layout), getattr(torch, args.dtype))
+def time_kinds(tensors: dict[str, dict[str, torch.Tensor]], repeats: int) -> dict[str, dict]:
     kinds = [TransportKind.OBJECT_STORE, TransportKind.GLOO]
     if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
         kinds.append(TransportKind.NCCL)
     results = {}
     for kind in kinds:
         device = "cuda" if kind is TransportKind.NCCL else "cpu"
-        results[kind.value] = time_kind(kind, tensors, args.repeats, device)
+        results[kind.value] = time_kind(kind, tensors, repeats, device)
+    return results
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--kv-layout", type=int, nargs=3, default=list(DEFAULT_KV_LAYOUT), help="layers kv_heads head_dim")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--moves", action="store_true", help="a moved stream's KV end to end: object store vs courier")
+    args = p.parse_args(argv)
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    tensors = payloads(tuple(args.kv_layout), getattr(torch, args.dtype))
+    results = time_moves(tensors, args.repeats) if args.moves else time_kinds(tensors, args.repeats)
     ray.shutdown()
     print(table(results))
     if args.out is not None:

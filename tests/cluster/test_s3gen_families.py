@@ -200,9 +200,10 @@ def test_published_directories_without_config_json_are_detected(tmp_path):
     assert err.value.field == "model"
 
 
-def test_missing_voice_encoders_are_refused_at_start_naming_the_field(tmp_path):
-    """CosyVoice 2's published directory has no encoders we load (its front end is ONNX): serving it
-    without `voices.encoder_dir` fails at start, naming that field, not at the first registration."""
+def test_voice_encoders_a_server_lacks_are_named_at_start(tmp_path):
+    """CosyVoice 2's published directory has no encoders we load (its front end is ONNX): it serves
+    without zero-shot voices, saying why and which setting adds them; a `voices.encoder_dir` that
+    holds none is refused at start, naming that field."""
     from core.config import ServeConfig
     from deployments.voices import check_voice_encoders
     from detok_stage.voice.encoder import VoiceEncoder
@@ -213,9 +214,11 @@ def test_missing_voice_encoders_are_refused_at_start_naming_the_field(tmp_path):
         model = ModelConfig(name="cosyvoice2", checkpoint_dir=cosy)
         return ServeConfig.model_validate({"engine": {"model": model.model_dump()}, "voices": voices})
 
-    for voices, says in (({}, "no voice_encoders.pt"), ({"encoder_dir": str(tmp_path / "nowhere")}, "not a directory")):
+    why = check_voice_encoders(config())
+    assert "no voice_encoders.pt" in why and "set voices.encoder_dir" in why
+    for encoder_dir, says in ((tmp_path / "nowhere", "not a directory"), (tmp_path, "no voice_encoders.pt")):
         with pytest.raises(InvalidArgumentError) as err:
-            check_voice_encoders(config(**voices))
+            check_voice_encoders(config(encoder_dir=str(encoder_dir)))
         assert err.value.field == "voices.encoder_dir" and says in str(err.value), err.value
     encoders = tmp_path / "encoders"
     encoders.mkdir()
@@ -223,8 +226,8 @@ def test_missing_voice_encoders_are_refused_at_start_naming_the_field(tmp_path):
     state = {f"tokenizer.{k}": v for k, v in seeded.tokenizer.state_dict().items()}
     state |= {f"speaker_encoder.{k}": v for k, v in seeded.speaker.state_dict().items()}
     torch.save(state, encoders / "s3gen.pt")
-    check_voice_encoders(config(encoder_dir=str(encoders)))  # found: no error
-    check_voice_encoders(ServeConfig())  # a family without registered voices is not checked
+    assert check_voice_encoders(config(encoder_dir=str(encoders))) is None  # found
+    assert check_voice_encoders(ServeConfig()) is None  # a family without registered voices
 
 
 def test_chatterbox_directory_voice_conditions_the_detokenizer(tmp_path):
