@@ -34,7 +34,6 @@ WORDS = ["Hello ", "there, ", "my ", "good ", "friend."]
 SEEDS = (40, 60, 70)  # seeds whose stream reads all 29 text ids before its EOS (36-40 frames; the tiny
 # model stops at random: re-pick them when the sampler's draws change)
 SAMPLING = {"max_tokens": 80}
-END_PAUSE_S = 1.5  # between the last word and the end: a typing client's pause
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +69,7 @@ def typed_stream(ep, index: int) -> tuple[bytes, int, list]:
         for word in WORDS:
             ws.send(json.dumps({"text": word}))
             time.sleep(0.15)
-        time.sleep(END_PAUSE_S)  # the stream reads all its text and waits for more (or the end)
+        _wait_until(lambda: streams_waiting_for_text() >= 1, 60.0)  # one has read all its text: it waits for its end
         ws.send(json.dumps({"end": True}))
         got, code = ws_messages(ws)
     metas = [m for m in got if isinstance(m, dict)]
@@ -87,10 +86,23 @@ def whole_text_audio(index: int) -> bytes:
     return b"".join(chunk.pcm16 for chunk in pipeline.stream())
 
 
+def streams_waiting_for_text() -> int:
+    """Streams idle for text now, on every LLM replica."""
+    app = AGENTS.app_name
+    return sum(_replica_stats(app, replica)["waiting_for_text"] for replica in live_llm_replicas(app))
+
+
+def _wait_until(condition, timeout_s: float) -> None:
+    give_up_s = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < give_up_s:
+        time.sleep(0.05)
+
+
 def text_waits() -> int:
     """Times a stream had run out of text when more came, on every LLM replica (a handle's stats
-    call reaches one replica only). A counter, not a snapshot of `waiting_for_text`: polling that
-    missed the waits on a loaded CI machine."""
+    call reaches one replica only). Each stream sends its end only once one stream waits for text
+    (the last word is held until the end), so a wait is certain however slow the machine; the
+    counter then proves that stream was waiting, holding its KV, when its end came."""
     app = AGENTS.app_name
     return sum(_replica_stats(app, replica)["text_waits"] for replica in live_llm_replicas(app))
 
