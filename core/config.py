@@ -236,13 +236,14 @@ class RebalanceConfig(_Strict):
 class MigrationConfig(_Strict):
     """How a moved stream's KV (drain, move-out, rebalance) reaches the LLM replica that continues it."""
 
-    kv_transport: Literal["gloo", "object_store"] = Field(
-        "gloo",
-        description="gloo: Ray Direct Transport point to point between two endpoints, one on each replica's node, "
-        "driven by the LLM stage's KV courier (a Serve deployment actor, there when the stage may run more than one "
-        "replica); object_store: the KV is read from Ray's object store. A gloo delivery that fails falls back to "
-        "the object store, so a move never prefills for the transport's sake. nccl is not offered: its endpoints "
-        "would each need a GPU of their own.",
+    kv_transport: Literal["auto", "gloo", "object_store"] = Field(
+        "auto",
+        description="auto: between nodes over Ray Direct Transport's gloo, point to point between two endpoints (one "
+        "on each node) driven by the LLM stage's KV courier (a Serve deployment actor, there when the stage may run "
+        "more than one replica); within a node from the object store (shared memory: 8-30x faster than any copy, "
+        "BENCHMARKS.md). gloo: the courier for every move, within a node too. object_store: never the courier. A "
+        "courier delivery that fails falls back to the object store, so a move never prefills for the transport's "
+        "sake. nccl is not offered: the KV leaves the GPU when it is taken, and its endpoints would each need a GPU.",
     )  # fmt: skip
     delivery_timeout_s: float = Field(
         30.0, gt=0, le=600, description="Longest wait for a gloo delivery (the first one between two nodes forms "

@@ -2,15 +2,18 @@
 
 A stream that leaves its LLM replica (drain, move-out, rebalance) takes its KV rows along. The
 sender does not know yet which replica the router will pick, so it puts the rows in its node's
-object store as a `KVParcel` and keeps them a while; the receiver asks the courier to deliver
-the parcel to its own node. The courier, a Serve deployment actor of the LLM stage (made and
-stopped with the stage, recreated by Serve if it dies), keeps an `EndpointPair` per (sender
+object store as a `KVParcel` and keeps them a while. A receiver on the same node reads them from
+there (shared memory: any copy is slower, BENCHMARKS.md); one on another node asks the courier to
+deliver the parcel to its own node (`migration.kv_transport: gloo` sends every move that way).
+The courier, a Serve deployment actor of the LLM stage (made and stopped with the stage,
+recreated by Serve if it dies), keeps an `EndpointPair` per (sender
 node, receiver node): the source endpoint reads the parcel on the sender's node, RDT moves it
 point to point over gloo to the sink endpoint on the receiver's node, and the receiver reads it
 there. RDT needs the process that formed a group to submit its transfers, so the courier is a
 synchronous threaded actor. With `migration.kv_transport: object_store`, without a courier (a
 stage that never runs two replicas), or when a delivery fails, the receiver reads the parcel
-straight from the object store: a move never prefills for the transport's sake.
+from the object store too (Ray pulls it across nodes): a move never prefills for the
+transport's sake.
 """
 
 from __future__ import annotations
@@ -121,14 +124,14 @@ def may_run_several(stage: StageDeploymentConfig) -> bool:
 
 
 def courier_actors(config: ServeConfig) -> list:
-    """The LLM stage's deployment actors: the KV courier where KV moves over gloo between replicas."""
-    if config.migration.kv_transport != TransportKind.GLOO.value or not may_run_several(config.llm):
+    """The LLM stage's deployment actors: the KV courier where KV may move over gloo between replicas."""
+    if config.migration.kv_transport == TransportKind.OBJECT_STORE.value or not may_run_several(config.llm):
         return []
     from ray.serve.config import DeploymentActorConfig
 
     return [
         DeploymentActorConfig(
-            name=COURIER_NAME, actor_class=KVCourierActor, init_kwargs={"kind": config.migration.kv_transport},
+            name=COURIER_NAME, actor_class=KVCourierActor, init_kwargs={"kind": TransportKind.GLOO.value},
             actor_options={"num_cpus": 0, "max_concurrency": COURIER_CONCURRENCY},
         )
     ]  # fmt: skip
@@ -140,6 +143,8 @@ class KVMoves:
 
     def __init__(self, config: ServeConfig, replica: str) -> None:
         self.use_courier = bool(courier_actors(config))
+        self.courier_within_node = config.migration.kv_transport == TransportKind.GLOO.value  # (auto: between nodes)
+        self.app_name = config.app_name
         self.timeout_s = config.migration.delivery_timeout_s
         self.replica = replica
         self.node_id = ray.get_runtime_context().get_node_id()
@@ -150,10 +155,17 @@ class KVMoves:
         self.courier = None
 
     def warm_up(self) -> None:
-        """(at start, off the event loop) Form this node's pair, so a move here never waits for it."""
-        courier = self._courier()
-        if courier is not None:
-            ray.get(courier.prepare.remote(self.node_id, self.node_id), timeout=self.timeout_s)
+        """(at start, off the event loop) Form the pairs into this node from the other LLM replicas'
+        nodes (and this node's own, under `gloo`), so a move here never waits for one."""
+        courier = self._courier() if self.use_courier else None
+        if courier is None:
+            return
+        from router.drain import llm_nodes
+
+        senders = {node for node in llm_nodes(self.app_name) if node != self.node_id}
+        if self.courier_within_node:
+            senders.add(self.node_id)
+        ray.get([courier.prepare.remote(node, self.node_id) for node in senders], timeout=self.timeout_s)
 
     def parcel(self, req_id: str, kv: KVSnapshot) -> KVParcel:
         """Put a leaving stream's rows in the object store (this replica owns them: kept a while)."""
@@ -181,7 +193,8 @@ class KVMoves:
         return kv
 
     async def _over_courier(self, parcel: KVParcel) -> dict | None:
-        courier = self._courier() if self.use_courier else None
+        between_nodes = parcel.node_id != self.node_id
+        courier = self._courier() if self.use_courier and (between_nodes or self.courier_within_node) else None
         if courier is None:
             return None
         try:

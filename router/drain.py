@@ -81,6 +81,13 @@ def llm_replicas_on_node(app_name: str, node_id: str) -> list[str]:
     return sorted(key[len(prefix) :].decode() for key in on_node)
 
 
+def llm_nodes(app_name: str) -> set[str]:
+    """The nodes the LLM replicas of `app_name` announced (dead replicas' included)."""
+    prefix = f"llm-node:{app_name}:".encode()
+    keys = internal_kv._internal_kv_list(prefix, namespace=KV_NAMESPACE)
+    return {node.decode() for key in keys if (node := internal_kv._internal_kv_get(key, namespace=KV_NAMESPACE))}
+
+
 def clear_drain(app_name: str) -> None:
     """Forget the app's drain (a redeploy of it serves again)."""
     internal_kv._internal_kv_del(_deadline_key(app_name), namespace=KV_NAMESPACE)

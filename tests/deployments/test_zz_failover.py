@@ -14,7 +14,7 @@ import pytest
 import ray
 from ray import serve
 
-from core.config import AdmissionConfig, StageDeploymentConfig
+from core.config import AdmissionConfig, MigrationConfig, StageDeploymentConfig
 from tests.deployments.conftest import small_config
 from tests.deployments.grpc_helpers import StreamOutcome, run_stream
 from tests.deployments.test_cluster import in_process_audio
@@ -183,7 +183,7 @@ def test_losing_the_only_llm_replica_answers_unavailable_at_once(cluster):
 
 LLM_MOVE = small_config(
     app_name="voxray-move", route_prefix="/move", llm=StageDeploymentConfig(num_replicas=2, num_cpus=0.25),
-    detok=StageDeploymentConfig(num_cpus=0.25),
+    detok=StageDeploymentConfig(num_cpus=0.25), migration=MigrationConfig(kv_transport="gloo"),  # the courier, one node
     admission=AdmissionConfig(max_streams_per_replica=4, max_queued_per_replica=4, default_ttfa_deadline_s=60.0),
 )  # fmt: skip
 
