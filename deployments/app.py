@@ -7,8 +7,6 @@ by the Router replicas themselves (`router.grpc_server`), so Serve's gRPC proxy 
 
 from __future__ import annotations
 
-from functools import partial
-
 from ray import serve
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
@@ -16,7 +14,7 @@ from core.config import CHECK_FILES, GRACEFUL_WAIT_LOOP_S, ServeConfig, StageDep
 from deployments.detok_stage import DetokStage
 from deployments.kv_courier import courier_actors
 from deployments.llm_stage import LLMStage
-from deployments.voices import voice_bank
+from deployments.voices import bank_actors
 from router.ingress import Router
 
 
@@ -49,7 +47,7 @@ def build_app(config: ServeConfig) -> serve.Application:
     detok_router = RequestRouterConfig(
         request_router_class="router.dispatch:DetokBoard", request_routing_stats_period_s=0.5
     )  # Serve's default routing, keeping the detok replicas' reports for the LLM replicas' admission
-    detok_options = deployment_options(config.detok, graceful_s)
+    detok_options = deployment_options(config.detok, graceful_s) | {"deployment_actors": bank_actors(config)}
     detok = serve.deployment(DetokStage, name="DetokStage", request_router_config=detok_router, **detok_options)
     detok = detok.bind(args)
     llm_router = RequestRouterConfig(
@@ -59,7 +57,7 @@ def build_app(config: ServeConfig) -> serve.Application:
     llm = serve.deployment(LLMStage, name="LLMStage", request_router_config=llm_router, **llm_options)
     llm = llm.bind(args, detok)
     router = serve.deployment(Router, name="Router", **deployment_options(config.router, graceful_s))
-    return router.bind(args, llm, detok, partial(voice_bank, config))
+    return router.bind(args, llm, detok)
 
 
 def app_builder(args: dict) -> serve.Application:

@@ -125,6 +125,10 @@ class DetokStage:
         """The registered voices this replica fetched and its tensor endpoint's transfer counters."""
         return await self.voices.stats()
 
+    def voice_bank(self):
+        """The app's VoiceBank (this stage's deployment actor), for the Router and the LLM replicas."""
+        return self.voices.bank_handle()
+
     def stats(self) -> dict:
         return {
             "queued_chunks": len(self.waiters),

@@ -110,7 +110,7 @@ class LLMStage:
         self.avg_stream_s = 0.0
         self.num_decode_calls = 0
         self.num_audio_refs = 0
-        self.voices = LLMVoices(self.config)  # registered voices' LM prompts, read once from the VoiceBank
+        self.voices = LLMVoices(self.config, detok_handle.voice_bank.remote)  # registered voices' LM prompts, read once
         self.num_detok_retries = 0
         # a stateful detokenizer keeps each stream's decoder state on one detok replica: pin them
         self.detok_pins = DetokPins() if entry.family.codec.is_stateful else None

@@ -9,7 +9,8 @@ voice's id as a cache handle; a replica that lacks it (new, restarted, evicted) 
 send it again: the same tensors, so the same audio.
 
 The bank is a synchronous threaded actor: RDT needs the process that made a collective group to
-submit its transfers, and that is the bank. torch's gloo gives a process one group for life, so
+submit its transfers, and that is the bank. Serve runs it as the DetokStage's deployment actor
+(`bank_actors`): it lives as long as the app. torch's gloo gives a process one group for life, so
 each detok replica is paired with a source endpoint of its own (a two-member group).
 """
 
@@ -20,6 +21,7 @@ import concurrent.futures
 import hashlib
 import json
 import threading
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +36,9 @@ from core.voices import VoicePrompt, voice_id_for
 from deployments.transport import EndpointPair, Transfer, TransportKind, new_endpoint
 from llm_stage.registry import get_entry
 
-NAMESPACE = "voxray-voices"
+NAMESPACE = "voxray-voices"  # of a bank made outside Serve (`voice_bank`)
+BANK_ACTOR = "voice_bank"  # the DetokStage's deployment actor
+BANK_CONCURRENCY = 16
 PING_TIMEOUT_S = 5.0
 
 
@@ -64,11 +68,35 @@ def bank_name(config: ServeConfig) -> str:
 
 
 def voice_bank(config: ServeConfig):
-    """The app's VoiceBank actor, created by whichever replica asks first (detached: it outlives them)."""
+    """A VoiceBank of its own, outside Serve (`loadtest.voice_bench`; the app's is `bank_actors`'):
+    created by whoever asks first, detached (its caller kills it)."""
     return VoiceBank.options(
-        name=bank_name(config), namespace=NAMESPACE, get_if_exists=True, lifetime="detached", max_concurrency=16,
-        num_cpus=0,
+        name=bank_name(config), namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
+        max_concurrency=BANK_CONCURRENCY, num_cpus=0,
     ).remote(config.model_dump(mode="json"))  # fmt: skip
+
+
+def bank_actors(config: ServeConfig) -> list:
+    """The DetokStage's deployment actors: the app's VoiceBank, for a family that takes registered
+    voices. Serve makes it with the stage (before its replicas), recreates it if it dies and
+    deletes it with the app; the Router and the LLM replicas get its handle from a detok replica."""
+    if not get_entry(config.engine.model.name).family.lm.takes_registered_voices:
+        return []
+    from ray.serve.config import DeploymentActorConfig
+
+    return [
+        DeploymentActorConfig(
+            name=BANK_ACTOR, actor_class=VoiceBank, init_kwargs={"config": config.model_dump(mode="json")},
+            actor_options={"num_cpus": 0, "max_concurrency": BANK_CONCURRENCY},
+        )
+    ]  # fmt: skip
+
+
+def deployed_bank():
+    """The app's VoiceBank, from inside a DetokStage replica (Serve's deployment actor)."""
+    from ray import serve
+
+    return serve.get_deployment_actor(BANK_ACTOR)
 
 
 def _encoder_path(config: ServeConfig) -> Path | None:
@@ -216,8 +244,8 @@ def tensor_dict(voice: VoiceConditioning) -> dict[str, torch.Tensor]:
 class DetokVoices:
     """A detok replica's side: its endpoint, and fetching the voices its chunks name into its codec."""
 
-    def __init__(self, config: ServeConfig, replica: str) -> None:
-        self.config, self.replica = config, replica
+    def __init__(self, config: ServeConfig, replica: str, find_bank: Callable[[], object] = deployed_bank) -> None:
+        self.config, self.replica, self.find_bank = config, replica, find_bank
         self.endpoint = None  # made when joining the bank (families without voices never join)
         self.bank = None
         self.num_fetched = 0
@@ -230,7 +258,7 @@ class DetokVoices:
         self.joining = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="voice-join").submit(self._join)
 
     def _join(self) -> None:
-        bank, endpoint = voice_bank(self.config), new_endpoint(f"detok:{self.replica}")
+        bank, endpoint = self.find_bank(), new_endpoint(f"detok:{self.replica}")
         ray.get(bank.join.remote(self.replica, endpoint))
         self.bank, self.endpoint = bank, endpoint
 
@@ -252,10 +280,14 @@ class DetokVoices:
                 pass
             self.joining = None
         if self.bank is None:
-            self.bank, self.endpoint = voice_bank(self.config), new_endpoint(f"detok:{self.replica}")
+            self.bank, self.endpoint = self.find_bank(), new_endpoint(f"detok:{self.replica}")
             await self.bank.join.remote(self.replica, self.endpoint)
         try:
             sent = await self.bank.deliver.remote(handle, self.replica)
+        except ray.exceptions.RayActorError:  # the bank died (Serve recreates it, without its voices)
+            self.bank = None
+            message = f"unknown voice {handle!r}: the voice bank restarted; register it again"
+            raise InvalidArgumentError("voice", message) from None
         except ray.exceptions.RayError:  # the pair broke (its source died): pair again, once
             await self.bank.join.remote(self.replica, self.endpoint)
             sent = await self.bank.deliver.remote(handle, self.replica)
@@ -266,6 +298,10 @@ class DetokVoices:
         await self.endpoint.drop.remote(handle)  # the codec holds it now
         self.num_fetched += 1
 
+    def bank_handle(self):
+        """The app's VoiceBank (for the Router and the LLM replicas, through a detok handle call)."""
+        return self.find_bank()
+
     async def stats(self) -> dict:
         endpoint = None if self.endpoint is None else await self.endpoint.stats.remote()
         return {"voices_fetched": self.num_fetched, "endpoint": endpoint}
@@ -274,8 +310,9 @@ class DetokVoices:
 class LLMVoices:
     """An LLM replica's side: the LM prompt of each registered voice its requests name, read once."""
 
-    def __init__(self, config: ServeConfig) -> None:
+    def __init__(self, config: ServeConfig, find_bank: Callable[[], Awaitable]) -> None:
         self.config = config
+        self.find_bank = find_bank  # the bank's handle, asked of a detok replica
         self.bank = None
         self.num_fetched = 0
 
@@ -283,8 +320,11 @@ class LLMVoices:
         """`adapter` knows `voice_id`'s prompt; an unknown id raises InvalidArgumentError('voice')."""
         if voice_id in adapter.voice_prompts:
             return
-        self.bank = self.bank or voice_bank(self.config)
-        prompt = await self.bank.prompt.remote(voice_id)
+        self.bank = self.bank or await self.find_bank()
+        try:
+            prompt = await self.bank.prompt.remote(voice_id)
+        except ray.exceptions.RayActorError:  # the bank died (Serve recreates it, without its voices)
+            self.bank, prompt = None, None
         if prompt is None:
             raise InvalidArgumentError("voice", f"unknown voice {voice_id!r}; register it first (POST /v1/voices)")
         adapter.add_voice_prompt(prompt)

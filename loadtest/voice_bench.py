@@ -54,7 +54,7 @@ def bench(transport: str, model: str, voices: int, clip_s: float) -> dict:
         start = time.perf_counter()
         voice_ids.append(ray.get(bank.register.remote(clip, 24_000, "")).voice_id)
         register_s.append(time.perf_counter() - start)
-    side = DetokVoices(config, "bench-replica")
+    side = DetokVoices(config, "bench-replica", find_bank=lambda: bank)
     start = time.perf_counter()
     side.join_soon()
     side.joining.result()

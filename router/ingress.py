@@ -236,10 +236,12 @@ def _serve_request_id() -> str:
 class Router:
     """Serve ingress class (FastAPI routes + gRPC methods); deployed by `deployments.app`."""
 
-    async def __init__(self, config: dict, llm_handle, detok_handle, voice_bank=None) -> None:  # ready = gRPC up
+    async def __init__(self, config: dict, llm_handle, detok_handle) -> None:  # ready = gRPC up
         keep_replica_listener_on_loopback()
         self.core = RouterCore(config, llm_handle, detok_handle)
-        self.voices = VoiceRegistry(self.core.entry, self.core.config.voices, voice_bank)  # zero-shot voices
+        # zero-shot voices: the app's VoiceBank is the DetokStage's deployment actor; a detok replica names it
+        find_bank = detok_handle.voice_bank.remote if self.core.entry.family.lm.takes_registered_voices else None
+        self.voices = VoiceRegistry(self.core.entry, self.core.config.voices, find_bank)
         self.core.drain.start()
         self.core.rebalancer.start()  # on this replica's event loop, like the admission checks
         self.auth = ApiKeys(self.core.config.auth, listen_host=widest_host(self.core.config))

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import base64
 import binascii
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from google.protobuf.message import DecodeError
 from google.protobuf.unknown_fields import UnknownFieldSet
+from ray.exceptions import RayActorError
 
 from core.config import VoicesConfig
 from core.errors import InvalidArgumentError
@@ -83,7 +84,7 @@ def check_model(entry: ModelEntry, model: str) -> None:
 class VoiceRegistry:
     """The Router's side: checks a registration and hands the decoded clip to the VoiceBank."""
 
-    def __init__(self, entry: ModelEntry, config: VoicesConfig, bank_factory: Callable[[], object] | None) -> None:
+    def __init__(self, entry: ModelEntry, config: VoicesConfig, bank_factory: Callable[[], Awaitable] | None) -> None:
         self.entry, self.config, self.bank_factory = entry, config, bank_factory
         self.bank = None
 
@@ -96,8 +97,12 @@ class VoiceRegistry:
         if len(audio) > MAX_CLIP_BYTES:
             raise InvalidArgumentError("audio", f"is {len(audio)} bytes; at most {MAX_CLIP_BYTES}")
         clip = decode_clip(audio, "audio", self.config.min_clip_s, self.config.max_clip_s)
-        self.bank = self.bank or self.bank_factory()
-        result = await self.bank.register.remote(clip.wave, clip.sample_rate_hz, text)
+        self.bank = self.bank or await self.bank_factory()
+        try:
+            result = await self.bank.register.remote(clip.wave, clip.sample_rate_hz, text)
+        except RayActorError:  # the bank died: Serve recreates it; ask a detok replica for the new one
+            self.bank = await self.bank_factory()
+            result = await self.bank.register.remote(clip.wave, clip.sample_rate_hz, text)
         if hasattr(result, "error"):  # Refused
             raise result.error()
         return {"voice_id": result.voice_id, "prompt_tokens": result.num_prompt_tokens,
@@ -106,5 +111,9 @@ class VoiceRegistry:
     async def voice_ids(self) -> list[str]:
         if self.bank_factory is None or not self.entry.family.lm.takes_registered_voices:
             return []
-        self.bank = self.bank or self.bank_factory()
-        return await self.bank.voice_ids.remote()
+        self.bank = self.bank or await self.bank_factory()
+        try:
+            return await self.bank.voice_ids.remote()
+        except RayActorError:  # the bank died: its voices with it
+            self.bank = None
+            return []

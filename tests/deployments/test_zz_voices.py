@@ -19,7 +19,6 @@ from ray import serve
 
 from cluster.server import deploy_app
 from core.config import AdmissionConfig, EngineConfig, ModelConfig, StageDeploymentConfig, VoicesConfig
-from deployments.voices import NAMESPACE, bank_name
 from protos import voxray_pb2, voxray_pb2_grpc
 from tests.deployments.conftest import small_config
 from tests.deployments.grpc_helpers import run_stream
@@ -50,7 +49,14 @@ def voices_app(cluster):
         yield config, endpoints
     finally:
         serve.delete(config.app_name)
-        ray.kill(ray.get_actor(bank_name(config), namespace=NAMESPACE))
+    assert not _banks(config.app_name)  # the VoiceBank went with the app (a deployment actor, not detached)
+
+
+def _banks(app_name: str) -> list[str]:
+    """Named VoiceBank actors of `app_name` still alive (Serve's deployment actor of its DetokStage)."""
+    prefix, suffix = f"SERVE_DEPLOYMENT_ACTOR::{app_name}::DetokStage::", "::voice_bank"
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(prefix) and a["name"].endswith(suffix)]  # fmt: skip
 
 
 def register_grpc(target: str, app: str, audio: bytes, prompt_text: str = ""):
@@ -108,7 +114,8 @@ def test_a_registered_voice_conditions_the_detokenizer_over_the_transport(voices
     prompted = [run_stream(ep.grpc_target, ep.app_name, TEXT, voice=voice_c, sampling=GREEDY) for _ in range(2)]
     assert voice_c not in (voice_a, voice_b) and np.array_equal(pcm(prompted[0]), pcm(prompted[1]))
 
-    bank = ray.get_actor(bank_name(config), namespace=NAMESPACE)
+    assert len(_banks(ep.app_name)) == 1
+    bank = serve.get_deployment_handle("DetokStage", ep.app_name).voice_bank.remote().result(timeout_s=60)
     stats, sinks = ray.get(bank.stats.remote()), ray.get(bank.sink_stats.remote())
     served_a = {c.detok_replica for name in ("a1", "a2", "a3") for c in outcomes[name].chunks}
     assert stats["transport"] == config.voices.transport and stats["encoded"] == 3

@@ -43,7 +43,11 @@ class FakeBank:
 
 def registry(model: str = "cosyvoice2-tiny") -> tuple[VoiceRegistry, FakeBank]:
     bank = FakeBank()
-    return VoiceRegistry(check_model_config(ModelConfig(name=model)), VoicesConfig(), lambda: bank), bank
+
+    async def find_bank() -> FakeBank:  # (a detok handle call in the Router)
+        return bank
+
+    return VoiceRegistry(check_model_config(ModelConfig(name=model)), VoicesConfig(), find_bank), bank
 
 
 def test_a_good_registration_reaches_the_bank_with_the_decoded_clip():
