@@ -71,13 +71,15 @@ class KVCourier:
         pair = self._pair(nodes)
         try:
             transfer = pair.send(key, parcel_ref[0])
-        except RayError:  # an endpoint died (its node went away): the next delivery forms a new pair
+        except RayError:
             with self.lock:
                 self.num_failed += 1
-                if self.pairs.get(nodes) is pair:
-                    del self.pairs[nodes]
-            pair.close(PING_TIMEOUT_S)
-            raise
+            if not _is_alive(pair):  # an endpoint died (its node went away): the next delivery forms a new pair
+                with self.lock:
+                    if self.pairs.get(nodes) is pair:
+                        del self.pairs[nodes]
+                pair.close(PING_TIMEOUT_S)
+            raise  # (both alive: the parcel was lost with its sender; the pair stays)
         with self.lock:
             self.num_delivered += 1
             self.bytes_delivered += transfer.num_bytes
@@ -114,6 +116,14 @@ class KVCourier:
         sinks = [ray.get(pair.sink.stats.remote(), timeout=PING_TIMEOUT_S) for pair in pairs.values()]
         received = {key: sum(sink[key] for sink in sinks) for key in ("received", "bytes_received")}
         return counters | {"sinks": received}
+
+
+def _is_alive(pair: EndpointPair) -> bool:
+    try:
+        ray.get([pair.source.stats.remote(), pair.sink.stats.remote()], timeout=PING_TIMEOUT_S)
+        return True
+    except RayError:
+        return False
 
 
 KVCourierActor = ray.remote(KVCourier)  # (Serve's deployment actors take a Ray actor class)

@@ -88,3 +88,33 @@ def test_the_kv_courier_delivers_a_parcel_over_gloo_between_nodes_endpoints(loca
         assert stats["sinks"] == {"received": 2, "bytes_received": stats["bytes_delivered"]}
     finally:
         ray.kill(courier)
+
+
+@ray.remote(num_cpus=0)
+class _Sender:
+    """An LLM replica handing a stream off: it owns the parcel it puts."""
+
+    def parcel(self, named: dict) -> list:
+        self.ref = ray.put(named)
+        return [self.ref]
+
+
+def test_a_parcel_lost_with_its_sender_fails_its_delivery_and_keeps_the_pair(local_ray):
+    """The sender died before the receiver asked (its parcel died with it): that delivery fails (the
+    receiver then prefills), but the node pair is healthy and carries the next parcel as it was."""
+    from deployments.kv_courier import COURIER_CONCURRENCY, KVCourierActor
+
+    courier = KVCourierActor.options(max_concurrency=COURIER_CONCURRENCY).remote("gloo")
+    node = ray.get_runtime_context().get_node_id()
+    sender = _Sender.remote()
+    try:
+        lost = ray.get(sender.parcel.remote(kv_of(8)))
+        ray.kill(sender)
+        with pytest.raises(ray.exceptions.RayError):
+            ray.get(courier.deliver.remote(lost, "lost@a#1", node, node), timeout=120)
+        delivered = ray.get(courier.deliver.remote([ray.put(kv_of(8))], "kept@a#2", node, node), timeout=120)
+        assert delivered.num_bytes == num_bytes(kv_of(8))
+        stats = ray.get(courier.stats.remote())
+        assert (stats["failed"], stats["delivered"], stats["pairs_formed"]) == (1, 1, 1), stats
+    finally:
+        ray.kill(courier)
