@@ -159,6 +159,12 @@ class AdmissionConfig(_Strict):
         description="Share of the streams the replica's measured steps keep at real time that it admits; "
         "the rest is headroom for new streams' first chunks.",
     )
+    policy: Literal["predictive", "fixed_cap"] = Field(
+        "predictive",
+        description="predictive: admit while the predicted first audio meets the request's TTFA deadline and the "
+        "stages' measured pace keeps every stream at real time (under max_streams_per_replica); fixed_cap: count "
+        "streams against max_streams_per_replica only (the admission before it: for side-by-side benchmarks).",
+    )
     max_queued_per_replica: int = Field(8, ge=0, description="Requests waiting for a slot on one LLM replica.")
     default_ttfa_deadline_s: float = Field(5.0, gt=0, description="Deadline when the request names none.")
     retry_after_s: float = Field(1.0, gt=0, description="Hint sent with RESOURCE_EXHAUSTED / 429.")

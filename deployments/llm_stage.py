@@ -314,6 +314,7 @@ class LLMStage:
             detok_measured_chunks=detok.measured_chunks,
             detok_other_streams=max(0, detok.num_streams - num_streams),
             detok_first_chunk_s=detok.first_chunk_s,
+            predicts=admission.policy == "predictive",
         )
 
     def record_routing_stats(self) -> dict:

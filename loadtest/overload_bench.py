@@ -4,8 +4,10 @@ Starts `voxray serve` (`python -m cluster.cli serve`) on the CPU config, on loop
 own, and sends every request with the SLO as its TTFA deadline. Measures the capacity at SLO
 (the sweep's open loop), then Poisson arrivals at 2x and 3x that rate, then a burst of 3x the
 streams it admitted at once, sent within 1 s. Per phase: share admitted, admitted streams'
-viability and p90 TTFA, p99 reject latency. Writes JSON and a markdown table.
-Usage: python -m loadtest.overload_bench --out bench_out/overload
+viability and p90 TTFA, p99 reject latency. With `--fixed-cap-baseline`, a second server with
+`admission.policy: fixed_cap` (streams counted against the cap only) then runs the same capacity
+sweep, for capacity before / after in one run. Writes JSON and a markdown table.
+Usage: python -m loadtest.overload_bench --out bench_out/overload [--fixed-cap-baseline]
 """
 
 from __future__ import annotations
@@ -169,26 +171,48 @@ def serve_command(config_path: Path) -> list[str]:
     return [sys.executable, "-m", "cluster.cli", "serve", "--config", str(config_path)]
 
 
-def write_config(base: Path, out_dir: Path) -> Path:
+def write_config(base: Path, out_dir: Path, policy: str = "predictive") -> Path:
     """The CPU config on this benchmark's loopback ports, as a file for `voxray serve --config`."""
     config = loadtest_config(GRPC_PORT, HTTP_PORT, base)
+    admission = config.admission.model_copy(update={"policy": policy})
+    config = config.model_copy(update={"admission": admission})
     path = Path(tempfile.mkdtemp(dir=out_dir)) / "serve.yaml"
     path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_none=True)))
     return path
 
 
-def report(capacity_rps: float, sweep: list[dict], phases: list[PhaseResult], cfg: SweepConfig) -> str:
-    lines = [f"capacity at SLO (p90 TTFA <= {cfg.slo_ttfa_p90_s:g} s, >= {cfg.min_pct_viable:g}% viable): "
-             f"{capacity_rps:g} req/s", "",
-             "| phase | sent | admitted | admitted viable | admitted p90 TTFA | p99 reject latency | errors |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
-    for phase in [PhaseResult(**s) for s in sweep] + phases:
+def report(
+    capacity_rps: float, sweep: list[dict], phases: list[PhaseResult], cfg: SweepConfig, fixed: tuple | None = None
+) -> str:
+    """The markdown table; `fixed`: (capacity, sweep) of the fixed-cap admission, measured in the same run."""
+    slo = f"(p90 TTFA <= {cfg.slo_ttfa_p90_s:g} s, >= {cfg.min_pct_viable:g}% viable)"
+    lines = [f"capacity at SLO {slo}: {capacity_rps:g} req/s"]
+    fixed_rows: list[PhaseResult] = []
+    if fixed is not None:
+        lines.append(f"capacity at SLO with admission.policy fixed_cap, same sweep: {fixed[0]:g} req/s")
+        fixed_rows = [PhaseResult(**{**s, "label": f"fixed_cap {s['label']}"}) for s in fixed[1]]
+    lines += ["", "| phase | sent | admitted | admitted viable | admitted p90 TTFA | p99 reject latency | errors |",
+              "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for phase in [PhaseResult(**s) for s in sweep] + phases + fixed_rows:
         viable = "-" if phase.pct_admitted_viable is None else f"{phase.pct_admitted_viable:.0f}%"
         p90 = "-" if phase.admitted_ttfa_p90_s is None else f"{phase.admitted_ttfa_p90_s:.2f} s"
         reject = "-" if phase.reject_latency_p99_ms is None else f"{phase.reject_latency_p99_ms:.0f} ms"
         lines.append(f"| {phase.label} | {phase.num_sent} | {phase.pct_admitted:.0f}% | {viable} | {p90} | {reject} "
                      f"| {phase.errors or ''} |")  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+def with_server(config_path: Path, cfg: SweepConfig, out_dir: Path, measure):
+    """Start `voxray serve --config config_path`, run `measure(stub)` against it, stop it."""
+    system = System("voxray-overload", GRPC_PORT, serve_command(config_path), 300.0)
+    proc = start(system, out_dir)
+    try:
+        target = f"127.0.0.1:{GRPC_PORT}"
+        wait_ready(target, cfg.app_name, system.ready_timeout_s)
+        with grpc.insecure_channel(target) as channel:
+            return measure(voxray_pb2_grpc.SpeechStub(channel))
+    finally:
+        stop(proc)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -198,27 +222,30 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-requests", type=int, default=40, help="per sweep rate")
     p.add_argument("--config", type=Path, default=CPU_CONFIG)
     p.add_argument("--out", type=Path, default=Path("bench_out/overload"))
+    baseline = "then measure capacity at SLO again with admission.policy fixed_cap (a fresh server)"
+    p.add_argument("--fixed-cap-baseline", action="store_true", help=baseline)
     args = p.parse_args(argv)
     cfg = SweepConfig(rates_rps=tuple(args.rates), duration_s=args.duration_s, max_requests=args.max_requests)
     args.out.mkdir(parents=True, exist_ok=True)
-    system = System("voxray-overload", GRPC_PORT, serve_command(write_config(args.config, args.out)), 300.0)
-    proc = start(system, args.out)
-    try:
-        target = f"127.0.0.1:{GRPC_PORT}"
-        wait_ready(target, cfg.app_name, system.ready_timeout_s)
-        with grpc.insecure_channel(target) as channel:
-            stub = voxray_pb2_grpc.SpeechStub(channel)
-            capacity_rps, sweep = measure_capacity(stub, cfg)
-            base_rps = capacity_rps or min(cfg.rates_rps)  # nothing met the SLO: overload the lowest rate
-            phases = overload(stub, cfg, base_rps, args.duration_s)
-    finally:
-        stop(proc)
+
+    def measure_and_overload(stub) -> tuple[float, list[dict], float, list[PhaseResult]]:
+        capacity_rps, sweep = measure_capacity(stub, cfg)
+        base_rps = capacity_rps or min(cfg.rates_rps)  # nothing met the SLO: overload the lowest rate
+        return capacity_rps, sweep, base_rps, overload(stub, cfg, base_rps, args.duration_s)
+
+    capacity_rps, sweep, base_rps, phases = with_server(write_config(args.config, args.out), cfg, args.out,
+                                                        measure_and_overload)  # fmt: skip
+    fixed = None
+    if args.fixed_cap_baseline:
+        fixed_config = write_config(args.config, args.out, policy="fixed_cap")
+        fixed = with_server(fixed_config, cfg, args.out, lambda stub: measure_capacity(stub, cfg))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     result = {"config": asdict(cfg), "commit": commit, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "capacity_rps": capacity_rps, "overload_base_rps": base_rps, "sweep": sweep,
-              "phases": [asdict(phase) for phase in phases]}  # fmt: skip
+              "phases": [asdict(phase) for phase in phases],
+              "fixed_cap": None if fixed is None else {"capacity_rps": fixed[0], "sweep": fixed[1]}}  # fmt: skip
     (args.out / "overload_bench.json").write_text(json.dumps(result, indent=1) + "\n")
-    markdown = report(capacity_rps, sweep, phases, cfg)
+    markdown = report(capacity_rps, sweep, phases, cfg, fixed)
     (args.out / "overload_bench.md").write_text(markdown)
     print(markdown)
     return result

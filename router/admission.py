@@ -46,6 +46,7 @@ class ReplicaLoad:
     detok_measured_chunks: int = 0  # chunks in their largest measured decode steps (summed)
     detok_other_streams: int = 0  # streams other LLM replicas run through the detok stage
     detok_first_chunk_s: float = 0.0  # decode time of a new stream's first chunk
+    predicts: bool = True  # False: admission.policy fixed_cap (streams counted against max_streams only)
 
     def to_stats(self) -> dict:
         return asdict(self)
@@ -114,9 +115,9 @@ def decide(load: ReplicaLoad, deadline_s: float) -> Admission:
     first decode, a burst of load beside it) would otherwise reject everything for good."""
     if load.num_active == 0:
         return Admission.ADMIT
-    if predict_ttfa_s(load) > deadline_s:
+    if load.predicts and predict_ttfa_s(load) > deadline_s:
         return Admission.REJECT
-    limit = stream_limit(load)
+    limit = stream_limit(load) if load.predicts else load.max_streams
     if load.num_active < limit:
         return Admission.ADMIT
     return Admission.QUEUE if load.num_active - limit < load.max_queued else Admission.REJECT

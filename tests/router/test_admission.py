@@ -11,6 +11,19 @@ def load(num_active: int, real_time: float = 0.0, measured: int = 0, max_streams
                        measured_streams=measured)  # fmt: skip
 
 
+def test_fixed_cap_policy_counts_streams_only():
+    """admission.policy fixed_cap (the admission before prediction, for benchmarks): the measured
+    pace and the TTFA deadline are not asked; the cap, then the queue."""
+    from dataclasses import replace
+
+    slow = dict(real_time=2.0, measured=8)  # predictive: limit 1, and any wait misses a 0.01 s deadline
+    assert decide(load(3, **slow), 0.01) is Admission.REJECT
+    fixed = replace(load(3, **slow, max_streams=4), predicts=False)
+    assert decide(fixed, 0.01) is Admission.ADMIT
+    assert decide(replace(fixed, num_active=5), 0.01) is Admission.QUEUE  # 4 running + 1 of 2 queued
+    assert decide(replace(fixed, num_active=6), 0.01) is Admission.REJECT
+
+
 def test_unmeasured_replica_admits_up_to_its_kv_cap():
     assert stream_limit(load(0)) == 16
     assert decide(load(15), 1.0) is Admission.ADMIT
