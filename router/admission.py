@@ -82,7 +82,9 @@ def stream_limit(load: ReplicaLoad) -> int:
     its largest measured batch while that batch keeps real time with the margin to spare (a probe:
     its step is measured next, so the limit grows as larger batches are measured), else the margin
     under what that batch keeps at real time (it shrinks when steps slow down); and the same margin
-    under what the detok stage keeps at real time."""
+    under what the detok stage keeps at real time. (`admission.policy: fixed_cap`: the KV cap only.)"""
+    if not load.predicts:
+        return load.max_streams
     paced = load.max_streams
     if load.real_time_streams > 0:
         paced = _paced(load.real_time_margin, load.real_time_streams, load.measured_streams)
@@ -117,7 +119,7 @@ def decide(load: ReplicaLoad, deadline_s: float) -> Admission:
         return Admission.ADMIT
     if load.predicts and predict_ttfa_s(load) > deadline_s:
         return Admission.REJECT
-    limit = stream_limit(load) if load.predicts else load.max_streams
+    limit = stream_limit(load)
     if load.num_active < limit:
         return Admission.ADMIT
     return Admission.QUEUE if load.num_active - limit < load.max_queued else Admission.REJECT

@@ -35,7 +35,7 @@ from core.messages import (
     TextPiece,
 )
 from llm_stage.registry import get_entry
-from router.admission import admits_anywhere, stream_limit
+from router.admission import admits_anywhere, predict_ttfa_s, stream_limit
 from router.audio_fetch import StepAudio
 from router.deadlines import best_predicted_ttfa_s, client_deadline_s, fit_to_client_deadline
 from router.dispatch import estimated_loads, num_live_replicas, pass_over
@@ -168,6 +168,10 @@ class RouterCore:
         capacity = sum(stream_limit(load) + load.max_queued for load in loads)
         if self.open_streams >= capacity or not admits_anywhere(loads, job.ttfa_deadline_s):
             self.metrics.rejections.inc()
+            predicted = [round(predict_ttfa_s(load), 2) for load in loads]  # (why: for tuning the prediction)
+            logger.debug("admission: %s rejected: %d open of %d; predicted TTFA %s s vs deadline %.2f s; limits %s",
+                         job.req_id, self.open_streams, capacity, predicted, job.ttfa_deadline_s,
+                         [stream_limit(load) for load in loads])  # fmt: skip
             raise AdmissionRejected(self.config.admission.retry_after_s)
 
     def check_alive(self) -> None:

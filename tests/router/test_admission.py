@@ -22,6 +22,7 @@ def test_fixed_cap_policy_counts_streams_only():
     assert decide(fixed, 0.01) is Admission.ADMIT
     assert decide(replace(fixed, num_active=5), 0.01) is Admission.QUEUE  # 4 running + 1 of 2 queued
     assert decide(replace(fixed, num_active=6), 0.01) is Admission.REJECT
+    assert stream_limit(fixed) == 4  # the Router's own capacity check counts the same cap
 
 
 def test_unmeasured_replica_admits_up_to_its_kv_cap():
