@@ -6,14 +6,13 @@ object store as a `KVParcel` and keeps them a while. A receiver on the same node
 there (shared memory: any copy is slower, BENCHMARKS.md); one on another node asks the courier to
 deliver the parcel to its own node (`migration.kv_transport: gloo` sends every move that way).
 The courier, a Serve deployment actor of the LLM stage (made and stopped with the stage,
-recreated by Serve if it dies), keeps an `EndpointPair` per (sender
-node, receiver node): the source endpoint reads the parcel on the sender's node, RDT moves it
-point to point over gloo to the sink endpoint on the receiver's node, and the receiver reads it
-there. RDT needs the process that formed a group to submit its transfers, so the courier is a
-synchronous threaded actor. With `migration.kv_transport: object_store`, without a courier (a
-stage that never runs two replicas), or when a delivery fails, the receiver reads the parcel
-from the object store too (Ray pulls it across nodes): a move never prefills for the
-transport's sake.
+recreated by Serve if it dies), keeps an `EndpointPair` per (sender node, receiver node): the
+source endpoint reads the parcel on the sender's node, RDT moves it point to point over gloo to
+the sink endpoint on the receiver's node, and the receiver reads it there. RDT needs the process
+that formed a group to submit its transfers, so the courier is a synchronous threaded actor.
+With `migration.kv_transport: object_store`, without a courier (a stage that never runs two
+replicas), or when a delivery fails, the receiver reads the parcel from the object store too
+(Ray pulls it across nodes): a move never prefills for the transport's sake.
 """
 
 from __future__ import annotations
@@ -133,9 +132,14 @@ def may_run_several(stage: StageDeploymentConfig) -> bool:
     return stage.max_replicas > 1 if stage.autoscaling else stage.num_replicas > 1
 
 
+def has_courier(config: ServeConfig) -> bool:
+    """Whether the LLM stage runs a KV courier: KV may move over gloo, between replicas it may run."""
+    return config.migration.kv_transport != TransportKind.OBJECT_STORE.value and may_run_several(config.llm)
+
+
 def courier_actors(config: ServeConfig) -> list:
-    """The LLM stage's deployment actors: the KV courier where KV may move over gloo between replicas."""
-    if config.migration.kv_transport == TransportKind.OBJECT_STORE.value or not may_run_several(config.llm):
+    """The LLM stage's deployment actors: the KV courier where it has one (`has_courier`)."""
+    if not has_courier(config):
         return []
     from ray.serve.config import DeploymentActorConfig
 
@@ -152,7 +156,7 @@ class KVMoves:
     from the object store), and what came which way."""
 
     def __init__(self, config: ServeConfig, replica: str) -> None:
-        self.use_courier = bool(courier_actors(config))
+        self.use_courier = has_courier(config)
         self.courier_within_node = config.migration.kv_transport == TransportKind.GLOO.value  # (auto: between nodes)
         self.app_name = config.app_name
         self.timeout_s = config.migration.delivery_timeout_s

@@ -158,11 +158,10 @@ class VoiceBank:
 
     def register(self, wave: torch.Tensor, sample_rate_hz: int, prompt_text: str) -> Registered | Refused:
         """Encode a checked clip (once: the same clip gives the same id, encoded the first time only)."""
-        no_encoders = check_voice_encoders(self.config)
-        if no_encoders is not None:
-            model = self.config.engine.model.name
-            return Refused("model", f"{model} takes no zero-shot voices on this server (no encoders: {no_encoders})")
         model = self.config.engine.model.name
+        no_encoders = check_voice_encoders(self.config)  # (a file lookup: registrations are rare)
+        if no_encoders is not None:
+            return Refused("model", f"{model} takes no zero-shot voices on this server (no encoders: {no_encoders})")
         voice_id = voice_id_for(model, wave.numpy().tobytes(), sample_rate_hz, prompt_text)
         duration_s = wave.numel() / sample_rate_hz
         with self.encoder_lock:

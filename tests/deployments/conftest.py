@@ -24,6 +24,16 @@ HTTP_PORT = 18000 + _OFFSET
 METRICS_PORT = 18080 + _OFFSET
 
 
+def deployment_actor_names(app_name: str, deployment: str, name: str) -> list[str]:
+    """Live named actors of Serve's deployment actor `name` of `deployment` in `app_name` (Serve names
+    them by app, deployment, code version and name)."""
+    import ray
+
+    prefix, suffix = f"SERVE_DEPLOYMENT_ACTOR::{app_name}::{deployment}::", f"::{name}"
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(prefix) and a["name"].endswith(suffix)]  # fmt: skip
+
+
 def small_config(**overrides) -> ServeConfig:
     app_name = overrides.get("app_name", "voxray")
     base = ServeConfig(app_name=app_name, grpc_port=GRPC_PORT + APP_GRPC_PORTS[app_name], http_port=HTTP_PORT)

@@ -15,7 +15,7 @@ import ray
 from ray import serve
 
 from core.config import AdmissionConfig, MigrationConfig, StageDeploymentConfig
-from tests.deployments.conftest import small_config
+from tests.deployments.conftest import deployment_actor_names, small_config
 from tests.deployments.grpc_helpers import StreamOutcome, run_stream
 from tests.deployments.test_cluster import in_process_audio
 
@@ -47,14 +47,11 @@ def _replica_actor(app_name: str, tag: str):
 
 
 def _kv_courier(app_name: str):
-    """The LLM stage's KV courier (a Serve deployment actor: named by app, deployment, code version)."""
-    prefix, suffix = f"SERVE_DEPLOYMENT_ACTOR::{app_name}::LLMStage::", "::kv_courier"
-    [actor] = [
-        ray.get_actor(actor["name"], namespace=actor["namespace"])
-        for actor in ray.util.list_named_actors(all_namespaces=True)
-        if actor["name"].startswith(prefix) and actor["name"].endswith(suffix)
-    ]
-    return actor
+    """The LLM stage's KV courier (a Serve deployment actor)."""
+    from ray.serve._private.constants import SERVE_NAMESPACE
+
+    [name] = deployment_actor_names(app_name, "LLMStage", "kv_courier")
+    return ray.get_actor(name, namespace=SERVE_NAMESPACE)
 
 
 def _detok_replicas(app_name: str) -> list:

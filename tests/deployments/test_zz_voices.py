@@ -20,7 +20,7 @@ from ray import serve
 from cluster.server import deploy_app
 from core.config import AdmissionConfig, EngineConfig, ModelConfig, StageDeploymentConfig, VoicesConfig
 from protos import voxray_pb2, voxray_pb2_grpc
-from tests.deployments.conftest import small_config
+from tests.deployments.conftest import deployment_actor_names, small_config
 from tests.deployments.grpc_helpers import run_stream
 from tests.detok_stage.test_voice_clip import wav_bytes
 
@@ -54,9 +54,7 @@ def voices_app(cluster):
 
 def _banks(app_name: str) -> list[str]:
     """Named VoiceBank actors of `app_name` still alive (Serve's deployment actor of its DetokStage)."""
-    prefix, suffix = f"SERVE_DEPLOYMENT_ACTOR::{app_name}::DetokStage::", "::voice_bank"
-    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["name"].startswith(prefix) and a["name"].endswith(suffix)]  # fmt: skip
+    return deployment_actor_names(app_name, "DetokStage", "voice_bank")
 
 
 def register_grpc(target: str, app: str, audio: bytes, prompt_text: str = ""):
