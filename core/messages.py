@@ -118,6 +118,9 @@ class ResumeState:
     frames_shipped: int
     kv: KVParcel | None = None  # a moved stream's KV rows; None = prefill
     detok_replica: str = ""  # where a stateful detokenizer keeps its decoder state ("": unknown / stateless)
+    # a streamed-text stream's later text, as the Router sent it (the first piece is `Job.text`):
+    # replayed in order into the new request's feed, so its positions read the same text ids
+    text_pieces: tuple[TextPiece, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import enum
 import math
+import statistics
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -39,6 +40,9 @@ MIN_URGENT_SLACK_S = 0.03  # a stream with less slack is urgent even with no sta
 MAX_URGENT_SLACK_S = 0.3  # and one with more never is: the fixed threshold this horizon replaced
 STARTUP_COVER = 4.0  # urgency horizon / time the queued startups' first chunks hold the batch
 CAPACITY_MARGIN = 0.9  # share of the estimated sustainable streams startups may fill: steps jitter
+MIN_STEP_SAMPLES = 3  # steps at a batch size before it counts as measured: one slow step is noise
+STEP_SAMPLES_KEPT = 9  # recent steps per batch size whose median is that size's step time
+STEP_FRESH_S = 15.0  # a batch size not stepped this long stops counting while others are measured
 
 
 class StreamRow(Protocol):
@@ -93,6 +97,35 @@ def _ema(last: float | None, value: float) -> float:
 
 
 @dataclass
+class StepSamples:
+    """Recent step times per batch size. A size's step is the median of its last
+    STEP_SAMPLES_KEPT steps, and a size counts as measured only after MIN_STEP_SAMPLES: a single
+    slow step (a garbage collection, a neighbour's burst on a shared CPU) taken as a batch's speed
+    held a replica at one stream. And only sizes stepped within STEP_FRESH_S count while any
+    did: a batch measured slow in a passing burst is never run again once the limit drops under
+    it, so its old figure held the limit down for good (all sizes count when none is fresh: an
+    idle replica keeps what it last knew)."""
+
+    clock: Callable[[], float] = time.monotonic
+    _recent: dict[int, deque] = field(default_factory=dict)
+    _median: dict[int, float] = field(default_factory=dict)  # sizes measured, kept current at each record
+    _last_s: dict[int, float] = field(default_factory=dict)  # when each size last stepped
+
+    def record(self, size: int, elapsed_s: float) -> None:
+        recent = self._recent.setdefault(size, deque(maxlen=STEP_SAMPLES_KEPT))
+        recent.append(elapsed_s)
+        self._last_s[size] = self.clock()
+        if len(recent) >= MIN_STEP_SAMPLES:
+            self._median[size] = statistics.median(recent)
+
+    def measured(self) -> dict[int, float]:
+        """{batch size: its step time} for the sizes measured (a copy): the fresh ones if any."""
+        since_s = self.clock() - STEP_FRESH_S
+        fresh = {size: step_s for size, step_s in self._median.items() if self._last_s[size] >= since_s}
+        return fresh or dict(self._median)
+
+
+@dataclass
 class StepTimer:
     """What the policy knows of the engine's pace: EMAs of the step (overall and per batch size)
     and of one detokenizer chunk, and the audio one frame plays (learned from shipped chunks)."""
@@ -101,14 +134,19 @@ class StepTimer:
     detok_s: float = 0.05
     tokens_per_frame: int = 1
     frame_s: float | None = None  # audio seconds per frame; None until a chunk with frames is shipped
-    step_s_by_rows: dict[int, float] = field(default_factory=dict)
+    steps_by_rows: StepSamples = field(default_factory=StepSamples)
     _seen: bool = False
 
     def record_step(self, elapsed_s: float, rows: int = 0) -> None:
         self.step_s = _ema(self.step_s if self._seen else None, elapsed_s)
         self._seen = True
         if rows > 0:
-            self.step_s_by_rows[rows] = _ema(self.step_s_by_rows.get(rows), elapsed_s)
+            self.steps_by_rows.record(rows, elapsed_s)
+
+    @property
+    def step_s_by_rows(self) -> dict[int, float]:
+        """Decode-only step time per batch size measured (`StepSamples`)."""
+        return self.steps_by_rows.measured()
 
     def record_detok(self, elapsed_s: float) -> None:
         self.detok_s = _ema(self.detok_s, elapsed_s)
@@ -121,19 +159,21 @@ class StepTimer:
         """Rows the largest decode batch measured so far keeps at real time: that batch's rows x
         their speed (None until a decode-only step and a frame's duration are known). Unlike
         `sustainable_streams` it never assumes a larger batch steps as fast as a measured one."""
-        if self.frame_s is None or not self.step_s_by_rows:
+        step_s_by_rows = self.step_s_by_rows
+        if self.frame_s is None or not step_s_by_rows:
             return None
-        rows = max(self.step_s_by_rows)
-        return rows * self.frame_s / (self.tokens_per_frame * self.step_s_by_rows[rows])
+        rows = max(step_s_by_rows)
+        return rows * self.frame_s / (self.tokens_per_frame * step_s_by_rows[rows])
 
     def sustainable_streams(self, max_rows: int) -> float | None:
         """Rows (single-row streams) a full batch keeps at real time: rows x per-row speed at the
         largest decode batch measured up to `max_rows` (None until a decode-only step and a
         frame's duration are known)."""
-        sizes = [rows for rows in self.step_s_by_rows if rows <= max_rows]
+        step_s_by_rows = self.step_s_by_rows
+        sizes = [rows for rows in step_s_by_rows if rows <= max_rows]
         if self.frame_s is None or not sizes:
             return None
-        step_s = self.step_s_by_rows[max(sizes)]
+        step_s = step_s_by_rows[max(sizes)]
         return max_rows * self.frame_s / (self.tokens_per_frame * step_s)
 
 

@@ -311,7 +311,6 @@ class LLMStage:
             reported_unix_s=time.time(),
             next_step_s=step_s_at(timer.step_s_by_rows, (num_streams + 1) * rows_per_stream) or 0.0,
             detok_real_time_streams=detok.real_time_streams,
-            detok_measured_chunks=detok.measured_chunks,
             detok_other_streams=max(0, detok.num_streams - num_streams),
             detok_first_chunk_s=detok.first_chunk_s,
             predicts=admission.policy == "predictive",
@@ -404,8 +403,10 @@ class LLMStage:
 
     async def push_text(self, piece: TextPiece) -> bool | Invalid:
         """More text for a streaming-text job running here: True when taken, False when the stream is
-        not here any more (finished or cancelled), Invalid when the text cannot be taken."""
-        if piece.req_id not in self.streams:
+        not here any more (finished or cancelled), or the piece was sent to another replica (one lost
+        with the stream, which resumed here with that piece replayed), Invalid when the text cannot
+        be taken."""
+        if piece.req_id not in self.streams or piece.llm_replica != self.replica_tag:
             return False
         try:
             return await finish_on_thread(self._push_text, piece)

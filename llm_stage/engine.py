@@ -104,10 +104,14 @@ class LLMEngine:
         """A native text-streaming job: its prompt reads the first piece, later positions the feed."""
         if job.sampling.guidance_scale is not None:
             raise InvalidArgumentError("sampling.guidance_scale", "is not supported with streamed text")
-        if job.resume is not None:
-            raise InvalidArgumentError("text_streaming", "a streamed-text request cannot be resumed")
+        if job.resume is not None and not self.adapter.resumes_streamed_text:
+            raise InvalidArgumentError(
+                "text_streaming", f"{self.adapter.family} streamed-text requests cannot be resumed"
+            )
         prompt, feed = self.adapter.streaming_prompt(job)
-        req = self.add_prompt(job.req_id, prompt, job.sampling, text_feed=feed)
+        for piece in job.resume.text_pieces if job.resume is not None else ():
+            self._feed(feed, piece.text, piece.flush, piece.end)  # the text the lost replica had got
+        req = self.add_prompt(job.req_id, prompt, job.sampling, resume=job.resume, text_feed=feed)
         self.adapter.text_arrived(req)
         return req
 
@@ -117,9 +121,14 @@ class LLMEngine:
         req = self.requests.get(req_id)
         if req is None or req.is_done:
             return False
-        feed = req.text_feed
-        if feed is None:
+        if req.text_feed is None:
             raise InvalidArgumentError("text", f"request {req_id!r} does not stream its text")
+        self._feed(req.text_feed, text, flush, end)
+        self.adapter.text_arrived(req)
+        self.scheduler.positions_laid_out(req)
+        return True
+
+    def _feed(self, feed: TextFeed, text: str, flush: bool, end: bool) -> None:
         if feed.is_ended and (text or not end):
             raise InvalidArgumentError("text", "the request's text has already ended")
         if feed.num_chars + len(text) > self.adapter.max_text_chars:
@@ -130,9 +139,6 @@ class LLMEngine:
             feed.end()
         elif flush:
             feed.flush()
-        self.adapter.text_arrived(req)
-        self.scheduler.positions_laid_out(req)
-        return True
 
     def add_prompt(
         self,

@@ -43,7 +43,6 @@ class ReplicaLoad:
     next_step_s: float = 0.0  # its step measured at the batch one more stream makes; 0 = use step_s
     # the detok stage as this replica last saw it (router.detok_load.DetokSummary); 0 = not measured
     detok_real_time_streams: float = 0.0  # streams all detok replicas keep at real time
-    detok_measured_chunks: int = 0  # chunks in their largest measured decode steps (summed)
     detok_other_streams: int = 0  # streams other LLM replicas run through the detok stage
     detok_first_chunk_s: float = 0.0  # decode time of a new stream's first chunk
     predicts: bool = True  # False: admission.policy fixed_cap (streams counted against max_streams only)
@@ -68,13 +67,15 @@ def _paced(margin: float, real_time: float, measured: int) -> int:
 
 
 def detok_stream_limit(load: ReplicaLoad) -> int | None:
-    """Streams this replica may run through the detok stage: paced like the LLM's own limit (a
-    stream adds a chunk to the stage's batches), less what the other LLM replicas run there
-    (None: not measured). A CFG twin sends no chunks, so the detok stage counts streams, not rows."""
+    """Streams this replica may run through the detok stage: the margin under what the stage keeps
+    at real time, less what the other LLM replicas run there (None: not measured). That figure
+    comes from the stage's decode cost per audio second with its batches as they met, which more
+    streams only lower, so it needs no probe (a probe by chunks per decode step held the stage
+    near its largest batch of chunks: streams' chunks seldom meet in one step). A CFG twin sends
+    no chunks, so the detok stage counts streams, not rows."""
     if load.detok_real_time_streams <= 0:
         return None
-    paced = _paced(load.real_time_margin, load.detok_real_time_streams, load.detok_measured_chunks)
-    return paced - load.detok_other_streams
+    return math.floor(load.real_time_margin * load.detok_real_time_streams) - load.detok_other_streams
 
 
 def stream_limit(load: ReplicaLoad) -> int:

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
+from core.policy import MIN_STEP_SAMPLES, StepSamples
+
 STREAM_WINDOW_S = 2.0  # a stream counts as running at the detok stage while it sent a chunk this recently
-
-
-def _ema(last: float | None, value: float) -> float:
-    return value if last is None else 0.9 * last + 0.1 * value
+COST_WINDOW_S = 10.0  # decode steps the cost per audio second is measured over
 
 
 def step_s_at(step_s_by_size: dict[int, float], size: int) -> float | None:
@@ -36,8 +36,8 @@ def step_s_at(step_s_by_size: dict[int, float], size: int) -> float | None:
 class DetokLoad:
     """What one detok replica publishes through Serve's routing stats."""
 
-    step_s_by_chunks: dict[int, float]  # EMA of one decode step, per number of chunks it decoded
-    chunk_audio_s: float  # EMA of the audio one chunk carries; 0 = none decoded yet
+    step_s_by_chunks: dict[int, float]  # one decode step, per number of chunks it decoded (measured sizes)
+    busy_s_per_audio_s: float  # decode time per second of audio over the recent window; 0 = not measured
     num_queued_chunks: int  # chunks submitted and not decoded yet
     num_streams: int  # streams that sent a chunk within STREAM_WINDOW_S and have not ended
     reported_unix_s: float = 0.0
@@ -54,13 +54,10 @@ class DetokLoad:
         return load if isinstance(load.step_s_by_chunks, dict) else None
 
     def real_time_streams(self) -> float:
-        """Streams this replica keeps at real time at its largest measured batch: each stream
-        needs one chunk per `chunk_audio_s`, a step decodes that batch in its measured time
-        (0 = not measured yet). Like the LLM's figure it never assumes a larger batch."""
-        if not self.step_s_by_chunks or self.chunk_audio_s <= 0:
-            return 0.0
-        chunks = max(self.step_s_by_chunks)
-        return chunks * self.chunk_audio_s / self.step_s_by_chunks[chunks]
+        """Streams this replica keeps at real time: one second of audio per second each, at the
+        decode cost per audio second measured over its recent steps, batched as they really were
+        (0 = not measured yet). More streams only fill its batches better, so this errs low."""
+        return 1.0 / self.busy_s_per_audio_s if self.busy_s_per_audio_s > 0 else 0.0
 
     def first_chunk_s(self) -> float:
         """Time until one more chunk sent now is decoded: the steps for the chunks queued ahead of
@@ -79,7 +76,6 @@ class DetokSummary:
 
     real_time_streams: float = 0.0  # streams the stage keeps at real time (sum over replicas); 0 = unknown
     num_streams: int = 0  # streams running through it (the largest count one replica saw)
-    measured_chunks: int = 0  # chunks in the replicas' largest measured steps (summed)
     first_chunk_s: float = 0.0  # decode time of a new stream's first chunk on the best replica
 
 
@@ -93,19 +89,20 @@ def summarize_detok(loads: list[DetokLoad]) -> DetokSummary:
     return DetokSummary(
         real_time_streams=sum(load.real_time_streams() for load in measured),
         num_streams=max(load.num_streams for load in loads),
-        measured_chunks=sum(max(load.step_s_by_chunks) for load in measured),
         first_chunk_s=min(load.first_chunk_s() for load in measured),
     )
 
 
 @dataclass
 class DetokPace:
-    """A detok replica's measurements: its decode steps by batch, the audio per chunk, and which
-    streams sent chunks lately. The replica's engine thread records; `load` reads."""
+    """A detok replica's measurements: its decode steps by batch, its decode time per second of
+    audio over the last COST_WINDOW_S, and which streams sent chunks lately. The replica's engine
+    thread records; `load` reads."""
 
     clock: Callable[[], float] = time.monotonic
-    step_s_by_chunks: dict[int, float] = field(default_factory=dict)
-    chunk_audio_s: float | None = None
+    steps_by_chunks: StepSamples = field(default_factory=StepSamples)
+    _recent: deque = field(default_factory=deque)  # (when, decode s, audio s) of the steps in the window
+    _busy_s_per_audio_s: float = 0.0  # the last figure measured (kept while the stage idles)
     _last_seen_s: dict[str, float] = field(default_factory=dict)  # req_id -> when its last chunk was decoded
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _warm: bool = False
@@ -120,13 +117,22 @@ class DetokPace:
         if not self._warm:  # the first decode builds the codec's buffers: seconds on a busy CPU, not a step
             self._warm = True
             return
-        size = len(audio_s)
         now_s = self.clock()
         with self._lock:
-            self.step_s_by_chunks[size] = _ema(self.step_s_by_chunks.get(size), elapsed_s)
-            self.chunk_audio_s = _ema(self.chunk_audio_s, sum(audio_s) / size)
+            self.steps_by_chunks.record(len(audio_s), elapsed_s)
+            self._recent.append((now_s, elapsed_s, sum(audio_s)))
+            self._measure_cost(now_s)
             self._last_seen_s.update((req_id, now_s) for req_id in req_ids)
         self.forget(finished_ids)
+
+    def _measure_cost(self, now_s: float) -> None:
+        """Decode seconds per audio second over the steps of the last COST_WINDOW_S (once it holds
+        MIN_STEP_SAMPLES steps): the batches as the streams' chunks really met, not the largest."""
+        while self._recent and self._recent[0][0] < now_s - COST_WINDOW_S:
+            self._recent.popleft()
+        audio_s = sum(audio for _, _, audio in self._recent)
+        if len(self._recent) >= MIN_STEP_SAMPLES and audio_s > 0:
+            self._busy_s_per_audio_s = sum(busy for _, busy, _ in self._recent) / audio_s
 
     def forget(self, req_ids) -> None:
         """Streams that ended here (final chunk decoded, or cancelled): no longer counted as running."""
@@ -142,10 +148,10 @@ class DetokPace:
 
     def load(self, num_queued_chunks: int) -> DetokLoad:
         with self._lock:
-            step_s_by_chunks = dict(self.step_s_by_chunks)
+            step_s_by_chunks, busy_s_per_audio_s = self.steps_by_chunks.measured(), self._busy_s_per_audio_s
         return DetokLoad(
             step_s_by_chunks=step_s_by_chunks,
-            chunk_audio_s=self.chunk_audio_s or 0.0,
+            busy_s_per_audio_s=busy_s_per_audio_s,
             num_queued_chunks=num_queued_chunks,
             num_streams=self.num_streams(),
             reported_unix_s=time.time(),

@@ -29,8 +29,45 @@ from router.playback import TextPacedPlayback
 
 WATCH_S = 0.1  # how often the idle timeout and the drain are looked at
 
-# (the streaming-text job, a future set to the LLM replica's tag at its head) -> its audio
-TextStreamRunner = Callable[[Job, asyncio.Future], AsyncIterator[SegmentAudio]]
+
+class TextRoute:
+    """Where a streaming-text request's pieces go, and every piece sent so far: the LLM replica
+    running it (its head event names it), or none while the request resumes on another replica
+    after losing its own (`lose`: the pieces sent until then are replayed into the new replica's
+    feed; later ones wait for its head and go there). Every piece is logged before it is sent,
+    so a piece in flight to a lost replica is replayed, never dropped; that replica's tag on it
+    keeps any other from taking it twice."""
+
+    def __init__(self) -> None:
+        self.replica: str | None = None
+        self.sent: list[TextPiece] = []
+        self._known = asyncio.Event()
+
+    def point_at(self, replica: str) -> None:
+        self.replica = replica
+        self._known.set()
+
+    def lose(self) -> tuple[TextPiece, ...]:
+        """The replica is lost: the pieces to replay; later ones wait for the next `point_at`."""
+        self.replica = None
+        self._known.clear()
+        return tuple(self.sent)
+
+    async def piece(self, req_id: str, text: str, flush: bool, end: bool) -> TextPiece:
+        """The next piece, addressed to the replica running the request (once one is), and logged."""
+        await self._known.wait()
+        piece = TextPiece(req_id, self.replica, text, flush, end)  # type: ignore[arg-type]
+        self.sent.append(piece)
+        return piece
+
+    async def moved_on_from(self, replica: str) -> None:
+        """Wait until the request runs on another replica than `replica`."""
+        while self.replica == replica or self.replica is None:
+            await asyncio.sleep(WATCH_S)
+
+
+# (the streaming-text job, its route: the runner points it at the LLM replica running it) -> its audio
+TextStreamRunner = Callable[[Job, TextRoute], AsyncIterator[SegmentAudio]]
 TextSender = Callable[[TextPiece], Awaitable[bool | Invalid]]
 
 
@@ -124,9 +161,9 @@ class NativeTextSession:
             self.template, req_id=req_id, text=text, segment_index=index, text_streaming=True,
             buffered_audio_s=buffered_s,
         )  # fmt: skip
-        replica: asyncio.Future = asyncio.get_running_loop().create_future()
-        sender = asyncio.ensure_future(self._send_loop(job.req_id, replica))
-        parts = self.run_stream(job, replica)
+        route = TextRoute()
+        sender = asyncio.ensure_future(self._send_loop(job.req_id, route))
+        parts = self.run_stream(job, route)
         is_first = True
         try:
             while True:
@@ -179,10 +216,11 @@ class NativeTextSession:
             return playback.start_s
         return playback.period_start_s + playback.period_audio_s
 
-    async def _send_loop(self, req_id: str, replica: asyncio.Future) -> None:
+    async def _send_loop(self, req_id: str, route: TextRoute) -> None:
         """Send the pieces in order, one call at a time (what queues meanwhile goes as one piece),
-        to the replica the stream's head named; ends after sending the end or when the stream is gone."""
-        tag = await replica
+        to the replica running the request; ends after sending the end. A replica that no longer
+        has the request either finished it (then the stream ends and cancels this) or was lost
+        (then the request resumes elsewhere with this piece replayed: sending goes on there)."""
         while True:
             await self.has_input.wait()
             self.has_input.clear()
@@ -191,8 +229,11 @@ class NativeTextSession:
             self.is_flush_due = False
             if not (text or flush or end):
                 continue
-            taken = await self.send_text(TextPiece(req_id, tag, text, flush, end))
+            piece = await route.piece(req_id, text, flush, end)
+            taken = await self.send_text(piece)
             if isinstance(taken, Invalid):
                 raise InvalidArgumentError(taken.field, taken.message)
-            if end or not taken:
+            if end:
                 return
+            if not taken:
+                await route.moved_on_from(piece.llm_replica)

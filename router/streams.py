@@ -45,7 +45,7 @@ from router.jobs import (
     job_from_fields,
 )
 from router.metrics import RouterMetrics
-from router.native_session import NativeTextSession
+from router.native_session import NativeTextSession, TextRoute
 from router.playback import PlaybackTracker, TextPacedPlayback
 from router.rebalance import Rebalancer
 from router.resume import StreamProgress
@@ -228,19 +228,33 @@ class RouterCore:
         async for sent in self._dispatch(job, record=False):
             yield SegmentAudio(sent.audio, sent.frames)
 
-    async def text_stream_audio(self, job: Job, replica: asyncio.Future) -> AsyncIterator[SegmentAudio]:
-        """A streaming-text request's audio; `replica` gets the tag of the LLM replica running it (where
-        `send_text` sends its pieces). Not resumed on another replica: its text went to this one."""
+    async def text_stream_audio(self, job: Job, route: TextRoute) -> AsyncIterator[SegmentAudio]:
+        """A streaming-text request's audio; `route` points at the LLM replica running it (where its
+        pieces go). When that replica dies mid-stream, the request resumes on another from the last
+        checkpoint, with the text it was sent replayed (families whose positions read text by index)."""
         tracker, progress = PlaybackTracker(time.monotonic()), StreamProgress()
-        try:
-            async for sent in self._relay(job, tracker, progress, replica.set_result, record=False):
-                yield SegmentAudio(sent.audio, sent.frames)
-        finally:
-            if not replica.done():
-                replica.cancel()
+        resume: ResumeState | None = None
+        num_lost = 0
+        while True:
+            try:  # a resumed request starts like a new stream: its client may have run dry meanwhile
+                resumed = dataclasses.replace(job, resume=resume, buffered_audio_s=None) if resume else job
+                async for sent in self._relay(resumed, tracker, progress, route.point_at, record=False):
+                    yield SegmentAudio(sent.audio, sent.frames)
+                return
+            except (RayActorError, ActorUnavailableError) as err:
+                if not self.entry.family.lm.resumes_streamed_text:
+                    raise
+                pieces = route.lose()  # later pieces wait for the replica that resumes it
+                await self._back_off_to_resume(job.req_id, err, progress, num_lost)
+                num_lost += 1
+                resume = dataclasses.replace(progress.resume_state(), text_pieces=pieces)
 
     async def send_text(self, piece: TextPiece) -> bool | Invalid:
-        return await self.llm_text.push_text.remote(piece)
+        """False when the piece's replica does not have its stream (any more), or is lost."""
+        try:
+            return await self.llm_text.push_text.remote(piece)
+        except (RayActorError, ActorUnavailableError):
+            return False
 
     def _record_session(self, playback: TextPacedPlayback) -> None:
         for underrun_s in playback.underruns_s:
@@ -270,14 +284,19 @@ class RouterCore:
                 self._pass_over(moved.moved)
                 self.metrics.moves.inc()
             except (RayActorError, ActorUnavailableError) as err:
-                if num_lost >= len(RESUME_BACKOFF_S) or not progress.is_resumable:
-                    raise
-                await asyncio.sleep(RESUME_BACKOFF_S[num_lost])
+                await self._back_off_to_resume(job.req_id, err, progress, num_lost)
                 num_lost += 1
                 handoff = None  # its KV died with the replica: prefill again from the checkpoints
-                self.metrics.resumes.inc()
-                lost = type(err).__name__
-                logger.warning("%s: LLM replica lost (%s); resuming at chunk %d", job.req_id, lost, progress.next_seq)
+
+    async def _back_off_to_resume(self, req_id: str, err: Exception, progress: StreamProgress, num_lost: int) -> None:
+        """Wait before resuming a stream whose LLM replica was lost (`num_lost` times so far); raises
+        `err` again when it may not resume (lost too often, or a checkpoint was missed)."""
+        if num_lost >= len(RESUME_BACKOFF_S) or not progress.is_resumable:
+            raise err
+        await asyncio.sleep(RESUME_BACKOFF_S[num_lost])
+        self.metrics.resumes.inc()
+        lost = type(err).__name__
+        logger.warning("%s: LLM replica lost (%s); resuming at chunk %d", req_id, lost, progress.next_seq)
 
     def _pass_over(self, moved: Moved) -> None:
         """Rank the replica that handed the stream off last: for good when it is leaving, for

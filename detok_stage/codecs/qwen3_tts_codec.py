@@ -10,6 +10,7 @@ or `codec_dir` (e.g. Qwen/Qwen3-TTS-Tokenizer-12Hz), or the seeded tiny preset.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,15 @@ def codec_directory(config: ModelConfig) -> Path | None:
     return None
 
 
+@dataclass
+class _StreamState:
+    """A request's decoder state after its last chunk, and before it (with the frame it began at)."""
+
+    next_frame: int
+    state: DecoderState
+    before_last: tuple[int, DecoderState]
+
+
 class Qwen3TTSCodec(CodecAdapter):
     is_stateful = True
 
@@ -83,7 +93,7 @@ class Qwen3TTSCodec(CodecAdapter):
         self.codebook_size = quantizer.rvq_first.vq.layers[0]._codebook.cluster_usage.shape[0]
         self.samples_per_frame = decoder.samples_per_frame
         self.sample_rate_hz = sample_rate_hz
-        self._states: dict[str, tuple[int, DecoderState]] = {}  # req_id -> (next frame, state)
+        self._streams: dict[str, _StreamState] = {}
 
     @classmethod
     def build(cls, model_config: ModelConfig, device: str = "cpu") -> Qwen3TTSCodec:
@@ -108,25 +118,36 @@ class Qwen3TTSCodec(CodecAdapter):
         return [self._decode_chunk(chunk) for chunk in chunks]
 
     def release(self, req_id: str) -> None:
-        self._states.pop(req_id, None)
+        self._streams.pop(req_id, None)
 
     def _decode_chunk(self, chunk: TokenChunk) -> torch.Tensor:
         if chunk.keep_end == chunk.keep_start:  # an empty final (the stream ended on a chunk boundary)
             if chunk.is_final:
-                self._states.pop(chunk.req_id, None)
+                self._streams.pop(chunk.req_id, None)
             return torch.zeros(0)
         frames = torch.tensor(chunk.frames, dtype=torch.long, device=self.device).T.unsqueeze(0)  # [1, K, n]
-        offset = chunk.keep_start - chunk.window_start
-        found = self._states.get(chunk.req_id)
-        if found is None or found[0] != chunk.keep_start:
-            state = DecoderState(position=chunk.window_start)
-            if offset:
-                self.decoder(frames[:, :, :offset], state)  # warm on the left context
-        else:
-            state = found[1]
-        audio = self.decoder(frames[:, :, offset : chunk.keep_end - chunk.window_start], state)[0]
+        state = self._state_at(chunk, frames)
+        before = (chunk.keep_start, state.snapshot())
+        kept = frames[:, :, chunk.keep_start - chunk.window_start : chunk.keep_end - chunk.window_start]
+        audio = self.decoder(kept, state)[0]
         if chunk.is_final:
-            self._states.pop(chunk.req_id, None)
+            self._streams.pop(chunk.req_id, None)
         else:
-            self._states[chunk.req_id] = (chunk.keep_end, state)
+            self._streams[chunk.req_id] = _StreamState(chunk.keep_end, state, before)
         return audio.float().cpu()
+
+    def _state_at(self, chunk: TokenChunk, frames: torch.Tensor) -> DecoderState:
+        """The request's decoder state at the chunk's first kept frame: the one carried from its last
+        chunk; the one from before its last chunk when that chunk comes again (its LLM replica was
+        lost before the router got the audio, and the stream resumed there); else rebuilt from the
+        chunk's left context (a cold replica: approximate, as the context is short)."""
+        found = self._streams.get(chunk.req_id)
+        if found is not None and found.next_frame == chunk.keep_start:
+            return found.state
+        if found is not None and found.before_last[0] == chunk.keep_start:
+            return found.before_last[1].snapshot()
+        state = DecoderState(position=chunk.window_start)
+        offset = chunk.keep_start - chunk.window_start
+        if offset:
+            self.decoder(frames[:, :, :offset], state)  # warm on the left context
+        return state

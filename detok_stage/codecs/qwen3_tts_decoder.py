@@ -44,6 +44,10 @@ class DecoderState:
     keys_values: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # layer -> [B, H, P, D]
     position: int = 0  # frames through the transformer so far
 
+    def snapshot(self) -> DecoderState:
+        """A copy that later decoding leaves as it is (the layers replace tails and K/V, never write into them)."""
+        return DecoderState(dict(self.tails), dict(self.keys_values), self.position)
+
     def with_tail(self, module: nn.Module, x: torch.Tensor, context: int) -> torch.Tensor:
         """x [B, C, T] behind the module's last `context` inputs (zeros at the start); keeps the new tail."""
         if context == 0:

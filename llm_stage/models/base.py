@@ -73,6 +73,10 @@ class LMAdapter(ABC):
     head_phase_period: int = 1  # steps per cycle of the output head (rows in one phase share a head matmul)
     uses_context_turns: bool = False  # incremental streams: later segments get earlier ones as `Job.context`
     takes_registered_voices: bool = False  # zero-shot voices by id (`core.voices`), registered from a clip
+    # a streamed-text request can resume on another replica: its positions read the feed by index,
+    # so the text replayed in the order it came gives them the same ids (not a family that lays
+    # text positions out between its sampled tokens as they come: CosyVoice 2's bistream)
+    resumes_streamed_text: bool = False
 
     def __init__(self, backbone: Backbone) -> None:
         self.backbone = backbone

@@ -137,6 +137,7 @@ class Qwen3TTSAdapter(LMAdapter):
     voices = SPEAKERS
     default_voice = "ryan"
     default_sampling = SamplingParams(temperature=0.9, top_k=50, top_p=1.0, repetition_penalty=1.05, max_tokens=2048)
+    resumes_streamed_text = True  # every generated frame reads the feed's next id
 
     def __init__(self, model: Qwen3TTSModel, tokenizer: ChatTokenizer) -> None:
         talker, spec = model.talker, model.spec

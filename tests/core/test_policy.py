@@ -6,7 +6,7 @@ import torch
 
 from core.config import CacheConfig, DetokConfig, SchedulerConfig
 from core.messages import SamplingParams, TokenChunk
-from core.policy import PolicyKind, SchedulingPolicy, StepTimer, StreamingOrder, make_policy
+from core.policy import MIN_STEP_SAMPLES, PolicyKind, SchedulingPolicy, StepTimer, StreamingOrder, make_policy
 from detok_stage.codecs.base import CodecAdapter
 from detok_stage.engine import DetokEngine
 from llm_stage.request import Request, RequestStatus
@@ -94,7 +94,8 @@ def test_urgent_streams_keep_their_rows_ahead_of_startups():
 def capacity_scheduler(clock: FakeClock, step_s: float, batch: int = 3) -> Scheduler:
     """A streaming scheduler whose policy knows a full batch's step time and an 80 ms frame."""
     timer = StepTimer(step_s=step_s, detok_s=0.05, tokens_per_frame=7, frame_s=0.08)
-    timer.record_step(step_s, rows=batch)
+    for _ in range(MIN_STEP_SAMPLES):
+        timer.record_step(step_s, rows=batch)
     order = StreamingOrder(startup_concurrency=2, timer=timer, clock=clock, max_batch_size=batch)
     policy = SchedulingPolicy(PolicyKind.STREAMING, order)
     return Scheduler(SchedulerConfig(max_batch_size=batch), CacheConfig(num_slots=16), [0], policy)
@@ -102,12 +103,14 @@ def capacity_scheduler(clock: FakeClock, step_s: float, batch: int = 3) -> Sched
 
 def test_sustainable_streams_is_rows_times_per_row_speed_at_the_largest_batch_measured():
     timer = StepTimer(tokens_per_frame=7)
-    timer.record_step(0.005, rows=1)
+    for _ in range(MIN_STEP_SAMPLES):
+        timer.record_step(0.005, rows=1)
     assert timer.sustainable_streams(4) is None  # no frame duration yet
     timer.record_audio(0.32, 4)  # 80 ms frames
     assert abs(timer.sustainable_streams(4) - 4 * 0.08 / (7 * 0.005)) < 1e-9  # only 1 row measured yet
-    timer.record_step(0.010, rows=4)
-    timer.record_step(0.001, rows=8)  # past the batch cap: ignored
+    for _ in range(MIN_STEP_SAMPLES):
+        timer.record_step(0.010, rows=4)
+        timer.record_step(0.001, rows=8)  # past the batch cap: ignored
     assert abs(timer.sustainable_streams(4) - 4 * 0.08 / (7 * 0.010)) < 1e-9
 
 

@@ -170,3 +170,58 @@ def test_zz_drain_ends_a_stream_waiting_for_text_with_its_final_chunk(agents):
         assert code == 1000 and got[-1]["type"] == "done" and time.monotonic() - started_s < 15.0
     finally:
         clear_drain(AGENTS.app_name)
+        _wait_until(lambda: serves_again(agents), 20.0)  # the Routers poll the drain (router.drain.POLL_S)
+
+
+def serves_again(ep) -> bool:
+    import grpc
+
+    from tests.deployments.grpc_helpers import run_stream
+
+    return run_stream(ep.grpc_target, ep.app_name, "Hi.", sampling={"max_tokens": 16}).code == grpc.StatusCode.OK
+
+
+def test_zz_a_typed_stream_whose_llm_replica_dies_resumes_with_its_text(agents):
+    """(last here: it kills an LLM replica) A bidi stream of typed words; after its first audio the
+    LLM replica running it is killed while words still come. The stream resumes on the other one
+    from its last checkpoint with the text it was sent replayed, later words go there, and its
+    audio equals the whole text's: no error, no word lost or read twice."""
+    import threading
+
+    import grpc
+    import ray
+
+    from protos import voxray_pb2, voxray_pb2_grpc
+    from tests.deployments.test_zz_failover import _replica_actor
+
+    first_audio, killed = threading.Event(), threading.Event()
+
+    def requests():
+        sampling = voxray_pb2.SamplingOptions(seed=SEEDS[0], max_tokens=SAMPLING["max_tokens"])
+        config = voxray_pb2.SynthesizeRequest(voice="ryan", request_id="nat-lost", sampling=sampling)
+        yield voxray_pb2.SynthesizeStreamRequest(config=config)
+        yield voxray_pb2.SynthesizeStreamRequest(text=WORDS[0])
+        first_audio.wait(60)
+        yield voxray_pb2.SynthesizeStreamRequest(text=WORDS[1])  # reaches the replica about to die
+        killed.wait(60)
+        for word in WORDS[2:]:  # sent while the stream resumes, or to the replica that resumed it
+            yield voxray_pb2.SynthesizeStreamRequest(text=word)
+            time.sleep(0.15)
+
+    def running_it() -> str:  # the one stream here: on the replica whose engine holds a request
+        return next(r for r in live_llm_replicas(app) if _replica_stats(app, r)["engine_requests"])
+
+    app, chunks = AGENTS.app_name, []
+    with grpc.insecure_channel(agents.grpc_target) as channel:
+        for chunk in voxray_pb2_grpc.SpeechStub(channel).SynthesizeStream(requests(), timeout=120):
+            chunks.append(chunk)
+            if not first_audio.is_set():
+                first_audio.set()
+                victim = running_it()
+                time.sleep(0.2)  # WORDS[1] goes out meanwhile
+                ray.kill(_replica_actor(app, f"LLMStage#{victim}"), no_restart=True)
+                killed.set()
+    assert chunks[-1].final and [c.seq for c in chunks] == list(range(len(chunks)))
+    got = np.frombuffer(b"".join(c.audio for c in chunks), dtype="<i2").astype(np.int32)
+    want = np.frombuffer(whole_text_audio(0), dtype="<i2").astype(np.int32)
+    assert got.shape == want.shape and np.abs(got - want).max() <= 2

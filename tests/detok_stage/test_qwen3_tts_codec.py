@@ -53,7 +53,7 @@ def test_streamed_equals_offline_on_every_sample():
             offline = codec().decode(frames[None])[0]
             assert got[rid].shape == offline.shape
             torch.testing.assert_close(got[rid], quantized(offline), atol=4e-5, rtol=0)
-    assert not codec()._states  # final chunks drop their per-request state
+    assert not codec()._streams  # final chunks drop their per-request state
 
 
 def test_without_carried_state_streaming_is_not_exact():
@@ -98,7 +98,7 @@ def test_chunks_arriving_out_of_order_decode_in_seq_order():
         engine.submit(cs[1])
         decode_ready()
         assert len(pcm[cs[1].req_id]) == len(cs)  # its missing link came: the whole stream decoded
-    assert not engine.num_queued and not codec()._states
+    assert not engine.num_queued and not codec()._streams
     for rid, frames in frames_by_req.items():
         got = torch.from_numpy(pcm16_to_float(b"".join(pcm[rid][seq] for seq in sorted(pcm[rid]))))
         torch.testing.assert_close(got, quantized(codec().decode(frames[None])[0]), atol=4e-5, rtol=0)
@@ -134,3 +134,23 @@ def test_transformer_matches_transformers_qwen3_omni_code2wav_transformer():
         state = DecoderState()  # and in pieces, through the carried window
         pieces = torch.cat([ours(x[:, :5], state), ours(x[:, 5:6], state), ours(x[:, 6:], state)], dim=1)
         torch.testing.assert_close(pieces, want, atol=1e-5, rtol=1e-4)
+
+
+def test_a_chunk_sent_again_after_an_llm_resume_decodes_exactly():
+    """A chunk this replica decoded but the router never got (its LLM replica died first) comes again
+    from the replica that resumed the stream, maybe cut longer or shorter: it decodes from the state
+    before it, as the stream's offline decode does, not from a state rebuilt from its left context."""
+    frames = streams([24])["r0"]
+    offline = quantized(codec().decode(frames[None])[0])
+    chunker = Chunker("r", ChunkSchedule(2, 4, 3, 0))
+    first = chunker.push(frames.tolist()) + chunker.finish()
+    decoder = Qwen3TTSCodec(codec().decoder, 24000)
+    sent = decoder.decode_stream(first[:3])  # chunk 2 decoded; the router never got it
+    again = Chunker.resumed("r", ChunkSchedule(3, 5, 3, 0), 2, first[1].keep_end)  # cut anew from there
+    again.add_frames(frames[: first[1].keep_end].tolist())
+    resent = again.push(frames[first[1].keep_end :].tolist()) + again.finish()
+    assert resent[0].keep_start == first[2].keep_start and resent[0].keep_end != first[2].keep_end
+    audio = torch.cat([*sent[:2], *decoder.decode_stream(resent)])
+    per_frame = codec().samples_per_frame
+    torch.testing.assert_close(quantized(audio), offline, atol=4e-5, rtol=0)
+    assert audio.shape[0] == frames.shape[0] * per_frame and not decoder._streams

@@ -4,10 +4,13 @@ greedy and seeded, with and without CFG, for single- and multi-codebook families
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from core.config import EngineConfig, ModelConfig
-from core.messages import Checkpoint, Job, ResumeState, TokenChunk
+from core.errors import InvalidArgumentError
+from core.messages import Checkpoint, Job, ResumeState, TextPiece, TokenChunk
 from llm_stage.engine import LLMEngine
 from llm_stage.jobs import build_job
 from llm_stage.side import LLMSide
@@ -149,3 +152,51 @@ def test_kv_that_does_not_fit_is_prefilled_again():
     target.add(_job(target, "fallback", sampling, state), short)
     assert target.engine.requests["r"].status.value == "waiting"
     assert _layout([(c, None) for c in before + _drain(target)]) == _layout(reference)
+
+
+# ---- streamed text (native text streaming): the text the lost replica had got is replayed ----------
+
+STREAMED_TEXT = [
+    TextPiece("r", "", " where I"),
+    TextPiece("r", "", " stopped", flush=True),
+    TextPiece("r", "", ".", end=True),
+]
+
+
+def _run_streamed(side: LLMSide, job: Job, pieces: list[TextPiece]) -> list[tuple[TokenChunk, Checkpoint | None]]:
+    """`_run` for a streamed-text job, its pieces pushed one per few steps (it waits for text between)."""
+    side.add(job)
+    out, step = [], 0
+    while side.engine.has_work or pieces:
+        if pieces and step % 3 == 0:
+            assert side.push_text(pieces.pop(0))
+        chunks = side.step()
+        checkpoints = side.take_checkpoints()
+        out += [(c, checkpoints.get((c.req_id, c.seq))) for c in chunks]
+        step += 1
+        assert step < 500, "the stream never ended (text it read never came)"
+    return out
+
+
+@pytest.mark.parametrize(
+    "sampling", [{"temperature": 0.0, "max_tokens": 40}, {"temperature": 0.9, "seed": 4, "max_tokens": 40}]
+)
+def test_a_streamed_text_stream_resumes_with_the_text_it_was_sent_replayed(sampling: dict):
+    side = _side("qwen3-tts-tiny")
+    job = dataclasses.replace(_job(side, "resume me", sampling), text_streaming=True)
+    reference = _run_streamed(side, job, list(STREAMED_TEXT))
+    assert len(reference) >= 4, "the stream must be long enough to resume mid-way"
+    state = _state_after(reference, len(reference) // 2)
+    for num_replayed in (len(STREAMED_TEXT), 1):  # the rest is sent to the new replica as it comes
+        fresh = _side("qwen3-tts-tiny")
+        replayed = dataclasses.replace(state, text_pieces=tuple(STREAMED_TEXT[:num_replayed]))
+        resumed = _run_streamed(fresh, dataclasses.replace(job, resume=replayed), list(STREAMED_TEXT[num_replayed:]))
+        assert _layout(resumed) == _layout(reference[len(reference) // 2 + 1 :])
+
+
+def test_a_family_that_lays_text_out_as_it_comes_refuses_to_resume_streamed_text():
+    side = _side("cosyvoice2-tiny")
+    job = dataclasses.replace(_job(side, "resume me", {"max_tokens": 20}), text_streaming=True)
+    with pytest.raises(InvalidArgumentError) as err:
+        side.add(dataclasses.replace(job, resume=ResumeState((), None, 0, 0)))
+    assert err.value.field == "text_streaming"

@@ -1,6 +1,6 @@
 """Admission from both stages' measured pace (router.admission, router.detok_load), pure: no Ray."""
 
-from core.policy import StepTimer
+from core.policy import MIN_STEP_SAMPLES, StepSamples, StepTimer
 from router.admission import Admission, ReplicaLoad, admits_anywhere, decide, predict_ttfa_s, stream_limit
 from router.detok_load import DetokLoad, DetokPace, step_s_at, summarize_detok
 
@@ -45,7 +45,8 @@ def test_a_batch_at_real_time_with_margin_to_spare_probes_one_stream_more():
     budget_s = FRAME_S / 7  # a step this long keeps every stream exactly at real time
     streams = 1
     for step_s in (0.55 * budget_s, 0.6 * budget_s, 0.7 * budget_s, 0.8 * budget_s, 0.95 * budget_s):
-        timer.record_step(step_s, rows=streams)  # the batch the limit let in, measured
+        for _ in range(MIN_STEP_SAMPLES):
+            timer.record_step(step_s, rows=streams)  # the batch the limit let in, measured
         paced = load(0, real_time=timer.measured_real_time_rows(), measured=streams)
         streams = stream_limit(paced)
     # grew one stream per measured batch while each kept real time with 15% to spare; 5 streams at
@@ -62,11 +63,43 @@ def test_past_the_limit_it_queues_only_what_starts_in_time_then_rejects():
     assert predict_ttfa_s(load(5, **paced)) > predict_ttfa_s(load(4, **paced))
 
 
+def test_one_slow_step_at_a_new_batch_size_is_not_taken_as_its_speed():
+    # on a shared CPU the first step at 2 rows took 3x the 1-row step (a burst beside it); taken as
+    # the 2-row speed it held the replica at one stream and rejected a request at 0.5 req/s
+    timer = StepTimer(tokens_per_frame=7, frame_s=FRAME_S)
+    for _ in range(MIN_STEP_SAMPLES):
+        timer.record_step(0.0074, rows=1)
+    timer.record_step(0.0237, rows=2)
+    assert set(timer.step_s_by_rows) == {1}  # 2 rows: not measured yet, so the limit probes it
+    assert stream_limit(load(1, real_time=timer.measured_real_time_rows(), measured=1)) == 2
+    timer.record_step(0.0075, rows=2)
+    timer.record_step(0.0076, rows=2)
+    assert timer.step_s_by_rows[2] == 0.0076  # the median of its steps, not the outlier's pull
+
+
+def test_a_batch_measured_slow_in_a_passing_burst_is_probed_again():
+    # 4 streams stepped at 14.7 ms in a burst on the box: the limit fell under 4, so 4 never ran
+    # again and its figure held the replica at 3 streams for the rest of the run
+    clock = [0.0]
+    timer = StepTimer(tokens_per_frame=7, frame_s=FRAME_S, steps_by_rows=StepSamples(clock=lambda: clock[0]))
+    for _ in range(MIN_STEP_SAMPLES):
+        timer.record_step(0.0147, rows=4)
+    assert stream_limit(load(3, real_time=timer.measured_real_time_rows(), measured=4)) == 2  # 0.85 x 3.3
+    for _ in range(40):  # 3 streams step fast for a while
+        timer.record_step(0.004, rows=3)
+        clock[0] += 0.5
+    assert set(timer.step_s_by_rows) == {3}  # 4 rows: stale while 3 rows are measured now
+    assert stream_limit(load(3, real_time=timer.measured_real_time_rows(), measured=3)) == 4  # probed again
+    clock[0] += 60.0  # idle: nothing fresh, so all it knows counts
+    assert set(timer.step_s_by_rows) == {3, 4}
+
+
 def test_step_timer_reports_the_largest_measured_batch_at_its_own_speed():
     timer = StepTimer(tokens_per_frame=7, frame_s=2048 / 24000)
     assert StepTimer(tokens_per_frame=7).measured_real_time_rows() is None
-    timer.record_step(0.004, rows=2)
-    timer.record_step(0.006, rows=4)
+    for _ in range(MIN_STEP_SAMPLES):
+        timer.record_step(0.004, rows=2)
+        timer.record_step(0.006, rows=4)
     rows_at_real_time = 4 * (2048 / 24000) / (7 * 0.006)
     assert abs(timer.measured_real_time_rows() - rows_at_real_time) < 1e-9
     assert timer.sustainable_streams(16) > timer.measured_real_time_rows()  # that one extrapolates to 16 rows
@@ -100,7 +133,6 @@ def with_detok(base: ReplicaLoad, detok: list[DetokLoad], own_streams: int | Non
     summary = summarize_detok(detok)
     own = base.num_active if own_streams is None else own_streams
     return ReplicaLoad(**{**base.to_stats(), "detok_real_time_streams": summary.real_time_streams,
-                          "detok_measured_chunks": summary.measured_chunks,
                           "detok_other_streams": max(0, summary.num_streams - own),
                           "detok_first_chunk_s": summary.first_chunk_s})  # fmt: skip
 
@@ -124,8 +156,25 @@ def test_a_slow_detok_stage_limits_admission_below_the_llm_pace():
     assert stream_limit(with_detok(llm_paced, [slow, slow])) == 7  # a second detok replica: floor(0.85 x 9.1)
     busy_elsewhere = with_detok(llm_paced, [slow], own_streams=1)
     assert stream_limit(busy_elsewhere) == 1  # 3 of the 4 streams there come from another LLM replica
-    spare = measured_detok(step_s=0.5, chunks=4)  # 5.46 at real time: 4 chunks with 15% to spare
-    assert stream_limit(with_detok(llm_paced, [spare])) == 5  # probes a fifth stream (a batch of 5 chunks)
+    spare = measured_detok(step_s=0.5, chunks=4)  # 5.46 at real time: the margin under it, no probe
+    assert stream_limit(with_detok(llm_paced, [spare])) == 4
+
+
+def test_detok_capacity_follows_its_cost_per_audio_second_not_its_largest_batch():
+    # 5 streams whose chunks never met in one decode step: the stage kept them all at real time with
+    # room to spare, yet a probe by chunks per step held admission at 2 (batch 1 + 1)
+    clock = [0.0]
+    pace = DetokPace(clock=lambda: clock[0])
+    pace.record_step(3.0, [0.17], ["cold"], finished_ids=["cold"])  # warm-up, not measured
+    for step in range(40):
+        pace.record_step(0.02, [0.17], [f"s{step % 5}"])  # one 0.17 s chunk per 20 ms step
+        clock[0] += 0.034
+    detok = pace.load(0)
+    assert abs(detok.real_time_streams() - 0.17 / 0.02) < 1e-9 and detok.num_streams == 5
+    llm_paced = load(5, real_time=40.0, measured=16)
+    assert stream_limit(with_detok(llm_paced, [detok], own_streams=5)) == 7  # floor(0.85 x 8.5)
+    clock[0] += 60.0  # idle: the last figure stands until new steps measure it again
+    assert pace.load(0).real_time_streams() == detok.real_time_streams()
 
 
 def test_predicted_ttfa_counts_the_first_chunks_decode_and_the_step_at_the_would_be_batch():
@@ -135,7 +184,7 @@ def test_predicted_ttfa_counts_the_first_chunks_decode_and_the_step_at_the_would
     queued_detok = with_detok(idle, [measured_detok(step_s=0.1, chunks=2, queued=5)])  # 6 chunks: 3 steps
     assert abs(predict_ttfa_s(queued_detok) - (generate_s + 3 * 0.1)) < 1e-9
     timer = StepTimer(tokens_per_frame=7, frame_s=FRAME_S)
-    for rows, step_s in ((1, 0.01), (4, 0.02), (8, 0.05)):
+    for rows, step_s in ((1, 0.01), (4, 0.02), (8, 0.05)) * MIN_STEP_SAMPLES:
         timer.record_step(step_s, rows=rows)
     assert step_s_at(timer.step_s_by_rows, 3) == 0.02  # 3 rows run at the 4-row batch's measured step
     assert step_s_at(timer.step_s_by_rows, 16) == 0.1  # past the largest measured: scaled, not assumed equal
@@ -144,7 +193,7 @@ def test_predicted_ttfa_counts_the_first_chunks_decode_and_the_step_at_the_would
 
 
 def test_a_stream_whose_first_audio_misses_its_deadline_is_rejected_even_with_room():
-    busy = with_detok(load(1, real_time=20.0, measured=8), [measured_detok(step_s=0.4, chunks=1)], own_streams=1)
+    busy = with_detok(load(1, real_time=20.0, measured=8), [measured_detok(step_s=0.25, chunks=1)], own_streams=1)
     assert stream_limit(busy) > 1 and predict_ttfa_s(busy) > 0.5
     assert decide(busy, 0.5) is Admission.REJECT
     assert decide(busy, 2.0) is Admission.ADMIT

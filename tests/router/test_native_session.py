@@ -14,7 +14,7 @@ from core.config import EngineConfig, IncrementalConfig, ModelConfig
 from core.messages import Invalid, Job, TextPiece
 from llm_stage.registry import get_entry
 from router.incremental import IdleTimeout, SegmentAudio
-from router.native_session import NativeTextSession
+from router.native_session import NativeTextSession, TextRoute
 from router.playback import TextPacedPlayback
 from tests.router.test_incremental import make_session
 
@@ -37,10 +37,10 @@ class LocalTextStream:
         self.max_requests = 0
         self.times_waited_for_text = 0  # the engine ran out of text (the paced feed counts it)
 
-    async def run_stream(self, job: Job, replica: asyncio.Future):
+    async def run_stream(self, job: Job, route: TextRoute):
         self.jobs.append(job)
         self.pipeline.add_job(job)
-        replica.set_result(TAG)
+        route.point_at(TAG)
         while True:
             while not self.parts:
                 self._step()
