@@ -73,6 +73,7 @@ class LMAdapter(ABC):
     head_phase_period: int = 1  # steps per cycle of the output head (rows in one phase share a head matmul)
     uses_context_turns: bool = False  # incremental streams: later segments get earlier ones as `Job.context`
     takes_registered_voices: bool = False  # zero-shot voices by id (`core.voices`), registered from a clip
+    voice_lm_speaker: bool = False  # a registered voice also carries the LM's speaker conditioning (SpeakerPrompt)
 
     def __init__(self, backbone: Backbone) -> None:
         self.backbone = backbone

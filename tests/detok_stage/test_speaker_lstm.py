@@ -78,3 +78,29 @@ def test_window_count_rule():
     assert window_starts(160 + 77) == [0, 77]
     assert window_starts(160 + 77 + 30) == [0, 77]  # (30 + 83) / 160 < 0.8: the tail is dropped
     assert window_starts(160 + 77 + 46) == [0, 77, 154]  # (46 + 83) / 160 >= 0.8: kept
+
+
+def test_chatterbox_encoders_load_from_the_published_layout(tmp_path):
+    """s3gen.safetensors (`tokenizer.*`, `speaker_encoder.*`) with ve.safetensors beside it (the voice
+    encoder's own names), here at the tiny shapes: they encode as the seeded originals; without
+    ve.safetensors the load fails naming it."""
+    from safetensors.torch import save_file
+
+    from detok_stage.voice.campplus import tiny_campplus_config
+    from detok_stage.voice.encoder import VoiceEncoder
+
+    original = VoiceEncoder.seeded(5, with_lm_speaker=True)
+    state = {f"tokenizer.{k}": v for k, v in original.tokenizer.state_dict().items()}
+    state |= {f"speaker_encoder.{k}": v for k, v in original.speaker.state_dict().items()}
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "s3gen.safetensors"))
+    configs = (tiny_s3tokenizer_config(), tiny_campplus_config(), tiny_speaker_lstm_config())
+    with pytest.raises(FileNotFoundError, match="ve.safetensors"):
+        VoiceEncoder.from_checkpoint(tmp_path, *configs, with_lm_speaker=True)
+    save_file(
+        {k: v.contiguous() for k, v in original.lm_speaker.state_dict().items()}, str(tmp_path / "ve.safetensors")
+    )
+    loaded = VoiceEncoder.from_checkpoint(tmp_path / "s3gen.safetensors", *configs, with_lm_speaker=True)
+    wave = 0.1 * torch.randn(24_000 * 2, generator=torch.Generator().manual_seed(1))
+    want, got = original.encode(wave, 24_000), loaded.encode(wave, 24_000)
+    assert got.lm_speaker == want.lm_speaker and len(got.lm_speaker.prompt_tokens) == 50
+    assert VoiceEncoder.from_checkpoint(tmp_path, *configs).lm_speaker is None  # cosyvoice2: no T3 conditioning
