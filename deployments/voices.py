@@ -5,9 +5,8 @@ Where a voice lives: its tensors (prompt speech tokens, prompt mel, x-vector) an
 bank; an LLM replica reads the LM prompt the first time a request names the voice; each detok
 replica gets the tensors once, over the stage `TensorTransport` (RDT gloo / nccl, or the object
 store) from a source endpoint the bank keeps on its own node to the replica's endpoint, and keeps
-them in its codec. Chunks carry only the
-voice's id as a cache handle; a replica that lacks it (new, restarted, evicted) asks the bank to
-send it again: the same tensors, so the same audio.
+them in its codec. Chunks carry only the voice's id as a cache handle; a replica that lacks it (new,
+restarted, evicted) asks the bank to send it again: the same tensors, so the same audio.
 
 The bank is a synchronous threaded actor: RDT needs the process that made a collective group to
 submit its transfers, and that is the bank. Serve runs it as the DetokStage's deployment actor
