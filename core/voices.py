@@ -29,9 +29,20 @@ def is_voice_id(name: str | None) -> bool:
 
 
 @dataclass(frozen=True)
+class SpeakerPrompt:
+    """A voice as an LM with its own speaker conditioning takes it (chatterbox's T3, `speaker_emb` and
+    `cond_prompt_speech_tokens`): a voice-encoder embedding of the clip and the speech tokens of its start."""
+
+    speaker_emb: tuple[float, ...]  # [256] unit norm (float32 values)
+    prompt_tokens: tuple[int, ...]  # the first 6 s's speech tokens, at most 150
+
+
+@dataclass(frozen=True)
 class VoicePrompt:
-    """What the LM side conditions on: the clip's transcript ("" = none given) and its speech tokens."""
+    """What the LM side conditions on: the clip's transcript ("" = none given) and its speech tokens
+    (CosyVoice 2's LM), plus its speaker conditioning for a family whose LM takes one (else None)."""
 
     voice_id: str
     prompt_text: str
     prompt_tokens: tuple[int, ...]
+    speaker: SpeakerPrompt | None = None

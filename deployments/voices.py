@@ -1,12 +1,12 @@
 """The app's zero-shot voices: one VoiceBank actor encodes each voice once and keeps it by id.
 
 Where a voice lives: its tensors (prompt speech tokens, prompt mel, x-vector) and its LM prompt
-(transcript + speech tokens) in the bank; an LLM replica reads the LM prompt the first time a
-request names the voice; each detok replica gets the tensors once, over the stage
-`TensorTransport` (RDT gloo / nccl, or the object store) from a source endpoint the bank keeps on
-its own node to the replica's endpoint, and keeps them in its codec. Chunks carry only the
-voice's id as a cache handle; a replica that lacks it (new, restarted, evicted) asks the bank to
-send it again: the same tensors, so the same audio.
+(transcript + speech tokens; for chatterbox also T3's speaker embedding and prompt tokens) in the
+bank; an LLM replica reads the LM prompt the first time a request names the voice; each detok
+replica gets the tensors once, over the stage `TensorTransport` (RDT gloo / nccl, or the object
+store) from a source endpoint the bank keeps on its own node to the replica's endpoint, and keeps
+them in its codec. Chunks carry only the voice's id as a cache handle; a replica that lacks it (new,
+restarted, evicted) asks the bank to send it again: the same tensors, so the same audio.
 
 The bank is a synchronous threaded actor: RDT needs the process that made a collective group to
 submit its transfers, and that is the bank. Serve runs it as the DetokStage's deployment actor
@@ -114,19 +114,22 @@ def check_voice_encoders(config: ServeConfig) -> str | None:
     (`voxray serve` before Ray starts; a detok replica's constructor on a cluster). Without it,
     a checkpoint directory lacking them (CosyVoice 2's published front end is ONNX) serves
     without zero-shot voices: registrations are refused naming the setting."""
-    from detok_stage.voice.encoder import CONVERTED_FILE, encoder_file
+    from detok_stage.voice.encoder import CONVERTED_FILE, encoder_file, speaker_lstm_file
 
-    if not get_entry(config.engine.model.name).family.lm.takes_registered_voices:
+    lm = get_entry(config.engine.model.name).family.lm
+    if not lm.takes_registered_voices:
         return None
     path = _encoder_path(config)
     if path is None:
         return None  # a preset model: seeded tiny encoders
     try:
-        encoder_file(path)
+        file = encoder_file(path)
+        if lm.voice_lm_speaker and file.name != CONVERTED_FILE:
+            speaker_lstm_file(path)  # chatterbox's ve.safetensors, beside s3gen.safetensors
     except FileNotFoundError as err:
         if config.voices.encoder_dir is not None:
             raise InvalidArgumentError("voices.encoder_dir", str(err)) from None
-        where = f"chatterbox's s3gen.safetensors / s3gen.pt or a directory with {CONVERTED_FILE}"
+        where = f"chatterbox's s3gen.safetensors / s3gen.pt (+ ve.safetensors) or a directory with {CONVERTED_FILE}"
         return f"{err}; set voices.encoder_dir to {where}"
     return None
 
@@ -153,7 +156,10 @@ class VoiceBank:
         from detok_stage.voice.encoder import VoiceEncoder
 
         if self.encoder is None:
-            self.encoder = VoiceEncoder.build(_encoder_path(self.config), self.config.engine.model.seed)
+            with_lm_speaker = get_entry(self.config.engine.model.name).family.lm.voice_lm_speaker
+            self.encoder = VoiceEncoder.build(
+                _encoder_path(self.config), self.config.engine.model.seed, with_lm_speaker
+            )
         return self.encoder
 
     def register(self, wave: torch.Tensor, sample_rate_hz: int, prompt_text: str) -> Registered | Refused:
@@ -172,7 +178,8 @@ class VoiceBank:
                 return Refused("audio", f"this server holds {len(self.prompts)} voices, its limit")
             tensors = self._encoder().encode(wave, sample_rate_hz)
             self.tensors[voice_id] = tensor_dict(tensors.with_id(voice_id))
-            self.prompts[voice_id] = VoicePrompt(voice_id, prompt_text, tuple(tensors.prompt_tokens.tolist()))
+            tokens = tuple(tensors.prompt_tokens.tolist())
+            self.prompts[voice_id] = VoicePrompt(voice_id, prompt_text, tokens, tensors.lm_speaker)
             self.num_encoded += 1
         return Registered(voice_id, int(tensors.prompt_tokens.numel()), duration_s, True)
 
@@ -237,7 +244,12 @@ class VoiceBank:
 
 
 def tensor_dict(voice: VoiceConditioning) -> dict[str, torch.Tensor]:
+    """A voice's detokenizer tensors as they cross the stage transport (`voice_conditioning` reverses it)."""
     return {"prompt_tokens": voice.prompt_tokens, "prompt_mel": voice.prompt_mel, "xvector": voice.xvector}
+
+
+def voice_conditioning(voice_id: str, tensors: dict[str, torch.Tensor]) -> VoiceConditioning:
+    return VoiceConditioning(voice_id, tensors["prompt_tokens"], tensors["prompt_mel"], tensors["xvector"])
 
 
 class DetokVoices:
@@ -293,7 +305,7 @@ class DetokVoices:
         if isinstance(sent, Refused):
             raise sent.error()
         tensors = await self.endpoint.get.remote(handle)
-        codec.add_voice(VoiceConditioning(handle, tensors["prompt_tokens"], tensors["prompt_mel"], tensors["xvector"]))
+        codec.add_voice(voice_conditioning(handle, tensors))
         await self.endpoint.drop.remote(handle)  # the codec holds it now
         self.num_fetched += 1
 

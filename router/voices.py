@@ -78,7 +78,7 @@ def check_model(entry: ModelEntry, model: str) -> None:
             "model", f"unknown model {printable_name(model)!r}; this server serves {entry.name!r}"
         )
     if not entry.family.lm.takes_registered_voices:
-        raise InvalidArgumentError("model", f"{entry.name} does not take zero-shot voices (cosyvoice2 does)")
+        raise InvalidArgumentError("model", f"{entry.name} does not take zero-shot voices (cosyvoice2, chatterbox do)")
 
 
 class VoiceRegistry:

@@ -2,7 +2,9 @@
 
 `resample` (windowed-sinc, Hann window), `slaney_mel_filters` (librosa's default filterbank),
 `whisper_log_mel` (the S3 speech tokenizer's 128-bin 16 kHz input), `kaldi_fbank` (CAM++'s 80-bin
-16 kHz input, Kaldi's defaults) and `s3gen_mel` (the flow's 80-bin 24 kHz prompt mel, hop 480).
+16 kHz input, Kaldi's defaults), `s3gen_mel` (the flow's 80-bin 24 kHz prompt mel, hop 480),
+`speaker_mel` and `trim_silence` (chatterbox's voice encoder: 40-bin 16 kHz mel power of the clip
+without its leading / trailing silence).
 """
 
 from __future__ import annotations
@@ -137,3 +139,26 @@ def s3gen_mel(wave_24k: torch.Tensor, n_fft: int = 1920, hop: int = 480, n_mels:
     magnitude = torch.sqrt(spec.pow(2).sum(-1) + 1e-9)
     mel = slaney_mel_filters(S3GEN_SAMPLE_RATE_HZ, n_fft, n_mels, 0.0, 8000.0).to(magnitude) @ magnitude
     return torch.log(torch.clamp(mel, min=1e-5)).T
+
+
+def speaker_mel(wave_16k: torch.Tensor, n_mels: int = 40) -> torch.Tensor:
+    """wave [N] at 16 kHz -> [1 + N // 160, n_mels] mel power (|STFT|^2, n_fft 400, hop 160, centred with
+    reflect padding, Slaney filters 0-8 kHz), unscaled and not logged: chatterbox's voice-encoder input."""
+    window = torch.hann_window(400, dtype=wave_16k.dtype, device=wave_16k.device)
+    spec = torch.stft(wave_16k, 400, 160, window=window, center=True, pad_mode="reflect", return_complex=True)
+    power = spec.abs() ** 2  # [201, frames]
+    return (slaney_mel_filters(S3_SAMPLE_RATE_HZ, 400, n_mels, 0.0, 8000.0).to(power) @ power).T
+
+
+def trim_silence(wave: torch.Tensor, top_db: float = 20.0, frame_len: int = 2048, hop: int = 512) -> torch.Tensor:
+    """`wave` [N] without its leading and trailing silence: frames (zero-padded, centred) whose RMS is
+    within `top_db` of the loudest frame's are kept, from the first one's start to one hop past the
+    last one's (librosa.effects.trim's rule; all silent -> empty)."""
+    padded = F.pad(wave, (frame_len // 2, frame_len // 2))
+    power = padded.unfold(0, frame_len, hop).pow(2).mean(dim=1)  # [1 + N // hop]
+    floor = torch.tensor(1e-10, dtype=power.dtype)
+    db = 10 * torch.log10(torch.maximum(power, floor)) - 10 * torch.log10(torch.maximum(power.max(), floor))
+    loud = torch.nonzero(db > -top_db).flatten()
+    if loud.numel() == 0:
+        return wave[:0]
+    return wave[int(loud[0]) * hop : min(wave.numel(), (int(loud[-1]) + 1) * hop)]

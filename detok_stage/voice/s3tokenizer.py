@@ -172,8 +172,11 @@ class S3TokenizerV2(nn.Module):
         hidden, lengths = self.encoder(mel, lengths)
         return self.quantizer._codebook(hidden), lengths
 
-    def tokenize(self, wave_16k: torch.Tensor) -> torch.Tensor:
-        """One clip [N] at 16 kHz -> its tokens [N // 640 or so] (long)."""
+    def tokenize(self, wave_16k: torch.Tensor, max_tokens: int | None = None) -> torch.Tensor:
+        """One clip [N] at 16 kHz -> its tokens [N // 640 or so] (long); `max_tokens` cuts the mel to
+        4 frames a token first (chatterbox's `max_len`: the cut tokens see no audio past the cut)."""
         mel = whisper_log_mel(wave_16k.float(), self.config.n_mels)
+        if max_tokens is not None:
+            mel = mel[:, : 4 * max_tokens]
         tokens, lengths = self.quantize(mel[None], torch.tensor([mel.shape[-1]]))
         return tokens[0, : int(lengths[0])]

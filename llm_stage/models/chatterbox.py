@@ -1,7 +1,8 @@
 """Chatterbox LM side: T3 (a Llama body over text and 25 Hz S3 speech tokens) on our engine.
 
 A prompt is `[voice, emotion, sot text eot, bos, bos]`: the voice's speaker x-vector and perceiver
-rows (computed once per voice), the emotion-exaggeration row (per request), text ids with learned
+rows (computed once per voice: the built-in one at start-up, a registered zero-shot voice when this
+replica first looks it up), the emotion-exaggeration row (per request), text ids with learned
 text positions, and start-of-speech twice at speech position 0, as the published inference loop
 feeds it; generated token i is embedded at speech position i + 1. Positions carry (id, kind, aux)
 lanes: aux is the learned position, or the exaggeration's float32 bits. CFG pairs each request with
@@ -19,6 +20,7 @@ from core.checkpoints import resolve_model_ref
 from core.config import ModelConfig
 from core.errors import InvalidArgumentError
 from core.messages import Job, SamplingParams
+from core.voices import VoicePrompt
 from detok_stage.codecs.s3gen_codec import S3GenCodec
 from llm_stage.cfg import GuidanceFormula
 from llm_stage.models.base import FrameBuilder, LMAdapter, ModelFamily
@@ -92,6 +94,8 @@ class ChatterboxAdapter(LMAdapter):
     pad_token = (0, Kind.SPEECH, 0)
     default_voice = DEFAULT_VOICE
     voices = (DEFAULT_VOICE,)
+    takes_registered_voices = True  # zero-shot: the voice's speaker embedding + prompt tokens (SpeakerPrompt)
+    voice_lm_speaker = True
     # ChatterboxTTS.generate's defaults (its T3 loop samples at most 1000 tokens)
     default_sampling = SamplingParams(
         temperature=0.8, top_p=1.0, min_p=0.05, repetition_penalty=1.2, guidance_scale=0.5, exaggeration=0.5,
@@ -106,7 +110,11 @@ class ChatterboxAdapter(LMAdapter):
         self.voices = tuple(voices)
         self.voice_specs = dict(voices)
         self._voice_rows: dict[str, range] = {}
-        self.voice_table = self._build_voice_table(voices)  # [rows, C]
+        head = model.speech_head.weight
+        self.voice_table = head.new_empty(0, head.shape[1])  # [rows, C]: every voice's rows, built-in ones first
+        for name, voice in voices.items():
+            self._add_voice(name, voice)
+        self.voice_prompts: dict[str, VoicePrompt] = {}  # registered voices this replica has looked up
 
     @classmethod
     def build(cls, config: ModelConfig) -> ChatterboxAdapter:
@@ -125,15 +133,35 @@ class ChatterboxAdapter(LMAdapter):
         return cls(model, tokenizer, {DEFAULT_VOICE: voice})
 
     @torch.no_grad()
-    def _build_voice_table(self, voices: dict[str, T3Voice]) -> torch.Tensor:
-        device = self.model.speech_head.weight.device
-        tables, start = [], 0
-        for name, voice in voices.items():
-            rows = self.model.voice_rows(voice.speaker_emb.to(device), voice.prompt_speech.to(device))
-            self._voice_rows[name] = range(start, start + rows.shape[0])
-            tables.append(rows)
-            start += rows.shape[0]
-        return torch.cat(tables)
+    def _add_voice(self, name: str, voice: T3Voice) -> None:
+        """Append the voice's rows to the table. The table is rebound, never changed in place: a step
+        already reading the old one finds its voices' rows where they were."""
+        weight = self.model.cond_enc.spkr_enc.weight
+        speaker = voice.speaker_emb.to(weight.device, weight.dtype)
+        rows = self.model.voice_rows(speaker, voice.prompt_speech.to(weight.device))
+        start = self.voice_table.shape[0]
+        self.voice_table = torch.cat([self.voice_table, rows])
+        self._voice_rows[name] = range(start, start + rows.shape[0])
+
+    def add_voice_prompt(self, prompt: VoicePrompt) -> None:
+        """A registered voice (`LLMVoices.ensure`, once per replica): its rows join the voice table."""
+        if prompt.voice_id in self.voice_prompts:
+            return
+        self._add_voice(prompt.voice_id, self._t3_voice(prompt))
+        self.voice_prompts[prompt.voice_id] = prompt
+
+    def _t3_voice(self, prompt: VoicePrompt) -> T3Voice:
+        speaker = prompt.speaker
+        if speaker is None or len(speaker.speaker_emb) != self.layout.speaker_embed_size:
+            size, want = 0 if speaker is None else len(speaker.speaker_emb), self.layout.speaker_embed_size
+            raise InvalidArgumentError(
+                "voice", f"{prompt.voice_id} has a {size}-wide speaker embedding; T3 takes {want}"
+            )
+        bad = next((t for t in speaker.prompt_tokens if not 0 <= t < self.layout.start_speech), None)
+        if bad is not None:
+            raise InvalidArgumentError("voice", f"prompt speech token {bad} is outside [0, {self.layout.start_speech})")
+        tokens = torch.tensor(speaker.prompt_tokens, dtype=torch.long)
+        return T3Voice(torch.tensor(speaker.speaker_emb, dtype=torch.float32), tokens)
 
     def _text_ids(self, text: str) -> list[int]:
         ids = self.tokenizer.encode(normalize_text(text))
@@ -142,7 +170,9 @@ class ChatterboxAdapter(LMAdapter):
         return [self.layout.start_text, *ids, self.layout.stop_text]
 
     def _prompt(self, text: str, voice: str | None, exaggeration: float, text_kind: int) -> list[Token]:
-        rows = self._voice_rows[voice or DEFAULT_VOICE]
+        rows = self._voice_rows.get(voice or DEFAULT_VOICE)
+        if rows is None:
+            raise InvalidArgumentError("voice", f"unknown voice {voice!r}; register it first (POST /v1/voices)")
         bos = (self.layout.start_speech, Kind.SPEECH, 0)
         return [
             *((row, Kind.VOICE, 0) for row in rows),
