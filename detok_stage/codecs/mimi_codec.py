@@ -5,12 +5,15 @@ latent frame) -> sliding-window transformer (KV cache carried across a request's
 SEANet convs (fed the last `conv_context_steps` transformer outputs again as left context).
 A chunk that finds no state (first chunk, or a replica that never saw the request) warms a
 fresh state on its left-context frames: exact from the stream start, approximate mid-stream.
+A chunk that comes again (its stream resumed on another LLM replica) decodes from the state kept
+from before the last chunk: exact.
 Weights: `kyutai/mimi` (or a dir) as `codec_dir`, else the Mimi inside the CSM checkpoint; one
 MimiModel per process, shared with CSM's LM adapter (`shared_mimi`).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +43,14 @@ class MimiStreamState:
     cache: DynamicCache
     prev_latent: torch.Tensor | None = None  # [1, C, 1] last dequantized frame (upsample context)
     out_tail: torch.Tensor | None = None  # [1, C, S] last transformer outputs (SEANet context)
+    before_last: MimiStreamState | None = None  # the state its last chunk started from
+
+    def snapshot(self) -> MimiStreamState:
+        """A copy that later decoding leaves as it is: the cache's layers and this state replace
+        their tensors, never write into them (transformers' DynamicLayer / sliding-window layer)."""
+        cache = copy.copy(self.cache)
+        cache.layers = [copy.copy(layer) for layer in self.cache.layers]
+        return MimiStreamState(self.next_frame, cache, self.prev_latent, self.out_tail)
 
 
 def tiny_mimi_config(num_quantizers: int) -> dict:
@@ -123,16 +134,29 @@ class MimiCodec(CodecAdapter):
     def _decode_chunk(self, chunk: TokenChunk) -> torch.Tensor:
         frames = torch.tensor(chunk.frames, dtype=torch.long, device=self.device)  # [n, K]
         keep = frames[chunk.keep_start - chunk.window_start : chunk.keep_end - chunk.window_start]
-        state = self._states.get(chunk.req_id)
-        if state is None or state.next_frame != chunk.keep_start:
-            state = MimiStreamState(chunk.window_start, DynamicCache(config=self.decoder.config))
-            self._advance(state, frames[: chunk.keep_start - chunk.window_start])  # warm on the left context
+        state = self._state_at(chunk, frames)
+        state.before_last = state.snapshot()
         audio = self._advance(state, keep)
         if chunk.is_final:
             self._states.pop(chunk.req_id, None)
         else:
             self._states[chunk.req_id] = state
         return audio.float().cpu()
+
+    def _state_at(self, chunk: TokenChunk, frames: torch.Tensor) -> MimiStreamState:
+        """The request's state at the chunk's first kept frame: carried from its last chunk; from
+        before its last chunk when that chunk comes again (its LLM replica was lost before the
+        router got the audio, and the stream resumed there); else warmed on the chunk's left
+        context (a cold replica: approximate mid-stream)."""
+        state = self._states.get(chunk.req_id)
+        if state is not None and state.next_frame == chunk.keep_start:
+            return state
+        before = state.before_last if state is not None else None
+        if before is not None and before.next_frame == chunk.keep_start:
+            return before.snapshot()
+        state = MimiStreamState(chunk.window_start, DynamicCache(config=self.decoder.config))
+        self._advance(state, frames[: chunk.keep_start - chunk.window_start])  # warm on the left context
+        return state
 
     def _advance(self, state: MimiStreamState, frames: torch.Tensor) -> torch.Tensor:
         """Push frames [n, K] through the decoder; returns their n * samples_per_frame samples."""

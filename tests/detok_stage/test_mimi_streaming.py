@@ -3,15 +3,18 @@ and csm-tiny end to end."""
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import torch
 
 from cluster.pipeline import InProcessPipeline
 from core.config import CacheConfig, DetokConfig, EngineConfig, ModelConfig, SchedulerConfig
-from detok_stage.codecs.mimi_codec import MimiCodec
+from detok_stage.codecs.mimi_codec import MimiCodec, tiny_mimi_config
 from llm_stage.chunking import Chunker, ChunkSchedule
 from tests.detok_stage.interleaved import stream_interleaved
+
+LONG_WINDOW = {**tiny_mimi_config(8), "sliding_window": 32}  # transformer steps: past a chunk's left context
 
 
 @functools.cache
@@ -64,3 +67,26 @@ def test_csm_tiny_synthesizes_end_to_end():
     pipeline = InProcessPipeline(config)
     pcm = pipeline.synthesize("hello", "0", {"max_tokens": 10, "seed": 1})
     assert 0 < len(pcm) <= 10 * codec().samples_per_frame * 2 and len(pcm) % (codec().samples_per_frame * 2) == 0
+
+
+def test_a_chunk_sent_again_after_an_llm_resume_decodes_exactly():
+    """A chunk decoded here that the router never got (its LLM replica died first) comes again from
+    the replica that resumed the stream, maybe cut differently: it decodes from the state before it
+    (the audio an uninterrupted stream has), not from one rebuilt on its left context."""
+    model = copy.deepcopy(MimiCodec.build(ModelConfig(name="csm-tiny"), preset=LONG_WINDOW).model)
+    for name, codebook in model.named_buffers():  # the preset's codebooks are zeros: every code decodes
+        if name.endswith("embed_sum"):  # alike, and a rebuilt state would look exact
+            codebook.copy_(torch.randn(codebook.shape, generator=torch.Generator().manual_seed(1)))
+    frames = streams([30])["r0"]
+    chunker = Chunker("r", ChunkSchedule(2, 4, 3, 3))
+    first = chunker.push(frames.tolist()) + chunker.finish()
+    uninterrupted = torch.cat(MimiCodec(model).decode_stream(first))
+    mimi = MimiCodec(model)
+    sent = mimi.decode_stream(first[:3])  # chunk 2 decoded; the router never got it
+    again = Chunker.resumed("r", ChunkSchedule(3, 5, 3, 3), 2, first[1].keep_end)  # cut anew from there
+    again.add_frames(frames[: first[1].keep_end].tolist())
+    resent = again.push(frames[first[1].keep_end :].tolist()) + again.finish()
+    assert resent[0].keep_start == first[2].keep_start and resent[0].keep_end != first[2].keep_end
+    audio = torch.cat([*sent[:2], *mimi.decode_stream(resent)])
+    torch.testing.assert_close(audio, uninterrupted, atol=1e-5, rtol=0)
+    assert not mimi._states
