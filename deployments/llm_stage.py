@@ -50,7 +50,7 @@ from deployments.voices import LLMVoices
 from llm_stage.migration import KVSnapshot
 from llm_stage.registry import check_model_config
 from llm_stage.wiring import build_llm_side, size_for_streams
-from router.admission import Admission, ReplicaLoad, decide
+from router.admission import Admission, ReplicaLoad, decide, stream_limit
 from router.detok_load import step_s_at, summarize_detok
 from router.detok_pins import DetokPins
 from router.dispatch import detok_loads, live_detok_replicas
@@ -63,6 +63,7 @@ from router.replica_listener import keep_replica_listener_on_loopback
 DETOK_RETRY_WINDOW_S = 30.0
 DETOK_RETRY_BACKOFF_S = (0.05, 0.2, 0.5, 1.0)
 MOVE_OUT_POLL_S = 0.2
+HOLD_POLL_S = 0.02  # how often a queued stream held by the replica looks for room
 
 
 @dataclass
@@ -106,6 +107,7 @@ class LLMStage:
         self.replica_tag = replica_tag()
         self.metrics = StageMetrics(with_kv=True)
         self.streams: dict[str, _Stream] = {}
+        self.held: list[_Stream] = []  # queued streams not in the engine yet, first come first (`_hold`)
         self.event_loop: asyncio.AbstractEventLoop | None = None  # the replica's, set by the first call
         self.avg_stream_s = 0.0
         self.num_decode_calls = 0
@@ -367,6 +369,8 @@ class LLMStage:
             try:
                 if is_voice_id(job.voice):
                     await self.voices.ensure(job.voice, self.side.engine.adapter)
+                if verdict is Admission.QUEUE:
+                    await self._hold(stream)
                 await finish_on_thread(self._add, job, kv)  # a cancel mid-add reaches `_close` after it
             except InvalidArgumentError as err:
                 yield Invalid(err.field, err.message)
@@ -435,6 +439,23 @@ class LLMStage:
             for batch in {id(b): b for b in stream.pending}.values():
                 batch.release()
             await finish_on_thread(self._cancel, req_id)  # never withdrawn by a second cancel
+
+    async def _hold(self, stream: _Stream) -> None:
+        """A queued stream waits here, first come first, until the streams running are under the
+        limit the measured pace sets (`stream_limit`). Not in the engine: its scheduler starts a
+        request as soon as a KV slot is free, and the KV cap is above that limit whenever the pace
+        is what binds (a burst then ran every queued stream at once, and all of them underran)."""
+        self.held.append(stream)
+        try:
+            while not self.is_moving_out and not (self.held[0] is stream and self._has_room()):
+                await asyncio.sleep(HOLD_POLL_S)
+        finally:
+            self.held.remove(stream)
+            stream.started_s = time.monotonic()  # its lifetime in the engine (`avg_stream_s`) starts now
+
+    def _has_room(self) -> bool:
+        running = len(self.streams) - len(self.held)
+        return running < stream_limit(dataclasses.replace(self.load(), num_active=running))
 
     def _cancel(self, req_id: str) -> None:
         with self.loop.exclusive():

@@ -149,3 +149,35 @@ def test_a_stream_follows_its_decoder_state_only_when_its_pinned_replica_was_pas
     assert stage.detok_pins.by_stream == {"a": "d2", "b": "d1"}  # a stays where its later chunks went
     stage._follow_decoder_state("d2", [ref("a", "DetokStage#d3")])  # d2 was gone: d3 decoded it
     assert stage.detok_pins.by_stream["a"] == "d3"
+
+
+def test_queued_streams_wait_outside_the_engine_until_the_pace_has_room_first_come_first():
+    """`admission.decide` queued them: they start when a running stream ends under the paced limit
+    (here 2 streams, the KV cap 8), not when the engine has a free KV slot (it has 6)."""
+    from router.admission import ReplicaLoad
+
+    async def run() -> None:
+        stage = object.__new__(LLMStage)
+        stage.is_moving_out, stage.held = False, []
+        stage.streams = {rid: _Stream(asyncio.Queue()) for rid in ("run-1", "run-2")}
+        paced = dict(max_streams=8, max_queued=4, step_s=0.01, first_chunk_tokens=7, avg_stream_s=1.0)
+        paced |= dict(real_time_streams=3.0, measured_streams=3)  # limit floor(0.85 x 3) = 2
+        stage.load = lambda: ReplicaLoad(num_active=len(stage.streams), **paced)
+        started: list[str] = []
+
+        async def queued(rid: str) -> None:
+            stage.streams[rid] = stream = _Stream(asyncio.Queue())
+            await stage._hold(stream)
+            started.append(rid)
+
+        waiting = [asyncio.ensure_future(queued(rid)) for rid in ("q-1", "q-2")]
+        await asyncio.sleep(0.1)
+        assert started == [] and len(stage.held) == 2  # 2 running: the limit
+        del stage.streams["run-1"]  # a running stream ends
+        await asyncio.sleep(0.1)
+        assert started == ["q-1"] and len(stage.held) == 1
+        del stage.streams["run-2"]
+        await asyncio.gather(*waiting)
+        assert started == ["q-1", "q-2"] and not stage.held
+
+    asyncio.run(run())
