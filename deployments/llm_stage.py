@@ -50,7 +50,7 @@ from deployments.voices import LLMVoices
 from llm_stage.migration import KVSnapshot
 from llm_stage.registry import check_model_config
 from llm_stage.wiring import build_llm_side, size_for_streams
-from router.admission import Admission, ReplicaLoad, decide, stream_limit
+from router.admission import Admission, ReplicaLoad, decide, first_chunk_s, stream_limit
 from router.detok_load import step_s_at, summarize_detok
 from router.detok_pins import DetokPins
 from router.dispatch import detok_loads, live_detok_replicas
@@ -369,8 +369,9 @@ class LLMStage:
             try:
                 if is_voice_id(job.voice):
                     await self.voices.ensure(job.voice, self.side.engine.adapter)
-                if verdict is Admission.QUEUE:
-                    await self._hold(stream)
+                if verdict is Admission.QUEUE and not await self._hold(stream, self._start_by(job)):
+                    yield Rejected(self.config.admission.retry_after_s)  # it would start too late: no head yet
+                    return
                 await finish_on_thread(self._add, job, kv)  # a cancel mid-add reaches `_close` after it
             except InvalidArgumentError as err:
                 yield Invalid(err.field, err.message)
@@ -440,18 +441,27 @@ class LLMStage:
                 batch.release()
             await finish_on_thread(self._cancel, req_id)  # never withdrawn by a second cancel
 
-    async def _hold(self, stream: _Stream) -> None:
+    async def _hold(self, stream: _Stream, start_by_s: float) -> bool:
         """A queued stream waits here, first come first, until the streams running are under the
-        limit the measured pace sets (`stream_limit`). Not in the engine: its scheduler starts a
-        request as soon as a KV slot is free, and the KV cap is above that limit whenever the pace
-        is what binds (a burst then ran every queued stream at once, and all of them underran)."""
+        limit the measured pace sets (`stream_limit`): True. Not in the engine: its scheduler starts
+        a request as soon as a KV slot is free, and the KV cap is above that limit whenever the pace
+        is what binds (a burst then ran every queued stream at once, and all of them underran).
+        False when no room came by `start_by_s` (monotonic): started later it would miss its TTFA
+        deadline, so it is refused instead (queue only what starts in time)."""
         self.held.append(stream)
         try:
             while not self.is_moving_out and not (self.held[0] is stream and self._has_room()):
+                if time.monotonic() >= start_by_s:
+                    return False
                 await asyncio.sleep(HOLD_POLL_S)
+            return True
         finally:
             self.held.remove(stream)
             stream.started_s = time.monotonic()  # its lifetime in the engine (`avg_stream_s`) starts now
+
+    def _start_by(self, job: Job) -> float:
+        """When a queued job must start to make its TTFA deadline (monotonic)."""
+        return time.monotonic() + max(0.0, job.ttfa_deadline_s - first_chunk_s(self.load()))
 
     def _has_room(self) -> bool:
         running = len(self.streams) - len(self.held)

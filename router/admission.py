@@ -97,12 +97,19 @@ def stream_limit(load: ReplicaLoad) -> int:
     return max(1, min(load.max_streams, paced))
 
 
+def first_chunk_s(load: ReplicaLoad) -> float:
+    """Predicted time from a stream's start to its first audio: its first chunk's tokens at the step
+    measured for the batch it joins, and that chunk's decode at the detok stage."""
+    step_s = load.next_step_s or load.step_s or DEFAULT_STEP_S
+    return (load.first_chunk_tokens + 1) * step_s + load.detok_first_chunk_s
+
+
 def predict_ttfa_s(load: ReplicaLoad, extra_requests: int = 0) -> float:
     """Predicted time to first audio for one more request on this replica: its first chunk's
     tokens at the step measured for the batch it joins, that chunk's decode at the detok stage,
     and, past the stream limit, the wait for running streams to end."""
     step_s = load.next_step_s or load.step_s or DEFAULT_STEP_S
-    generate_s = (load.first_chunk_tokens + 1) * step_s + load.detok_first_chunk_s
+    generate_s = first_chunk_s(load)
     limit = stream_limit(load)
     position = load.num_active + extra_requests - limit  # >= 0: waits for a running stream to end
     if position < 0:

@@ -6,7 +6,7 @@ SEANet convs (fed the last `conv_context_steps` transformer outputs again as lef
 A chunk that finds no state (first chunk, or a replica that never saw the request) warms a
 fresh state on its left-context frames: exact from the stream start, approximate mid-stream.
 A chunk that comes again (its stream resumed on another LLM replica) decodes from the state kept
-from before the last chunk: exact.
+from before it (one per recent chunk): exact.
 Weights: `kyutai/mimi` (or a dir) as `codec_dir`, else the Mimi inside the CSM checkpoint; one
 MimiModel per process, shared with CSM's LM adapter (`shared_mimi`).
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -34,6 +34,8 @@ from core.config import ModelConfig
 from core.messages import TokenChunk
 from detok_stage.codecs.base import CodecAdapter
 
+SNAPSHOTS_KEPT = 4  # states kept from before a stream's last chunks: chunks decoded, never received
+
 
 @dataclass
 class MimiStreamState:
@@ -43,7 +45,8 @@ class MimiStreamState:
     cache: DynamicCache
     prev_latent: torch.Tensor | None = None  # [1, C, 1] last dequantized frame (upsample context)
     out_tail: torch.Tensor | None = None  # [1, C, S] last transformer outputs (SEANet context)
-    before_last: MimiStreamState | None = None  # the state its last chunk started from
+    # the states its last chunks started from, by their first frame (SNAPSHOTS_KEPT at most)
+    before: dict[int, MimiStreamState] = field(default_factory=dict)
 
     def snapshot(self) -> MimiStreamState:
         """A copy that later decoding leaves as it is: the cache's layers and this state replace
@@ -135,7 +138,9 @@ class MimiCodec(CodecAdapter):
         frames = torch.tensor(chunk.frames, dtype=torch.long, device=self.device)  # [n, K]
         keep = frames[chunk.keep_start - chunk.window_start : chunk.keep_end - chunk.window_start]
         state = self._state_at(chunk, frames)
-        state.before_last = state.snapshot()
+        state.before[chunk.keep_start] = state.snapshot()
+        while len(state.before) > SNAPSHOTS_KEPT:
+            del state.before[min(state.before)]
         audio = self._advance(state, keep)
         if chunk.is_final:
             self._states.pop(chunk.req_id, None)
@@ -145,15 +150,16 @@ class MimiCodec(CodecAdapter):
 
     def _state_at(self, chunk: TokenChunk, frames: torch.Tensor) -> MimiStreamState:
         """The request's state at the chunk's first kept frame: carried from its last chunk; from
-        before its last chunk when that chunk comes again (its LLM replica was lost before the
-        router got the audio, and the stream resumed there); else warmed on the chunk's left
-        context (a cold replica: approximate mid-stream)."""
+        before a recent chunk when that chunk comes again (its LLM replica was lost before the
+        router got the audio, and the stream resumed: the chunks since are cut again); else warmed
+        on the chunk's left context (a cold replica: approximate mid-stream)."""
         state = self._states.get(chunk.req_id)
         if state is not None and state.next_frame == chunk.keep_start:
             return state
-        before = state.before_last if state is not None else None
-        if before is not None and before.next_frame == chunk.keep_start:
-            return before.snapshot()
+        if state is not None and chunk.keep_start in state.before:
+            restored = state.before[chunk.keep_start].snapshot()
+            restored.before = {start: kept for start, kept in state.before.items() if start < chunk.keep_start}
+            return restored
         state = MimiStreamState(chunk.window_start, DynamicCache(config=self.decoder.config))
         self._advance(state, frames[: chunk.keep_start - chunk.window_start])  # warm on the left context
         return state

@@ -73,13 +73,17 @@ def codec_directory(config: ModelConfig) -> Path | None:
     return None
 
 
+SNAPSHOTS_KEPT = 4  # states kept from before a stream's last chunks: chunks decoded, never received
+
+
 @dataclass
 class _StreamState:
-    """A request's decoder state after its last chunk, and before it (with the frame it began at)."""
+    """A request's decoder state after its last chunk, and those from before its last chunks, by
+    the frame each chunk began at."""
 
     next_frame: int
     state: DecoderState
-    before_last: tuple[int, DecoderState]
+    before: dict[int, DecoderState]
 
 
 class Qwen3TTSCodec(CodecAdapter):
@@ -126,28 +130,32 @@ class Qwen3TTSCodec(CodecAdapter):
                 self._streams.pop(chunk.req_id, None)
             return torch.zeros(0)
         frames = torch.tensor(chunk.frames, dtype=torch.long, device=self.device).T.unsqueeze(0)  # [1, K, n]
-        state = self._state_at(chunk, frames)
-        before = (chunk.keep_start, state.snapshot())
-        kept = frames[:, :, chunk.keep_start - chunk.window_start : chunk.keep_end - chunk.window_start]
-        audio = self.decoder(kept, state)[0]
+        state, before = self._state_at(chunk, frames)
+        before[chunk.keep_start] = state.snapshot()
+        while len(before) > SNAPSHOTS_KEPT:
+            del before[min(before)]
+        kept_frames = frames[:, :, chunk.keep_start - chunk.window_start : chunk.keep_end - chunk.window_start]
+        audio = self.decoder(kept_frames, state)[0]
         if chunk.is_final:
             self._streams.pop(chunk.req_id, None)
         else:
             self._streams[chunk.req_id] = _StreamState(chunk.keep_end, state, before)
         return audio.float().cpu()
 
-    def _state_at(self, chunk: TokenChunk, frames: torch.Tensor) -> DecoderState:
-        """The request's decoder state at the chunk's first kept frame: the one carried from its last
-        chunk; the one from before its last chunk when that chunk comes again (its LLM replica was
-        lost before the router got the audio, and the stream resumed there); else rebuilt from the
-        chunk's left context (a cold replica: approximate, as the context is short)."""
+    def _state_at(self, chunk: TokenChunk, frames: torch.Tensor) -> tuple[DecoderState, dict[int, DecoderState]]:
+        """The request's decoder state at the chunk's first kept frame (and its kept earlier states):
+        the one carried from its last chunk; one from before a recent chunk when that chunk comes
+        again (its LLM replica was lost before the router got the audio, and the stream resumed:
+        the chunks since are cut again); else rebuilt from the chunk's left context (a cold replica:
+        approximate, as the context is short)."""
         found = self._streams.get(chunk.req_id)
         if found is not None and found.next_frame == chunk.keep_start:
-            return found.state
-        if found is not None and found.before_last[0] == chunk.keep_start:
-            return found.before_last[1].snapshot()
+            return found.state, found.before
+        if found is not None and chunk.keep_start in found.before:
+            kept = {start: state for start, state in found.before.items() if start < chunk.keep_start}
+            return found.before[chunk.keep_start].snapshot(), kept
         state = DecoderState(position=chunk.window_start)
         offset = chunk.keep_start - chunk.window_start
         if offset:
             self.decoder(frames[:, :, :offset], state)  # warm on the left context
-        return state
+        return state, {}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import time
 from types import SimpleNamespace
 
 from core.messages import TokenChunk
@@ -153,7 +154,8 @@ def test_a_stream_follows_its_decoder_state_only_when_its_pinned_replica_was_pas
 
 def test_queued_streams_wait_outside_the_engine_until_the_pace_has_room_first_come_first():
     """`admission.decide` queued them: they start when a running stream ends under the paced limit
-    (here 2 streams, the KV cap 8), not when the engine has a free KV slot (it has 6)."""
+    (here 2 streams, the KV cap 8), not when the engine has a free KV slot (it has 6); one that
+    would start after its TTFA deadline is refused instead."""
     from router.admission import ReplicaLoad
 
     async def run() -> None:
@@ -165,10 +167,12 @@ def test_queued_streams_wait_outside_the_engine_until_the_pace_has_room_first_co
         stage.load = lambda: ReplicaLoad(num_active=len(stage.streams), **paced)
         started: list[str] = []
 
-        async def queued(rid: str) -> None:
+        async def queued(rid: str, within_s: float = 60.0) -> None:
             stage.streams[rid] = stream = _Stream(asyncio.Queue())
-            await stage._hold(stream)
-            started.append(rid)
+            if await stage._hold(stream, time.monotonic() + within_s):
+                started.append(rid)
+            else:
+                stage.streams.pop(rid)  # refused: it would have started after its TTFA deadline
 
         waiting = [asyncio.ensure_future(queued(rid)) for rid in ("q-1", "q-2")]
         await asyncio.sleep(0.1)
@@ -176,6 +180,9 @@ def test_queued_streams_wait_outside_the_engine_until_the_pace_has_room_first_co
         del stage.streams["run-1"]  # a running stream ends
         await asyncio.sleep(0.1)
         assert started == ["q-1"] and len(stage.held) == 1
+        late = asyncio.ensure_future(queued("q-late", within_s=0.1))  # behind q-2, no room in time
+        await asyncio.sleep(0.2)
+        assert late.done() and "q-late" not in started and len(stage.held) == 1
         del stage.streams["run-2"]
         await asyncio.gather(*waiting)
         assert started == ["q-1", "q-2"] and not stage.held

@@ -103,7 +103,9 @@ def test_streams_move_to_the_replica_that_replaced_a_lost_one(cluster):
         [survivor] = live_llm_replicas(ep.app_name) - {victim}
         killed_at = time.monotonic()
         ray.kill(_replica_actor(ep.app_name, f"LLMStage#{victim}"), no_restart=True)
-        first_after = run_stream(ep.grpc_target, ep.app_name, "right after the kill", sampling={"max_tokens": 28})
+        first_after = run_stream(
+            ep.grpc_target, ep.app_name, "right after the kill", sampling={"max_tokens": 28}, ttfa_deadline_s=5.0
+        )  # the survivor is full: admitted in time, or refused
         replacement = _replacement_once_up(ep.app_name, {victim, survivor})
         up_s = time.monotonic() - killed_at
         playing = sum(not o.chunks[-1].final for o in outcomes.values())
@@ -111,11 +113,14 @@ def test_streams_move_to_the_replica_that_replaced_a_lost_one(cluster):
         for thread in threads:
             thread.join(timeout=180)
         _check_audio(outcomes, jobs, REBALANCE.engine)  # 4 of 4 finished, same tokens as uninterrupted runs
-        assert first_after.code == grpc.StatusCode.OK, first_after.details
-        answered_s = first_after.arrivals_s[0] - killed_at
-        assert answered_s < 9.0  # not a benchmark (BENCHMARKS.md has the figure): Serve's 10-17 s restart wait is gone
+        # answered by the survivor, not after Serve's 10-17 s restart: its first audio, or, as its 4 resumed
+        # streams fill its cap (max_streams_per_replica), a refusal once it could no longer start by its deadline
+        assert first_after.code in (grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED), first_after.details
+        answered_s = first_after.arrivals_s[0] - killed_at if first_after.arrivals_s else first_after.finished_after_s
+        assert answered_s < 9.0  # not a benchmark (BENCHMARKS.md has the figure)
         next_chunk_s = max(min(t for t in o.arrivals_s if t > killed_at) - killed_at for o in outcomes.values())
-        print(f"kill -> next chunk of every stream <= {next_chunk_s:.3f} s; new request: 1st chunk {answered_s:.2f} s")
+        answer = f"{first_after.code.name} in {answered_s:.2f} s"
+        print(f"kill -> next chunk of every stream <= {next_chunk_s:.3f} s; new request: {answer}")
         served_by = {rid: _runs(o.chunks) for rid, o in outcomes.items()}  # (replica, first seq) per run of chunks
         moved_in = {rid: seq for rid, runs in served_by.items() for replica, seq in runs if replica == replacement}
         kept, new = _replica_stats(ep.app_name, survivor), _replica_stats(ep.app_name, replacement)

@@ -82,7 +82,7 @@ def test_a_chunk_sent_again_after_an_llm_resume_decodes_exactly():
     first = chunker.push(frames.tolist()) + chunker.finish()
     uninterrupted = torch.cat(MimiCodec(model).decode_stream(first))
     mimi = MimiCodec(model)
-    sent = mimi.decode_stream(first[:3])  # chunk 2 decoded; the router never got it
+    sent = mimi.decode_stream(first[:4])  # chunks 2 and 3 decoded; the router never got them
     again = Chunker.resumed("r", ChunkSchedule(3, 5, 3, 3), 2, first[1].keep_end)  # cut anew from there
     again.add_frames(frames[: first[1].keep_end].tolist())
     resent = again.push(frames[first[1].keep_end :].tolist()) + again.finish()

@@ -145,7 +145,7 @@ def test_a_chunk_sent_again_after_an_llm_resume_decodes_exactly():
     chunker = Chunker("r", ChunkSchedule(2, 4, 3, 0))
     first = chunker.push(frames.tolist()) + chunker.finish()
     decoder = Qwen3TTSCodec(codec().decoder, 24000)
-    sent = decoder.decode_stream(first[:3])  # chunk 2 decoded; the router never got it
+    sent = decoder.decode_stream(first[:4])  # chunks 2 and 3 decoded; the router never got them
     again = Chunker.resumed("r", ChunkSchedule(3, 5, 3, 0), 2, first[1].keep_end)  # cut anew from there
     again.add_frames(frames[: first[1].keep_end].tolist())
     resent = again.push(frames[first[1].keep_end :].tolist()) + again.finish()
