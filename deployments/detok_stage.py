@@ -28,6 +28,10 @@ from llm_stage.wiring import build_detok_engine
 from router.detok_load import DetokPace
 from router.replica_listener import keep_replica_listener_on_loopback
 
+# A cancelled stream's decoder state is kept this long: its LLM replica may have died, and the
+# stream resumes on another within seconds (a client's cancel just frees it later).
+PARKED_STATE_S = 30.0
+
 
 class DetokStage:
     def __init__(self, config: dict) -> None:
@@ -40,6 +44,7 @@ class DetokStage:
         self.num_decoded_chunks = 0
         self.num_decode_calls = 0
         self.pace = DetokPace()  # measured decode steps, reported to the LLM replicas for admission
+        self.parked: dict[str, float] = {}  # req_id -> when its call was cancelled (decoder state kept)
         self.voices = DetokVoices(self.config, self.replica_tag)  # registered voices' tensors, fetched once
         if check_model_config(self.config.engine.model).family.lm.takes_registered_voices:
             check_voice_encoders(self.config)  # raises for a wrong voices.encoder_dir
@@ -103,16 +108,25 @@ class DetokStage:
     def _submit(self, chunks: list[TokenChunk], futures: list[asyncio.Future]) -> None:
         with self.loop.exclusive():
             for chunk in chunks:
+                self.parked.pop(chunk.req_id, None)
                 self.engine.submit(chunk)
             for chunk, future in zip(chunks, futures, strict=True):
                 self.waiters[(chunk.req_id, chunk.seq)] = future
         self.loop.wake()
 
     def _drop(self, req_ids: set[str]) -> None:
-        """Forget every queued chunk of `req_ids` and cancel the calls still waiting for them."""
+        """Forget every queued chunk of `req_ids` and cancel the calls still waiting for them. Their
+        decoder states are parked for PARKED_STATE_S: a call is cancelled when its LLM replica dies
+        too, and the stream then resumes on another one, sending here again the chunks the Router
+        never got (a stateful codec decodes them from the state it kept: exact)."""
+        now_s = time.monotonic()
         with self.loop.exclusive():
             for req_id in req_ids:
+                self.engine.drop_queued(req_id)
+                self.parked[req_id] = now_s
+            for req_id in [r for r, since_s in self.parked.items() if now_s - since_s > PARKED_STATE_S]:
                 self.engine.release(req_id)
+                del self.parked[req_id]
             waiting = [self.waiters.pop(k) for k in [k for k in self.waiters if k[0] in req_ids]]
         self.pace.forget(req_ids)  # cancelled streams run here no more
         for future in waiting:

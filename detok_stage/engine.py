@@ -89,6 +89,9 @@ class DetokEngine:
 
     def submit(self, chunk: TokenChunk) -> None:
         self.validate(chunk)
+        last = self._last_decoded_seq.get(chunk.req_id)
+        if last is not None and chunk.seq <= last:  # sent again: its stream resumed on another LLM replica
+            self._last_decoded_seq[chunk.req_id] = chunk.seq - 1
         if self.in_order:
             self._states[chunk.req_id]  # noqa: B018  (creates the state)
         hops = dataclasses.replace(chunk.hops, detok_received_unix_s=time.time())
@@ -97,6 +100,11 @@ class DetokEngine:
     def release(self, req_id: str) -> int:
         """Forget a request; returns how many of its chunks were dropped undelivered."""
         self.codec.release(req_id)
+        return self.drop_queued(req_id)
+
+    def drop_queued(self, req_id: str) -> int:
+        """Drop a request's queued chunks and its decode order, keeping its decoder state (a stream
+        whose LLM replica was lost resumes elsewhere and sends its chunks here again)."""
         self._last_decoded_seq.pop(req_id, None)
         state = self._states.pop(req_id, None)
         kept = [p for p in self._queue if p.chunk.req_id != req_id]

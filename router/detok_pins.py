@@ -44,10 +44,11 @@ class DetokPins:
         return groups
 
     def decoded_on(self, req_id: str, replica: str) -> None:
-        """`req_id`'s chunk was decoded on `replica` (its pinned one was gone, or none was chosen):
-        its state lives there now, so its later chunks follow it."""
+        """`req_id`'s chunk was decoded on `replica` (its tag `DetokStage#id` or its unique id; its
+        pinned one was gone, or none was chosen): its state lives there now, so its later chunks
+        follow it."""
         if replica:
-            self.by_stream[req_id] = replica
+            self.by_stream[req_id] = replica.rsplit("#", 1)[-1]
 
     def forget(self, req_id: str) -> None:
         self.by_stream.pop(req_id, None)

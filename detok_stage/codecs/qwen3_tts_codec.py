@@ -98,6 +98,8 @@ class Qwen3TTSCodec(CodecAdapter):
         self.samples_per_frame = decoder.samples_per_frame
         self.sample_rate_hz = sample_rate_hz
         self._streams: dict[str, _StreamState] = {}
+        self.num_restored = 0  # chunks decoded again from a kept state (a stream resumed elsewhere)
+        self.num_rebuilt = 0  # chunks mid-stream with no state here: rebuilt from their left context
 
     @classmethod
     def build(cls, model_config: ModelConfig, device: str = "cpu") -> Qwen3TTSCodec:
@@ -153,7 +155,9 @@ class Qwen3TTSCodec(CodecAdapter):
             return found.state, found.before
         if found is not None and chunk.keep_start in found.before:
             kept = {start: state for start, state in found.before.items() if start < chunk.keep_start}
+            self.num_restored += 1
             return found.before[chunk.keep_start].snapshot(), kept
+        self.num_rebuilt += chunk.keep_start > 0
         state = DecoderState(position=chunk.window_start)
         offset = chunk.keep_start - chunk.window_start
         if offset:

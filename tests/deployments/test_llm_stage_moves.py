@@ -96,10 +96,11 @@ def test_a_moved_stream_names_the_detok_replica_holding_its_decoder_state():
     from router.detok_pins import DetokPins
 
     stage = _stage({"a": 10, "b": 20})
-    stage.detok_pins = DetokPins({"a": "DetokStage#x"})
+    stage.detok_pins = DetokPins({"a": "x"})  # pins hold the replicas' unique ids
     events = _leave(stage)
-    assert events["a"].resume.detok_replica == "DetokStage#x" and events["b"].resume.detok_replica == ""
+    assert events["a"].resume.detok_replica == "x" and events["b"].resume.detok_replica == ""
     taker = DetokPins()
     taker.decoded_on("a", events["a"].resume.detok_replica)  # what LLMStage does with a resumed job
-    live = {"DetokStage#x": 9, "DetokStage#y": 0}  # y is idler, yet a's state is on x
-    assert taker.target("a", live) == "DetokStage#x" and taker.target("b", live) == "DetokStage#y"
+    taker.decoded_on("c", "DetokStage#x")  # a crashed replica's stream: the tag its last AudioRef named
+    live = {"x": 9, "y": 0}  # y is idler, yet a's and c's states are on x (live_detok_replicas: unique ids)
+    assert taker.target("a", live) == "x" and taker.target("c", live) == "x" and taker.target("b", live) == "y"

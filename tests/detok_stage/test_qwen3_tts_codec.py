@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import functools
 
+import pytest
 import torch
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeCode2WavConfig
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2WavTransformerModel
@@ -154,3 +155,32 @@ def test_a_chunk_sent_again_after_an_llm_resume_decodes_exactly():
     per_frame = codec().samples_per_frame
     torch.testing.assert_close(quantized(audio), offline, atol=4e-5, rtol=0)
     assert audio.shape[0] == frames.shape[0] * per_frame and not decoder._streams
+
+
+@pytest.mark.parametrize("call_in_flight", [True, False])
+def test_the_detok_engine_takes_a_resumed_streams_chunks_again(call_in_flight: bool):
+    """The lost LLM replica's decode call, if one was in flight, is cancelled (its queued chunks
+    dropped, the decoder state kept: `drop_queued`); the resumed stream sends chunks from an
+    earlier seq than this engine decoded: they decode (not held for a predecessor), from the kept
+    state, as offline decoding."""
+    frames = streams([24])["r0"]
+    chunker = Chunker("r", ChunkSchedule(2, 4, 3, 0))
+    first = chunker.push(frames.tolist()) + chunker.finish()
+    engine = DetokEngine(Qwen3TTSCodec(codec().decoder, 24000), DetokConfig(), in_order=False)
+    audio: dict[int, bytes] = {}
+    for chunk in first[:4]:  # chunks 2 and 3 decoded, never received by the router
+        engine.submit(chunk)
+        audio |= {out.seq: out.pcm16 for out in engine.step()}
+    if call_in_flight:
+        engine.submit(first[4])
+        engine.drop_queued("r")  # the call carrying chunk 4 cancelled with its LLM replica
+    again = Chunker.resumed("r", ChunkSchedule(3, 5, 3, 0), 2, first[1].keep_end)
+    again.add_frames(frames[: first[1].keep_end].tolist())
+    resent = again.push(frames[first[1].keep_end :].tolist()) + again.finish()
+    audio = {seq: pcm for seq, pcm in audio.items() if seq < 2}
+    for chunk in resent:
+        engine.submit(chunk)
+        while engine.has_work:
+            audio |= {out.seq: out.pcm16 for out in engine.step()}
+    got = torch.from_numpy(pcm16_to_float(b"".join(audio[seq] for seq in sorted(audio))))
+    torch.testing.assert_close(got, quantized(codec().decode(frames[None])[0]), atol=4e-5, rtol=0)
