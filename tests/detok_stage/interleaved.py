@@ -30,3 +30,17 @@ def stream_interleaved(
         for out in engine.step():
             pcm[out.req_id].append(out.pcm16)
     return {rid: torch.from_numpy(pcm16_to_float(b"".join(parts))) for rid, parts in pcm.items()}
+
+
+def cut_with_resume(frames: torch.Tensor, right_context: int) -> tuple[list, list]:
+    """A stream's chunks as first cut, and the chunks from seq 2 on as an LLM replica that resumed it
+    cuts them again (another schedule: the first of them starts where chunk 2 did, but ends elsewhere),
+    as when the replica that cut chunks 2 and 3 died before the router got their audio."""
+    chunker = Chunker("r", ChunkSchedule(2, 4, 3, right_context))
+    first = chunker.push(frames.tolist()) + chunker.finish()
+    shipped = first[1].keep_end
+    again = Chunker.resumed("r", ChunkSchedule(3, 5, 3, right_context), 2, shipped)
+    again.add_frames(frames[:shipped].tolist())
+    resent = again.push(frames[shipped:].tolist()) + again.finish()
+    assert resent[0].keep_start == first[2].keep_start and resent[0].keep_end != first[2].keep_end
+    return first, resent

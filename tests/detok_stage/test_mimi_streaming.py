@@ -12,7 +12,7 @@ from cluster.pipeline import InProcessPipeline
 from core.config import CacheConfig, DetokConfig, EngineConfig, ModelConfig, SchedulerConfig
 from detok_stage.codecs.mimi_codec import MimiCodec, tiny_mimi_config
 from llm_stage.chunking import Chunker, ChunkSchedule
-from tests.detok_stage.interleaved import stream_interleaved
+from tests.detok_stage.interleaved import cut_with_resume, stream_interleaved
 
 LONG_WINDOW = {**tiny_mimi_config(8), "sliding_window": 32}  # transformer steps: past a chunk's left context
 
@@ -78,15 +78,10 @@ def test_a_chunk_sent_again_after_an_llm_resume_decodes_exactly():
         if name.endswith("embed_sum"):  # alike, and a rebuilt state would look exact
             codebook.copy_(torch.randn(codebook.shape, generator=torch.Generator().manual_seed(1)))
     frames = streams([30])["r0"]
-    chunker = Chunker("r", ChunkSchedule(2, 4, 3, 3))
-    first = chunker.push(frames.tolist()) + chunker.finish()
+    first, resent = cut_with_resume(frames, right_context=3)
     uninterrupted = torch.cat(MimiCodec(model).decode_stream(first))
     mimi = MimiCodec(model)
     sent = mimi.decode_stream(first[:4])  # chunks 2 and 3 decoded; the router never got them
-    again = Chunker.resumed("r", ChunkSchedule(3, 5, 3, 3), 2, first[1].keep_end)  # cut anew from there
-    again.add_frames(frames[: first[1].keep_end].tolist())
-    resent = again.push(frames[first[1].keep_end :].tolist()) + again.finish()
-    assert resent[0].keep_start == first[2].keep_start and resent[0].keep_end != first[2].keep_end
     audio = torch.cat([*sent[:2], *mimi.decode_stream(resent)])
     torch.testing.assert_close(audio, uninterrupted, atol=1e-5, rtol=0)
     assert not mimi._states

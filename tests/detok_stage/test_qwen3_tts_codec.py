@@ -18,7 +18,7 @@ from detok_stage.codecs.qwen3_tts_codec import Qwen3TTSCodec, tiny_tokenizer_con
 from detok_stage.codecs.qwen3_tts_decoder import DecoderState
 from detok_stage.engine import DetokEngine, pcm16_to_float
 from llm_stage.chunking import Chunker, ChunkSchedule
-from tests.detok_stage.interleaved import stream_interleaved
+from tests.detok_stage.interleaved import cut_with_resume, stream_interleaved
 
 
 @functools.cache
@@ -143,14 +143,9 @@ def test_a_chunk_sent_again_after_an_llm_resume_decodes_exactly():
     before it, as the stream's offline decode does, not from a state rebuilt from its left context."""
     frames = streams([24])["r0"]
     offline = quantized(codec().decode(frames[None])[0])
-    chunker = Chunker("r", ChunkSchedule(2, 4, 3, 0))
-    first = chunker.push(frames.tolist()) + chunker.finish()
+    first, resent = cut_with_resume(frames, right_context=0)
     decoder = Qwen3TTSCodec(codec().decoder, 24000)
     sent = decoder.decode_stream(first[:4])  # chunks 2 and 3 decoded; the router never got them
-    again = Chunker.resumed("r", ChunkSchedule(3, 5, 3, 0), 2, first[1].keep_end)  # cut anew from there
-    again.add_frames(frames[: first[1].keep_end].tolist())
-    resent = again.push(frames[first[1].keep_end :].tolist()) + again.finish()
-    assert resent[0].keep_start == first[2].keep_start and resent[0].keep_end != first[2].keep_end
     audio = torch.cat([*sent[:2], *decoder.decode_stream(resent)])
     per_frame = codec().samples_per_frame
     torch.testing.assert_close(quantized(audio), offline, atol=4e-5, rtol=0)
@@ -164,8 +159,7 @@ def test_the_detok_engine_takes_a_resumed_streams_chunks_again(call_in_flight: b
     earlier seq than this engine decoded: they decode (not held for a predecessor), from the kept
     state, as offline decoding."""
     frames = streams([24])["r0"]
-    chunker = Chunker("r", ChunkSchedule(2, 4, 3, 0))
-    first = chunker.push(frames.tolist()) + chunker.finish()
+    first, resent = cut_with_resume(frames, right_context=0)
     engine = DetokEngine(Qwen3TTSCodec(codec().decoder, 24000), DetokConfig(), in_order=False)
     audio: dict[int, bytes] = {}
     for chunk in first[:4]:  # chunks 2 and 3 decoded, never received by the router
@@ -174,9 +168,6 @@ def test_the_detok_engine_takes_a_resumed_streams_chunks_again(call_in_flight: b
     if call_in_flight:
         engine.submit(first[4])
         engine.drop_queued("r")  # the call carrying chunk 4 cancelled with its LLM replica
-    again = Chunker.resumed("r", ChunkSchedule(3, 5, 3, 0), 2, first[1].keep_end)
-    again.add_frames(frames[: first[1].keep_end].tolist())
-    resent = again.push(frames[first[1].keep_end :].tolist()) + again.finish()
     audio = {seq: pcm for seq, pcm in audio.items() if seq < 2}
     for chunk in resent:
         engine.submit(chunk)
