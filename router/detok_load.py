@@ -102,6 +102,8 @@ class DetokPace:
     clock: Callable[[], float] = time.monotonic
     steps_by_chunks: StepSamples = field(default_factory=StepSamples)
     _recent: deque = field(default_factory=deque)  # (when, decode s, audio s) of the steps in the window
+    _window_busy_s: float = 0.0  # their sums, kept as steps come and go
+    _window_audio_s: float = 0.0
     _busy_s_per_audio_s: float = 0.0  # the last figure measured (kept while the stage idles)
     _last_seen_s: dict[str, float] = field(default_factory=dict)  # req_id -> when its last chunk was decoded
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -121,6 +123,8 @@ class DetokPace:
         with self._lock:
             self.steps_by_chunks.record(len(audio_s), elapsed_s)
             self._recent.append((now_s, elapsed_s, sum(audio_s)))
+            self._window_busy_s += elapsed_s
+            self._window_audio_s += sum(audio_s)
             self._measure_cost(now_s)
             self._last_seen_s.update((req_id, now_s) for req_id in req_ids)
         self.forget(finished_ids)
@@ -129,10 +133,13 @@ class DetokPace:
         """Decode seconds per audio second over the steps of the last COST_WINDOW_S (once it holds
         MIN_STEP_SAMPLES steps): the batches as the streams' chunks really met, not the largest."""
         while self._recent and self._recent[0][0] < now_s - COST_WINDOW_S:
-            self._recent.popleft()
-        audio_s = sum(audio for _, _, audio in self._recent)
-        if len(self._recent) >= MIN_STEP_SAMPLES and audio_s > 0:
-            self._busy_s_per_audio_s = sum(busy for _, busy, _ in self._recent) / audio_s
+            _, busy_s, audio_s = self._recent.popleft()
+            self._window_busy_s -= busy_s
+            self._window_audio_s -= audio_s
+        if not self._recent:  # (no float drift carried past an empty window)
+            self._window_busy_s = self._window_audio_s = 0.0
+        if len(self._recent) >= MIN_STEP_SAMPLES and self._window_audio_s > 0:
+            self._busy_s_per_audio_s = self._window_busy_s / self._window_audio_s
 
     def forget(self, req_ids) -> None:
         """Streams that ended here (final chunk decoded, or cancelled): no longer counted as running."""
