@@ -136,8 +136,6 @@ class DetokPace:
             _, busy_s, audio_s = self._recent.popleft()
             self._window_busy_s -= busy_s
             self._window_audio_s -= audio_s
-        if not self._recent:  # (no float drift carried past an empty window)
-            self._window_busy_s = self._window_audio_s = 0.0
         if len(self._recent) >= MIN_STEP_SAMPLES and self._window_audio_s > 0:
             self._busy_s_per_audio_s = self._window_busy_s / self._window_audio_s
 
