@@ -64,6 +64,7 @@ DETOK_RETRY_WINDOW_S = 30.0
 DETOK_RETRY_BACKOFF_S = (0.05, 0.2, 0.5, 1.0)
 MOVE_OUT_POLL_S = 0.2
 HOLD_POLL_S = 0.02  # how often a queued stream held by the replica looks for room
+DETOK_LISTING_S = 5.0  # longest wait for the detok handle's router to list the detok replicas
 
 
 @dataclass
@@ -360,6 +361,7 @@ class LLMStage:
             yield Rejected(self.config.admission.retry_after_s)
             return
         self.event_loop = asyncio.get_running_loop()
+        await self._know_detok_replicas()
         kv = await self._fetch_kv(job)
         if self.detok_pins is not None and job.resume is not None:  # its decoder state stays where it is
             self.detok_pins.decoded_on(job.req_id, job.resume.detok_replica)
@@ -440,6 +442,18 @@ class LLMStage:
             for batch in {id(b): b for b in stream.pending}.values():
                 batch.release()
             await finish_on_thread(self._cancel, req_id)  # never withdrawn by a second cancel
+
+    async def _know_detok_replicas(self) -> None:
+        """Before a stateful detokenizer's first stream here: wait (up to DETOK_LISTING_S) until the
+        detok handle's router lists the detok replicas. Until it does, decode calls go unpinned, and
+        a stream's next chunks, cut before its first came back, were placed on another replica than
+        the one holding its decoder state (rebuilt there: audible drift in an app's first streams)."""
+        if self.detok_pins is None or live_detok_replicas(self.config.app_name):
+            return
+        self.detok.record_routing_stats.remote()  # (a first call makes the handle's router list them)
+        give_up_s = time.monotonic() + DETOK_LISTING_S
+        while not live_detok_replicas(self.config.app_name) and time.monotonic() < give_up_s:
+            await asyncio.sleep(0.02)
 
     async def _hold(self, stream: _Stream, start_by_s: float) -> bool:
         """A queued stream waits here, first come first, until the streams running are under the
