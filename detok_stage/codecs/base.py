@@ -13,6 +13,17 @@ import torch
 
 from core.messages import TokenChunk
 
+SNAPSHOTS_KEPT = 4  # a stateful codec's states from before a stream's last chunks: chunks decoded, never received
+
+
+def keep_snapshot(before: dict, start_frame: int, snapshot) -> None:
+    """Keep `snapshot`, the state a stream's chunk starting at `start_frame` was decoded from, in
+    `before` (start frame -> state), with the SNAPSHOTS_KEPT most recent: a stream resumed on
+    another LLM replica sends again the chunks the router never got, and they decode from these."""
+    before[start_frame] = snapshot
+    while len(before) > SNAPSHOTS_KEPT:
+        del before[min(before)]
+
 
 class CodecAdapter(ABC):
     codes_per_frame: int

@@ -32,9 +32,7 @@ from core.checkpoints import (
 )
 from core.config import ModelConfig
 from core.messages import TokenChunk
-from detok_stage.codecs.base import CodecAdapter
-
-SNAPSHOTS_KEPT = 4  # states kept from before a stream's last chunks: chunks decoded, never received
+from detok_stage.codecs.base import CodecAdapter, keep_snapshot
 
 
 @dataclass
@@ -138,9 +136,7 @@ class MimiCodec(CodecAdapter):
         frames = torch.tensor(chunk.frames, dtype=torch.long, device=self.device)  # [n, K]
         keep = frames[chunk.keep_start - chunk.window_start : chunk.keep_end - chunk.window_start]
         state = self._state_at(chunk, frames)
-        state.before[chunk.keep_start] = state.snapshot()
-        while len(state.before) > SNAPSHOTS_KEPT:
-            del state.before[min(state.before)]
+        keep_snapshot(state.before, chunk.keep_start, state.snapshot())
         audio = self._advance(state, keep)
         if chunk.is_final:
             self._states.pop(chunk.req_id, None)

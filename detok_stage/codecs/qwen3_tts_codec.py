@@ -19,7 +19,7 @@ import torch
 from core.checkpoints import load_or_preset, load_prefixed_state, read_config, resolve_model_ref
 from core.config import ModelConfig
 from core.messages import TokenChunk
-from detok_stage.codecs.base import CodecAdapter
+from detok_stage.codecs.base import CodecAdapter, keep_snapshot
 from detok_stage.codecs.qwen3_tts_decoder import DecoderState, Qwen3TTSDecoder, decoder_fields
 
 SPEECH_TOKENIZER_DIR = "speech_tokenizer"  # the codec's folder inside a Qwen3-TTS checkpoint
@@ -71,9 +71,6 @@ def codec_directory(config: ModelConfig) -> Path | None:
     if config.checkpoint_dir is not None:
         return resolve_model_ref(config.checkpoint_dir) / SPEECH_TOKENIZER_DIR
     return None
-
-
-SNAPSHOTS_KEPT = 4  # states kept from before a stream's last chunks: chunks decoded, never received
 
 
 @dataclass
@@ -133,9 +130,7 @@ class Qwen3TTSCodec(CodecAdapter):
             return torch.zeros(0)
         frames = torch.tensor(chunk.frames, dtype=torch.long, device=self.device).T.unsqueeze(0)  # [1, K, n]
         state, before = self._state_at(chunk, frames)
-        before[chunk.keep_start] = state.snapshot()
-        while len(before) > SNAPSHOTS_KEPT:
-            del before[min(before)]
+        keep_snapshot(before, chunk.keep_start, state.snapshot())
         kept_frames = frames[:, :, chunk.keep_start - chunk.window_start : chunk.keep_end - chunk.window_start]
         audio = self.decoder(kept_frames, state)[0]
         if chunk.is_final:
