@@ -50,7 +50,7 @@ from deployments.voices import LLMVoices
 from llm_stage.migration import KVSnapshot
 from llm_stage.registry import check_model_config
 from llm_stage.wiring import build_llm_side, size_for_streams
-from router.admission import Admission, ReplicaLoad, decide, first_chunk_s, stream_limit
+from router.admission import STARTUP_CHUNKS, Admission, ReplicaLoad, StartTimes, decide, first_chunk_s, has_room
 from router.detok_load import step_s_at, summarize_detok
 from router.detok_pins import DetokPins
 from router.dispatch import detok_loads, live_detok_replicas
@@ -93,6 +93,13 @@ class _Stream:
     started_s: float = field(default_factory=time.monotonic)
     pending: list[_Batch] = field(default_factory=list)  # a batch per chunk queued, not yet yielded
     is_done: bool = False
+    is_held: bool = False  # queued in the replica, not in the engine yet (`_hold`)
+    num_chunks: int = 0  # chunks sent
+
+    @property
+    def is_starting(self) -> bool:
+        """Running, and fewer than STARTUP_CHUNKS chunks sent (router.admission)."""
+        return not self.is_held and self.num_chunks < STARTUP_CHUNKS
 
 
 class LLMStage:
@@ -111,6 +118,7 @@ class LLMStage:
         self.held: list[_Stream] = []  # queued streams not in the engine yet, first come first (`_hold`)
         self.event_loop: asyncio.AbstractEventLoop | None = None  # the replica's, set by the first call
         self.avg_stream_s = 0.0
+        self.start_times = StartTimes()  # from a stream's start to its first chunks
         self.num_decode_calls = 0
         self.num_audio_refs = 0
         self.voices = LLMVoices(self.config, detok_handle.voice_bank.remote)  # registered voices' LM prompts, read once
@@ -317,6 +325,10 @@ class LLMStage:
             detok_other_streams=max(0, detok.num_streams - num_streams),
             detok_first_chunk_s=detok.first_chunk_s,
             predicts=admission.policy == "predictive",
+            num_starting=sum(stream.is_starting for stream in self.streams.values()),
+            startup_limit=admission.max_starting_per_replica,
+            startup_s=self.start_times.startup_s(),
+            measured_first_chunk_s=self.start_times.first_chunk_s(),
         )
 
     def record_routing_stats(self) -> dict:
@@ -403,10 +415,16 @@ class LLMStage:
             stream.pending.remove(batch)
             self.side.mark_audio_sent(ref.req_id, ref.duration_s, ref.num_frames)
             self.num_audio_refs += 1
+            self._count_chunk(stream)
             yield AudioReady(ref, checkpoint)
             if ref.is_final:
                 stream.is_done = True
                 return
+
+    def _count_chunk(self, stream: _Stream) -> None:
+        stream.num_chunks += 1
+        if stream.num_chunks <= STARTUP_CHUNKS:
+            self.start_times.record(stream.num_chunks, time.monotonic() - stream.started_s)
 
     async def push_text(self, piece: TextPiece) -> bool | Invalid:
         """More text for a streaming-text job running here: True when taken, False when the stream is
@@ -457,12 +475,14 @@ class LLMStage:
 
     async def _hold(self, stream: _Stream, start_by_s: float) -> bool:
         """A queued stream waits here, first come first, until the streams running are under the
-        limit the measured pace sets (`stream_limit`): True. Not in the engine: its scheduler starts
-        a request as soon as a KV slot is free, and the KV cap is above that limit whenever the pace
-        is what binds (a burst then ran every queued stream at once, and all of them underran).
+        limit the measured pace sets (`stream_limit`) and those starting under the startup limit
+        (`router.admission.has_room`): True. Not in the engine: its scheduler starts a request as
+        soon as a KV slot is free, and the KV cap is above that limit whenever the pace is what
+        binds (a burst then ran every queued stream at once, and all of them underran).
         False when no room came by `start_by_s` (monotonic): started later it would miss its TTFA
         deadline, so it is refused instead (queue only what starts in time)."""
         self.held.append(stream)
+        stream.is_held = True
         try:
             while not self.is_moving_out and not (self.held[0] is stream and self._has_room()):
                 if time.monotonic() >= start_by_s:
@@ -471,15 +491,18 @@ class LLMStage:
             return True
         finally:
             self.held.remove(stream)
+            stream.is_held = False
             stream.started_s = time.monotonic()  # its lifetime in the engine (`avg_stream_s`) starts now
 
     def _start_by(self, job: Job) -> float:
-        """When a queued job must start to make its TTFA deadline (monotonic)."""
-        return time.monotonic() + max(0.0, job.ttfa_deadline_s - first_chunk_s(self.load()))
+        """When a queued job must start to make its TTFA deadline (monotonic): its first chunk takes
+        what recent streams' took (the prediction when none started lately)."""
+        load = self.load()
+        return time.monotonic() + max(0.0, job.ttfa_deadline_s - max(first_chunk_s(load), load.measured_first_chunk_s))
 
     def _has_room(self) -> bool:
         running = len(self.streams) - len(self.held)
-        return running < stream_limit(dataclasses.replace(self.load(), num_active=running))
+        return has_room(dataclasses.replace(self.load(), num_active=running))
 
     def _cancel(self, req_id: str) -> None:
         with self.loop.exclusive():

@@ -3,10 +3,11 @@
 Starts `voxray serve` (`python -m cluster.cli serve`) on the CPU config, on loopback ports of its
 own, and sends every request with the SLO as its TTFA deadline. Measures the capacity at SLO
 (the sweep's open loop), then Poisson arrivals at 2x and 3x that rate, then a burst of 3x the
-streams it admitted at once, sent within 1 s. Per phase: share admitted, admitted streams'
-viability and p90 TTFA, p99 reject latency. With `--fixed-cap-baseline`, a second server with
-`admission.policy: fixed_cap` (streams counted against the cap only) then runs the same capacity
-sweep, for capacity before / after in one run. Writes JSON and a markdown table.
+streams it admitted at once, sent within 1 s (`--bursts N K`: only K bursts of N streams). Per
+phase: share admitted, admitted streams' viability and p90 TTFA, p99 reject latency. With
+`--fixed-cap-baseline`, a second server with `admission.policy: fixed_cap` (streams counted
+against the cap only) then runs the same capacity sweep, for capacity before / after in one run.
+Writes JSON and a markdown table.
 Usage: python -m loadtest.overload_bench --out bench_out/overload [--fixed-cap-baseline]
 """
 
@@ -27,10 +28,18 @@ import grpc
 import yaml
 
 from cluster.client import make_request
-from loadtest.metrics import RequestRecord, capacity_at_slo, is_viable, percentile, summarize, ttfa_s
+from loadtest.metrics import (
+    RequestRecord,
+    capacity_at_slo,
+    chunk_lateness_s,
+    is_viable,
+    percentile,
+    summarize,
+    ttfa_s,
+)
 from loadtest.run_all import System, start, stop
 from loadtest.serve_voxray import CPU_CONFIG, loadtest_config
-from loadtest.sweep import SweepConfig, format_step, is_saturated, wait_ready
+from loadtest.sweep import SweepConfig, format_step, is_saturated, server_stamps, wait_ready
 from loadtest.workload import arrival_offsets_s, load_prompts
 from protos import voxray_pb2_grpc
 
@@ -45,6 +54,8 @@ class Sent:
     record: RequestRecord
     sent_s: float = 0.0
     ended_s: float = 0.0
+    sent_unix_s: float = 0.0
+    stamps_unix_s: list[tuple[float, ...]] = field(default_factory=list)  # per chunk: the server's hop stamps
 
     @property
     def is_rejected(self) -> bool:
@@ -73,11 +84,12 @@ def send_one(stub: voxray_pb2_grpc.SpeechStub, text: str, seed: int, cfg: SweepC
         ttfa_deadline_s=cfg.slo_ttfa_p90_s,
     )  # fmt: skip
     sent = Sent(RequestRecord(text_chars=len(text)), sent_s=time.perf_counter() - origin_s)
-    start_s = time.perf_counter()
+    start_s, sent.sent_unix_s = time.perf_counter(), time.time()
     try:
         for chunk in stub.Synthesize(request, metadata=(("application", cfg.app_name),), timeout=cfg.request_timeout_s):
             sent.record.arrivals_s.append(time.perf_counter() - start_s)
             sent.record.durations_s.append(chunk.duration_s)
+            sent.stamps_unix_s.append((*server_stamps(chunk.timings), time.time()))
     except grpc.RpcError as err:
         sent.record.is_ok, sent.record.error = False, err.code().name
     sent.ended_s = time.perf_counter() - origin_s
@@ -167,6 +179,38 @@ def overload(stub, cfg: SweepConfig, capacity_rps: float, duration_s: float) -> 
     return phases
 
 
+def bursts(stub, cfg: SweepConfig, num_streams: int, times: int, gap_s: float) -> list[PhaseResult]:
+    """`times` bursts of `num_streams` streams within 1 s, `gap_s` apart (the server idle between):
+    what `--bursts` measures alone, with each stream's chunk lateness printed for diagnosis."""
+    phases = []
+    for index in range(times):
+        offsets = sorted(random.Random(f"burst-{index}").uniform(0.0, 1.0) for _ in range(num_streams))
+        sent = run_phase(stub, offsets, cfg, seed=9 + index)
+        phases.append(summarize_phase(f"burst {index + 1} of {num_streams} in 1 s", None, sent))
+        print(phases[-1], flush=True)
+        for s in sorted(sent, key=lambda s: s.sent_s):
+            print(f"  sent {s.sent_s:5.2f} s  {describe_stream(s)}", flush=True)
+        time.sleep(gap_s)
+    return phases
+
+
+def describe_stream(sent: Sent, num_chunks: int = 6) -> str:
+    """A stream's outcome: its TTFA and the chunks that came late (index: seconds); when some did,
+    its first chunks' path (ms since it was sent: cut, at the detok, decoded, sent by the Router,
+    received; and the audio it carried)."""
+    record = sent.record
+    if not record.is_ok:
+        return f"{record.error} after {1000 * (sent.ended_s - sent.sent_s):.0f} ms"
+    lateness_s = chunk_lateness_s(record.arrivals_s, record.durations_s)
+    late = [(i + 1, round(t, 3)) for i, t in enumerate(lateness_s) if t > 0]
+    line = f"TTFA {ttfa_s(record.arrivals_s, record.durations_s):.2f} s, {len(record.arrivals_s)} chunks, late {late}"
+    if late:
+        for stamps, duration_s in list(zip(sent.stamps_unix_s, record.durations_s, strict=True))[:num_chunks]:
+            path_ms = " ".join(f"{1000 * (t - sent.sent_unix_s):5.0f}" for t in stamps)
+            line += f"\n      {path_ms}  ({1000 * duration_s:.0f} ms of audio)"
+    return line
+
+
 def serve_command(config_path: Path) -> list[str]:
     return [sys.executable, "-m", "cluster.cli", "serve", "--config", str(config_path)]
 
@@ -224,9 +268,21 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", type=Path, default=Path("bench_out/overload"))
     baseline = "then measure capacity at SLO again with admission.policy fixed_cap (a fresh server)"
     p.add_argument("--fixed-cap-baseline", action="store_true", help=baseline)
+    p.add_argument(
+        "--bursts",
+        type=int,
+        nargs=2,
+        metavar=("STREAMS", "TIMES"),
+        help="only bursts: TIMES bursts of STREAMS streams within 1 s, 20 s apart, each stream described",
+    )
     args = p.parse_args(argv)
     cfg = SweepConfig(rates_rps=tuple(args.rates), duration_s=args.duration_s, max_requests=args.max_requests)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.bursts:
+        num_streams, times = args.bursts
+        phases = with_server(write_config(args.config, args.out), cfg, args.out,
+                             lambda stub: bursts(stub, cfg, num_streams, times, gap_s=20.0))  # fmt: skip
+        return {"phases": [asdict(phase) for phase in phases]}
 
     def measure_and_overload(stub) -> tuple[float, list[dict], float, list[PhaseResult]]:
         capacity_rps, sweep = measure_capacity(stub, cfg)

@@ -70,7 +70,7 @@ def run_one(stub: voxray_pb2_grpc.SpeechStub, text: str, seed: int, cfg: SweepCo
         for chunk in stub.Synthesize(request, metadata=(("application", cfg.app_name),), timeout=cfg.request_timeout_s):
             record.arrivals_s.append(time.perf_counter() - start)
             record.durations_s.append(chunk.duration_s)
-            hops = chunk_hops_s(_stamps(chunk.timings), time.time())
+            hops = chunk_hops_s(server_stamps(chunk.timings), time.time())
             if hops is not None:
                 record.hops_s.append(hops)
     except grpc.RpcError as err:
@@ -78,7 +78,7 @@ def run_one(stub: voxray_pb2_grpc.SpeechStub, text: str, seed: int, cfg: SweepCo
     return record
 
 
-def _stamps(timings: voxray_pb2.ServerTimings) -> tuple[float, float, float, float]:
+def server_stamps(timings: voxray_pb2.ServerTimings) -> tuple[float, float, float, float]:
     return (timings.chunk_ready_unix_s, timings.detok_received_unix_s, timings.audio_ready_unix_s,
             timings.router_sent_unix_s)  # fmt: skip
 

@@ -5,16 +5,25 @@ replicas with `predict_ttfa_s`, and the Router rejects at once with `admits_anyw
 the `ReplicaLoad` the LLM replica publishes, which carries the detok stage's measured pace too
 (router.detok_load). How many streams a replica takes comes from both stages' measured pace
 (`stream_limit`), capped by its KV slots: a fixed count is either too cautious on a fast
-machine or too bold on a slow one.
+machine or too bold on a slow one. How many may start at once is limited too (`startup_wait_s`):
+a burst of streams started together underran however many the replica sustains.
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from dataclasses import asdict, dataclass
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 
 DEFAULT_STEP_S = 0.02  # prior before the first measured step
+# A stream is starting until it has sent this many chunks: before, its client holds one small
+# first chunk, so the work of other streams starting beside it makes it underrun.
+STARTUP_CHUNKS = 2
+STARTS_KEPT = 20  # recent starts whose times a replica reports
+STARTS_FRESH_S = 30.0  # starts older than this no longer count (a slow one from a passing burst)
 
 
 class Admission(enum.Enum):
@@ -46,6 +55,10 @@ class ReplicaLoad:
     detok_other_streams: int = 0  # streams other LLM replicas run through the detok stage
     detok_first_chunk_s: float = 0.0  # decode time of a new stream's first chunk
     predicts: bool = True  # False: admission.policy fixed_cap (streams counted against max_streams only)
+    num_starting: int = 0  # streams running that have not sent STARTUP_CHUNKS chunks yet
+    startup_limit: int = 0  # streams that may be starting at once (0 = no limit)
+    startup_s: float = 0.0  # recent time from a stream's start to its STARTUP_CHUNKS-th chunk (p90); 0 = unknown
+    measured_first_chunk_s: float = 0.0  # recent time from a stream's start to its first chunk (p90); 0 = unknown
 
     def to_stats(self) -> dict:
         return asdict(self)
@@ -56,6 +69,36 @@ class ReplicaLoad:
             return cls(**{k: stats[k] for k in cls.__dataclass_fields__})
         except (KeyError, TypeError):
             return None
+
+
+@dataclass
+class StartTimes:
+    """How long a replica's recent streams took from their start to their first chunk and to their
+    STARTUP_CHUNKS-th: the 90th percentile of the last STARTS_KEPT within STARTS_FRESH_S (0 when
+    none). A queued stream is promised a start from these; promised from the mean, some were
+    refused after their wait instead of at once."""
+
+    clock: Callable[[], float] = time.monotonic
+    _first_chunk: deque = field(default_factory=lambda: deque(maxlen=STARTS_KEPT))  # (when, seconds)
+    _started: deque = field(default_factory=lambda: deque(maxlen=STARTS_KEPT))
+
+    def record(self, num_chunks: int, since_start_s: float) -> None:
+        """A stream sent its `num_chunks`-th chunk `since_start_s` after it started."""
+        if num_chunks == 1:
+            self._first_chunk.append((self.clock(), since_start_s))
+        if num_chunks == STARTUP_CHUNKS:
+            self._started.append((self.clock(), since_start_s))
+
+    def first_chunk_s(self) -> float:
+        return self._p90(self._first_chunk)
+
+    def startup_s(self) -> float:
+        return self._p90(self._started)
+
+    def _p90(self, samples: deque) -> float:
+        since_s = self.clock() - STARTS_FRESH_S
+        fresh = sorted(seconds for when, seconds in samples if when >= since_s)
+        return fresh[math.ceil(0.9 * len(fresh)) - 1] if fresh else 0.0
 
 
 def _paced(margin: float, real_time: float, measured: int) -> int:
@@ -104,33 +147,59 @@ def first_chunk_s(load: ReplicaLoad) -> float:
     return (load.first_chunk_tokens + 1) * step_s + load.detok_first_chunk_s
 
 
+def limits_startups(load: ReplicaLoad) -> bool:
+    return load.predicts and load.startup_limit > 0
+
+
+def startup_wait_s(load: ReplicaLoad, extra_requests: int = 0) -> float:
+    """How long one more request waits for the streams starting now before it may start itself:
+    past the startup limit, a wave of starts (`startup_s`) per `startup_limit` ahead of it. Streams
+    that start together each hold one small chunk while the others' first chunks take the steps:
+    started beyond that limit (a burst), they all underran."""
+    if not limits_startups(load):
+        return 0.0
+    position = load.num_starting + extra_requests - load.startup_limit  # >= 0: waits for a start to end
+    if position < 0:
+        return 0.0
+    wave_s = load.startup_s or STARTUP_CHUNKS * first_chunk_s(load)  # (a start's own cost when none measured)
+    return (position // load.startup_limit + 1) * wave_s
+
+
 def predict_ttfa_s(load: ReplicaLoad, extra_requests: int = 0) -> float:
     """Predicted time to first audio for one more request on this replica: its first chunk's
     tokens at the step measured for the batch it joins, that chunk's decode at the detok stage,
-    and, past the stream limit, the wait for running streams to end."""
+    and, past the stream limit, the wait for running streams to end, or past the startup limit,
+    the wait for the streams starting now (the longer)."""
     step_s = load.next_step_s or load.step_s or DEFAULT_STEP_S
     generate_s = first_chunk_s(load)
     limit = stream_limit(load)
     position = load.num_active + extra_requests - limit  # >= 0: waits for a running stream to end
-    if position < 0:
-        return generate_s
-    wait_per_slot_s = (load.avg_stream_s or load.first_chunk_tokens * 10 * step_s) / max(1, limit)
-    return generate_s + (position + 1) * wait_per_slot_s
+    slot_wait_s = 0.0
+    if position >= 0:
+        wait_per_slot_s = (load.avg_stream_s or load.first_chunk_tokens * 10 * step_s) / max(1, limit)
+        slot_wait_s = (position + 1) * wait_per_slot_s
+    return generate_s + max(slot_wait_s, startup_wait_s(load, extra_requests))
+
+
+def has_room(load: ReplicaLoad) -> bool:
+    """Whether one more stream may start now: under the stream limit, and under the startup limit."""
+    starting_full = limits_startups(load) and load.num_starting >= load.startup_limit
+    return load.num_active < stream_limit(load) and not starting_full
 
 
 def decide(load: ReplicaLoad, deadline_s: float) -> Admission:
     """Reject when the predicted first audio misses `deadline_s`; otherwise admit under the stream
-    limit, and queue past it while the queue has room (the prediction counts the wait). An idle
+    and startup limits, and queue past them while the queue has room (the prediction counts the
+    wait). An idle
     replica admits: only a running stream measures its steps again, so a slow figure (a cold
     first decode, a burst of load beside it) would otherwise reject everything for good."""
     if load.num_active == 0:
         return Admission.ADMIT
     if load.predicts and predict_ttfa_s(load) > deadline_s:
         return Admission.REJECT
-    limit = stream_limit(load)
-    if load.num_active < limit:
+    if has_room(load):
         return Admission.ADMIT
-    return Admission.QUEUE if load.num_active - limit < load.max_queued else Admission.REJECT
+    return Admission.QUEUE if load.num_active - stream_limit(load) < load.max_queued else Admission.REJECT
 
 
 def admits_anywhere(loads: list[ReplicaLoad], deadline_s: float) -> bool:

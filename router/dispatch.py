@@ -140,7 +140,9 @@ class PredictedTTFARouter(RequestRouter):
             self._pending(replica.replica_id, self._get_curr_time_s() - UNREPORTED_EVENTS_KEEP_S)
             return None
         pending = self._pending(replica.replica_id, load.reported_unix_s)
-        return ReplicaLoad(**{**load.to_stats(), "num_active": max(0, load.num_active + pending)})
+        num_starting = load.num_starting + max(0, pending)  # a request routed since then is starting
+        return ReplicaLoad(**{**load.to_stats(), "num_active": max(0, load.num_active + pending),
+                              "num_starting": num_starting})  # fmt: skip
 
     def _is_passed_over(self, unique_id: str) -> bool:
         return unique_id in self.leaving or self.passed_over_until.get(unique_id, 0.0) > self._get_curr_time_s()

@@ -188,3 +188,27 @@ def test_queued_streams_wait_outside_the_engine_until_the_pace_has_room_first_co
         assert started == ["q-1", "q-2"] and not stage.held
 
     asyncio.run(run())
+
+
+def test_queued_streams_wait_for_the_streams_starting_ahead_of_them():
+    """Under the paced limit but at the startup limit (here 1): a queued stream starts once the
+    stream starting ahead of it has sent STARTUP_CHUNKS chunks, not before."""
+    from router.admission import STARTUP_CHUNKS, ReplicaLoad
+
+    async def run() -> None:
+        stage = object.__new__(LLMStage)
+        stage.is_moving_out, stage.held = False, []
+        stage.streams = {"run-1": _Stream(asyncio.Queue())}
+        room = dict(max_streams=8, max_queued=4, step_s=0.01, first_chunk_tokens=7, avg_stream_s=1.0, startup_limit=1)
+        stage.load = lambda: ReplicaLoad(
+            num_active=len(stage.streams), num_starting=sum(s.is_starting for s in stage.streams.values()), **room
+        )
+        stage.streams["q-1"] = queued = _Stream(asyncio.Queue())
+        hold = asyncio.ensure_future(stage._hold(queued, time.monotonic() + 60.0))
+        for _ in range(STARTUP_CHUNKS):
+            await asyncio.sleep(0.1)
+            assert not hold.done()  # run-1 is still starting
+            stage.streams["run-1"].num_chunks += 1
+        assert await asyncio.wait_for(hold, 1.0) and queued.is_starting
+
+    asyncio.run(run())

@@ -1,7 +1,21 @@
 """Admission from both stages' measured pace (router.admission, router.detok_load), pure: no Ray."""
 
+import pytest
+
 from core.policy import MIN_STEP_SAMPLES, StepSamples, StepTimer
-from router.admission import Admission, ReplicaLoad, admits_anywhere, decide, predict_ttfa_s, stream_limit
+from router.admission import (
+    STARTS_FRESH_S,
+    STARTS_KEPT,
+    STARTUP_CHUNKS,
+    Admission,
+    ReplicaLoad,
+    StartTimes,
+    admits_anywhere,
+    decide,
+    has_room,
+    predict_ttfa_s,
+    stream_limit,
+)
 from router.detok_load import DetokLoad, DetokPace, step_s_at, summarize_detok
 
 
@@ -221,3 +235,36 @@ def test_detok_counts_running_streams_not_cfg_rows_nor_ended_ones():
     assert pace.load(0).num_streams == 1
     clock[0] += 2.5  # no chunk for longer than the window: gone (a stream lost upstream)
     assert pace.load(0).num_streams == 0
+
+
+def test_streams_past_the_startup_limit_wait_for_the_starts_ahead_of_them():
+    """A burst: streams started together underran, so past `startup_limit` streams starting at
+    once one more waits a wave of starts per limit ahead of it, queued when that still makes its
+    deadline, refused at once when not; room is back as soon as a start ends."""
+    from dataclasses import replace
+
+    starting = replace(load(3, real_time=20.0, measured=8), num_starting=2, startup_limit=2, startup_s=0.6)
+    generate_s = predict_ttfa_s(replace(starting, num_starting=0))
+    assert not has_room(starting)  # 3 running of a limit of 9, but 2 of them starting
+    assert predict_ttfa_s(starting) == pytest.approx(generate_s + 0.6)
+    assert predict_ttfa_s(starting, extra_requests=2) == pytest.approx(generate_s + 1.2)  # the next wave
+    assert decide(starting, 5.0) is Admission.QUEUE
+    assert decide(starting, generate_s + 0.5) is Admission.REJECT  # one wave is longer than it can wait
+    assert decide(replace(starting, num_starting=1), generate_s + 0.1) is Admission.ADMIT
+    assert has_room(replace(starting, predicts=False))  # fixed_cap: the cap only
+
+
+def test_start_times_report_a_recent_high_percentile_and_forget_old_starts():
+    now = [0.0]
+    times = StartTimes(clock=lambda: now[0])
+    assert times.startup_s() == times.first_chunk_s() == 0.0  # none measured: the prediction stands
+    for seconds in (0.5, 0.6, 0.55, 0.58, 1.3, 0.57, 0.6, 0.59, 0.61, 1.4):
+        times.record(1, seconds / 2)
+        times.record(STARTUP_CHUNKS, seconds)
+    assert times.startup_s() == 1.3  # two in ten took that long: a promise from it holds nine times in ten
+    assert times.first_chunk_s() == 0.65
+    for _ in range(STARTS_KEPT):
+        times.record(STARTUP_CHUNKS, 0.6)
+    assert times.startup_s() == 0.6  # the last STARTS_KEPT count
+    now[0] = STARTS_FRESH_S + 1.0
+    assert times.startup_s() == 0.0  # a burst's slow starts do not hold admission down for good
