@@ -36,7 +36,14 @@ PING_TIMEOUT_S = 5.0
 # A parcel's rows are owned by its sender: it holds a reference this long, so they are not freed
 # before the replica continuing the stream has read them (the router only borrows the ref).
 KEEP_SENT_S = 60.0
+# A delivery whose receiver gave up before it started is skipped when it starts within this long
+# (one that started already has its rows dropped by the sink as they land, `TensorEndpoint.discard`).
+ABANDONED_KEPT_S = 600.0
 NodePair = tuple[str, str]  # (sender node id, receiver node id)
+
+
+class DeliveryAbandoned(RuntimeError):
+    """The receiver stopped waiting for this parcel before its delivery started: it was skipped."""
 
 
 @dataclass(frozen=True)
@@ -56,8 +63,10 @@ class KVCourier:
         self.kind = TransportKind(kind)
         self.pairs: dict[NodePair, EndpointPair] = {}
         self.forming: dict[NodePair, threading.Lock] = {}
-        self.lock = threading.Lock()  # pairs, forming, counters
+        self.abandoned: dict[str, float] = {}  # key -> when its receiver gave up
+        self.lock = threading.Lock()  # pairs, forming, abandoned, counters
         self.num_delivered = self.bytes_delivered = self.num_pairs_formed = self.num_failed = 0
+        self.num_abandoned = self.num_skipped = 0
         self.seconds = 0.0
 
     def prepare(self, sender_node: str, receiver_node: str) -> None:
@@ -68,6 +77,10 @@ class KVCourier:
         """Move the rows of `parcel_ref[0]` (a ref in a list: read by the source endpoint, not here)."""
         nodes = (sender_node, receiver_node)
         pair = self._pair(nodes)
+        with self.lock:
+            if self.abandoned.pop(key, None) is not None:  # (past this, `abandon` finds the pair: its sink discards)
+                self.num_skipped += 1
+                raise DeliveryAbandoned(key)
         try:
             transfer = pair.send(key, parcel_ref[0])
         except RayError:
@@ -84,6 +97,18 @@ class KVCourier:
             self.bytes_delivered += transfer.num_bytes
             self.seconds += transfer.seconds
         return Delivered(pair.sink, transfer.num_bytes, transfer.seconds)
+
+    def abandon(self, key: str, sender_node: str, receiver_node: str) -> None:
+        """The receiver stopped waiting for `key` (it reads the object store instead): its rows leave
+        the sink now or as they land, and a delivery not started yet is skipped."""
+        now = time.monotonic()
+        with self.lock:
+            self.abandoned = {old: at for old, at in self.abandoned.items() if at > now - ABANDONED_KEPT_S}
+            self.abandoned[key] = now
+            self.num_abandoned += 1
+            pair = self.pairs.get((sender_node, receiver_node))
+        if pair is not None:
+            pair.sink.discard.remote(key)
 
     def _pair(self, nodes: NodePair) -> EndpointPair:
         with self.lock:
@@ -105,16 +130,26 @@ class KVCourier:
         return pair
 
     def stats(self) -> dict:
-        """Counters, and the sinks' own (what crossed the transport, as the endpoints counted it)."""
+        """Counters, and the sinks' own (what crossed the transport, as the endpoints counted it, and
+        the rows they hold now: delivered, not read yet), and the rows the sources hold now (a send
+        under way)."""
         with self.lock:
             pairs = dict(self.pairs)
             counters = {
                 "transport": self.kind.value, "delivered": self.num_delivered, "bytes_delivered": self.bytes_delivered,
                 "seconds": self.seconds, "pairs_formed": self.num_pairs_formed, "failed": self.num_failed,
+                "abandoned": self.num_abandoned, "skipped": self.num_skipped,
             }  # fmt: skip
-        sinks = [ray.get(pair.sink.stats.remote(), timeout=PING_TIMEOUT_S) for pair in pairs.values()]
-        received = {key: sum(sink[key] for sink in sinks) for key in ("received", "bytes_received")}
-        return counters | {"sinks": received}
+        sinks = ray.get([pair.sink.stats.remote() for pair in pairs.values()], timeout=PING_TIMEOUT_S)
+        sources = ray.get([pair.source.stats.remote() for pair in pairs.values()], timeout=PING_TIMEOUT_S)
+        return counters | {
+            "sinks": _summed(sinks, ("received", "bytes_received", "discarded", "held", "bytes_held")),
+            "sources": _summed(sources, ("held", "bytes_held")),
+        }
+
+
+def _summed(endpoints: list[dict], keys: tuple[str, ...]) -> dict[str, int]:
+    return {key: sum(endpoint[key] for endpoint in endpoints) for key in keys}
 
 
 def _is_alive(pair: EndpointPair) -> bool:
@@ -214,13 +249,15 @@ class KVMoves:
         try:
             call = courier.deliver.remote([parcel.ref], parcel.key, parcel.node_id, self.node_id)
             delivered: Delivered = await asyncio.wait_for(call, self.timeout_s)
-            named = await delivered.sink.get.remote(parcel.key)
-            delivered.sink.drop.remote(parcel.key)  # the rows are here now
-            return named
+            return await delivered.sink.take.remote(parcel.key)  # the rows are here now, and gone from the sink
         except (RayError, TimeoutError):
             self.num_fallbacks += 1
             self.courier = None  # ask Serve for it again: it may have been recreated
+            courier.abandon.remote(parcel.key, parcel.node_id, self.node_id)  # what it still delivers is dropped
             return None
+        except asyncio.CancelledError:  # (the stream ended while its rows were on the way)
+            courier.abandon.remote(parcel.key, parcel.node_id, self.node_id)
+            raise
 
     def _courier(self):
         if self.courier is None:

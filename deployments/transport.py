@@ -19,9 +19,13 @@ from enum import Enum
 
 import ray
 import torch
+from ray.exceptions import RayError
 
 Tensors = torch.Tensor | dict[str, torch.Tensor]
 ENDPOINT_CONCURRENCY = 4  # RDT transfers hang on endpoints that run one call at a time
+# A transfer whose reader gave up may land later: an endpoint refuses its tensors this long after
+# the discard (longer than any transfer waits: `TensorTransport.move` gives up after 60 s).
+DISCARD_REMEMBERED_S = 600.0
 
 
 class TransportKind(str, Enum):
@@ -41,22 +45,44 @@ def num_bytes(tensors: Tensors) -> int:
 
 @ray.remote(num_cpus=0)  # it holds and forwards tensors; the replica beside it owns the compute
 class TensorEndpoint:
-    """One replica's tensors by key, and its transfer counters."""
+    """One replica's tensors by key, and its transfer counters. A key discarded before its tensors
+    came (their reader gave up on a transfer still under way) is refused when they arrive."""
 
     def __init__(self, name: str = "") -> None:
         self.name = name
         self.tensors: dict[str, Tensors] = {}
-        self.counters = {"sent": 0, "received": 0, "bytes_sent": 0, "bytes_received": 0}
+        self.discarded: dict[str, float] = {}  # key -> when: its tensors are dropped as they arrive
+        self.lock = threading.Lock()  # (a threaded actor: a receive and a discard of one key may race)
+        self.counters = {"sent": 0, "received": 0, "bytes_sent": 0, "bytes_received": 0, "discarded": 0}
 
     def hold(self, key: str, tensors: Tensors) -> int:
-        self.tensors[key] = tensors
+        with self.lock:
+            self.tensors[key] = tensors
         return num_bytes(tensors)
 
     def get(self, key: str) -> Tensors:
         return self.tensors[key]
 
+    def take(self, key: str) -> Tensors:
+        """The tensors under `key`, no longer held here."""
+        with self.lock:
+            return self.tensors.pop(key)
+
     def drop(self, key: str) -> bool:
-        return self.tensors.pop(key, None) is not None
+        with self.lock:
+            return self.tensors.pop(key, None) is not None
+
+    def discard(self, key: str) -> bool:
+        """Nobody will read `key`: drop its tensors now (True), or as they arrive (remembered
+        DISCARD_REMEMBERED_S)."""
+        now = time.monotonic()
+        with self.lock:
+            self.discarded = {old: at for old, at in self.discarded.items() if at > now - DISCARD_REMEMBERED_S}
+            if self.tensors.pop(key, None) is not None:
+                self.counters["discarded"] += 1
+                return True
+            self.discarded[key] = now
+            return False
 
     def _send(self, key: str) -> Tensors:
         tensors = self.tensors[key]
@@ -76,13 +102,20 @@ class TensorEndpoint:
         return self._send(key)
 
     def receive(self, key: str, tensors: Tensors) -> int:
-        self.tensors[key] = tensors
-        self.counters["received"] += 1
-        self.counters["bytes_received"] += num_bytes(tensors)
+        with self.lock:
+            self.counters["received"] += 1
+            self.counters["bytes_received"] += num_bytes(tensors)
+            if self.discarded.pop(key, None) is None:
+                self.tensors[key] = tensors
+            else:
+                self.counters["discarded"] += 1
         return num_bytes(tensors)
 
     def stats(self) -> dict:
-        return {"name": self.name, "held": len(self.tensors), **self.counters}
+        with self.lock:
+            held = list(self.tensors.values())
+            counters = dict(self.counters)
+        return {"name": self.name, "held": len(held), "bytes_held": sum(map(num_bytes, held)), **counters}
 
 
 @dataclass(frozen=True)
@@ -150,6 +183,9 @@ class EndpointPair:
             ray.get(self.source.hold.remote(key, tensors))
             try:
                 return self.transport.move(key, self.source, self.sink)
+            except RayError:  # (the move timed out, or an endpoint died): a receive under way lands for nobody
+                self.sink.discard.remote(key)
+                raise
             finally:
                 ray.get(self.source.drop.remote(key))
 

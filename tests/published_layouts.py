@@ -34,7 +34,7 @@ from transformers import (
 )
 
 from detok_stage.codecs.dac_codec import tiny_dac_config
-from detok_stage.codecs.mimi_codec import tiny_mimi_config
+from detok_stage.codecs.mimi_codec import tiny_mimi_config, with_random_codebooks
 from detok_stage.codecs.qwen3_tts_codec import preset_decoder, tiny_tokenizer_config
 from detok_stage.codecs.qwen3_tts_decoder import Qwen3TTSDecoder
 from detok_stage.codecs.snac_codec import TINY_SNAC
@@ -182,6 +182,7 @@ def csm_model(seed: int = 0) -> CsmForConditionalGeneration:
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.2)
+    with_random_codebooks(model.codec_model)  # (a published Mimi's codebooks are not zeros)
     return model
 
 
@@ -198,7 +199,7 @@ def write_csm(directory: Path, model: CsmForConditionalGeneration) -> Path:
 
 def mimi_model(seed: int = 0) -> MimiModel:
     seeded(seed)
-    return MimiModel(MimiConfig(**tiny_mimi_config(8))).eval()
+    return with_random_codebooks(MimiModel(MimiConfig(**tiny_mimi_config(8)))).eval()
 
 
 def write_mimi(directory: Path, model: MimiModel) -> Path:

@@ -7,8 +7,9 @@ A chunk that finds no state (first chunk, or a replica that never saw the reques
 fresh state on its left-context frames: exact from the stream start, approximate mid-stream.
 A chunk that comes again (its stream resumed on another LLM replica) decodes from the state kept
 from before it (one per recent chunk): exact.
-Weights: `kyutai/mimi` (or a dir) as `codec_dir`, else the Mimi inside the CSM checkpoint; one
-MimiModel per process, shared with CSM's LM adapter (`shared_mimi`).
+Weights: `kyutai/mimi` (or a dir) as `codec_dir`, else the Mimi inside the CSM checkpoint, else a
+seeded random preset (random codebooks too: `with_random_codebooks`); one MimiModel per process,
+shared with CSM's LM adapter (`shared_mimi`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import torch
 from transformers import DynamicCache, MimiConfig, MimiModel
+from transformers.models.mimi.modeling_mimi import MimiEuclideanCodebook
 
 from core.checkpoints import (
     ModelRef,
@@ -69,11 +71,25 @@ def load_mimi(codec_dir: ModelRef | None, seed: int, preset: dict | None) -> Mim
     model = load_or_preset(
         codec_dir,
         load=hf_loader(MimiModel),
-        preset=lambda: MimiModel(MimiConfig(**(preset or {}))),
+        preset=lambda: with_random_codebooks(MimiModel(MimiConfig(**(preset or {})))),
         seed=seed,
         field="model.codec_dir",
     )
     return model.eval()
+
+
+def with_random_codebooks(model: MimiModel) -> MimiModel:
+    """`model` with random RVQ centroids, drawn from torch's generator (seeded by the preset, like the
+    rest of its weights) with the std of its other weights (`initializer_range`: larger ones push the
+    random decoder's audio far past full scale): transformers builds them as zeros, so every code
+    would decode alike."""
+    std = model.config.initializer_range
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, MimiEuclideanCodebook):
+                module.embed_sum.normal_(0.0, std)  # [codebook_size, codebook_dim]
+                module._embed = None  # (its centroids, cached on first use: embed_sum / cluster_usage)
+    return model
 
 
 def load_mimi_from_csm(checkpoint: Path) -> MimiModel:

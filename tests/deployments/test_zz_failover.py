@@ -216,6 +216,7 @@ def test_streams_move_with_their_kv_off_a_leaving_llm_replica(cluster):
         courier = _kv_courier(ep.app_name)
         sent = ray.get(courier.stats.remote(), timeout=30)
         assert sent["sinks"]["bytes_received"] >= kept["kv_bytes_moved_in"] and sent["failed"] == 0, sent
+        assert sent["sinks"]["held"] == sent["sources"]["held"] == 0, sent  # each parcel read (or dropped)
         print(f"{len(moved)} streams moved with {kept['kv_bytes_moved_in'] / 1e6:.2f} MB of KV "
               f"in {report.moved_s:.2f} s; courier {sent}")  # fmt: skip
     finally:

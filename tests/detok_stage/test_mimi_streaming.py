@@ -3,14 +3,13 @@ and csm-tiny end to end."""
 
 from __future__ import annotations
 
-import copy
 import functools
 
 import torch
 
 from cluster.pipeline import InProcessPipeline
 from core.config import CacheConfig, DetokConfig, EngineConfig, ModelConfig, SchedulerConfig
-from detok_stage.codecs.mimi_codec import MimiCodec, tiny_mimi_config
+from detok_stage.codecs.mimi_codec import MimiCodec, load_mimi, tiny_mimi_config
 from llm_stage.chunking import Chunker, ChunkSchedule
 from tests.detok_stage.interleaved import cut_with_resume, stream_interleaved
 
@@ -36,6 +35,20 @@ def test_streamed_equals_offline_on_kept_samples():
         assert got[rid].shape[0] == len(frames) * spf
         torch.testing.assert_close(got[rid], (offline * 32767).round() / 32767, atol=1e-4, rtol=0)
     assert not codec()._states  # final chunks drop their per-request caches
+
+
+def test_the_preset_decodes_each_code_its_own_way():
+    """csm-tiny's Mimi has random codebooks (transformers builds zeros): a code changed in any
+    codebook changes the audio; the same seed builds the same weights."""
+    frames = streams([6])["r0"].unsqueeze(0)  # [1, n, K]
+    audio = codec().decode(frames)
+    for k in (0, 7):  # the semantic codebook, the last acoustic one
+        other = frames.clone()
+        other[0, 3, k] = (other[0, 3, k] + 1) % 64
+        assert (codec().decode(other) - audio).abs().max() > 1e-2, k
+    again = load_mimi(None, ModelConfig(name="csm-tiny").seed, tiny_mimi_config(8))
+    for (name, mine), theirs in zip(codec().model.state_dict().items(), again.state_dict().values(), strict=True):
+        assert torch.equal(mine, theirs), name
 
 
 def test_without_conv_context_streaming_is_not_exact():
@@ -73,10 +86,8 @@ def test_a_chunk_sent_again_after_an_llm_resume_decodes_exactly():
     """A chunk decoded here that the router never got (its LLM replica died first) comes again from
     the replica that resumed the stream, maybe cut differently: it decodes from the state before it
     (the audio an uninterrupted stream has), not from one rebuilt on its left context."""
-    model = copy.deepcopy(MimiCodec.build(ModelConfig(name="csm-tiny"), preset=LONG_WINDOW).model)
-    for name, codebook in model.named_buffers():  # the preset's codebooks are zeros: every code decodes
-        if name.endswith("embed_sum"):  # alike, and a rebuilt state would look exact
-            codebook.copy_(torch.randn(codebook.shape, generator=torch.Generator().manual_seed(1)))
+    model = MimiCodec.build(ModelConfig(name="csm-tiny"), preset=LONG_WINDOW).model  # (random codebooks: a
+    # state rebuilt on the left context decodes other audio, `test_the_preset_decodes_each_code_its_own_way`)
     frames = streams([30])["r0"]
     first, resent = cut_with_resume(frames, right_context=3)
     uninterrupted = torch.cat(MimiCodec(model).decode_stream(first))
