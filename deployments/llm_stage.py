@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -50,7 +51,16 @@ from deployments.voices import LLMVoices
 from llm_stage.migration import KVSnapshot
 from llm_stage.registry import check_model_config
 from llm_stage.wiring import build_llm_side, size_for_streams
-from router.admission import STARTUP_CHUNKS, Admission, ReplicaLoad, StartTimes, decide, first_chunk_s, has_room
+from router.admission import (
+    STARTUP_CHUNKS,
+    Admission,
+    ReplicaLoad,
+    StartTimes,
+    decide,
+    first_chunk_s,
+    has_room,
+    predict_ttfa_s,
+)
 from router.detok_load import step_s_at, summarize_detok
 from router.detok_pins import DetokPins
 from router.dispatch import detok_loads, live_detok_replicas
@@ -65,6 +75,8 @@ DETOK_RETRY_BACKOFF_S = (0.05, 0.2, 0.5, 1.0)
 MOVE_OUT_POLL_S = 0.2
 HOLD_POLL_S = 0.02  # how often a queued stream held by the replica looks for room
 DETOK_LISTING_S = 5.0  # longest wait for the detok handle's router to list the detok replicas
+
+logger = logging.getLogger("ray.serve.voxray")
 
 
 @dataclass
@@ -368,8 +380,11 @@ class LLMStage:
         # A resumed stream, or a later segment of an incremental one, was admitted once already: it
         # queues for a slot rather than being dropped.
         admitted_before = job.resume is not None or job.segment_index > 0
-        verdict = Admission.ADMIT if admitted_before else decide(self.load(), job.ttfa_deadline_s)
+        load = self.load()
+        verdict = Admission.ADMIT if admitted_before else decide(load, job.ttfa_deadline_s)
         if verdict is Admission.REJECT:
+            logger.debug("admission: %s rejected: predicted TTFA %.2f s vs deadline %.2f s; %s", job.req_id,
+                         predict_ttfa_s(load), job.ttfa_deadline_s, load)  # fmt: skip
             yield Rejected(self.config.admission.retry_after_s)
             return
         self.event_loop = asyncio.get_running_loop()

@@ -161,7 +161,9 @@ def startup_wait_s(load: ReplicaLoad, extra_requests: int = 0) -> float:
     position = load.num_starting + extra_requests - load.startup_limit  # >= 0: waits for a start to end
     if position < 0:
         return 0.0
-    wave_s = load.startup_s or STARTUP_CHUNKS * first_chunk_s(load)  # (a start's own cost when none measured)
+    # a start's own cost is the floor: a queued stream promised less (no start measured yet, or
+    # recent starts that met no burst) was refused after its wait instead of at once
+    wave_s = max(load.startup_s, STARTUP_CHUNKS * first_chunk_s(load))
     return (position // load.startup_limit + 1) * wave_s
 
 

@@ -243,13 +243,15 @@ def test_streams_past_the_startup_limit_wait_for_the_starts_ahead_of_them():
     deadline, refused at once when not; room is back as soon as a start ends."""
     from dataclasses import replace
 
-    starting = replace(load(3, real_time=20.0, measured=8), num_starting=2, startup_limit=2, startup_s=0.6)
-    generate_s = predict_ttfa_s(replace(starting, num_starting=0))
+    starting = replace(load(3, real_time=20.0, measured=8), num_starting=2, startup_limit=2, startup_s=1.5)
+    generate_s = predict_ttfa_s(replace(starting, num_starting=0))  # 0.5 s: 50 steps of 10 ms
     assert not has_room(starting)  # 3 running of a limit of 9, but 2 of them starting
-    assert predict_ttfa_s(starting) == pytest.approx(generate_s + 0.6)
-    assert predict_ttfa_s(starting, extra_requests=2) == pytest.approx(generate_s + 1.2)  # the next wave
+    assert predict_ttfa_s(starting) == pytest.approx(generate_s + 1.5)
+    assert predict_ttfa_s(starting, extra_requests=2) == pytest.approx(generate_s + 3.0)  # the next wave
+    # recent starts faster than a start's own cost (2 chunks' worth of first chunks) are not promised
+    assert predict_ttfa_s(replace(starting, startup_s=0.1)) == pytest.approx(generate_s + 2 * generate_s)
     assert decide(starting, 5.0) is Admission.QUEUE
-    assert decide(starting, generate_s + 0.5) is Admission.REJECT  # one wave is longer than it can wait
+    assert decide(starting, generate_s + 1.4) is Admission.REJECT  # one wave is longer than it can wait
     assert decide(replace(starting, num_starting=1), generate_s + 0.1) is Admission.ADMIT
     assert has_room(replace(starting, predicts=False))  # fixed_cap: the cap only
 
