@@ -88,7 +88,16 @@ def with_random_codebooks(model: MimiModel) -> MimiModel:
         for module in model.modules():
             if isinstance(module, MimiEuclideanCodebook):
                 module.embed_sum.normal_(0.0, std)  # [codebook_size, codebook_dim]
-                module._embed = None  # (its centroids, cached on first use: embed_sum / cluster_usage)
+    return forget_cached_centroids(model)
+
+
+def forget_cached_centroids(model: MimiModel) -> MimiModel:
+    """`model` with its RVQ centroids no longer cached: each codebook caches them on first use
+    (embed_sum / cluster_usage) outside its buffers, so `.to(device)` leaves a cache made earlier
+    (CSM's encoder on the LM side shares this model) on the old device; recomputed on next use."""
+    for module in model.modules():
+        if isinstance(module, MimiEuclideanCodebook):
+            module._embed = None
     return model
 
 
@@ -117,7 +126,7 @@ class MimiCodec(CodecAdapter):
     is_stateful = True
 
     def __init__(self, model: MimiModel, device: str = "cpu", conv_context_steps: int = 8) -> None:
-        self.model = model.to(device)
+        self.model = forget_cached_centroids(model.to(device))
         self.device = device
         self.decoder = model.decoder
         cfg = model.config

@@ -51,6 +51,17 @@ def test_the_preset_decodes_each_code_its_own_way():
         assert torch.equal(mine, theirs), name
 
 
+def test_the_codec_drops_centroids_cached_before_it_moved_the_model():
+    """A codebook caches its centroids outside its buffers on first use, so a Mimi used before the
+    codec moved it (CSM's encoder shares it) would keep them on the old device."""
+    model = load_mimi(None, ModelConfig(name="csm-tiny").seed, tiny_mimi_config(8))
+    model.decode(streams([2])["r0"].T.unsqueeze(0))  # first use: centroids cached
+    cached = [m for m in model.modules() if getattr(m, "_embed", None) is not None]
+    assert cached
+    MimiCodec(model, device="cpu")
+    assert all(m._embed is None for m in cached)
+
+
 def test_without_conv_context_streaming_is_not_exact():
     """The SEANet left context is what makes chunk seams exact (guards the test above)."""
     frames = streams([24])["r0"]
