@@ -73,7 +73,9 @@ from router.replica_listener import keep_replica_listener_on_loopback
 DETOK_RETRY_WINDOW_S = 30.0
 DETOK_RETRY_BACKOFF_S = (0.05, 0.2, 0.5, 1.0)
 MOVE_OUT_POLL_S = 0.2
-HOLD_POLL_S = 0.02  # how often a queued stream held by the replica looks for room
+# A queued stream held by the replica looks for room when a stream ends, finishes starting or
+# leaves the queue, and at least this often (the pace figures change without an event)
+HOLD_RECHECK_S = 0.25
 DETOK_LISTING_S = 5.0  # longest wait for the detok handle's router to list the detok replicas
 
 logger = logging.getLogger("ray.serve.voxray")
@@ -128,6 +130,7 @@ class LLMStage:
         self.metrics = StageMetrics(with_kv=True)
         self.streams: dict[str, _Stream] = {}
         self.held: list[_Stream] = []  # queued streams not in the engine yet, first come first (`_hold`)
+        self.room_changed: asyncio.Event | None = None  # set (and replaced) when room may have come
         self.event_loop: asyncio.AbstractEventLoop | None = None  # the replica's, set by the first call
         self.avg_stream_s = 0.0
         self.start_times = StartTimes()  # from a stream's start to its first chunks
@@ -440,6 +443,8 @@ class LLMStage:
         stream.num_chunks += 1
         if stream.num_chunks <= STARTUP_CHUNKS:
             self.start_times.record(stream.num_chunks, time.monotonic() - stream.started_s)
+        if stream.num_chunks == STARTUP_CHUNKS:
+            self._wake_held()  # one start less
 
     async def push_text(self, piece: TextPiece) -> bool | Invalid:
         """More text for a streaming-text job running here: True when taken, False when the stream is
@@ -466,6 +471,7 @@ class LLMStage:
 
     async def _close(self, req_id: str, stream: _Stream) -> None:
         self.streams.pop(req_id, None)
+        self._wake_held()
         if self.detok_pins is not None:
             self.detok_pins.forget(req_id)
         lifetime = time.monotonic() - stream.started_s
@@ -500,14 +506,33 @@ class LLMStage:
         stream.is_held = True
         try:
             while not self.is_moving_out and not (self.held[0] is stream and self._has_room()):
-                if time.monotonic() >= start_by_s:
+                left_s = start_by_s - time.monotonic()
+                if left_s <= 0:
                     return False
-                await asyncio.sleep(HOLD_POLL_S)
+                await self._room_may_have_come(min(HOLD_RECHECK_S, left_s))
             return True
         finally:
             self.held.remove(stream)
             stream.is_held = False
             stream.started_s = time.monotonic()  # its lifetime in the engine (`avg_stream_s`) starts now
+            self._wake_held()  # the next one in the queue is first now
+
+    async def _room_may_have_come(self, timeout_s: float) -> None:
+        """Wait until `_wake_held` or `timeout_s`. (Polling every 20 ms, each a whole `load`, cost the
+        event loop, and the GIL the engine thread steps with, for every stream held in a burst.)"""
+        if self.room_changed is None:
+            self.room_changed = asyncio.Event()
+        try:
+            await asyncio.wait_for(self.room_changed.wait(), timeout_s)
+        except TimeoutError:
+            pass
+
+    def _wake_held(self) -> None:
+        """Room may have come (a stream ended, finished starting, or left the queue): the held
+        streams look again (on the event loop)."""
+        if self.room_changed is not None:
+            self.room_changed.set()
+            self.room_changed = None
 
     def _start_by(self, job: Job) -> float:
         """When a queued job must start to make its TTFA deadline (monotonic): its first chunk takes

@@ -160,7 +160,7 @@ def test_queued_streams_wait_outside_the_engine_until_the_pace_has_room_first_co
 
     async def run() -> None:
         stage = object.__new__(LLMStage)
-        stage.is_moving_out, stage.held = False, []
+        stage.is_moving_out, stage.held, stage.room_changed = False, [], None
         stage.streams = {rid: _Stream(asyncio.Queue()) for rid in ("run-1", "run-2")}
         paced = dict(max_streams=8, max_queued=4, step_s=0.01, first_chunk_tokens=7, avg_stream_s=1.0)
         paced |= dict(real_time_streams=3.0, measured_streams=3)  # limit floor(0.85 x 3) = 2
@@ -177,14 +177,16 @@ def test_queued_streams_wait_outside_the_engine_until_the_pace_has_room_first_co
         waiting = [asyncio.ensure_future(queued(rid)) for rid in ("q-1", "q-2")]
         await asyncio.sleep(0.1)
         assert started == [] and len(stage.held) == 2  # 2 running: the limit
-        del stage.streams["run-1"]  # a running stream ends
+        del stage.streams["run-1"]  # a running stream ends (`_close`: the held ones look again)
+        stage._wake_held()
         await asyncio.sleep(0.1)
         assert started == ["q-1"] and len(stage.held) == 1
         late = asyncio.ensure_future(queued("q-late", within_s=0.1))  # behind q-2, no room in time
         await asyncio.sleep(0.2)
         assert late.done() and "q-late" not in started and len(stage.held) == 1
         del stage.streams["run-2"]
-        await asyncio.gather(*waiting)
+        stage._wake_held()
+        await asyncio.wait_for(asyncio.gather(*waiting), 0.2)  # woken, not found by the periodic look
         assert started == ["q-1", "q-2"] and not stage.held
 
     asyncio.run(run())
@@ -193,11 +195,12 @@ def test_queued_streams_wait_outside_the_engine_until_the_pace_has_room_first_co
 def test_queued_streams_wait_for_the_streams_starting_ahead_of_them():
     """Under the paced limit but at the startup limit (here 1): a queued stream starts once the
     stream starting ahead of it has sent STARTUP_CHUNKS chunks, not before."""
-    from router.admission import STARTUP_CHUNKS, ReplicaLoad
+    from router.admission import STARTUP_CHUNKS, ReplicaLoad, StartTimes
 
     async def run() -> None:
         stage = object.__new__(LLMStage)
-        stage.is_moving_out, stage.held = False, []
+        stage.is_moving_out, stage.held, stage.room_changed = False, [], None
+        stage.start_times = StartTimes()
         stage.streams = {"run-1": _Stream(asyncio.Queue())}
         room = dict(max_streams=8, max_queued=4, step_s=0.01, first_chunk_tokens=7, avg_stream_s=1.0, startup_limit=1)
         stage.load = lambda: ReplicaLoad(
@@ -208,7 +211,7 @@ def test_queued_streams_wait_for_the_streams_starting_ahead_of_them():
         for _ in range(STARTUP_CHUNKS):
             await asyncio.sleep(0.1)
             assert not hold.done()  # run-1 is still starting
-            stage.streams["run-1"].num_chunks += 1
-        assert await asyncio.wait_for(hold, 1.0) and queued.is_starting
+            stage._count_chunk(stage.streams["run-1"])  # its chunk sent (the last one ends its start)
+        assert await asyncio.wait_for(hold, 0.1) and queued.is_starting  # woken at once
 
     asyncio.run(run())
