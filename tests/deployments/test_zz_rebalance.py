@@ -30,6 +30,7 @@ from tests.deployments.test_zz_failover import (
     _play_all,
     _replica_actor,
     _replica_of_a_playing_stream,
+    _replica_stats,
     _wait_until_all_play,
 )
 
@@ -46,15 +47,6 @@ REBALANCE = small_config(
     admission=AdmissionConfig(max_streams_per_replica=4, max_queued_per_replica=4, default_ttfa_deadline_s=60.0),
     migration=MigrationConfig(kv_transport="auto"),  # the default: one node, so the object store (move-out: gloo)
 )  # fmt: skip
-
-
-def _replica_stats(app_name: str, replica_id: str) -> dict:
-    """`LLMStage.stats()` of one replica, asked of its actor (a handle would pick the replica)."""
-
-    def stats(actor) -> dict:  # runs in the replica actor (Ray's `__ray_call__`, for tests and debugging)
-        return actor._replica_impl._user_callable_wrapper.user_callable.stats()
-
-    return ray.get(_replica_actor(app_name, f"LLMStage#{replica_id}").__ray_call__.remote(stats))
 
 
 def _replacement_once_up(app_name: str, known: set[str], timeout_s: float = 90.0) -> str:
