@@ -192,9 +192,9 @@ def has_room(load: ReplicaLoad) -> bool:
 def decide(load: ReplicaLoad, deadline_s: float) -> Admission:
     """Reject when the predicted first audio misses `deadline_s`; otherwise admit under the stream
     and startup limits, and queue past them while the queue has room (the prediction counts the
-    wait). An idle
-    replica admits: only a running stream measures its steps again, so a slow figure (a cold
-    first decode, a burst of load beside it) would otherwise reject everything for good."""
+    wait). An idle replica admits: only a running stream measures its steps again, so a slow
+    figure (a cold first decode, a burst of load beside it) would otherwise reject everything for
+    good."""
     if load.num_active == 0:
         return Admission.ADMIT
     if load.predicts and predict_ttfa_s(load) > deadline_s:
