@@ -272,5 +272,6 @@ class KVMoves:
     def stats(self) -> dict:
         return {
             "kv_moved_in_over": dict(self.num_in), "kv_bytes_moved_in": self.bytes_in,
+            "kv_moved_out": self.num_sent,  # parcels of streams handed off (moved out or rebalanced)
             "kv_courier_fallbacks": self.num_fallbacks, "kv_lost": self.num_lost,
         }  # fmt: skip

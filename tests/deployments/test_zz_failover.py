@@ -219,16 +219,17 @@ def test_streams_move_with_their_kv_off_a_leaving_llm_replica(cluster):
         assert moved and all(o.chunks[-1].llm_replica.endswith(leaving_id) is False for o in moved)
         kept = serve.get_deployment_handle("LLMStage", ep.app_name).stats.remote().result()  # the leaving
         assert not kept["replica"].endswith(leaving_id)  # replica reports itself full: routers pick the other
-        # every stream handed off (those moved before their first chunk too) decoded on, no prefill
-        handed_off = _replica_stats(ep.app_name, leaving_id)["moved_out"]
-        assert kept["kv_moved_in"] == handed_off >= len(moved) and kept["kv_bytes_moved_in"] > 0, kept
+        # every stream handed over with its KV decoded on, no prefill: those moved out (before their
+        # first chunk too) and any rebalanced over before the move
+        sent = _replica_stats(ep.app_name, leaving_id)["kv_moved_out"]
+        assert kept["kv_moved_in"] == sent >= len(moved) and kept["kv_bytes_moved_in"] > 0, (kept, sent)
         # the KV crossed over RDT-gloo (the courier's pair), as the sink endpoint counted it
-        assert kept["kv_moved_in_over"] == {"gloo": handed_off, "object_store": 0}, kept
+        assert kept["kv_moved_in_over"] == {"gloo": sent, "object_store": 0}, kept
         courier = _kv_courier(ep.app_name)
-        sent = ray.get(courier.stats.remote(), timeout=30)
-        assert sent["sinks"]["bytes_received"] >= kept["kv_bytes_moved_in"] and sent["failed"] == 0, sent
-        assert sent["sinks"]["held"] == sent["sources"]["held"] == 0, sent  # each parcel read (or dropped)
+        delivered = ray.get(courier.stats.remote(), timeout=30)
+        assert delivered["sinks"]["bytes_received"] >= kept["kv_bytes_moved_in"] and delivered["failed"] == 0
+        assert delivered["sinks"]["held"] == delivered["sources"]["held"] == 0, delivered  # each parcel read
         print(f"{len(moved)} streams moved with {kept['kv_bytes_moved_in'] / 1e6:.2f} MB of KV "
-              f"in {report.moved_s:.2f} s; courier {sent}")  # fmt: skip
+              f"in {report.moved_s:.2f} s; courier {delivered}")  # fmt: skip
     finally:
         serve.delete(ep.app_name)
