@@ -43,7 +43,7 @@ def detok_loads(app_name: str) -> list[DetokLoad]:
     board = _DETOK_BOARDS.get(app_name)
     if board is None:
         return []
-    loads = [DetokLoad.from_stats(replica.routing_stats or {}) for replica in board.curr_replicas.values()]
+    loads = [DetokLoad.from_stats(replica.routing_stats or {}) for replica in list(board.curr_replicas.values())]
     return [load for load in loads if load is not None]
 
 
@@ -54,7 +54,7 @@ def live_detok_replicas(app_name: str) -> dict[str, int]:
     if board is None:
         return {}
     live = {}
-    for replica_id, replica in board.curr_replicas.items():
+    for replica_id, replica in list(board.curr_replicas.items()):  # (a copy: Serve updates it elsewhere)
         load = DetokLoad.from_stats(replica.routing_stats or {})
         live[replica_id.unique_id] = load.num_streams if load is not None else 0
     return live
@@ -158,7 +158,8 @@ class PredictedTTFARouter(RequestRouter):
 
     def estimated_loads(self) -> list[ReplicaLoad]:
         """Every running replica's (Serve may route without calling `choose_replicas`, e.g. to one replica)."""
-        loads = [self._refresh(r) for r in self.curr_replicas.values()]
+        # (a copy in one C-level call: Serve's router updates the dict from another thread when a replica dies)
+        loads = [self._refresh(r) for r in list(self.curr_replicas.values())]
         return [load for load in loads if load is not None]
 
     def active_streams_by_replica(self) -> dict[str, int]:

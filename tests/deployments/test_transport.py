@@ -125,13 +125,16 @@ def test_a_parcel_lost_with_its_sender_fails_its_delivery_and_keeps_the_pair(loc
 
 
 def _once_settled(courier, num_abandoned: int, timeout_s: float = 20.0) -> dict:
-    """The courier's counters once `num_abandoned` deliveries were given up on and each was
-    skipped or had its rows dropped by the sink (or `timeout_s` passed)."""
+    """The courier's counters once `num_abandoned` deliveries were given up on, each was skipped
+    or had its rows dropped by the sink, and every delivery that went ahead has returned (its
+    counter and its source's drop come after the rows land) (or `timeout_s` passed)."""
     deadline = time.monotonic() + timeout_s
     while True:
         stats = ray.get(courier.stats.remote())
         settled = stats["abandoned"] >= num_abandoned <= stats["skipped"] + stats["sinks"]["discarded"]
-        if (settled and stats["sinks"]["held"] == 0) or time.monotonic() > deadline:
+        returned = stats["delivered"] + stats["skipped"] + stats["failed"] >= num_abandoned
+        at_rest = stats["sinks"]["held"] == stats["sources"]["held"] == 0
+        if (settled and returned and at_rest) or time.monotonic() > deadline:
             return stats
         time.sleep(0.1)
 
