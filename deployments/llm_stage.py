@@ -344,7 +344,25 @@ class LLMStage:
             startup_limit=admission.max_starting_per_replica,
             startup_s=self.start_times.startup_s(),
             measured_first_chunk_s=self.start_times.first_chunk_s(),
+            ends_in_s=self._ends_in_s(detok.first_chunk_s),
         )
+
+    def _ends_in_s(self, decode_s: float) -> tuple[float, ...]:
+        """The most each running stream has left, soonest first: its steps to its max_tokens at the
+        step measured now and its last chunk's decode (`decode_s`); one finished in the engine
+        waits for its last decodes only; one not in the engine yet takes a mean lifetime."""
+        step_s, ends = self.side.engine.timer.step_s, []
+        for req_id, stream in list(self.streams.items()):
+            if stream.is_held:
+                continue
+            steps = self.side.steps_left(req_id)
+            if steps is not None:
+                ends.append(steps * step_s + decode_s)
+            elif stream.pending or stream.num_chunks:  # its engine part is over
+                ends.append(decode_s)
+            else:
+                ends.append(self.avg_stream_s)
+        return tuple(sorted(ends))
 
     def record_routing_stats(self) -> dict:
         return self.load().to_stats()

@@ -96,6 +96,15 @@ class LLMSide:
         self.cancel(req_id)
         return ResumeState(tokens, rng_state, chunker.next_seq, chunker.num_emitted), kv
 
+    def steps_left(self, req_id: str) -> int | None:
+        """The most steps `req_id` may still take here (to its max_tokens; a model's end token may
+        come sooner); None when not known (not in the engine: not added yet or finished; or its
+        text is still streaming in)."""
+        req = self.engine.requests.get(req_id)
+        if req is None or req.text_feed is not None:
+            return None
+        return max(0, req.sampling.max_tokens - len(req.output_ids))
+
     def take_checkpoints(self) -> dict[tuple[str, int], Checkpoint]:
         """The checkpoints of the last step's chunks (the LLMStage ships them with the audio)."""
         taken, self.checkpoints = self.checkpoints, {}

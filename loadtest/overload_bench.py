@@ -170,13 +170,25 @@ def overload(stub, cfg: SweepConfig, capacity_rps: float, duration_s: float) -> 
     for factor in (2, 3):
         rate = factor * capacity_rps
         offsets = arrival_offsets_s(rate, duration_s, cfg.min_requests, 10_000, random.Random(f"overload-{factor}"))
-        phases.append(summarize_phase(f"Poisson {factor}x", rate, run_phase(stub, offsets, cfg, seed=factor)))
-        print(phases[-1], flush=True)
+        sent = run_phase(stub, offsets, cfg, seed=factor)
+        phases.append(summarize_phase(f"Poisson {factor}x", rate, sent))
+        print_phase(phases[-1], sent)
     num_burst = 3 * max(1, max(p.max_admitted_at_once for p in phases))
     offsets = sorted(random.Random("burst").uniform(0.0, 1.0) for _ in range(num_burst))
-    phases.append(summarize_phase(f"burst of {num_burst} in 1 s", None, run_phase(stub, offsets, cfg, seed=9)))
-    print(phases[-1], flush=True)
+    sent = run_phase(stub, offsets, cfg, seed=9)
+    phases.append(summarize_phase(f"burst of {num_burst} in 1 s", None, sent))
+    print_phase(phases[-1], sent)
     return phases
+
+
+def print_phase(phase: PhaseResult, sent: list[Sent], slow_reject_ms: float = 100.0) -> None:
+    """The phase's figures, and for diagnosis the streams that broke its promise: admitted and not
+    viable, or refused slower than `slow_reject_ms`."""
+    print(phase, flush=True)
+    for s in sorted(sent, key=lambda s: s.sent_s):
+        slow_reject = s.is_rejected and 1000 * (s.ended_s - s.sent_s) > slow_reject_ms
+        if slow_reject or (not s.is_rejected and not is_viable(s.record)):
+            print(f"  sent {s.sent_s:5.2f} s  {describe_stream(s)}", flush=True)
 
 
 def bursts(stub, cfg: SweepConfig, num_streams: int, times: int, gap_s: float) -> list[PhaseResult]:
@@ -268,6 +280,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", type=Path, default=Path("bench_out/overload"))
     baseline = "then measure capacity at SLO again with admission.policy fixed_cap (a fresh server)"
     p.add_argument("--fixed-cap-baseline", action="store_true", help=baseline)
+    p.add_argument("--overload-at", type=float, metavar="RPS",
+                   help="skip the capacity sweep: overload phases based on this capacity (req/s)")  # fmt: skip
     p.add_argument(
         "--bursts",
         type=int,
@@ -285,6 +299,8 @@ def main(argv: list[str] | None = None) -> dict:
         return {"phases": [asdict(phase) for phase in phases]}
 
     def measure_and_overload(stub) -> tuple[float, list[dict], float, list[PhaseResult]]:
+        if args.overload_at:
+            return args.overload_at, [], args.overload_at, overload(stub, cfg, args.overload_at, args.duration_s)
         capacity_rps, sweep = measure_capacity(stub, cfg)
         base_rps = capacity_rps or min(cfg.rates_rps)  # nothing met the SLO: overload the lowest rate
         return capacity_rps, sweep, base_rps, overload(stub, cfg, base_rps, args.duration_s)

@@ -59,6 +59,8 @@ class ReplicaLoad:
     startup_limit: int = 0  # streams that may be starting at once (0 = no limit)
     startup_s: float = 0.0  # recent time from a stream's start to its STARTUP_CHUNKS-th chunk (p90); 0 = unknown
     measured_first_chunk_s: float = 0.0  # recent time from a stream's start to its first chunk (p90); 0 = unknown
+    # the most each running stream has left (s from the report), soonest first; () = unknown
+    ends_in_s: tuple[float, ...] = ()
 
     def to_stats(self) -> dict:
         return asdict(self)
@@ -151,41 +153,71 @@ def limits_startups(load: ReplicaLoad) -> bool:
     return load.predicts and load.startup_limit > 0
 
 
+def starting_allowed(load: ReplicaLoad) -> int:
+    """Streams that may be starting at once on this replica now: `startup_limit`, and no more than
+    half the stream limit's room past the streams playing steadily (at least one). A starting stream
+    fills its client's buffer ahead of playback, at about twice a playing stream's pace, so it
+    weighs two: on an idle replica half its streams may start together, on a busy one one at a time.
+    (Two or three streams starting within 0.3 s beside six playing underran, though under the
+    startup limit.)"""
+    steady = load.num_active - load.num_starting
+    room = (stream_limit(load) - steady) // 2
+    return max(1, min(load.startup_limit, room))
+
+
 def startup_wait_s(load: ReplicaLoad, extra_requests: int = 0) -> float:
     """How long one more request waits for the streams starting now before it may start itself:
-    past the startup limit, a wave of starts (`startup_s`) per `startup_limit` ahead of it. Streams
+    past the streams allowed to start at once (`starting_allowed`), a wave of starts (`startup_s`)
+    per that many ahead of it. Streams
     that start together each hold one small chunk while the others' first chunks take the steps:
     started beyond that limit (a burst), they all underran."""
     if not limits_startups(load):
         return 0.0
-    position = load.num_starting + extra_requests - load.startup_limit  # >= 0: waits for a start to end
+    allowed = starting_allowed(load)
+    position = load.num_starting + extra_requests - allowed  # >= 0: waits for a start to end
     if position < 0:
         return 0.0
     # a start's own cost is the floor: a queued stream promised less (no start measured yet, or
     # recent starts that met no burst) was refused after its wait instead of at once
     wave_s = max(load.startup_s, STARTUP_CHUNKS * first_chunk_s(load))
-    return (position // load.startup_limit + 1) * wave_s
+    return (position // allowed + 1) * wave_s
 
 
 def predict_ttfa_s(load: ReplicaLoad, extra_requests: int = 0) -> float:
     """Predicted time to first audio for one more request on this replica: its first chunk's
     tokens at the step measured for the batch it joins, that chunk's decode at the detok stage,
     and, past the stream limit, the wait for running streams to end, or past the startup limit,
-    the wait for the streams starting now (the longer)."""
+    the wait for the streams starting now (the longer). One that waits takes at least what recent
+    streams took to their first chunk (`measured_first_chunk_s`), as the replica holding it
+    reckons its start-by: queued on the prediction alone, a burst's streams were refused after
+    0.7 s of waiting (recent starts under load took longer than the steps measured alone)."""
     step_s = load.next_step_s or load.step_s or DEFAULT_STEP_S
     generate_s = first_chunk_s(load)
     limit = stream_limit(load)
     position = load.num_active + extra_requests - limit  # >= 0: waits for a running stream to end
     slot_wait_s = 0.0
     if position >= 0:
-        wait_per_slot_s = (load.avg_stream_s or load.first_chunk_tokens * 10 * step_s) / max(1, limit)
-        slot_wait_s = (position + 1) * wait_per_slot_s
-    return generate_s + max(slot_wait_s, startup_wait_s(load, extra_requests))
+        slot_wait_s = _slot_wait_s(load, position, limit, step_s)
+    wait_s = max(slot_wait_s, startup_wait_s(load, extra_requests))
+    if wait_s > 0:  # then it starts as recent streams did: the replica holding it refuses it by that
+        generate_s = max(generate_s, load.measured_first_chunk_s)
+    return generate_s + wait_s
+
+
+def _slot_wait_s(load: ReplicaLoad, position: int, limit: int, step_s: float) -> float:
+    """How long a request `position` places past the stream limit waits for a slot: until the
+    `position + 1`-th running stream ends at the latest (`ends_in_s`), else (not known) a share of
+    a stream's mean lifetime per place. (From the mean alone, streams started together by a burst
+    looked as if they ended one after another: a stream queued on that was refused after its wait.)"""
+    if position < len(load.ends_in_s):
+        return load.ends_in_s[position]
+    by_mean_s = (position + 1) * (load.avg_stream_s or load.first_chunk_tokens * 10 * step_s) / max(1, limit)
+    return max([by_mean_s, *load.ends_in_s[-1:]])
 
 
 def has_room(load: ReplicaLoad) -> bool:
     """Whether one more stream may start now: under the stream limit, and under the startup limit."""
-    starting_full = limits_startups(load) and load.num_starting >= load.startup_limit
+    starting_full = limits_startups(load) and load.num_starting >= starting_allowed(load)
     return load.num_active < stream_limit(load) and not starting_full
 
 

@@ -215,3 +215,34 @@ def test_queued_streams_wait_for_the_streams_starting_ahead_of_them():
         assert await asyncio.wait_for(hold, 0.1) and queued.is_starting  # woken at once
 
     asyncio.run(run())
+
+
+def test_a_replica_reports_the_most_each_running_stream_has_left_soonest_first():
+    """`ends_in_s` (router.admission): a stream in the engine has its steps to max_tokens at the
+    measured step, and its last decode, left; one whose engine part is over, its decodes only; a
+    held one none (it is not running); one not in the engine yet, a mean lifetime."""
+    import dataclasses
+
+    import pytest
+
+    from core.config import EngineConfig, ModelConfig
+    from core.messages import SamplingParams
+    from llm_stage.jobs import build_job
+    from llm_stage.wiring import build_llm_side
+
+    stage = object.__new__(LLMStage)
+    stage.side = build_llm_side(EngineConfig(model=ModelConfig(name="orpheus-tiny", torch_threads=1)))
+    adapter, timer = stage.side.engine.adapter, stage.side.engine.timer
+    for req_id, max_tokens in (("long", 300), ("short", 40)):
+        job = build_job(adapter, text="Hello there.", req_id=req_id)
+        stage.side.add(dataclasses.replace(job, sampling=SamplingParams(max_tokens=max_tokens, seed=1)))
+    for _ in range(5):
+        stage.side.step()
+    timer.step_s, stage.avg_stream_s = 0.01, 3.0
+    stage.streams = {rid: _Stream(asyncio.Queue()) for rid in ("long", "short", "held", "adding", "ended")}
+    stage.streams["held"].is_held = True
+    stage.streams["ended"].num_chunks = 3  # finished in the engine, its last chunk's audio on the way
+    short_left = 40 - len(stage.side.engine.requests["short"].output_ids)
+    long_left = 300 - len(stage.side.engine.requests["long"].output_ids)
+    expected = (0.05, short_left * 0.01 + 0.05, 3.0, long_left * 0.01 + 0.05)
+    assert stage._ends_in_s(decode_s=0.05) == pytest.approx(expected)

@@ -14,6 +14,7 @@ from router.admission import (
     decide,
     has_room,
     predict_ttfa_s,
+    starting_allowed,
     stream_limit,
 )
 from router.detok_load import DetokLoad, DetokPace, step_s_at, summarize_detok
@@ -254,6 +255,49 @@ def test_streams_past_the_startup_limit_wait_for_the_starts_ahead_of_them():
     assert decide(starting, generate_s + 1.4) is Admission.REJECT  # one wave is longer than it can wait
     assert decide(replace(starting, num_starting=1), generate_s + 0.1) is Admission.ADMIT
     assert has_room(replace(starting, predicts=False))  # fixed_cap: the cap only
+
+
+def test_a_busy_replica_lets_fewer_streams_start_at_once():
+    """A starting stream weighs two playing ones: an idle replica with a limit of 9 lets 4 start
+    together (its startup limit), one with 6 playing steadily lets one start at a time."""
+    from dataclasses import replace
+
+    idle = replace(load(0, real_time=20.0, measured=8), startup_limit=4, startup_s=1.5)
+    assert stream_limit(idle) == 9 and starting_allowed(idle) == 4
+    assert has_room(replace(idle, num_active=3, num_starting=3))
+    busy = replace(idle, num_active=6)  # 6 playing
+    assert starting_allowed(busy) == 1 and has_room(busy)
+    one_starting = replace(busy, num_active=7, num_starting=1)
+    assert not has_room(one_starting)  # 7 running of 9, but one is starting
+    generate_s = predict_ttfa_s(busy)
+    assert predict_ttfa_s(one_starting) == pytest.approx(generate_s + 1.5)  # waits for that start
+    assert decide(one_starting, generate_s + 1.0) is Admission.REJECT  # refused at once, not queued
+    assert starting_allowed(replace(idle, num_active=8)) == 1  # the last slot still fills
+    assert has_room(replace(one_starting, predicts=False))  # fixed_cap: the cap only
+
+
+def test_a_queued_stream_waits_for_the_running_streams_to_end_not_a_mean_share():
+    """Past the stream limit one more waits until as many running streams have ended as it has
+    places ahead (their most left, `ends_in_s`), not a share of the mean lifetime per place: streams
+    a burst started together end together (a stream queued on the mean was refused after waiting)."""
+    from dataclasses import replace
+
+    full = replace(load(5, real_time=6.0, measured=6), avg_stream_s=2.5)  # limit 5 (0.85 x 6)
+    generate_s = predict_ttfa_s(load(0, real_time=6.0, measured=6))
+    assert predict_ttfa_s(full) == pytest.approx(generate_s + 2.5 / 5)  # unknown ends: the mean's share
+    burst = replace(full, ends_in_s=(2.4, 2.4, 2.5, 2.5, 2.6))
+    assert predict_ttfa_s(burst) == pytest.approx(generate_s + 2.4)
+    assert decide(burst, 1.0) is Admission.REJECT  # before: queued for 0.5 s, then refused
+    ending = replace(full, ends_in_s=(0.1, 0.2, 2.5, 2.5, 2.6))
+    assert predict_ttfa_s(ending) == pytest.approx(generate_s + 0.1)
+    assert predict_ttfa_s(ending, extra_requests=1) == pytest.approx(generate_s + 0.2)
+    assert decide(ending, 1.0) is Admission.QUEUE
+    assert predict_ttfa_s(ending, extra_requests=5) >= 2.6  # past the known ends: never sooner than the last
+    # one that waits starts as recent streams did (the replica refuses it by that), not as predicted
+    slow_starts = replace(ending, measured_first_chunk_s=0.95)
+    assert predict_ttfa_s(slow_starts) == pytest.approx(0.95 + 0.1)
+    assert decide(slow_starts, 1.0) is Admission.REJECT  # at once, not after waiting
+    assert predict_ttfa_s(replace(slow_starts, num_active=1)) == pytest.approx(generate_s)  # no wait: as predicted
 
 
 def test_start_times_report_a_recent_high_percentile_and_forget_old_starts():
