@@ -168,9 +168,10 @@ class AdmissionConfig(_Strict):
     max_queued_per_replica: int = Field(8, ge=0, description="Requests waiting for a slot on one LLM replica.")
     max_starting_per_replica: int = Field(
         4, ge=1,
-        description="Streams one LLM replica starts at once (predictive policy): a stream is starting until it has "
-        "sent its second chunk, and one more waits (queued, or refused when it could not start by its TTFA deadline): "
-        "streams started together hold one small chunk each while the others' first chunks take the steps.",
+        description="Most streams one LLM replica starts at once (predictive policy; a busy replica fewer: a starting "
+        "stream weighs two playing ones): a stream is starting until it has sent its second chunk, and one more waits "
+        "(queued, or refused when it could not start by its TTFA deadline): streams started together hold one small "
+        "chunk each while the others' first chunks take the steps.",
     )  # fmt: skip
     default_ttfa_deadline_s: float = Field(5.0, gt=0, description="Deadline when the request names none.")
     retry_after_s: float = Field(1.0, gt=0, description="Hint sent with RESOURCE_EXHAUSTED / 429.")

@@ -157,10 +157,14 @@ def starting_allowed(load: ReplicaLoad) -> int:
     """Streams that may be starting at once on this replica now: `startup_limit`, and no more than
     half the stream limit's room past the streams playing steadily (at least one). A starting stream
     fills its client's buffer ahead of playback, at about twice a playing stream's pace, so it
-    weighs two: on an idle replica half its streams may start together, on a busy one one at a time.
-    (Two or three streams starting within 0.3 s beside six playing underran, though under the
-    startup limit.)"""
+    weighs two: the more streams play, the fewer start together, down to one at a time. (Two or
+    three streams starting within 0.3 s beside six playing underran, though under the startup
+    limit.) With none playing, starts meet only each other: the startup limit alone (counted from
+    the stream limit, a replica still probing its pace, at 2, let one start at a time and refused
+    a stream at 0.5 req/s)."""
     steady = load.num_active - load.num_starting
+    if steady <= 0:  # none playing: starts only meet each other, which the startup limit bounds
+        return load.startup_limit
     room = (stream_limit(load) - steady) // 2
     return max(1, min(load.startup_limit, room))
 

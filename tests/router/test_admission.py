@@ -258,13 +258,14 @@ def test_streams_past_the_startup_limit_wait_for_the_starts_ahead_of_them():
 
 
 def test_a_busy_replica_lets_fewer_streams_start_at_once():
-    """A starting stream weighs two playing ones: an idle replica with a limit of 9 lets 4 start
-    together (its startup limit), one with 6 playing steadily lets one start at a time."""
+    """A starting stream weighs two playing ones: with a limit of 9, a replica with none playing lets
+    4 start together (its startup limit), one with 6 playing steadily one at a time."""
     from dataclasses import replace
 
     idle = replace(load(0, real_time=20.0, measured=8), startup_limit=4, startup_s=1.5)
     assert stream_limit(idle) == 9 and starting_allowed(idle) == 4
     assert has_room(replace(idle, num_active=3, num_starting=3))
+    assert starting_allowed(replace(idle, num_active=3, num_starting=1)) == 3  # 2 playing: (9 - 2) // 2
     busy = replace(idle, num_active=6)  # 6 playing
     assert starting_allowed(busy) == 1 and has_room(busy)
     one_starting = replace(busy, num_active=7, num_starting=1)
@@ -274,6 +275,8 @@ def test_a_busy_replica_lets_fewer_streams_start_at_once():
     assert decide(one_starting, generate_s + 1.0) is Admission.REJECT  # refused at once, not queued
     assert starting_allowed(replace(idle, num_active=8)) == 1  # the last slot still fills
     assert has_room(replace(one_starting, predicts=False))  # fixed_cap: the cap only
+    probing = replace(idle, real_time_streams=20.0, measured_streams=1, num_active=1, num_starting=1)  # probing: 2
+    assert stream_limit(probing) == 2 and starting_allowed(probing) == 4 and has_room(probing)  # none playing
 
 
 def test_a_queued_stream_waits_for_the_running_streams_to_end_not_a_mean_share():
