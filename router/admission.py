@@ -159,14 +159,25 @@ def starting_allowed(load: ReplicaLoad) -> int:
     fills its client's buffer ahead of playback, at about twice a playing stream's pace, so it
     weighs two: the more streams play, the fewer start together, down to one at a time. (Two or
     three streams starting within 0.3 s beside six playing underran, though under the startup
-    limit.) With none playing, starts meet only each other: the startup limit alone (counted from
-    the stream limit, a replica still probing its pace, at 2, let one start at a time and refused
-    a stream at 0.5 req/s)."""
+    limit.) With none playing, starts meet only each other: the startup limit alone. The room is
+    counted under what the measured pace sustains, not under a limit still probing it (at 6 where
+    the pace sustained 9, two streams starting beside two playing refused a third)."""
     steady = load.num_active - load.num_starting
     if steady <= 0:  # none playing: starts only meet each other, which the startup limit bounds
         return load.startup_limit
-    room = (stream_limit(load) - steady) // 2
+    room = (max(stream_limit(load), _sustained_streams(load)) - steady) // 2
     return max(1, min(load.startup_limit, room))
+
+
+def _sustained_streams(load: ReplicaLoad) -> int:
+    """The margin under the streams both stages' measured pace keeps at real time, under the KV cap
+    (0: not measured). Unlike `stream_limit` no probe: a limit one past the largest batch measured
+    so far says what is measured, not what the replica sustains."""
+    if load.real_time_streams <= 0:
+        return 0
+    sustained = math.floor(load.real_time_margin * load.real_time_streams)
+    detok = detok_stream_limit(load)
+    return min(load.max_streams, sustained if detok is None else min(sustained, detok))
 
 
 def startup_wait_s(load: ReplicaLoad, extra_requests: int = 0) -> float:

@@ -262,7 +262,7 @@ def test_a_busy_replica_lets_fewer_streams_start_at_once():
     4 start together (its startup limit), one with 6 playing steadily one at a time."""
     from dataclasses import replace
 
-    idle = replace(load(0, real_time=20.0, measured=8), startup_limit=4, startup_s=1.5)
+    idle = replace(load(0, real_time=11.0, measured=10), startup_limit=4, startup_s=1.5)  # limit 9 (0.85 x 11)
     assert stream_limit(idle) == 9 and starting_allowed(idle) == 4
     assert has_room(replace(idle, num_active=3, num_starting=3))
     assert starting_allowed(replace(idle, num_active=3, num_starting=1)) == 3  # 2 playing: (9 - 2) // 2
@@ -277,6 +277,9 @@ def test_a_busy_replica_lets_fewer_streams_start_at_once():
     assert has_room(replace(one_starting, predicts=False))  # fixed_cap: the cap only
     probing = replace(idle, real_time_streams=20.0, measured_streams=1, num_active=1, num_starting=1)  # probing: 2
     assert stream_limit(probing) == 2 and starting_allowed(probing) == 4 and has_room(probing)  # none playing
+    # the room is counted under the pace (0.85 x 10.6 = 9 streams), not the probe (one past 5 measured)
+    probing = replace(idle, real_time_streams=10.6, measured_streams=5, num_active=4, num_starting=2)
+    assert stream_limit(probing) == 6 and starting_allowed(probing) == 3 and has_room(probing)
 
 
 def test_a_queued_stream_waits_for_the_running_streams_to_end_not_a_mean_share():
