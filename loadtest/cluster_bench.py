@@ -3,7 +3,10 @@ config) at the same Poisson rates, prompts and seeds, one after the other in one
 
 Reports capacity at SLO and peak audio throughput of each, their ratios (cluster / in-process)
 and the cluster's per-chunk hop breakdown (from the stages' wall-clock stamps), as JSON and a
-markdown table. Usage: python -m loadtest.cluster_bench --rates 1 2 4 6 8 --out bench_out/cluster
+markdown table. `--admit-all` sweeps the cluster a second time admitting every request as the
+in-process pipeline does (`admission.policy: fixed_cap` at the KV cap, an unbounded queue): the
+data path's own cost apart from admission refusing load the pipeline plays late.
+Usage: python -m loadtest.cluster_bench --rates 1 2 4 6 8 --out bench_out/cluster [--admit-all]
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import grpc
+import yaml
 
 from cluster.pipeline import InProcessPipeline
 from core.config import load_serve_config
@@ -99,6 +103,19 @@ def sweep_cluster(config_path: Path, cfg: SweepConfig, log_dir: Path) -> tuple[l
         stop(proc)
 
 
+def admit_all_config(config_path: Path, out_dir: Path, max_requests: int) -> Path:
+    """`config_path` with the admission the in-process pipeline has: none. Every stream runs once
+    a KV slot is free (fixed_cap at the KV cap, a queue for every request of a rate)."""
+    config = load_serve_config(config_path, check_files=False)
+    admission = config.admission.model_copy(update={
+        "policy": "fixed_cap", "max_streams_per_replica": config.engine.cache.num_slots,
+        "max_queued_per_replica": max_requests,
+    })  # fmt: skip
+    path = out_dir / "admit_all.yaml"
+    path.write_text(yaml.safe_dump(config.model_copy(update={"admission": admission}).model_dump(mode="json")))
+    return path
+
+
 def _sweep(run, cfg: SweepConfig, label: str) -> list[dict]:
     steps = []
     for rate in sorted(cfg.rates_rps):
@@ -120,19 +137,26 @@ def capacity(steps: list[dict], cfg: SweepConfig) -> float:
     return capacity_at_slo(summaries, cfg.slo_ttfa_p90_s, cfg.min_pct_viable)
 
 
-def report(inproc: list[dict], clus: list[dict], cfg: SweepConfig) -> str:
+def report(inproc: list[dict], clus: list[dict], cfg: SweepConfig, admit_all: list[dict] | None = None) -> str:
     cap_in, cap_cl = capacity(inproc, cfg), capacity(clus, cfg)
     peak_in, peak_cl = max(s["audio_x"] for s in inproc), max(s["audio_x"] for s in clus)
     lines = [
         "| system | capacity at SLO (req/s) | peak audio (x RT) |", "|---|---|---|",
         f"| in-process | {cap_in:g} | {peak_in:.2f} |", f"| cluster | {cap_cl:g} | {peak_cl:.2f} |",
-        f"| **cluster / in-process** | **{_ratio(cap_cl, cap_in)}** | **{peak_cl / peak_in:.2f}x** |", "",
-        "| rate | in-process p90 TTFA / viable / x RT | cluster p90 TTFA / viable / x RT |", "|---|---|---|",
+        f"| **cluster / in-process** | **{_ratio(cap_cl, cap_in)}** | **{peak_cl / peak_in:.2f}x** |",
     ]  # fmt: skip
-    by_rate = {s["summary"]["rate_rps"]: s for s in clus}
+    if admit_all:
+        cap_all, peak_all = capacity(admit_all, cfg), max(s["audio_x"] for s in admit_all)
+        lines += [f"| cluster admitting all | {cap_all:g} | {peak_all:.2f} |",
+                  f"| **admitting all / in-process** | **{_ratio(cap_all, cap_in)}** "
+                  f"| **{peak_all / peak_in:.2f}x** |"]  # fmt: skip
+    lines += ["", "| rate | in-process p90 TTFA / viable / x RT | cluster p90 TTFA / viable / x RT |"
+              + (" admitting all |" if admit_all else ""), "|---|---|---|" + ("---|" if admit_all else "")]  # fmt: skip
+    columns = [{s["summary"]["rate_rps"]: s for s in steps} for steps in (clus, admit_all or []) if steps]
     for s in inproc:
         rate = s["summary"]["rate_rps"]
-        lines.append(f"| {rate:g} | {_cell(s)} | {_cell(by_rate[rate]) if rate in by_rate else '-'} |")
+        cells = [_cell(by_rate[rate]) if rate in by_rate else "-" for by_rate in columns]
+        lines.append(f"| {rate:g} | {_cell(s)} | " + " | ".join(cells) + " |")
     lines += ["", "cluster hops per chunk, p50 / p90 ms:", "", "| rate | " + " | ".join(_hop_names(clus)) + " |",
               "|---" * (1 + len(_hop_names(clus))) + "|"]  # fmt: skip
     for s in clus:
@@ -162,14 +186,19 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-requests", type=int, default=60)
     p.add_argument("--config", type=Path, default=CPU_CONFIG)
     p.add_argument("--out", type=Path, default=Path("bench_out/cluster_bench"))
+    p.add_argument("--admit-all", action="store_true", help="sweep the cluster again admitting every request")
     args = p.parse_args(argv)
     cfg = SweepConfig(rates_rps=tuple(args.rates), duration_s=args.duration_s, max_requests=args.max_requests)
     args.out.mkdir(parents=True, exist_ok=True)
     inproc = sweep_in_process(args.config, cfg)
     clus, startup_s = sweep_cluster(args.config, cfg, args.out)
-    result = {"config": asdict(cfg), "in_process": inproc, "cluster": clus, "cluster_startup_s": startup_s}
+    admit_all = None
+    if args.admit_all:
+        admit_all, _ = sweep_cluster(admit_all_config(args.config, args.out, args.max_requests), cfg, args.out)
+    result = {"config": asdict(cfg), "in_process": inproc, "cluster": clus, "cluster_startup_s": startup_s,
+              "cluster_admitting_all": admit_all}  # fmt: skip
     (args.out / "cluster_bench.json").write_text(json.dumps(result, indent=1) + "\n")
-    markdown = report(inproc, clus, cfg)
+    markdown = report(inproc, clus, cfg, admit_all)
     (args.out / "cluster_bench.md").write_text(markdown)
     print(markdown)
     return result
