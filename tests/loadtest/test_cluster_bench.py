@@ -27,6 +27,6 @@ def _step(rate: float, audio_x: float, viable: float = 100.0) -> dict:
 def test_the_report_gives_the_admit_all_sweep_its_own_ratio_row_and_column():
     inproc, clus, admit_all = [_step(1, 4.0), _step(2, 8.0)], [_step(1, 3.0)], [_step(1, 3.5), _step(2, 6.0)]
     text = report(inproc, clus, SweepConfig(), admit_all)
-    assert "| **cluster / in-process** | **1.00x** | **0.38x** |" in text
+    assert "| **cluster / in-process** | **0.50x** | **0.38x** |" in text  # capacity 1 of 2 req/s
     assert "| **admitting all / in-process** | **1.00x** | **0.75x** |" in text
     assert "| 2 | 0.30 s / 100% / 8.00 | - | 0.30 s / 100% / 6.00 |" in text
