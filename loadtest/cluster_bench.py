@@ -4,8 +4,9 @@ config) at the same Poisson rates, prompts and seeds, one after the other in one
 Reports capacity at SLO and peak audio throughput of each, their ratios (cluster / in-process)
 and the cluster's per-chunk hop breakdown (from the stages' wall-clock stamps), as JSON and a
 markdown table. `--admit-all` sweeps the cluster a second time admitting every request as the
-in-process pipeline does (`admission.policy: fixed_cap` at the KV cap, an unbounded queue): the
-data path's own cost apart from admission refusing load the pipeline plays late.
+in-process pipeline does (`admission.policy: fixed_cap` at the KV cap, a queue for every request
+of a rate; every rate, as the in-process sweep runs past saturation too): the data path's own
+cost apart from admission refusing load the pipeline plays late.
 Usage: python -m loadtest.cluster_bench --rates 1 2 4 6 8 --out bench_out/cluster [--admit-all]
 """
 
@@ -83,7 +84,9 @@ def sweep_in_process(config_path: Path, cfg: SweepConfig) -> list[dict]:
         pipeline.close()
 
 
-def sweep_cluster(config_path: Path, cfg: SweepConfig, log_dir: Path) -> tuple[list[dict], float]:
+def sweep_cluster(
+    config_path: Path, cfg: SweepConfig, log_dir: Path, every_rate: bool = False
+) -> tuple[list[dict], float]:
     import sys
 
     port = grpc_port()
@@ -98,7 +101,8 @@ def sweep_cluster(config_path: Path, cfg: SweepConfig, log_dir: Path) -> tuple[l
         startup_s = time.monotonic() - started
         with grpc.insecure_channel(target) as channel:
             stub = voxray_pb2_grpc.SpeechStub(channel)
-            return _sweep(lambda rate: run_rate(stub, rate, load_prompts(), cfg), cfg, "cluster"), startup_s
+            label = "cluster admitting all" if every_rate else "cluster"
+            return _sweep(lambda rate: run_rate(stub, rate, load_prompts(), cfg), cfg, label, every_rate), startup_s
     finally:
         stop(proc)
 
@@ -116,7 +120,8 @@ def admit_all_config(config_path: Path, out_dir: Path, max_requests: int) -> Pat
     return path
 
 
-def _sweep(run, cfg: SweepConfig, label: str) -> list[dict]:
+def _sweep(run, cfg: SweepConfig, label: str, every_rate: bool = False) -> list[dict]:
+    """Each rate in increasing order until saturated (`every_rate`: all of them, for the peak)."""
     steps = []
     for rate in sorted(cfg.rates_rps):
         step_start = time.monotonic()
@@ -127,7 +132,7 @@ def _sweep(run, cfg: SweepConfig, label: str) -> list[dict]:
                       "hops": hop_breakdown(records)})  # fmt: skip
         print(f"[{label}] {rate:g} req/s: p90 TTFA {summary.ttfa_p90_s} viable {summary.pct_viable:.0f}% "
               f"audio {summary.audio_s / wall_s:.2f}x RT errors {summary.errors}", flush=True)  # fmt: skip
-        if is_saturated(summary, cfg):
+        if is_saturated(summary, cfg) and not every_rate:
             break
     return steps
 
@@ -194,7 +199,8 @@ def main(argv: list[str] | None = None) -> dict:
     clus, startup_s = sweep_cluster(args.config, cfg, args.out)
     admit_all = None
     if args.admit_all:
-        admit_all, _ = sweep_cluster(admit_all_config(args.config, args.out, args.max_requests), cfg, args.out)
+        config_path = admit_all_config(args.config, args.out, args.max_requests)
+        admit_all, _ = sweep_cluster(config_path, cfg, args.out, every_rate=True)
     result = {"config": asdict(cfg), "in_process": inproc, "cluster": clus, "cluster_startup_s": startup_s,
               "cluster_admitting_all": admit_all}  # fmt: skip
     (args.out / "cluster_bench.json").write_text(json.dumps(result, indent=1) + "\n")
