@@ -345,7 +345,13 @@ class LLMStage:
             startup_s=self.start_times.startup_s(),
             measured_first_chunk_s=self.start_times.first_chunk_s(),
             ends_in_s=self._ends_in_s(detok.first_chunk_s),
+            starting_for_s=self._starting_for_s(),
         )
+
+    def _starting_for_s(self) -> tuple[float, ...]:
+        """How long each starting stream has been starting, longest first (router.admission)."""
+        now = time.monotonic()
+        return tuple(sorted((now - s.started_s for s in list(self.streams.values()) if s.is_starting), reverse=True))
 
     def _ends_in_s(self, decode_s: float) -> tuple[float, ...]:
         """The most each running stream has left, soonest first: its steps to its max_tokens at the

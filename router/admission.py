@@ -61,6 +61,8 @@ class ReplicaLoad:
     measured_first_chunk_s: float = 0.0  # recent time from a stream's start to its first chunk (p90); 0 = unknown
     # the most each running stream has left (s from the report), soonest first; () = unknown
     ends_in_s: tuple[float, ...] = ()
+    # how long each starting stream has been starting (s at the report), longest first; () = none or unknown
+    starting_for_s: tuple[float, ...] = ()
 
     def to_stats(self) -> dict:
         return asdict(self)
@@ -183,7 +185,9 @@ def _sustained_streams(load: ReplicaLoad) -> int:
 def startup_wait_s(load: ReplicaLoad, extra_requests: int = 0) -> float:
     """How long one more request waits for the streams starting now before it may start itself:
     past the streams allowed to start at once (`starting_allowed`), a wave of starts (`startup_s`)
-    per that many ahead of it. Streams
+    per that many ahead of it; the first wave less what the start it waits for has run already
+    (`starting_for_s`: counted from none run, a stream with 1 playing and 2 starting for a while
+    was refused at a predicted 1.16 s). Streams
     that start together each hold one small chunk while the others' first chunks take the steps:
     started beyond that limit (a burst), they all underran."""
     if not limits_startups(load):
@@ -195,6 +199,8 @@ def startup_wait_s(load: ReplicaLoad, extra_requests: int = 0) -> float:
     # a start's own cost is the floor: a queued stream promised less (no start measured yet, or
     # recent starts that met no burst) was refused after its wait instead of at once
     wave_s = max(load.startup_s, STARTUP_CHUNKS * first_chunk_s(load))
+    if position < len(load.starting_for_s):  # the starts running now: the one started longest ago ends first
+        return max(0.0, wave_s - load.starting_for_s[position])
     return (position // allowed + 1) * wave_s
 
 

@@ -255,6 +255,12 @@ def test_streams_past_the_startup_limit_wait_for_the_starts_ahead_of_them():
     assert decide(starting, generate_s + 1.4) is Admission.REJECT  # one wave is longer than it can wait
     assert decide(replace(starting, num_starting=1), generate_s + 0.1) is Admission.ADMIT
     assert has_room(replace(starting, predicts=False))  # fixed_cap: the cap only
+    # the starts running now have run a while: the first wave is what the oldest has left
+    partway = replace(starting, starting_for_s=(1.0, 0.4))
+    assert predict_ttfa_s(partway) == pytest.approx(generate_s + 0.5)
+    assert predict_ttfa_s(partway, extra_requests=1) == pytest.approx(generate_s + 1.1)  # waits for the second
+    assert predict_ttfa_s(partway, extra_requests=2) == pytest.approx(generate_s + 3.0)  # the next wave: whole
+    assert predict_ttfa_s(replace(starting, starting_for_s=(2.0, 1.8))) == pytest.approx(generate_s)  # overdue
 
 
 def test_a_busy_replica_lets_fewer_streams_start_at_once():
