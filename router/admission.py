@@ -187,9 +187,9 @@ def startup_wait_s(load: ReplicaLoad, extra_requests: int = 0) -> float:
     past the streams allowed to start at once (`starting_allowed`), a wave of starts (`startup_s`)
     per that many ahead of it; the first wave less what the start it waits for has run already
     (`starting_for_s`: counted from none run, a stream with 1 playing and 2 starting for a while
-    was refused at a predicted 1.16 s). Streams
-    that start together each hold one small chunk while the others' first chunks take the steps:
-    started beyond that limit (a burst), they all underran."""
+    was refused at a predicted 1.16 s). Streams that start together each hold one small chunk
+    while the others' first chunks take the steps: started beyond that limit (a burst), they all
+    underran."""
     if not limits_startups(load):
         return 0.0
     allowed = starting_allowed(load)
