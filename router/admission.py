@@ -136,12 +136,16 @@ def stream_limit(load: ReplicaLoad) -> int:
     paced = load.max_streams
     if load.real_time_streams > 0:
         paced = _paced(load.real_time_margin, load.real_time_streams, load.measured_streams)
-    detok = detok_stream_limit(load)
-    if detok is not None:
-        paced = min(paced, detok)
+    paced = _under_caps(load, paced)
     if load.num_starving:  # a stream is already behind: nothing new starts until it catches up
         paced = min(paced, load.num_active)
-    return max(1, min(load.max_streams, paced))
+    return max(1, paced)
+
+
+def _under_caps(load: ReplicaLoad, streams: int) -> int:
+    """`streams`, no more than the detok stage's limit (`detok_stream_limit`) and the KV cap."""
+    detok = detok_stream_limit(load)
+    return min(load.max_streams, streams if detok is None else min(streams, detok))
 
 
 def first_chunk_s(load: ReplicaLoad) -> float:
@@ -177,9 +181,7 @@ def _sustained_streams(load: ReplicaLoad) -> int:
     so far says what is measured, not what the replica sustains."""
     if load.real_time_streams <= 0:
         return 0
-    sustained = math.floor(load.real_time_margin * load.real_time_streams)
-    detok = detok_stream_limit(load)
-    return min(load.max_streams, sustained if detok is None else min(sustained, detok))
+    return _under_caps(load, math.floor(load.real_time_margin * load.real_time_streams))
 
 
 def startup_wait_s(load: ReplicaLoad, extra_requests: int = 0) -> float:
