@@ -62,8 +62,15 @@ class SchedulerConfig(_Strict):
     async_steps: bool = Field(
         False, description="Run each forward on a worker thread while the next step is planned (batch, sampling)."
     )
+    cuda_graphs: bool = Field(
+        True,
+        description="Replay the decode forward as CUDA graphs on a CUDA device (elsewhere it runs eagerly); "
+        "false = eager on CUDA too.",
+    )
     cuda_graph_batch_sizes: tuple[int, ...] = Field(
-        (), description="Decode batch sizes captured as CUDA graphs (CUDA only; empty = eager)."
+        (),
+        description="Decode batch sizes captured as CUDA graphs (a batch pads to the next one); empty = derived "
+        "from max_batch_size (1, 2, 4, 8, then steps of 8 to 32, 16 to 128, 32 to 256, 64 beyond).",
     )
 
 

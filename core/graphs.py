@@ -23,6 +23,17 @@ def graphs_available(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda" and torch.cuda.is_available()
 
 
+def default_capture_sizes(max_rows: int) -> tuple[int, ...]:
+    """Batch sizes to capture when none are configured: 1, 2, 4, 8, then steps of 8 up to 32, of 16
+    up to 128, of 32 up to 256 and of 64 beyond, ending at `max_rows` (a batch pads to the next
+    size: at most ~1/5 of a step wasted on padding rows past 8, with few graphs to capture)."""
+    sizes, size = [], 1
+    while size < max_rows:
+        sizes.append(size)
+        size += size if size < 8 else 8 if size < 32 else 16 if size < 128 else 32 if size < 256 else 64
+    return (*sizes, max_rows)
+
+
 def padded_size(sizes: Sequence[int], count: int) -> int | None:
     """The smallest captured size (`sizes` ascending) that holds `count` rows; None = too many."""
     return next((s for s in sizes if s >= count), None)

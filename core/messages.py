@@ -85,12 +85,12 @@ SampledToken = int | tuple[int, ...]
 @dataclass(frozen=True)
 class Checkpoint:
     """A stream's sampler state when its LLM replica cut a chunk, as a delta: the tokens sampled
-    since the stream's previous checkpoint and the seeded generator's state after them. The
-    router adds them up (`ResumeState`) so another replica can continue the stream."""
+    since the stream's previous checkpoint (draws are keyed by the job's seed and the tokens drawn,
+    `llm_stage.draws`, so the tokens are the whole state). The router adds them up (`ResumeState`)
+    so another replica can continue the stream."""
 
     first_index: int  # index of new_tokens[0] among the stream's sampled tokens
     new_tokens: tuple[SampledToken, ...]
-    rng_state: bytes | None  # seeded requests: torch.Generator state after drawing these tokens
 
 
 @dataclass(frozen=True)
@@ -108,12 +108,11 @@ class KVParcel:
 @dataclass(frozen=True)
 class ResumeState:
     """Where a stream stood when its LLM replica was lost: the replica that resumes it prefills
-    the prompt plus `tokens`, restores the generator, and continues its chunks at `next_seq`
+    the prompt plus `tokens`, draws on from there, and continues its chunks at `next_seq`
     (frames before `frames_shipped` already reached the client). Greedy and seeded streams then
     emit the tokens an uninterrupted run emits (CFG twins follow the same tokens)."""
 
     tokens: tuple[SampledToken, ...]
-    rng_state: bytes | None
     next_seq: int
     frames_shipped: int
     kv: KVParcel | None = None  # a moved stream's KV rows; None = prefill

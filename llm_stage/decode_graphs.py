@@ -1,19 +1,32 @@
 """The LLM decode forward as CUDA graphs (see `core.graphs`), eager when it cannot replay.
 
-The batch is padded to the next captured size (padding rows read and write the cache's scratch
-slot) and attention spans the whole cache row, so one graph per batch size serves every
-sequence length. `ModelRunner` builds it when `SchedulerConfig.cuda_graph_batch_sizes` is set.
+`ModelRunner` pads a decode batch on the host to the next captured size (padding rows read and
+write the cache's scratch slot at position 0) before its one copy to the device. Attention reads
+each row's own tokens by the lengths in the batch (`llm_stage.attention`), so one graph per batch
+size serves every sequence length at the cost of the tokens actually cached.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from core.graphs import GraphCache, padded_size
-from llm_stage.kv_cache import SlotKVCache
 from llm_stage.models.llama import BatchInputs
+
+
+@dataclass(frozen=True)
+class PaddingRow:
+    """What a padding row holds: the pad token's lanes, position 0, the scratch slot."""
+
+    lanes: list[int]
+    scratch_slot: int
+
+
+def batch_fields(batch: BatchInputs) -> list[torch.Tensor]:
+    return [batch.input_ids, batch.positions, batch.slots, batch.write_slots, batch.last_index]
 
 
 class DecodeGraphs:
@@ -21,56 +34,47 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        forward: Callable[[BatchInputs, int], torch.Tensor],
-        cache: SlotKVCache,
+        forward: Callable[[BatchInputs], torch.Tensor],
         batch_sizes: Sequence[int],
-        input_width: int,
-        pad_lanes: list[int],
+        padding: PaddingRow,
+        device: torch.device,
     ) -> None:
-        self.forward = forward  # (batch, attention length) -> hidden [B, H]
-        self.cache = cache
+        self.forward = forward  # batch -> hidden [B, H]
         self.batch_sizes = sorted(set(batch_sizes))
-        self.input_width = input_width
-        self.pad_lanes = pad_lanes
+        self.padding = padding
+        self.device = device
         self.graphs = GraphCache(self._static_forward, "llm decode")
+
+    def size_for(self, num_rows: int) -> int | None:
+        """The captured size a batch of `num_rows` pads to; None when it is too big (eager)."""
+        return padded_size(self.batch_sizes, num_rows)
 
     def capture_all(self) -> int:
         """Capture every configured size on scratch-slot inputs; returns how many were captured."""
         for size in self.batch_sizes:
-            self.graphs.capture(self._padding_rows(size))
+            self.graphs.capture(self._padding_fields(size))
         return self.graphs.num_captured
 
-    def pad(self, batch: BatchInputs) -> list[torch.Tensor] | None:
-        """The batch padded to the next captured size (scratch-slot rows), or None when it is too big."""
-        num_rows = batch.input_ids.shape[0]
-        size = padded_size(self.batch_sizes, num_rows)
-        if size is None:
-            return None
-        filler = self._padding_rows(size - num_rows)
-        fields = (batch.input_ids, batch.positions, batch.slots, batch.write_slots, batch.last_index)
-        return [torch.cat([real, pad]) for real, pad in zip(fields, filler, strict=True)]
-
     def run(self, batch: BatchInputs) -> torch.Tensor | None:
-        """Replay the graph for this batch's padded size; None = no graph (run eagerly)."""
-        padded = self.pad(batch)
-        out = self.graphs(*padded) if padded is not None else None
-        return None if out is None else out[: batch.input_ids.shape[0]].clone()
+        """Replay the graph of this (padded) batch's size; None = no graph (run eagerly)."""
+        out = self.graphs(*batch_fields(batch))
+        return None if out is None else out.clone()
 
-    def run_static(self, batch: BatchInputs) -> torch.Tensor | None:
+    def run_static(self, batch: BatchInputs) -> torch.Tensor:
         """The captured computation run eagerly (what a graph replays); checks padding off-GPU."""
-        padded = self.pad(batch)
-        return None if padded is None else self._static_forward(*padded)[: batch.input_ids.shape[0]]
+        return self._static_forward(*batch_fields(batch))
 
-    def _padding_rows(self, count: int) -> list[torch.Tensor]:
-        device, scratch = self.cache.keys.device, self.cache.scratch_slot
-        return [
-            torch.tensor([[self.pad_lanes]] * count, dtype=torch.long, device=device).view(count, 1, self.input_width),
-            torch.zeros(count, 1, dtype=torch.long, device=device),
-            torch.full((count,), scratch, dtype=torch.long, device=device),
-            torch.full((count, 1), scratch, dtype=torch.long, device=device),
-            torch.zeros(count, dtype=torch.long, device=device),
+    def _padding_fields(self, count: int) -> list[torch.Tensor]:
+        scratch, width = self.padding.scratch_slot, len(self.padding.lanes)
+        ids = torch.tensor([[self.padding.lanes]] * count, dtype=torch.long).view(count, 1, width)
+        fields = [
+            ids,
+            torch.zeros(count, 1, dtype=torch.long),
+            torch.full((count,), scratch, dtype=torch.long),
+            torch.full((count, 1), scratch, dtype=torch.long),
+            torch.zeros(count, dtype=torch.long),
         ]
+        return [f.to(self.device) for f in fields]
 
     def _static_forward(self, ids, positions, slots, write_slots, last_index) -> torch.Tensor:
-        batch = BatchInputs(ids, positions, slots, write_slots, last_index)
-        return self.forward(batch, self.cache.max_seq_len)
+        return self.forward(BatchInputs(ids, positions, slots, write_slots, last_index))

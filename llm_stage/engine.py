@@ -11,6 +11,7 @@ the in-process pipeline drive it.
 from __future__ import annotations
 
 import dataclasses
+import random
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -20,9 +21,11 @@ import torch
 
 from core.config import CacheConfig, SchedulerConfig
 from core.errors import InvalidArgumentError
+from core.graphs import default_capture_sizes, graphs_available
 from core.messages import Job, ResumeState, SamplingParams
 from core.policy import SchedulingPolicy, StepTimer, make_policy
 from llm_stage.cfg import merge_guidance
+from llm_stage.draws import draw_counter
 from llm_stage.jobs import build_job
 from llm_stage.migration import KVSnapshot, fits, put_rows, take_rows
 from llm_stage.models.base import FrameBuilder, LMAdapter
@@ -44,6 +47,16 @@ class StepOutput:
     finish_reason: FinishReason | None = None
 
 
+def decode_graph_sizes(scheduler: SchedulerConfig, device: torch.device) -> tuple[int, ...]:
+    """The decode batch sizes to capture: the configured ones (off CUDA the runner then says it
+    runs eagerly), else on CUDA sizes derived from `max_batch_size`; none with `cuda_graphs` off."""
+    if not scheduler.cuda_graphs:
+        return ()
+    if scheduler.cuda_graph_batch_sizes:
+        return scheduler.cuda_graph_batch_sizes
+    return default_capture_sizes(scheduler.max_batch_size) if graphs_available(device) else ()
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -59,12 +72,14 @@ class LLMEngine:
         self.scheduler = Scheduler(
             scheduler, cache, adapter.eos_token_ids, self.policy, adapter.is_stop, adapter.record_token
         )
-        self.runner = ModelRunner(adapter, cache.num_slots, cache.max_seq_len, scheduler.cuda_graph_batch_sizes)
+        graph_sizes = decode_graph_sizes(scheduler, adapter.backbone.lm_head_weight.device)
+        self.runner = ModelRunner(adapter, cache.num_slots, cache.max_seq_len, graph_sizes)
         self._forward_thread = ThreadPoolExecutor(1, "llm-forward") if scheduler.async_steps else None
         self._next_plan: StepPlan | None = None  # async: planned while the previous forward ran
         self._prepared_rows: dict[tuple[int, int], SamplingRow] = {}
-        self._generator = torch.Generator().manual_seed(seed)
-        self._seeded: dict[str, torch.Generator] = {}
+        self._seed_source = random.Random(seed)  # seeds of unseeded requests
+        self._seeds: dict[str, int] = {}  # every request's draws are keyed by (seed, draw counter)
+        self._vocab_size = adapter.backbone.lm_head_weight.shape[0]
         self._frames: dict[str, FrameBuilder] = {}
         self.requests: dict[str, Request] = {}
         self.last_batch_size = 0
@@ -161,8 +176,7 @@ class LLMEngine:
         req = Request(req_id, list(prompt_ids), sampling, text_feed=text_feed)
         if uncond_prompt is not None:
             req.twin = Request(f"{req_id}#uncond", list(uncond_prompt), sampling, req.arrival_s, is_twin=True)
-        if sampling.seed is not None:
-            self._seeded[req_id] = torch.Generator().manual_seed(sampling.seed)
+        self._seeds[req_id] = sampling.seed if sampling.seed is not None else self._seed_source.getrandbits(63)
         self._frames[req_id] = self.adapter.new_frame_builder()
         if resume is not None:
             self._restore(req, resume)
@@ -190,23 +204,16 @@ class LLMEngine:
 
     def _restore(self, req: Request, resume: ResumeState) -> None:
         """The stream's sampled tokens become known positions (prefilled with the prompt, as after a
-        preemption, so the next token is sampled from the same context), its CFG twin follows them,
-        and the seeded generator continues from where it stood after drawing them."""
+        preemption, so the next token is sampled from the same context) and its CFG twin follows
+        them; a seeded stream's next draws are keyed by its seed and how many it drew, so they
+        continue as they would have on the lost replica."""
         for row in req.unit:
             row.output_ids = list(resume.tokens)
-        generator = self._seeded.get(req.req_id)
-        if generator is not None and resume.rng_state is not None:
-            generator.set_state(torch.frombuffer(bytearray(resume.rng_state), dtype=torch.uint8))
 
     def replay_frames(self, req_id: str) -> list[list[int]]:
         """The codec frames of a resumed request's restored tokens (once, right after it is added)."""
         req, builder = self.requests[req_id], self._frames[req_id]
         return [frame for token in req.output_ids for frame in builder.push(token)]
-
-    def sampler_state(self, req_id: str) -> bytes | None:
-        """The request's seeded generator state (None: unseeded, it draws from the shared one)."""
-        generator = self._seeded.get(req_id)
-        return bytes(generator.get_state().numpy()) if generator is not None else None
 
     def _check_fits(
         self, prompt: list[Token], uncond: list[Token] | None, sampling: SamplingParams, num_resumed: int = 0
@@ -277,13 +284,15 @@ class LLMEngine:
         logits, cand_ids = merge_guidance(logits, cand_ids, rows, self.adapter.guidance)
         visible = [i for i, r in enumerate(rows) if not r.is_twin]
         reqs = [rows[i] for i in visible]
-        return self.adapter.sample_tokens(hidden[visible], logits, cand_ids, reqs, self._draw)
+        if len(visible) < len(rows):  # (an index list copies to the device: only when twins are dropped)
+            hidden = hidden[visible]
+        return self.adapter.sample_tokens(hidden, logits, cand_ids, reqs, self._draw)
 
     def _draw(
         self, logits: torch.Tensor, cand_ids: torch.Tensor | None, reqs: list[Request], codebooks: list[int]
     ) -> list[int]:
         rows = [self._sampling_row(r, k) for r, k in zip(reqs, codebooks, strict=True)]
-        return sample(logits, cand_ids, rows, self._generator)
+        return sample(logits, cand_ids, rows, self._vocab_size)
 
     def _prepare_sampling_rows(self, reqs: list[Request]) -> None:
         """Build the rows' sampling inputs ahead of the logits (histories only change at `append`)."""
@@ -300,7 +309,8 @@ class LLMEngine:
         recent: list[int] = []
         if params.is_repetition_aware:
             recent = self.adapter.drawn_ids(req, codebook)[-params.ras_window :]
-        return SamplingRow(params, history, self._seeded.get(req.req_id), recent)
+        counter = draw_counter(len(req.output_ids), codebook)
+        return SamplingRow(params, history, self._seeds[req.req_id], counter, recent)
 
     def _output(self, req: Request, token: Token, is_finished: bool) -> StepOutput:
         out = StepOutput(req.req_id, finished=is_finished, finish_reason=req.finish_reason if is_finished else None)
@@ -311,7 +321,7 @@ class LLMEngine:
 
     def _forget(self, req_id: str) -> None:
         self.requests.pop(req_id, None)
-        self._seeded.pop(req_id, None)
+        self._seeds.pop(req_id, None)
         self._frames.pop(req_id, None)
 
     def run_to_completion(self) -> dict[str, list[int]]:

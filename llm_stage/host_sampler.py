@@ -4,13 +4,14 @@ On CPU a step's sampling is a few dozen small ops on [rows, ~4k] arrays, so per-
 dominates, and torch's is several times numpy's. Here each row's filters (top-k, top-p over
 the top-k mass, min-p) run on its weights exp(logit - max) sorted by value only, which gives
 the smallest kept weight; the draw is then an exponential race over the kept weights (argmax
-of weight / E, E = -log U, one uniform per column from the row's own torch generator), so
-seeded rows reproduce whatever they are batched with, and float noise in the logits (a stream
+of weight / E, E = -log U, U from the row's key and the column: `llm_stage.draws`, as the torch
+path draws), so seeded rows reproduce whatever they are batched with, and float noise in the logits (a stream
 resumed by re-prefill on another replica computes its KV in another order) moves a draw only
 when two columns' races tie to that noise: about one draw in a million, where an inverse-CDF
 search over thousands of near-equal weights flipped about one draw in a thousand (issue 23).
-(Not the torch path's draw: the same seed gives other tokens on an accelerator.) A weight that
-rounds to the smallest kept one is kept, as the torch path keeps ties of the smallest kept logit.
+The same uniforms as the torch path, so the same seed draws the same tokens on an accelerator but
+where float noise ties two columns' races. A weight that rounds to the smallest kept one is kept,
+as the torch path keeps ties of the smallest kept logit.
 `llm_stage.sampler.sample` sends CPU logits here.
 """
 
@@ -20,6 +21,8 @@ from itertools import chain
 
 import numpy as np
 import torch
+
+from llm_stage.draws import column_uniforms_np
 
 
 def history_pairs(rows: list) -> tuple[np.ndarray, np.ndarray] | None:
@@ -90,26 +93,21 @@ def smallest_kept_weight(weights: np.ndarray, rows: list) -> np.ndarray:
     return ascending[np.arange(len(rows)), first][:, None]
 
 
-TINY_UNIFORM = float(np.finfo(np.float32).tiny)  # floor of both samplers' race uniforms: E stays finite, > 0
-
-
-def draw(values: np.ndarray, temperature: np.ndarray, rows: list, default: torch.Generator) -> np.ndarray:
+def draw(values: np.ndarray, temperature: np.ndarray, rows: list) -> np.ndarray:
     """One column per row from the filtered distribution of logits / temperature ([B, 1]): an
-    exponential race over the kept weights (no sort with indices). Each row takes one uniform per
-    column from its generator, a fixed amount per draw; -log runs on the kept columns only."""
+    exponential race over the kept weights (no sort with indices), the uniforms hashed from the
+    row's key and each kept column only (`llm_stage.draws`)."""
     weights = np.exp((values - values.max(axis=1, keepdims=True)) / temperature)
     kept = weights >= smallest_kept_weight(weights, rows)
-    width = values.shape[1]
-    uniforms = torch.stack([torch.rand(width, generator=row.generator or default) for row in rows]).numpy()
     picked = np.empty(len(rows), dtype=np.int64)
     for b in range(len(rows)):
         columns = np.flatnonzero(kept[b])
-        race = weights[b, columns] / -np.log(np.maximum(uniforms[b, columns], TINY_UNIFORM))
+        race = weights[b, columns] / -np.log(column_uniforms_np(rows[b].key, columns))
         picked[b] = columns[int(np.argmax(race))]
     return picked
 
 
-def sample_on_host(logits: torch.Tensor, cand_ids: torch.Tensor | None, rows: list, default: torch.Generator):
+def sample_on_host(logits: torch.Tensor, cand_ids: torch.Tensor | None, rows: list):
     """Vocabulary id per row: greedy rows take the argmax, the rest a filtered draw."""
     values = logits.float().numpy().copy()  # the penalty writes in place
     cands = None if cand_ids is None else cand_ids.numpy()
@@ -122,7 +120,7 @@ def sample_on_host(logits: torch.Tensor, cand_ids: torch.Tensor | None, rows: li
         drawn = [b for b, g in enumerate(greedy) if not g]
         temperature = np.array([[rows[b].params.temperature] for b in drawn], dtype=np.float32)
         subset = values if len(drawn) == len(rows) else values[drawn]
-        picked[drawn] = draw(subset, temperature, [rows[b] for b in drawn], default)
+        picked[drawn] = draw(subset, temperature, [rows[b] for b in drawn])
     if cands is not None:
         picked = cands[np.arange(len(rows)), picked]
     return picked.tolist()

@@ -1,7 +1,9 @@
 """KV tensors for the slot cache, allocated once at start-up.
 
 Shape per layer: [num_slots + 1, kv_heads, max_seq_len, head_dim]; the extra last row is a
-scratch slot that padded tokens write into. Used by `llm_stage.models.llama.LlamaBackbone`.
+scratch slot that padded tokens write into. Used by `llm_stage.models.llama.LlamaBackbone`: decode
+rows read their own tokens in place (`layer`, `llm_stage.attention`), prompt chunks gather rows
+(`read`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ class SlotKVCache:
         """slots/positions: [N]; k/v: [N, kv_heads, head_dim]."""
         self.keys[layer, slots, :, positions] = k
         self.values[layer, slots, :, positions] = v
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's keys and values in place: [num_slots + 1, kv_heads, max_seq_len, head_dim] each."""
+        return self.keys[layer], self.values[layer]
 
     def read(self, layer: int, slots: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the first `length` positions of each slot: [B, kv_heads, length, head_dim].

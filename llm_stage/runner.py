@@ -4,8 +4,10 @@ returns the hidden state of every row that samples this step. Called by `LLMEngi
 Decode rows run as one [B, 1] forward; prompt chunks as one padded [P, T] forward. Positions
 become [B, T, W] id lanes that the adapter embeds (W = 1 for flat token streams). `prepare`
 (host: reads request state, builds tensors) and `forward` (tensors only) are separate so the
-engine can run the forward on another thread while it plans the next step. Decode forwards
-replay CUDA graphs when `graphs` has one for the (padded) batch size.
+engine can run the forward on another thread while it plans the next step. Each forward's
+inputs go to the device in one non-blocking copy (`core.transfer`), so preparing a step never
+waits for the GPU. Decode forwards replay CUDA graphs when `graphs` has one for the batch size,
+padded on the host to the next captured size.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from core.graphs import graphs_available
-from llm_stage.decode_graphs import DecodeGraphs
+from core.transfer import to_device
+from llm_stage.decode_graphs import DecodeGraphs, PaddingRow
 from llm_stage.kv_cache import SlotKVCache
 from llm_stage.models.base import LMAdapter
 from llm_stage.models.llama import BatchInputs
@@ -30,9 +33,10 @@ logger = logging.getLogger(__name__)
 class PreparedStep:
     """One step's input tensors: read from request state on the host, safe to run on another thread."""
 
-    decode: BatchInputs | None
+    decode: BatchInputs | None  # padded to a captured graph size when graphs run
     prefill: BatchInputs | None
     finishing: list[int]  # prefill rows whose prompt completes this step (they sample)
+    num_decodes: int = 0  # real rows of `decode` (the first ones)
 
 
 class ModelRunner:
@@ -57,10 +61,13 @@ class ModelRunner:
         if not self.backbone.supports_decode_graphs:
             logger.warning("CUDA graphs are not wired for %s: decode runs eagerly", type(self.backbone).__name__)
             return None
-        pad_lanes = self.adapter.token_lanes(self.adapter.pad_token)
-        graphs = DecodeGraphs(self._forward, self.cache, batch_sizes, self.adapter.input_width, pad_lanes)
+        graphs = DecodeGraphs(self._forward, batch_sizes, self.padding_row, self.device)
         logger.info("captured %d decode CUDA graphs of %s", graphs.capture_all(), graphs.batch_sizes)
         return graphs
+
+    @property
+    def padding_row(self) -> PaddingRow:
+        return PaddingRow(self.adapter.token_lanes(self.adapter.pad_token), self.cache.scratch_slot)
 
     def prepare(self, plan: StepPlan) -> PreparedStep:
         finishing = [i for i, w in enumerate(plan.prefills) if w.completes_prompt]
@@ -68,6 +75,7 @@ class ModelRunner:
             self._decode_inputs(plan) if plan.decodes else None,
             self._prefill_inputs(plan.prefills) if plan.prefills else None,
             finishing,
+            len(plan.decodes),
         )
 
     @torch.inference_mode()
@@ -76,22 +84,28 @@ class ModelRunner:
         parts = []
         if step.decode is not None:
             replayed = self.graphs.run(step.decode) if self.graphs is not None else None
-            parts.append(replayed if replayed is not None else self._forward(step.decode))
+            hidden = replayed if replayed is not None else self._forward(step.decode)
+            parts.append(hidden[: step.num_decodes])
         if step.prefill is not None:
             parts.append(self._forward(step.prefill)[step.finishing])
         return torch.cat(parts) if parts else torch.empty(0, self.backbone.hidden_size)
 
-    def _forward(self, batch: BatchInputs, length: int | None = None) -> torch.Tensor:
-        embeds = self.adapter.embed(batch.input_ids)
-        if length is None:
-            return self.backbone.forward(batch, self.cache, embeds=embeds)
-        return self.backbone.forward(batch, self.cache, embeds=embeds, length=length)
+    def _forward(self, batch: BatchInputs) -> torch.Tensor:
+        return self.backbone.forward(batch, self.cache, embeds=self.adapter.embed(batch.input_ids))
 
     def _decode_inputs(self, plan: StepPlan) -> BatchInputs:
+        """One position per row; with graphs, padding rows up to the captured size."""
         lanes_at = self.adapter.lanes_at
         ids = [[lanes_at(r, r.num_cached)] for r in plan.decodes]
         positions = [[r.num_cached] for r in plan.decodes]
         slots = [r.slot for r in plan.decodes]
+        size = self.graphs.size_for(len(slots)) if self.graphs is not None else None
+        if size is not None:
+            padding = self.padding_row
+            extra = size - len(slots)
+            ids += [[padding.lanes]] * extra
+            positions += [[0]] * extra
+            slots += [padding.scratch_slot] * extra
         return self._to_batch(ids, positions, slots, [[s] for s in slots], [0] * len(slots))
 
     def _prefill_inputs(self, works: list[PrefillWork]) -> BatchInputs:
@@ -105,12 +119,13 @@ class ModelRunner:
             positions.append([min(w.start + i, last) for i in range(width)])
             write_slots.append([w.req.slot] * w.num_tokens + [self.cache.scratch_slot] * pad)
         last_index = [w.num_tokens - 1 for w in works]
-        return self._to_batch(ids, positions, [w.req.slot for w in works], write_slots, last_index)
+        attend_len = max(min(w.start + w.num_tokens, last + 1) for w in works)
+        return self._to_batch(ids, positions, [w.req.slot for w in works], write_slots, last_index, attend_len)
 
-    def _to_batch(self, ids, positions, slots, write_slots, last_index) -> BatchInputs:
-        def as_tensor(values: list) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=self.device)
-
-        return BatchInputs(
-            as_tensor(ids), as_tensor(positions), as_tensor(slots), as_tensor(write_slots), as_tensor(last_index)
-        )
+    def _to_batch(self, ids, positions, slots, write_slots, last_index, attend_len: int | None = None) -> BatchInputs:
+        """The five index tensors built on the host and sent to the device as one non-blocking copy."""
+        host = [torch.tensor(values, dtype=torch.long) for values in (ids, positions, slots, write_slots, last_index)]
+        on_device = to_device(torch.cat([t.flatten() for t in host]), self.device)
+        parts = on_device.split([t.numel() for t in host])
+        fields = [part.view(t.shape) for part, t in zip(parts, host, strict=True)]
+        return BatchInputs(*fields, attend_len=attend_len)

@@ -1,9 +1,16 @@
 """Per-request sampling over a batch of logits rows.
 
 Each row has its own temperature, top-k, top-p, min-p, windowed repetition penalty,
-repetition-aware sampling (`llm_stage.ras`) and optional seed. Rows may cover a candidate
-subset of the vocabulary (`cand_ids`); the result is always a vocabulary id. Called by the
-LLM engine after the model forward.
+repetition-aware sampling (`llm_stage.ras`) and seed. Rows may cover a candidate subset of the
+vocabulary (`cand_ids`); the result is always a vocabulary id. Called by the LLM engine after the
+model forward. Every draw is an exponential race over the row's kept columns with counter-based
+uniforms (`llm_stage.draws`: keyed by the row's seed and draw counter), so a seeded row draws the
+same tokens in any batch, on any replica, after a resume.
+
+On an accelerator the whole batch samples on the device with no host synchronisation
+(`sample_on_device`: the rows' parameters and penalty histories go over in one non-blocking copy,
+the filters run on each row's fully sorted values, no per-row branches); the caller reads the
+tokens back once. CPU logits are sampled in numpy (`host_sampler`).
 """
 
 from __future__ import annotations
@@ -14,7 +21,9 @@ import numpy as np
 import torch
 
 from core.messages import SamplingParams
-from llm_stage.host_sampler import TINY_UNIFORM, history_pairs, sample_on_host
+from core.transfer import to_device
+from llm_stage.draws import row_key, uniforms
+from llm_stage.host_sampler import history_pairs, sample_on_host
 from llm_stage.ras import sample_repetition_aware
 
 
@@ -22,8 +31,14 @@ from llm_stage.ras import sample_repetition_aware
 class SamplingRow:
     params: SamplingParams
     history: list[int]  # token ids the repetition penalty looks at
-    generator: torch.Generator | None
+    seed: int = 0  # the request's seed (a random one for unseeded requests)
+    counter: int = 0  # this draw's counter (`llm_stage.draws.draw_counter`)
     recent: list[int] = field(default_factory=list)  # the last `ras_window` generated ids (RAS rows)
+
+    @property
+    def key(self) -> int:
+        """32 bits for (seed, counter) that this draw's uniforms hash with each column."""
+        return row_key(self.seed, self.counter)
 
 
 def apply_repetition_penalty(logits: torch.Tensor, cand_ids: torch.Tensor | None, rows: list[SamplingRow]) -> None:
@@ -62,182 +77,143 @@ def _seen_columns(
     return seen_ids.gather(1, cand_ids.clamp(min=0)) & (cand_ids >= 0)
 
 
-SHORTLIST = 64  # a draw first looks at each row's 64 best columns; it sorts the full row only when needed
-
-
-@dataclass(frozen=True)
-class _Filters:
-    """Per-row temperature, top-k (the row width when off), top-p and min-p as [B, 1] tensors."""
-
-    temperature: torch.Tensor
-    top_k: torch.Tensor
-    top_p: torch.Tensor
-    min_p: torch.Tensor
-
-    @classmethod
-    def of(cls, rows: list[SamplingRow], width: int, device: torch.device | str = "cpu") -> _Filters:
-        p = [r.params for r in rows]
-        values = [[q.temperature, q.top_k or width, q.top_p, q.min_p] for q in p]
-        table = torch.tensor(values, dtype=torch.float64, device=device)
-        return cls(table[:, 0:1].float(), table[:, 1:2].long(), table[:, 2:3].float(), table[:, 3:4].float())
-
-    def select(self, index: list[int]) -> _Filters:
-        return _Filters(self.temperature[index], self.top_k[index], self.top_p[index], self.min_p[index])
-
-
-def _filter_sorted(sorted_logits: torch.Tensor, filters: _Filters, log_norm: torch.Tensor | None = None):
-    """Top-k, then top-p, then min-p on logits sorted descending per row; returns masked logits.
-
-    `log_norm` ([B, 1]): log of the top-k mass when `sorted_logits` is only the head of each row.
-    """
-    ranks = torch.arange(sorted_logits.shape[1], device=sorted_logits.device).unsqueeze(0)
-    masked = sorted_logits.masked_fill(ranks >= filters.top_k, float("-inf"))
-    probs = masked.softmax(dim=-1) if log_norm is None else (masked - log_norm).exp()
-    mass_before = probs.cumsum(dim=-1) - probs
-    masked = masked.masked_fill(mass_before > filters.top_p, float("-inf"))
-    probs = masked.softmax(dim=-1)
-    return masked.masked_fill(probs < filters.min_p * probs[:, :1], float("-inf"))
-
-
-def _draw(probs: torch.Tensor, rows: list[SamplingRow], default: torch.Generator) -> torch.Tensor:
-    """One categorical draw per row as argmax(p / E), E = -log U ~ Exp(1) with U from the row's own
-    generator (seeded requests stay reproducible whatever they are batched with); one batched
-    argmax. Unlike an inverse-CDF search this is not thrown by float noise in the probabilities
-    (the host sampler races the same way).
-    (-log of a uniform: 3x cheaper than `exponential_` on CPU; U is floored at the smallest normal
-    float, so E is finite and positive.)"""
-    width = probs.shape[1]
-    uniform = torch.stack([torch.rand(width, generator=row.generator or default) for row in rows]).to(probs.device)
-    return (probs / uniform.clamp_(min=TINY_UNIFORM).log_().neg_()).argmax(dim=-1)
-
-
-def _sorted_descending(values: torch.Tensor) -> torch.Tensor:
-    """Each row's values sorted descending, no indices. On CPU numpy's SIMD sort of values alone
-    is ~10x faster than `torch.sort` (which always sorts an index array along)."""
-    if values.device.type != "cpu":
-        return values.sort(dim=-1, descending=True).values
-    return torch.from_numpy(-np.sort(-values.numpy(), axis=-1))
-
-
-def _filter_full_width(values: torch.Tensor, filters: _Filters) -> torch.Tensor:
-    """Top-k / top-p / min-p on unsorted rows: the filters run on each row's sorted values, which
-    give the row's smallest kept value; columns below it are masked. (A column tied with that
-    value is kept, as transformers' top-k and min-p keep ties.)"""
-    kept_sorted = _filter_sorted(_sorted_descending(values), filters)
-    kept_count = torch.isfinite(kept_sorted).sum(dim=-1, keepdim=True)
-    smallest_kept = kept_sorted.gather(1, kept_count - 1)
-    return values.masked_fill(values < smallest_kept, float("-inf"))
-
-
-def _shortlist_log_norm(head: torch.Tensor, scaled: torch.Tensor, filters: _Filters) -> torch.Tensor:
-    """[B, 1] log of each row's top-k mass: over the head when top-k fits in it, else the whole row."""
-    width = head.shape[1]
-    past_top_k = torch.arange(width, device=head.device).unsqueeze(0) >= filters.top_k
-    head_lse = head.masked_fill(past_top_k, float("-inf")).logsumexp(-1, True)
-    return torch.where(filters.top_k <= width, head_lse, scaled.logsumexp(-1, True))
-
-
-def _kept_within_head(head: torch.Tensor, log_norm: torch.Tensor, filters: _Filters, width: int) -> list[bool]:
-    """Per row: do top-k / top-p / min-p cut every column after the head? (Then the head decides.)"""
-    short = head.shape[1]
-    probs = (head - log_norm).exp()
-    cut_by_p = (probs.sum(-1, keepdim=True) > filters.top_p) | (probs[:, -1:] < filters.min_p * probs[:, :1])
-    fits = (filters.top_k <= short) | ((filters.top_k >= width) & cut_by_p) | (short >= width)
-    return fits.squeeze(1).tolist()
-
-
-def _head_decides(
-    head: torch.Tensor, scaled: torch.Tensor, rows: list[SamplingRow], filters: _Filters
-) -> tuple[list[bool], torch.Tensor]:
-    """Which rows draw from their head, and each row's log normaliser for it. Rows with only
-    top-p (Orpheus' default) take a short path: the head decides iff its mass passes top-p."""
-    if all(not r.params.top_k and not r.params.min_p for r in rows):
-        log_norm = scaled.logsumexp(-1, True)
-        return ((head - log_norm).exp().sum(-1, keepdim=True) > filters.top_p).squeeze(1).tolist(), log_norm
-    log_norm = _shortlist_log_norm(head, scaled, filters)
-    return _kept_within_head(head, log_norm, filters, scaled.shape[1]), log_norm
-
-
-def _sample_scaled(scaled: torch.Tensor, rows: list[SamplingRow], filters: _Filters, default: torch.Generator):
-    """Column drawn per row from temperature-scaled logits under the row's top-k / top-p / min-p.
-
-    The draw runs over the row's SHORTLIST best columns when the filters provably cut everything
-    after them (the usual case for a trained model's speech tokens), else over the whole row
-    masked below its smallest kept value (`_filter_full_width`): same distribution, no sort with
-    indices per step. Each row consumes a fixed amount of its generator.
-    """
-    head, head_cols = scaled.topk(min(SHORTLIST, scaled.shape[1]), dim=-1)  # sorted descending
-    fits, log_norm = _head_decides(head, scaled, rows, filters)
-    picked = torch.empty(len(rows), dtype=torch.long, device=scaled.device)
-    for use_head in (True, False):
-        index = [b for b, f in enumerate(fits) if f == use_head]
-        if not index:
-            continue
-        whole = len(index) == len(rows)  # one group: no row selection
-        group = filters if whole else filters.select(index)
-        if use_head:
-            values, columns = (head, head_cols) if whole else (head[index], head_cols[index])
-            probs = _filter_sorted(values, group, log_norm if whole else log_norm[index]).softmax(dim=-1)
-            draws = _draw(probs, [rows[b] for b in index], default)
-            picked[index] = columns.gather(1, draws.unsqueeze(1)).squeeze(1)
-        else:
-            probs = _filter_full_width(scaled if whole else scaled[index], group).softmax(dim=-1)
-            picked[index] = _draw(probs, [rows[b] for b in index], default)
-    return picked
-
-
 def sample(
     logits: torch.Tensor,  # [B, C] float
     cand_ids: torch.Tensor | None,  # [B, C] vocab id of each column, or None for the full vocab
     rows: list[SamplingRow],
-    default_generator: torch.Generator,
+    vocab_size: int | None = None,
 ) -> list[int]:
-    """Vocabulary id per row. CPU logits are sampled in numpy (`host_sampler`: same semantics,
-    a fraction of torch's per-op overhead); accelerator logits stay on their device. Rows with
-    repetition-aware sampling are drawn by `llm_stage.ras`."""
+    """Vocabulary id per row. CPU logits are sampled in numpy (`host_sampler`: same semantics, a
+    fraction of torch's per-op overhead); accelerator logits on their device, read back once.
+    Rows with repetition-aware sampling are drawn by `llm_stage.ras`. `vocab_size`: ids in
+    `cand_ids` are below it (the LM head's rows), so the device penalty needs no read-back."""
     ras = [b for b, row in enumerate(rows) if row.params.is_repetition_aware]
     if not ras:
-        return _sample_plain(logits, cand_ids, rows, default_generator)
+        return _sample_plain(logits, cand_ids, rows, vocab_size)
     plain = [b for b, row in enumerate(rows) if not row.params.is_repetition_aware]
     picked = [0] * len(rows)
     for group, draw in ((plain, _sample_plain), (ras, _sample_ras)):
         if group:
             group_cand = None if cand_ids is None else cand_ids[group]
-            ids = draw(logits[group], group_cand, [rows[b] for b in group], default_generator)
+            ids = draw(logits[group], group_cand, [rows[b] for b in group], vocab_size)
             for b, token in zip(group, ids, strict=True):
                 picked[b] = token
     return picked
 
 
 def _sample_plain(
-    logits: torch.Tensor, cand_ids: torch.Tensor | None, rows: list[SamplingRow], default_generator: torch.Generator
+    logits: torch.Tensor, cand_ids: torch.Tensor | None, rows: list[SamplingRow], vocab_size: int | None
 ) -> list[int]:
     if logits.device.type == "cpu":
-        return sample_on_host(logits, cand_ids, rows, default_generator)
-    return sample_on_device(logits, cand_ids, rows, default_generator)
+        return sample_on_host(logits, cand_ids, rows)
+    return sample_on_device(logits, cand_ids, rows, vocab_size).tolist()  # the step's one wait for the GPU
 
 
 def _sample_ras(
-    logits: torch.Tensor, cand_ids: torch.Tensor | None, rows: list[SamplingRow], default_generator: torch.Generator
+    logits: torch.Tensor, cand_ids: torch.Tensor | None, rows: list[SamplingRow], vocab_size: int | None
 ) -> list[int]:
     logits = logits.float().clone()
     apply_repetition_penalty(logits, cand_ids, rows)
-    return sample_repetition_aware(logits, cand_ids, rows, default_generator)
+    return sample_repetition_aware(logits, cand_ids, rows)
+
+
+@dataclass(frozen=True)
+class RowTable:
+    """The rows' sampling parameters on the logits' device ([B, 1] each; `history` [B, W], -1 = none),
+    built on the host and sent in one non-blocking copy."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    penalty: torch.Tensor
+    keys: torch.Tensor  # [B] int64
+    greedy: torch.Tensor  # [B] bool
+    history: torch.Tensor  # [B, W] int64
+
+    @classmethod
+    def of(cls, rows: list[SamplingRow], width: int, device: torch.device) -> RowTable:
+        penalised = [r.history if r.params.repetition_penalty != 1.0 else [] for r in rows]
+        history_width = max(1, max(len(h) for h in penalised))
+        table = np.full((len(rows), 7 + history_width), -1.0)  # float64 holds ids and 32-bit keys exactly
+        for b, row in enumerate(rows):
+            p = row.params
+            filters = (p.temperature, p.top_k or width, p.top_p, p.min_p, p.repetition_penalty)
+            table[b, :7] = (*filters, row.key, p.is_greedy)
+            table[b, 7 : 7 + len(penalised[b])] = penalised[b]
+        on_device = to_device(torch.from_numpy(table), device)
+        floats = on_device[:, :5].float()
+        history = on_device[:, 7:].long()
+        return cls(
+            floats[:, 0:1], on_device[:, 1:2].long(), floats[:, 2:3], floats[:, 3:4], floats[:, 4:5],
+            on_device[:, 5].long(), on_device[:, 6] > 0, history,
+        )  # fmt: skip
+
+
+def penalize_on_device(logits: torch.Tensor, cand_ids: torch.Tensor | None, table: RowTable, vocab_size: int) -> None:
+    """In place: logit / p when positive, logit * p when negative, where the column's id is in the
+    row's history; a scatter into a [B, vocab + 2] mask (column vocab takes the histories' padding,
+    vocab + 1, never set, the candidates' padding), no read-back. `vocab_size`: every id of
+    `cand_ids` and of the histories is below it."""
+    rows, width = logits.shape
+    span = width if cand_ids is None else vocab_size
+    history = table.history
+    ids = torch.where((history >= 0) & (history < span), history, span)
+    seen_ids = torch.zeros(rows, span + 2, dtype=torch.bool, device=logits.device)
+    seen_ids.scatter_(1, ids, True)
+    if cand_ids is None:
+        seen = seen_ids[:, :width]
+    else:
+        seen = seen_ids.gather(1, torch.where((cand_ids >= 0) & (cand_ids < span), cand_ids, span + 1))
+    penalised = torch.where(logits > 0, logits / table.penalty, logits * table.penalty)
+    torch.where(seen, penalised, logits, out=logits)
 
 
 def sample_on_device(
-    logits: torch.Tensor, cand_ids: torch.Tensor | None, rows: list[SamplingRow], default_generator: torch.Generator
-) -> list[int]:
-    """The torch path: runs wherever the logits are (also on CPU, where `sample` prefers numpy)."""
+    logits: torch.Tensor, cand_ids: torch.Tensor | None, rows: list[SamplingRow], vocab_size: int | None = None
+) -> torch.Tensor:
+    """[B] vocabulary ids on the logits' device, nothing read back (runs on CPU tensors too).
+
+    Greedy rows take the argmax; the rest race: argmax over the kept columns of scaled logit - log E,
+    E = -log U with U from the row's key and the column (`llm_stage.draws`), i.e. a draw from the
+    filtered distribution that float noise in the logits almost never moves. The kept columns are
+    those at or above the smallest value the row's top-k, top-p and min-p keep on its sorted values.
+    """
     logits = logits.float().clone()
-    apply_repetition_penalty(logits, cand_ids, rows)
-    picked = logits.argmax(dim=-1)  # [B]
-    random_rows = [b for b, r in enumerate(rows) if not r.params.is_greedy]
-    if random_rows:
-        sub_rows = [rows[b] for b in random_rows]
-        filters = _Filters.of(sub_rows, logits.shape[1], logits.device)
-        scaled = logits[random_rows] / filters.temperature
-        picked[random_rows] = _sample_scaled(scaled, sub_rows, filters, default_generator)
+    table = RowTable.of(rows, logits.shape[1], logits.device)
+    if any(r.params.repetition_penalty != 1.0 and r.history for r in rows):
+        histories_max = max(max(r.history, default=0) for r in rows) + 1
+        penalize_on_device(logits, cand_ids, table, max(vocab_size or 0, histories_max, logits.shape[1]))
+    greedy_pick = logits.argmax(dim=-1)
+    if all(r.params.is_greedy for r in rows):
+        picked = greedy_pick
+    else:
+        scaled = logits / torch.where(table.greedy.unsqueeze(1), 1.0, table.temperature)
+        kept = kept_columns(scaled, table)
+        exponentials = uniforms(table.keys, logits.shape[1]).log().neg()
+        race = torch.where(kept, scaled - exponentials.log(), float("-inf"))
+        picked = torch.where(table.greedy, greedy_pick, race.argmax(dim=-1))
     if cand_ids is not None:
         picked = cand_ids.gather(1, picked.unsqueeze(1)).squeeze(1)
-    return picked.tolist()
+    return picked
+
+
+def kept_columns(scaled: torch.Tensor, filters) -> torch.Tensor:
+    """[B, C] bool: the columns top-k / top-p / min-p keep, found on each row's sorted values (a
+    column tied with the smallest kept value is kept, as transformers' top-k and min-p keep ties)."""
+    descending = scaled.sort(dim=-1, descending=True).values
+    kept_sorted = _filter_sorted(descending, filters)
+    kept_count = torch.isfinite(kept_sorted).sum(dim=-1, keepdim=True).clamp(min=1)
+    return scaled >= descending.gather(1, kept_count - 1)
+
+
+def _filter_sorted(sorted_logits: torch.Tensor, filters) -> torch.Tensor:
+    """Top-k, then top-p over the top-k mass, then min-p, on logits sorted descending per row;
+    returns them with the cut ranks at -inf. `filters`: [B, 1] top_k / top_p / min_p."""
+    ranks = torch.arange(sorted_logits.shape[1], device=sorted_logits.device).unsqueeze(0)
+    masked = sorted_logits.masked_fill(ranks >= filters.top_k, float("-inf"))
+    probs = masked.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    masked = masked.masked_fill(mass_before > filters.top_p, float("-inf"))
+    probs = masked.softmax(dim=-1)
+    return masked.masked_fill(probs < filters.min_p * probs[:, :1], float("-inf"))

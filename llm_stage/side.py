@@ -85,16 +85,16 @@ class LLMSide:
         self.voice_handles.pop(req_id, None)
 
     def move_out(self, req_id: str) -> tuple[ResumeState, KVSnapshot | None] | None:
-        """Stop a stream here so another engine continues it: its state (every sampled token, the
-        generator, where its chunks stand) and its KV rows when they can move (None: not running,
+        """Stop a stream here so another engine continues it: its state (every sampled token,
+        where its chunks stand) and its KV rows when they can move (None: not running,
         or it streams its text: that comes to this replica, so it finishes here)."""
         req, chunker = self.engine.requests.get(req_id), self.chunkers.get(req_id)
         if req is None or chunker is None or req.text_feed is not None:
             return None
         kv = self.engine.export_kv(req_id)
-        tokens, rng_state = tuple(req.output_ids), self.engine.sampler_state(req_id)
+        tokens = tuple(req.output_ids)
         self.cancel(req_id)
-        return ResumeState(tokens, rng_state, chunker.next_seq, chunker.num_emitted), kv
+        return ResumeState(tokens, chunker.next_seq, chunker.num_emitted), kv
 
     def steps_left(self, req_id: str) -> int | None:
         """The most steps `req_id` may still take here (to its max_tokens; a model's end token may
@@ -150,7 +150,7 @@ class LLMSide:
         start = self.num_checkpointed.get(req.req_id, 0)
         tokens = tuple(req.output_ids[start:])
         self.num_checkpointed[req.req_id] = start + len(tokens)
-        self.checkpoints[(req.req_id, seq)] = Checkpoint(start, tokens, self.engine.sampler_state(req.req_id))
+        self.checkpoints[(req.req_id, seq)] = Checkpoint(start, tokens)
 
     def num_starving(self) -> int:
         """Streams playing whose client buffer is spent (safe to call from another thread: the

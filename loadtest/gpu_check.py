@@ -30,10 +30,10 @@ from llm_stage.models.orpheus import OrpheusAdapter
 from loadtest.decode_bench import prompts
 from loadtest.step_bench import ms_per_step
 
-MODES = {
-    "eager": {},
+MODES = {  # graphs are on by default on CUDA: eager modes turn them off
+    "eager": {"cuda_graphs": False},
     "graphs": {"graphs": True},
-    "async": {"async_steps": True},
+    "async": {"async_steps": True, "cuda_graphs": False},
     "graphs+async": {"graphs": True, "async_steps": True},
 }
 

@@ -77,7 +77,7 @@ class SimClock:
 
 
 class SimEngine:
-    """The LLMEngine surface LLMSide uses (`add_job`, `step`, `requests`, `timer`, `adapter`, `sampler_state`),
+    """The LLMEngine surface LLMSide uses (`add_job`, `step`, `requests`, `timer`, `adapter`),
     on the real Scheduler and decode order; tokens are dummies, one frame per 7."""
 
     def __init__(self, config: SchedulerConfig, slots: int, steps: StepModel, clock: SimClock) -> None:
@@ -92,9 +92,6 @@ class SimEngine:
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
-
-    def sampler_state(self, req_id: str) -> bytes | None:
-        return None  # dummy tokens: nothing to resume from
 
     def add_job(self, job: Job, kv: object = None) -> None:
         if kv is not None:

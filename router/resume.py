@@ -15,7 +15,6 @@ from core.messages import AudioReady, ResumeState, SampledToken
 class StreamProgress:
     def __init__(self) -> None:
         self.tokens: list[SampledToken] = []  # sampled tokens the checkpoints cover, in order
-        self.rng_state: bytes | None = None
         self.next_seq = 0  # the first chunk the client has not received
         self.frames_shipped = 0  # frames covered by the chunks it has
         self.is_resumable = True  # False once a checkpoint was missed (then a resume could skip tokens)
@@ -29,17 +28,16 @@ class StreamProgress:
                 self.is_resumable = False
             del self.tokens[checkpoint.first_index :]
             self.tokens.extend(checkpoint.new_tokens)
-            self.rng_state = checkpoint.rng_state
         self.next_seq = event.ref.seq + 1
         self.frames_shipped = event.ref.chunk.keep_end
         self.detok_replica = event.ref.detok_replica or self.detok_replica
 
     def adopt(self, handoff: ResumeState) -> None:
         """A replica handed the stream off with its full state: later checkpoints extend that."""
-        self.tokens, self.rng_state = list(handoff.tokens), handoff.rng_state
+        self.tokens = list(handoff.tokens)
         self.next_seq, self.frames_shipped = handoff.next_seq, handoff.frames_shipped
         self.detok_replica = handoff.detok_replica or self.detok_replica
 
     def resume_state(self) -> ResumeState:
-        state = ResumeState(tuple(self.tokens), self.rng_state, self.next_seq, self.frames_shipped)
+        state = ResumeState(tuple(self.tokens), self.next_seq, self.frames_shipped)
         return dataclasses.replace(state, detok_replica=self.detok_replica)

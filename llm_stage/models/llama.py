@@ -1,8 +1,10 @@
 """Llama backbone forward over our slot KV cache, on the weights of a transformers model.
 
 Norms, MLP activation and rotary tables come from transformers' own modules; attention is ours
-(per-token slot/position writes, one masked SDPA per layer), so any number of requests at
-different lengths run in one forward. Used by LM adapters of Llama/Qwen-architecture families.
+(per-token slot/position writes; one token per row reads its own cached tokens in place,
+`llm_stage.attention.decode_attention`; longer inputs one masked SDPA per layer), so any number of
+requests at different lengths run in one forward. Used by LM adapters of Llama/Qwen-architecture
+families.
 
 Per layer the q/k/v projections run as one matmul, and so do gate/up: the model's projection
 weights are rebound to row slices of one fused tensor (no extra memory; transformers' modules
@@ -20,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llm_stage.attention import decode_attention
 from llm_stage.kv_cache import SlotKVCache
 
 
@@ -32,6 +35,9 @@ class BatchInputs:
     slots: torch.Tensor  # [B] cache row of each request
     write_slots: torch.Tensor  # [B, T] cache row for each token (scratch for padding)
     last_index: torch.Tensor  # [B] index in T of each row's last real token
+    # host-known: cache positions a multi-token forward attends to (its last position + 1), so the
+    # forward never reads it back from the device; None = read `positions` (one sync)
+    attend_len: int | None = None
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -112,6 +118,39 @@ class FusedLayer:
         return project(self.mlp.act_fn(gate) * up, down.weight, down.bias)
 
 
+@dataclass(frozen=True)
+class DecodeContext:
+    """One token per row: attention over each row's own `seq_lens` cached tokens, read in place."""
+
+    slots: torch.Tensor  # [B]
+    seq_lens: torch.Tensor  # [B] int32, on the device
+
+    def attend(self, q: torch.Tensor, cache: SlotKVCache, layer: int, scale: float) -> torch.Tensor:
+        keys, values = cache.layer(layer)
+        return decode_attention(q[:, :, 0], keys, values, self.slots, self.seq_lens, scale).unsqueeze(2)
+
+
+@dataclass(frozen=True)
+class PromptContext:
+    """Several tokens per row (prompt chunks): masked SDPA over the first `length` cache positions."""
+
+    slots: torch.Tensor  # [B]
+    mask: torch.Tensor  # [B, 1, T, L]
+    length: int
+
+    @classmethod
+    def of(cls, batch: BatchInputs, length: int | None) -> PromptContext:
+        if length is None:
+            length = batch.attend_len if batch.attend_len is not None else int(batch.positions.max()) + 1
+        key_pos = torch.arange(length, device=batch.positions.device)
+        mask = key_pos.view(1, 1, 1, -1) <= batch.positions.unsqueeze(1).unsqueeze(-1)
+        return cls(batch.slots, mask, length)
+
+    def attend(self, q: torch.Tensor, cache: SlotKVCache, layer: int, scale: float) -> torch.Tensor:
+        keys, values = cache.read(layer, self.slots, self.length)  # [B, KV, L, D]
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, scale=scale, enable_gqa=True)
+
+
 class LlamaBackbone:
     """Runs `LlamaModel`-compatible weights (decoder layers + final norm) on a SlotKVCache."""
 
@@ -158,22 +197,24 @@ class LlamaBackbone:
     ) -> torch.Tensor:
         """Returns the final-norm hidden state at each row's last real token: [B, H].
 
-        Attention reads `length` cache positions (default: up to the batch's last position; a
-        fixed length keeps shapes static and the host out of the loop, for CUDA graphs).
+        One token per row (decode): each row attends to its own cached tokens, lengths on the device
+        (so a CUDA graph serves every length). Longer inputs attend to `length` cache positions
+        (default: `batch.attend_len`, else up to the batch's last position).
         """
         hidden = self.embed(batch.input_ids) if embeds is None else embeds  # [B, T, H]
         cos, sin = self.rotary(hidden, batch.positions, cache.max_seq_len)  # [B, T, D]
-        length = int(batch.positions.max()) + 1 if length is None else length
-        key_pos = torch.arange(length, device=hidden.device)
-        mask = key_pos.view(1, 1, 1, -1) <= batch.positions.unsqueeze(1).unsqueeze(-1)  # [B, 1, T, L]
+        if batch.input_ids.shape[1] == 1:
+            context = DecodeContext(batch.slots, (batch.positions[:, 0] + 1).to(torch.int32))
+        else:
+            context = PromptContext.of(batch, length)
         for index, fused in enumerate(self.layers):
             attn_in = rms_norm(fused.layer.input_layernorm, hidden)
-            hidden = hidden + self._attention(index, fused, attn_in, batch, cache, cos, sin, mask, length)
+            hidden = hidden + self._attention(index, fused, attn_in, batch, cache, cos, sin, context)
             hidden = hidden + fused.mlp_out(rms_norm(fused.layer.post_attention_layernorm, hidden))
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         return rms_norm(self.model.norm, hidden[rows, batch.last_index])
 
-    def _attention(self, index, fused: FusedLayer, x, batch, cache, cos, sin, mask, length) -> torch.Tensor:
+    def _attention(self, index, fused: FusedLayer, x, batch, cache, cos, sin, context) -> torch.Tensor:
         bsz, seq, _ = x.shape
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = fused.qkv(x).view(bsz, seq, heads + 2 * kv_heads, dim).transpose(1, 2)  # [B, Hq + 2 Hkv, T, D]
@@ -188,6 +229,5 @@ class LlamaBackbone:
         flat_k = k.transpose(1, 2).reshape(bsz * seq, kv_heads, dim)
         flat_v = v.transpose(1, 2).reshape(bsz * seq, kv_heads, dim)
         cache.write(index, batch.write_slots.flatten(), batch.positions.flatten(), flat_k, flat_v)
-        keys, values = cache.read(index, batch.slots, length)  # [B, KV, L, D]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True)
+        out = context.attend(q, cache, index, self.scale)  # [B, Hq, T, D]
         return project(out.transpose(1, 2).reshape(bsz, seq, heads * dim), attn.o_proj.weight, attn.o_proj.bias)

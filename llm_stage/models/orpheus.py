@@ -16,6 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from core.checkpoints import hf_loader, load_or_preset, resolve_model_ref
 from core.config import ModelConfig
 from core.messages import SamplingParams
+from core.transfer import to_device
 from detok_stage.codecs.snac_codec import SnacCodec
 from llm_stage.models.base import FrameBuilder, LMAdapter, ModelFamily
 from llm_stage.models.llama import LlamaBackbone
@@ -114,19 +115,27 @@ class OrpheusAdapter(LMAdapter):
         return [START_OF_HUMAN, *body, END_OF_TEXT, END_OF_HUMAN, START_OF_AI, START_OF_SPEECH]
 
     def logits(self, hidden: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per row: the 4096 codes of its frame slot, plus an end-of-speech column (-inf off-boundary)."""
-        out = torch.empty(hidden.shape[0], CODES_PER_SLOT + 1, dtype=torch.float32, device=hidden.device)
+        """Per row: the 4096 codes of its frame slot, plus an end-of-speech column (-inf off-boundary).
+        Row indices go to the device in non-blocking copies (no host wait on a GPU)."""
+        device = hidden.device
+        out = torch.empty(hidden.shape[0], CODES_PER_SLOT + 1, dtype=torch.float32, device=device)
         num_generated = [len(r.output_ids) for r in reqs]
         slots = [slot_of(n) for n in num_generated]
-        for slot in sorted(set(slots)):
-            rows = [b for b, s in enumerate(slots) if s == slot]
-            # aligned rows (the usual case) are all of them: views and a plain copy, no gather / index_put
-            index = slice(None) if len(rows) == len(slots) else rows
-            out[index, :CODES_PER_SLOT] = self._slot_logits(hidden[index], slot)  # copies into fp32
-        out[:, CODES_PER_SLOT] = (hidden @ self.backbone.lm_head_weight[END_OF_SPEECH]).float()
-        off_boundary = [b for b, n in enumerate(num_generated) if n == 0 or slot_of(n) != 0]
-        out[off_boundary, CODES_PER_SLOT] = float("-inf")
-        return out, self._candidates(hidden.device)[slots]
+        phases = sorted(set(slots))
+        if len(phases) == 1:  # aligned rows (the usual case): views and a plain copy, no gather / index_put
+            out[:, :CODES_PER_SLOT] = self._slot_logits(hidden, phases[0])  # copies into fp32
+            candidates = self._candidates(device)[phases[0]].expand(len(reqs), -1)
+        else:
+            for slot in phases:
+                index = _index([b for b, s in enumerate(slots) if s == slot], device)
+                out[index, :CODES_PER_SLOT] = self._slot_logits(hidden[index], slot)
+            candidates = self._candidates(device)[_index(slots, device)]
+        end_of_speech = (hidden @ self.backbone.lm_head_weight[END_OF_SPEECH]).float()
+        off_boundary = [n == 0 or slot_of(n) != 0 for n in num_generated]
+        if any(off_boundary):
+            end_of_speech = end_of_speech.masked_fill(_index(off_boundary, device, torch.bool), float("-inf"))
+        out[:, CODES_PER_SLOT] = end_of_speech
+        return out, candidates
 
     def _slot_logits(self, hidden: torch.Tensor, slot: int) -> torch.Tensor:
         """[R, 4096] for R rows on one frame slot: up to SMALL_GROUP rows multiply the slot's
@@ -145,6 +154,10 @@ class OrpheusAdapter(LMAdapter):
 
     def new_frame_builder(self) -> OrpheusFrameBuilder:
         return OrpheusFrameBuilder()
+
+
+def _index(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    return to_device(torch.tensor(values, dtype=dtype), device)
 
 
 def slot_heads(lm_head_weight: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ class _Side:
     def move_out(self, req_id: str) -> tuple[ResumeState, None]:
         self.moved.append(req_id)
         del self.engine.requests[req_id], self.chunkers[req_id]
-        return ResumeState((), None, 0, 0), None
+        return ResumeState((), 0, 0), None
 
 
 def _stage(tokens: dict[str, int], text_streaming: set[str] = frozenset()) -> LLMStage:

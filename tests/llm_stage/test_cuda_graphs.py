@@ -1,4 +1,4 @@
-"""CUDA-graph paths off-GPU: what a graph would replay (padded, full-length attention) equals the
+"""CUDA-graph paths off-GPU: what a graph would replay (padded to a captured size) equals the
 eager forward, and asking for graphs on a CPU falls back to eager with a warning. Capture and
 replay themselves only run on a CUDA device (see BENCHMARKS "GPU")."""
 
@@ -27,24 +27,26 @@ def decoding_engine():
     return engine
 
 
-def test_padded_full_length_decode_equals_eager_and_writes_only_real_and_scratch_slots():
+def test_padded_decode_equals_eager_and_writes_only_real_and_scratch_slots():
     engine = decoding_engine()
     runner, cache = engine.runner, engine.runner.cache
     plan = engine.scheduler.schedule()
     assert len(plan.decodes) == 3 and not plan.prefills
-    batch = runner.prepare(plan).decode
-    pad_lanes = engine.adapter.token_lanes(engine.adapter.pad_token)
-    graphs = DecodeGraphs(runner._forward, cache, [2, 4, 8], engine.adapter.input_width, pad_lanes)
-    padded = graphs.pad(batch)
-    assert padded is not None and padded[0].shape[0] == 4 and int(padded[2][3]) == cache.scratch_slot
+    eager_batch = runner.prepare(plan).decode
+    runner.graphs = DecodeGraphs(runner._forward, [2, 4, 8], runner.padding_row, runner.device)
+    step = runner.prepare(plan)  # padded on the host to the captured size 4
+    padded = step.decode
+    assert step.num_decodes == 3 and padded.input_ids.shape[0] == 4
+    assert int(padded.slots[3]) == cache.scratch_slot and int(padded.positions[3, 0]) == 0
     untouched = [s for s in range(cache.scratch_slot) if s not in {r.slot for r in plan.decodes}]
     before = cache.keys[:, untouched].clone()
-    static = graphs.run_static(batch)
-    eager = runner._forward(batch)
+    static = runner.graphs.run_static(padded)[:3]
+    eager = runner._forward(eager_batch)
     torch.testing.assert_close(static, eager, atol=1e-5, rtol=1e-5)
     assert torch.equal(cache.keys[:, untouched], before)
-    big = DecodeGraphs(runner._forward, cache, [2], engine.adapter.input_width, pad_lanes)
-    assert big.pad(batch) is None and big.run(batch) is None  # 3 rows > largest size: eager
+    torch.testing.assert_close(runner.forward(step), eager, atol=1e-5, rtol=1e-5)  # no graph here: eager, cut to 3
+    runner.graphs = DecodeGraphs(runner._forward, [2], runner.padding_row, runner.device)
+    assert runner.graphs.size_for(3) is None and runner.prepare(plan).decode.input_ids.shape[0] == 3  # eager
 
 
 def test_graph_cache_does_not_capture_off_cuda():

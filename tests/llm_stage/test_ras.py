@@ -21,11 +21,11 @@ DRAWS = 4000
 
 
 def draw_counts(params: SamplingParams, recent: list[int], cand: torch.Tensor | None = None) -> np.ndarray:
-    """Counts per column of DRAWS rows drawn from PROBS (one batched call, one shared generator)."""
+    """Counts per column of DRAWS rows drawn from PROBS (one batched call, a seed per row)."""
     logits = PROBS.log().expand(DRAWS, -1).clone()
-    rows = [SamplingRow(params, [], None, list(recent)) for _ in range(DRAWS)]
+    rows = [SamplingRow(params, [], seed=b, recent=list(recent)) for b in range(DRAWS)]
     cands = None if cand is None else cand.expand(DRAWS, -1)
-    ids = sample(logits, cands, rows, torch.Generator().manual_seed(0))
+    ids = sample(logits, cands, rows)
     if cand is not None:
         ids = [cand.tolist().index(i) for i in ids]
     return np.bincount(ids, minlength=len(PROBS))

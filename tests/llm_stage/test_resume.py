@@ -40,13 +40,11 @@ def _run(side: LLMSide, job: Job) -> list[tuple[TokenChunk, Checkpoint | None]]:
 def _state_after(run: list[tuple[TokenChunk, Checkpoint | None]], seq: int) -> ResumeState:
     """What the router knows once chunk `seq` reached the client (as `router.resume` adds it up)."""
     tokens: list = []
-    rng_state = None
     for _chunk, checkpoint in run[: seq + 1]:
         if checkpoint is not None:
             assert checkpoint.first_index == len(tokens)
             tokens += checkpoint.new_tokens
-            rng_state = checkpoint.rng_state
-    return ResumeState(tuple(tokens), rng_state, seq + 1, run[seq][0].keep_end)
+    return ResumeState(tuple(tokens), seq + 1, run[seq][0].keep_end)
 
 
 def _layout(run: list[tuple[TokenChunk, Checkpoint | None]]) -> list[tuple]:
@@ -77,21 +75,23 @@ def test_resumed_stream_continues_with_the_uninterrupted_chunks(model: str, samp
         assert _layout(resumed) == _layout(reference[lost_after + 1 :])
 
 
-def test_seeded_resume_restores_the_generator_not_a_fresh_seed():
+def test_seeded_resume_continues_from_the_tokens_alone_and_another_seed_does_not():
+    """Draws are keyed by (seed, tokens drawn): the tokens are the whole state a resume needs, and
+    the seed is what keys them (the same tokens under another seed go on differently)."""
     side = _side("orpheus-tiny")
     sampling = {"temperature": 1.0, "seed": 5, "max_tokens": 7 * 30}
-    reference = _run(side, _job(side, "the generator matters", sampling))
+    reference = _run(side, _job(side, "the seed matters", sampling))
     state = _state_after(reference, 1)
-    fresh = _side("orpheus-tiny")
-    unrestored = ResumeState(state.tokens, None, state.next_seq, state.frames_shipped)
-    resumed = _run(fresh, _job(fresh, "the generator matters", sampling, unrestored))
-    assert [c.frames for c, _ in resumed] != [c.frames for c, _ in reference[2:]]
+    resumed = _run(_side("orpheus-tiny"), _job(side, "the seed matters", sampling, state))
+    assert [c.frames for c, _ in resumed] == [c.frames for c, _ in reference[2:]]
+    reseeded = _run(_side("orpheus-tiny"), _job(side, "the seed matters", {**sampling, "seed": 6}, state))
+    assert [c.frames for c, _ in reseeded] != [c.frames for c, _ in reference[2:]]
 
 
 def test_resume_that_overflows_the_context_is_refused():
     side = _side("orpheus-tiny")
     max_seq_len = side.engine.cache_config.max_seq_len
-    state = ResumeState((0,) * max_seq_len, None, 1, 4)
+    state = ResumeState((0,) * max_seq_len, 1, 4)
     with pytest.raises(Exception, match="context holds"):
         side.add(_job(side, "too long", {"max_tokens": 10}, state))
     assert isinstance(side.engine, LLMEngine) and "r" not in side.chunkers
@@ -198,5 +198,5 @@ def test_a_family_that_lays_text_out_as_it_comes_refuses_to_resume_streamed_text
     side = _side("cosyvoice2-tiny")
     job = dataclasses.replace(_job(side, "resume me", {"max_tokens": 20}), text_streaming=True)
     with pytest.raises(InvalidArgumentError) as err:
-        side.add(dataclasses.replace(job, resume=ResumeState((), None, 0, 0)))
+        side.add(dataclasses.replace(job, resume=ResumeState((), 0, 0)))
     assert err.value.field == "text_streaming"

@@ -8,31 +8,45 @@ import torch
 from core.messages import SamplingParams
 from llm_stage.host_sampler import penalize_repeats
 from llm_stage.sampler import (
-    SHORTLIST,
+    RowTable,
     SamplingRow,
-    _Filters,
-    _head_decides,
-    _kept_within_head,
-    _shortlist_log_norm,
     apply_repetition_penalty,
+    kept_columns,
+    penalize_on_device,
     sample,
     sample_on_device,
 )
 from tests.factories import text_engine, tiny_text_llama
 
+
+def device_sampler(logits, cand, rows):
+    return sample_on_device(logits, cand, rows).tolist()
+
+
 # `sample` takes numpy for CPU logits; the torch path (accelerators) runs on CPU tensors too
-SAMPLERS = pytest.mark.parametrize("sampler", [sample, sample_on_device], ids=["host", "torch"])
+SAMPLERS = pytest.mark.parametrize("sampler", [sample, device_sampler], ids=["host", "torch"])
+
+
+def draw_rows(params: list[SamplingParams], counter: int, seed: int = 0) -> list[SamplingRow]:
+    """One row per params, each its own seed, at draw `counter` (a new draw for every counter)."""
+    return [SamplingRow(p, [], seed=seed + b, counter=counter) for b, p in enumerate(params)]
 
 
 def torch_penalty(logits: torch.Tensor, cand: torch.Tensor | None, rows: list[SamplingRow]) -> None:
     apply_repetition_penalty(logits, cand, rows)
 
 
+def device_penalty(logits: torch.Tensor, cand: torch.Tensor | None, rows: list[SamplingRow]) -> None:
+    penalize_on_device(logits, cand, RowTable.of(rows, logits.shape[1], logits.device), vocab_size=1000)
+
+
 def host_penalty(logits: torch.Tensor, cand: torch.Tensor | None, rows: list[SamplingRow]) -> None:
     penalize_repeats(logits.numpy(), None if cand is None else cand.numpy(), rows)  # in place through the view
 
 
-PENALTIES = pytest.mark.parametrize("penalize", [host_penalty, torch_penalty], ids=["host", "torch"])
+PENALTIES = pytest.mark.parametrize(
+    "penalize", [host_penalty, torch_penalty, device_penalty], ids=["host", "torch", "device"]
+)
 
 
 def run(engine, params: dict[str, SamplingParams], prompt: list[int]) -> dict[str, list[int]]:
@@ -62,7 +76,7 @@ def test_mixed_batch_topk1_equals_greedy_and_seeded_rows_reproduce():
 @PENALTIES
 def test_repetition_penalty_matches_definition(penalize):
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
-    row = SamplingRow(SamplingParams(repetition_penalty=2.0), history=[0, 1, 1], generator=None)
+    row = SamplingRow(SamplingParams(repetition_penalty=2.0), history=[0, 1, 1])
     penalize(logits, None, [row])
     assert logits.tolist() == [[1.0, -2.0, 0.5, 3.0]]  # positive / p, negative * p, unseen untouched
 
@@ -71,8 +85,8 @@ def test_repetition_penalty_matches_definition(penalize):
 def test_repetition_penalty_window_and_candidate_columns(penalize):
     logits = torch.tensor([[2.0, -1.0, 4.0]])
     cand = torch.tensor([[100, 101, 102]])
-    row = SamplingRow(SamplingParams(repetition_penalty=4.0, repetition_window=2), [102, 7, 101], None)
-    penalize(logits, cand, [row.__class__(row.params, row.history[-2:], None)])
+    row = SamplingRow(SamplingParams(repetition_penalty=4.0, repetition_window=2), [102, 7, 101])
+    penalize(logits, cand, [row.__class__(row.params, row.history[-2:])])
     assert logits.tolist() == [[2.0, -4.0, 4.0]]  # only 101 is inside the window
 
 
@@ -83,23 +97,23 @@ def test_both_penalties_agree_on_a_mixed_batch_with_padded_candidates():
     cand[2, 3], cand[2, 40:] = 350, -1  # padding columns never match an id
     histories = [torch.randint(150, 400, (80,), generator=gen).tolist(), [], [350, 350, 399]]  # ids < 150: unseen
     params = [SamplingParams(repetition_penalty=p) for p in (1.3, 2.0, 1.5)]
-    rows = [SamplingRow(p, h, None) for p, h in zip(params, histories, strict=True)]
-    host, reference = logits.clone(), logits.clone()
+    rows = [SamplingRow(p, h) for p, h in zip(params, histories, strict=True)]
+    host, reference, device = logits.clone(), logits.clone(), logits.clone()
     host_penalty(host, cand, rows)
     torch_penalty(reference, cand, rows)
+    device_penalty(device, cand, rows)
     assert not torch.equal(host, logits)
     assert host[2, 3] != logits[2, 3] and torch.equal(host[1], logits[1])
     torch.testing.assert_close(host, reference, rtol=0, atol=0)
+    torch.testing.assert_close(device, reference, rtol=0, atol=0)
 
 
 @SAMPLERS
 def test_top_p_and_min_p_restrict_support(sampler):
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    gen = torch.Generator().manual_seed(0)
-    top_p = [SamplingRow(SamplingParams(temperature=1.0, top_p=0.6), [], None)]
-    min_p = [SamplingRow(SamplingParams(temperature=1.0, min_p=0.5), [], None)]
-    seen_p = {sampler(logits, None, top_p, gen)[0] for _ in range(200)}
-    seen_min = {sampler(logits, None, min_p, gen)[0] for _ in range(200)}
+    top_p, min_p = SamplingParams(temperature=1.0, top_p=0.6), SamplingParams(temperature=1.0, min_p=0.5)
+    seen_p = {sampler(logits, None, draw_rows([top_p], i))[0] for i in range(200)}
+    seen_min = {sampler(logits, None, draw_rows([min_p], i))[0] for i in range(200)}
     assert seen_p == {0, 1}  # 0.5 alone < 0.6, so the second token is kept; the rest are cut
     assert seen_min == {0, 1}  # 0.15 < 0.5 * 0.5
 
@@ -108,19 +122,18 @@ def test_top_p_and_min_p_restrict_support(sampler):
 def test_candidate_ids_map_back_to_vocab(sampler):
     logits = torch.tensor([[0.0, 5.0, 1.0], [0.0, 5.0, 1.0]])
     cand = torch.tensor([[40, 41, 42], [50, 51, 52]])
-    rows = [SamplingRow(SamplingParams(temperature=0.0), [], None), SamplingRow(SamplingParams(top_k=1), [], None)]
-    assert sampler(logits, cand, rows, torch.Generator()) == [41, 51]
+    rows = [SamplingRow(SamplingParams(temperature=0.0), []), SamplingRow(SamplingParams(top_k=1), [])]
+    assert sampler(logits, cand, rows) == [41, 51]
 
 
 @SAMPLERS
 def test_draws_follow_the_filtered_distribution_and_never_pick_masked_columns(sampler):
     logits = torch.tensor([[0.0, float("-inf"), 1.8, 1.1], [0.0, 0.0, 0.0, 0.0]])
     want = logits.softmax(dim=-1)
-    rows = [SamplingRow(SamplingParams(temperature=1.0, top_p=1.0), [], None) for _ in range(2)]
-    generator = torch.Generator().manual_seed(0)
+    params = [SamplingParams(temperature=1.0, top_p=1.0)] * 2
     counts = torch.zeros(2, 4)
-    for _ in range(4000):
-        for b, token in enumerate(sampler(logits, None, rows, generator)):
+    for i in range(4000):
+        for b, token in enumerate(sampler(logits, None, draw_rows(params, i))):
             counts[b, token] += 1
     assert counts[0, 1] == 0
     torch.testing.assert_close(counts / 4000, want, atol=0.03, rtol=0)
@@ -142,10 +155,9 @@ def reference_kept_probs(scaled: torch.Tensor, params: SamplingParams) -> torch.
 
 
 @SAMPLERS
-def test_shortlisted_and_full_width_draws_follow_the_filtered_distribution(sampler):
-    """Narrow nucleus (the torch path draws it from the 64-column shortlist), wide nucleus and top-k
-    past the shortlist (full sort) and no filter at all: each row's draws match the filtered
-    distribution."""
+def test_draws_follow_the_filtered_distribution_for_every_filter(sampler):
+    """Narrow and wide nuclei, top-k, top-k with top-p, min-p and no filter at all: each row's draws
+    (one per counter) match the filtered distribution and never pick a filtered-out column."""
     torch.manual_seed(0)
     width, draws = 400, 3000
     peaked = torch.randn(width) * 4
@@ -159,38 +171,26 @@ def test_shortlisted_and_full_width_draws_follow_the_filtered_distribution(sampl
         (peaked, SamplingParams(temperature=1.0)),
     ]
     logits = torch.stack([row for row, _ in cases])
-    rows = [SamplingRow(params, [], torch.Generator().manual_seed(b)) for b, (_, params) in enumerate(cases)]
-    head = logits.topk(SHORTLIST, dim=-1).values
-    filters = _Filters.of(rows, width)
-    fits = _kept_within_head(head, _shortlist_log_norm(head, logits, filters), filters, width)
-    assert fits == [True, False, False, True, True, False]  # both paths are exercised
+    params = [p for _, p in cases]
+    kept = kept_columns(logits, RowTable.of(draw_rows(params, 0), width, logits.device))
     counts = torch.zeros(len(cases), width)
-    for _ in range(draws):
-        for b, token in enumerate(sampler(logits, None, rows, torch.Generator())):
+    for i in range(draws):
+        for b, token in enumerate(sampler(logits, None, draw_rows(params, i))):
             counts[b, token] += 1
-    for b, (row_logits, params) in enumerate(cases):
-        want = reference_kept_probs(row_logits, params)
+    for b, (row_logits, p) in enumerate(cases):
+        want = reference_kept_probs(row_logits, p)
+        assert torch.equal(kept[b], want > 0), f"case {b}: kept columns"
         assert counts[b][want == 0].sum() == 0, f"case {b} drew a filtered-out column"
         torch.testing.assert_close(counts[b] / draws, want, atol=0.035, rtol=0, msg=f"case {b}")
 
 
-@SAMPLERS
-def test_top_p_only_rows_take_the_short_decision_and_keep_the_distribution(sampler):
-    torch.manual_seed(1)
-    width, draws = 300, 3000
-    logits = torch.stack([torch.randn(width) * 4, torch.randn(width) * 0.3])  # peaked, flat
-    params = SamplingParams(temperature=1.0, top_p=0.8)
-    rows = [SamplingRow(params, [], torch.Generator().manual_seed(b)) for b in range(2)]
-    head = logits.topk(SHORTLIST, dim=-1).values
-    assert _head_decides(head, logits, rows, _Filters.of(rows, width))[0] == [True, False]
-    counts = torch.zeros(2, width)
-    for _ in range(draws):
-        for b, token in enumerate(sampler(logits, None, rows, torch.Generator())):
-            counts[b, token] += 1
-    for b in range(2):
-        want = reference_kept_probs(logits[b], params)
-        assert counts[b][want == 0].sum() == 0
-        torch.testing.assert_close(counts[b] / draws, want, atol=0.035, rtol=0)
+def test_host_and_device_samplers_draw_the_same_tokens_from_the_same_seeds():
+    """Both samplers race on the same counter-based uniforms: a seeded stream draws the same tokens
+    on a CPU replica and on an accelerator (but where float noise ties two columns' races)."""
+    logits = torch.randn(300, 4097, generator=torch.Generator().manual_seed(5))
+    params = [SamplingParams(temperature=0.6, top_p=0.8), SamplingParams(temperature=1.0, top_k=50, min_p=0.02)]
+    rows = [SamplingRow(params[b % 2], [], seed=1000 + b, counter=7 * b) for b in range(300)]
+    assert sample(logits, None, rows) == device_sampler(logits, None, rows)
 
 
 @SAMPLERS
@@ -205,8 +205,8 @@ def test_float_noise_in_the_logits_does_not_move_seeded_draws(sampler):
     nudged = logits + (torch.rand(logits.shape, generator=noise) - 0.5) * 1e-6
 
     def draws(values: torch.Tensor) -> list[int]:
-        rows = [SamplingRow(params, [], torch.Generator().manual_seed(b)) for b in range(values.shape[0])]
-        return sampler(values.clone(), None, rows, torch.Generator())
+        rows = [SamplingRow(params, [], seed=b) for b in range(values.shape[0])]
+        return sampler(values.clone(), None, rows)
 
     same = sum(a == b for a, b in zip(draws(logits), draws(nudged), strict=True))
     assert same == logits.shape[0]

@@ -16,17 +16,13 @@ FRAME = [0] * 7
 
 
 class OneRequestEngine:
-    """The engine surface LLMSide reads: `step`, `requests`, `timer`, `adapter.tokens_per_frame`,
-    `sampler_state`."""
+    """The engine surface LLMSide reads: `step`, `requests`, `timer`, `adapter.tokens_per_frame`."""
 
     def __init__(self, req: Request) -> None:
         self.requests = {req.req_id: req}
         self.timer = StepTimer(step_s=0.01, detok_s=0.05, tokens_per_frame=7)
         self.adapter = SimpleNamespace(tokens_per_frame=7)
         self.frames_next_step = 0
-
-    def sampler_state(self, req_id: str) -> bytes | None:
-        return None
 
     def step(self) -> list[StepOutput]:
         frames, self.frames_next_step = [FRAME] * self.frames_next_step, 0

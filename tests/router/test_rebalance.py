@@ -225,7 +225,7 @@ class _MovingLLM:
         self.calls += 1
         if self.calls > self.num_moves:
             return _Events([Failed("end")])
-        return _Events([Moved(ResumeState((), None, 0, 0), "LLMStage#busy", self.is_leaving)])
+        return _Events([Moved(ResumeState((), 0, 0), "LLMStage#busy", self.is_leaving)])
 
 
 class _Events:

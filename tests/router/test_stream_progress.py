@@ -15,11 +15,11 @@ def ready(seq: int, detok: str, checkpoint: Checkpoint | None = None) -> AudioRe
 
 def test_resume_state_carries_tokens_position_and_the_detok_replica_of_the_last_chunk():
     progress = StreamProgress()
-    progress.record(ready(0, "DetokStage#a", Checkpoint(0, (1, 2, 3), b"g1")))
+    progress.record(ready(0, "DetokStage#a", Checkpoint(0, (1, 2, 3))))
     progress.record(ready(1, "DetokStage#a"))
-    progress.record(ready(2, "", Checkpoint(3, (4, 5), b"g2")))  # an unnamed decode keeps the last one known
+    progress.record(ready(2, "", Checkpoint(3, (4, 5))))  # an unnamed decode keeps the last one known
     state = progress.resume_state()
-    assert (state.tokens, state.rng_state, state.next_seq, state.frames_shipped) == ((1, 2, 3, 4, 5), b"g2", 3, 12)
+    assert (state.tokens, state.next_seq, state.frames_shipped) == ((1, 2, 3, 4, 5), 3, 12)
     assert state.detok_replica == "DetokStage#a" and state.kv is None
     progress.record(ready(3, "DetokStage#b"))  # its pinned replica was lost: the state lives on b now
     assert progress.resume_state().detok_replica == "DetokStage#b"
@@ -27,8 +27,8 @@ def test_resume_state_carries_tokens_position_and_the_detok_replica_of_the_last_
 
 def test_a_handoff_names_its_detok_replica_and_later_chunks_update_it():
     progress = StreamProgress()
-    progress.record(ready(0, "DetokStage#a", Checkpoint(0, (1,), None)))
-    progress.adopt(ResumeState((1, 2), None, 1, 4, detok_replica="DetokStage#c"))
+    progress.record(ready(0, "DetokStage#a", Checkpoint(0, (1,))))
+    progress.adopt(ResumeState((1, 2), 1, 4, detok_replica="DetokStage#c"))
     assert progress.resume_state().detok_replica == "DetokStage#c" and progress.resume_state().tokens == (1, 2)
-    progress.adopt(ResumeState((1, 2), None, 1, 4))  # a stateless codec's handoff names none: kept
+    progress.adopt(ResumeState((1, 2), 1, 4))  # a stateless codec's handoff names none: kept
     assert progress.resume_state().detok_replica == "DetokStage#c"

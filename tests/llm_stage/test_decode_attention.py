@@ -1,0 +1,202 @@
+"""The GPU decode step's parts, proven on a CPU: decode attention equals SDPA over each row's own
+tokens (mixed lengths, a padding row, GQA) and reads only those tokens (the Triton kernel run in
+Triton's interpreter, its loads counted); the step's attention work does not grow with
+`max_seq_len`; a decode step reads back from the device once; seeded streams on the device
+sampler draw the same tokens alone, in a batch and across a resume."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+import llm_stage.attention as attention
+import llm_stage.sampler as sampler_module
+from core.messages import ResumeState
+from llm_stage.attention import decode_attention_sdpa
+from llm_stage.decode_graphs import DecodeGraphs
+from tests.factories import orpheus_engine
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def per_row_reference(q, keys, values, slots, lens, scale):
+    """Each row alone: SDPA over exactly its own `len` cached tokens (GQA by repeating KV heads)."""
+    out = []
+    group = q.shape[1] // keys.shape[1]
+    for b in range(q.shape[0]):
+        k = keys[slots[b], :, : lens[b]].repeat_interleave(group, dim=0)
+        v = values[slots[b], :, : lens[b]].repeat_interleave(group, dim=0)
+        out.append(F.scaled_dot_product_attention(q[b].unsqueeze(1), k, v, scale=scale).squeeze(1))
+    return torch.stack(out)
+
+
+def test_torch_decode_attention_equals_each_rows_own_sdpa():
+    gen = torch.Generator().manual_seed(0)
+    rows, kv_heads, heads, dim, max_len = 5, 2, 6, 40, 96
+    keys = torch.randn(rows + 1, kv_heads, max_len, dim, generator=gen)
+    values = torch.randn(rows + 1, kv_heads, max_len, dim, generator=gen)
+    q = torch.randn(rows, heads, dim, generator=gen)
+    slots = torch.tensor([3, 0, 4, 1, rows])  # the last: a padding row on the scratch slot
+    lens = torch.tensor([96, 1, 37, 64, 1], dtype=torch.int32)
+    want = per_row_reference(q, keys, values, slots, lens, 0.3)
+    torch.testing.assert_close(decode_attention_sdpa(q, keys, values, slots, lens, 0.3), want)
+    whole_rows = decode_attention_sdpa(q, keys, values, slots, lens, 0.3, length=max_len)  # what a capture reads
+    torch.testing.assert_close(whole_rows, want)
+
+
+def test_triton_kernel_equals_sdpa_and_loads_only_the_cached_tokens():
+    """The kernel that serves CUDA, in Triton's interpreter: outputs within float32 rounding of SDPA
+    over each row's tokens (one and several splits, GQA groups of 2 to 4, head dims 64, 80, 128, a
+    padding row), and its K and V loads are exactly the cached tokens: the same at 256 and 4096."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.llm_stage.triton_interpreted"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    cases = json.loads(done.stdout.strip().splitlines()[-1])
+    for name, case in cases.items():
+        assert case["max_abs_err"] < 1e-5, name
+        assert case["keys_loaded"] == case["values_loaded"] == case["cached_elements"], name
+    assert cases["short_cache_256"]["keys_loaded"] == cases["long_cache_4096"]["keys_loaded"]
+
+
+def decoding_engine(max_seq_len: int, **sched):
+    engine = orpheus_engine(num_slots=6, max_seq_len=max_seq_len, **sched)
+    for i, text in enumerate(["one", "a second request", "three three three"]):
+        engine.add_request(f"r{i}", text, None, {"max_tokens": 60, "seed": i})
+    for _ in range(12):
+        engine.step()
+    return engine
+
+
+def graph_path_flops(engine) -> tuple[int, int]:
+    """FLOPs of one decode forward on the path the graphs capture (padded batch, static forward),
+    counted by torch's FlopCounterMode (SDPA on its math backend, whose matmuls it counts; it has
+    no formula for the CPU flash kernel); and the tokens the rows have cached."""
+    runner = engine.runner
+    runner.graphs = DecodeGraphs(runner._forward, [4, 8], runner.padding_row, runner.device)
+    plan = engine.scheduler.schedule()
+    assert len(plan.decodes) == 3 and not plan.prefills
+    batch = runner.prepare(plan).decode
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        runner.graphs.run_static(batch)
+    return counter.get_total_flops(), sum(r.num_cached for r in plan.decodes)
+
+
+def test_decode_step_work_follows_the_cached_tokens_not_max_seq_len():
+    short, short_tokens = graph_path_flops(decoding_engine(256))
+    long, long_tokens = graph_path_flops(decoding_engine(4096))
+    assert short_tokens == long_tokens and short == long
+    engine = decoding_engine(256)  # more tokens cached: more work (the count sees attention)
+    for _ in range(7):
+        engine.step()
+    more, more_tokens = graph_path_flops(engine)
+    assert more_tokens > short_tokens and more > short
+
+
+class ReadBacks(TorchDispatchMode):
+    """Counts what would make the host wait for an accelerator: values read out of a tensor (item,
+    int, bool, float: `_local_scalar_dense`), ops whose output shape depends on the values, and
+    tolist / numpy (patched, they do not dispatch)."""
+
+    WAITING_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "repeat_interleave"}
+
+    def __init__(self, monkeypatch) -> None:
+        super().__init__()
+        self.count = 0
+        self.active = False
+        self.what: list[str] = []
+        for name in ("tolist", "numpy"):
+            monkeypatch.setattr(torch.Tensor, name, self._counting(getattr(torch.Tensor, name), name))
+
+    def _counting(self, method, name):
+        def wrapper(tensor, *args, **kwargs):
+            if self.active:
+                self.count += 1
+                self.what.append(name)
+            return method(tensor, *args, **kwargs)
+
+        return wrapper
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._opname in self.WAITING_OPS:
+            self.count += 1
+            self.what.append(func._opname)
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        self.active = True
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.active = False
+        return super().__exit__(*exc)
+
+
+@pytest.fixture
+def device_path(monkeypatch):
+    """The engine as it runs on an accelerator, on CPU tensors: the torch sampler instead of numpy's,
+    and decode attention at the captured graph's static length (the Triton kernel takes its
+    lengths on the device; the CPU path would read the longest one back)."""
+    monkeypatch.setattr(sampler_module, "_sample_plain", _as_on_a_gpu)
+    monkeypatch.setattr(attention, "_capturing", lambda device: True)
+
+
+def _as_on_a_gpu(logits, cand_ids, rows, vocab_size):
+    """`sampler._sample_plain`'s accelerator branch."""
+    return sampler_module.sample_on_device(logits, cand_ids, rows, vocab_size).tolist()
+
+
+def test_a_decode_step_reads_back_from_the_device_once(device_path, monkeypatch):
+    engine = orpheus_engine(num_slots=8)
+    for i in range(5):  # Orpheus' defaults: temperature, top-p, repetition penalty; seeded and not
+        engine.add_request(f"r{i}", f"request number {i}", None, {"max_tokens": 80, "seed": i if i % 2 else None})
+    while engine.scheduler.waiting or any(r.num_cached < len(r.prompt_ids) for r in engine.requests.values()):
+        engine.step()
+    counter = ReadBacks(monkeypatch)
+    for _ in range(10):
+        before = counter.count
+        with counter:
+            outputs = engine.step()
+        assert len(outputs) == 5
+        assert counter.count - before == 1, counter.what[before:]
+
+
+def run_engine(requests: dict[str, dict], max_seq_len: int = 1024) -> dict[str, list[int]]:
+    engine = orpheus_engine(num_slots=6, max_seq_len=max_seq_len)
+    for req_id, fields in requests.items():
+        engine.add_request(req_id, fields.pop("text"), None, fields)
+    return engine.run_to_completion()
+
+
+def test_seeded_streams_draw_the_same_tokens_alone_in_a_batch_and_across_a_resume(device_path):
+    seeded = {"text": "the seeded one", "max_tokens": 42, "seed": 11}
+    alone = run_engine({"s": dict(seeded)})["s"]
+    batched = run_engine({"a": {"text": "other words", "max_tokens": 30}, "s": dict(seeded),
+                          "b": {"text": "more", "max_tokens": 50, "seed": 3}})["s"]  # fmt: skip
+    assert alone == batched and len(alone) == 42
+    first = orpheus_engine(num_slots=6)
+    first.add_request("s", seeded["text"], None, {k: v for k, v in seeded.items() if k != "text"})
+    drawn: list[int] = []
+    while len(drawn) < 20:
+        for out in first.step():
+            drawn.extend(out.new_token_ids)
+    second = orpheus_engine(num_slots=4)  # another replica (same weights), another batch
+    second.add_request("x", "a stranger in the batch", None, {"max_tokens": 30})
+    job = second.job("s", seeded["text"], None, {k: v for k, v in seeded.items() if k != "text"})
+    second.add_job(dataclasses.replace(job, resume=ResumeState(tuple(drawn), 0, 0)))
+    rest = second.run_to_completion()["s"]
+    assert drawn + rest == alone
