@@ -69,8 +69,9 @@ class SchedulerConfig(_Strict):
     )
     cuda_graph_batch_sizes: tuple[int, ...] = Field(
         (),
-        description="Decode batch sizes captured as CUDA graphs (a batch pads to the next one); empty = derived "
-        "from max_batch_size (1, 2, 4, 8, then steps of 8 to 32, 16 to 128, 32 to 256, 64 beyond).",
+        description="Decode batch sizes captured as CUDA graphs (a batch pads to the next one; prompt tokens folded "
+        "into a decode step count as rows); empty = derived: up to max_batch_size + min(prefill_token_budget, 512), "
+        "1, 2, 4, 8, then steps of 8 to 32, 16 to 128, 32 to 256, 64 beyond.",
     )
 
 

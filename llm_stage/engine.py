@@ -47,14 +47,20 @@ class StepOutput:
     finish_reason: FinishReason | None = None
 
 
+FOLDED_PROMPT_ROWS = 512  # rows past max_batch_size the derived graph sizes keep for folded prompt tokens
+
+
 def decode_graph_sizes(scheduler: SchedulerConfig, device: torch.device) -> tuple[int, ...]:
     """The decode batch sizes to capture: the configured ones (off CUDA the runner then says it
-    runs eagerly), else on CUDA sizes derived from `max_batch_size`; none with `cuda_graphs` off."""
+    runs eagerly), else on CUDA sizes derived from `max_batch_size` plus the prompt tokens a step
+    folds in (up to 512 of `prefill_token_budget`); none with `cuda_graphs` off."""
     if not scheduler.cuda_graphs:
         return ()
     if scheduler.cuda_graph_batch_sizes:
         return scheduler.cuda_graph_batch_sizes
-    return default_capture_sizes(scheduler.max_batch_size) if graphs_available(device) else ()
+    if not graphs_available(device):
+        return ()
+    return default_capture_sizes(scheduler.max_batch_size + min(scheduler.prefill_token_budget, FOLDED_PROMPT_ROWS))
 
 
 class LLMEngine:

@@ -1,7 +1,11 @@
 """Model runner: turns a StepPlan into tensors, runs the backbone on the slot KV cache and
 returns the hidden state of every row that samples this step. Called by `LLMEngine.step`.
 
-Decode rows run as one [B, 1] forward; prompt chunks as one padded [P, T] forward. Positions
+Decode rows run as one [B, 1] forward. Prompt chunks fold into it on CUDA (`fold_prefill`): each
+prompt token becomes one more row that attends to its own prefix, as a decode row does, so a
+step that starts streams is one replay of the decode graph of its size and costs the running
+streams a few rows, not an eager forward; otherwise (CPU, or too many prompt tokens for the
+largest graph) they run as one padded [P, T] forward. Positions
 become [B, T, W] id lanes that the adapter embeds (W = 1 for flat token streams). `prepare`
 (host: reads request state, builds tensors) and `forward` (tensors only) are separate so the
 engine can run the forward on another thread while it plans the next step. Each forward's
@@ -24,19 +28,24 @@ from llm_stage.decode_graphs import DecodeGraphs, PaddingRow
 from llm_stage.kv_cache import SlotKVCache
 from llm_stage.models.base import LMAdapter
 from llm_stage.models.llama import BatchInputs
+from llm_stage.request import Request
 from llm_stage.scheduler import PrefillWork, StepPlan
 
 logger = logging.getLogger(__name__)
+
+
+FOLD_MAX_PROMPT_TOKENS = 512  # without graphs: prompt tokens folded into a decode forward at most
 
 
 @dataclass(frozen=True)
 class PreparedStep:
     """One step's input tensors: read from request state on the host, safe to run on another thread."""
 
-    decode: BatchInputs | None  # padded to a captured graph size when graphs run
-    prefill: BatchInputs | None
-    finishing: list[int]  # prefill rows whose prompt completes this step (they sample)
-    num_decodes: int = 0  # real rows of `decode` (the first ones)
+    decode: BatchInputs | None  # one position per row (decodes, then folded prompt tokens), graph-padded
+    prefill: BatchInputs | None  # prompt chunks not folded: one padded forward
+    finishing: torch.Tensor | None  # rows of `prefill` whose prompt completes this step; None = all
+    num_decodes: int = 0  # rows of `decode` that sample when nothing is folded: the first ones
+    folded_rows: torch.Tensor | None = None  # folded: the rows of `decode` that sample, in plan order
 
 
 class ModelRunner:
@@ -52,6 +61,9 @@ class ModelRunner:
             weight.dtype, weight.device,
         )  # fmt: skip
         self.graphs = self._decode_graphs(graph_batch_sizes) if graph_batch_sizes else None
+        # prompt chunks folded into the decode forward: on CUDA (on CPU the padded prompt forward is
+        # cheaper than attending over each token's prefix row by row)
+        self.fold_prefill = backbone.supports_decode_graphs and self.device.type == "cuda"
 
     def _decode_graphs(self, batch_sizes: Sequence[int]) -> DecodeGraphs | None:
         """Capture decode graphs when the device and the backbone allow; otherwise say so and run eagerly."""
@@ -70,13 +82,28 @@ class ModelRunner:
         return PaddingRow(self.adapter.token_lanes(self.adapter.pad_token), self.cache.scratch_slot)
 
     def prepare(self, plan: StepPlan) -> PreparedStep:
+        if plan.prefills and self._folds(plan):
+            batch, sampling = self._one_position_rows(plan.decodes, plan.prefills)
+            return PreparedStep(batch, None, None, len(plan.decodes), self._indices(sampling))
         finishing = [i for i, w in enumerate(plan.prefills) if w.completes_prompt]
         return PreparedStep(
-            self._decode_inputs(plan) if plan.decodes else None,
+            self._one_position_rows(plan.decodes, [])[0] if plan.decodes else None,
             self._prefill_inputs(plan.prefills) if plan.prefills else None,
-            finishing,
+            None if len(finishing) == len(plan.prefills) else self._indices(finishing),
             len(plan.decodes),
         )
+
+    def _indices(self, rows: list[int]) -> torch.Tensor:
+        return to_device(torch.tensor(rows, dtype=torch.long), self.device)
+
+    def _folds(self, plan: StepPlan) -> bool:
+        """Whether this step's prompt tokens join the decode forward (one graph replay when one fits)."""
+        if not self.fold_prefill:
+            return False
+        prompt_tokens = sum(w.num_tokens for w in plan.prefills)
+        if self.graphs is not None:
+            return self.graphs.size_for(len(plan.decodes) + prompt_tokens) is not None
+        return prompt_tokens <= FOLD_MAX_PROMPT_TOKENS
 
     @torch.inference_mode()
     def forward(self, step: PreparedStep) -> torch.Tensor:
@@ -85,20 +112,32 @@ class ModelRunner:
         if step.decode is not None:
             replayed = self.graphs.run(step.decode) if self.graphs is not None else None
             hidden = replayed if replayed is not None else self._forward(step.decode)
-            parts.append(hidden[: step.num_decodes])
+            rows = step.folded_rows
+            parts.append(hidden[: step.num_decodes] if rows is None else hidden.index_select(0, rows))
         if step.prefill is not None:
-            parts.append(self._forward(step.prefill)[step.finishing])
+            hidden = self._forward(step.prefill)
+            parts.append(hidden if step.finishing is None else hidden.index_select(0, step.finishing))
         return torch.cat(parts) if parts else torch.empty(0, self.backbone.hidden_size)
 
     def _forward(self, batch: BatchInputs) -> torch.Tensor:
         return self.backbone.forward(batch, self.cache, embeds=self.adapter.embed(batch.input_ids))
 
-    def _decode_inputs(self, plan: StepPlan) -> BatchInputs:
-        """One position per row; with graphs, padding rows up to the captured size."""
+    def _one_position_rows(self, decodes: list[Request], prompts: list[PrefillWork]) -> tuple[BatchInputs, list[int]]:
+        """One position per row: each decode row's next, then every prompt token of `prompts`; with
+        graphs, padding rows up to the captured size. Also the rows that sample: the decodes and
+        each completed prompt's last token, in plan order."""
         lanes_at = self.adapter.lanes_at
-        ids = [[lanes_at(r, r.num_cached)] for r in plan.decodes]
-        positions = [[r.num_cached] for r in plan.decodes]
-        slots = [r.slot for r in plan.decodes]
+        ids = [[lanes_at(r, r.num_cached)] for r in decodes]
+        positions = [[r.num_cached] for r in decodes]
+        slots = [r.slot for r in decodes]
+        sampling = list(range(len(decodes)))
+        for work in prompts:
+            for index in range(work.start, work.start + work.num_tokens):
+                ids.append([lanes_at(work.req, index)])
+                positions.append([index])
+                slots.append(work.req.slot)
+            if work.completes_prompt:
+                sampling.append(len(slots) - 1)
         size = self.graphs.size_for(len(slots)) if self.graphs is not None else None
         if size is not None:
             padding = self.padding_row
@@ -106,7 +145,7 @@ class ModelRunner:
             ids += [[padding.lanes]] * extra
             positions += [[0]] * extra
             slots += [padding.scratch_slot] * extra
-        return self._to_batch(ids, positions, slots, [[s] for s in slots], [0] * len(slots))
+        return self._to_batch(ids, positions, slots, [[s] for s in slots], [0] * len(slots)), sampling
 
     def _prefill_inputs(self, works: list[PrefillWork]) -> BatchInputs:
         width = max(w.num_tokens for w in works)

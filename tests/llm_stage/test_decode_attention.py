@@ -200,3 +200,38 @@ def test_seeded_streams_draw_the_same_tokens_alone_in_a_batch_and_across_a_resum
     second.add_job(dataclasses.replace(job, resume=ResumeState(tuple(drawn), 0, 0)))
     rest = second.run_to_completion()["s"]
     assert drawn + rest == alone
+
+
+def staggered_tokens(engine) -> dict[str, list[int]]:
+    """Requests arriving while others decode, so steps mix prompt chunks and decode rows."""
+    texts = ["first words here", "a second, longer request to prefill", "three", "and a fourth one"]
+    tokens: dict[str, list[int]] = {}
+    for i, text in enumerate(texts):
+        sampling = {"max_tokens": 30, "temperature": 0.0} if i % 2 else {"max_tokens": 30, "seed": i}
+        engine.add_request(f"r{i}", text, None, sampling)
+        for _ in range(3):
+            for out in engine.step():
+                tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
+    for req_id, more in engine.run_to_completion().items():
+        tokens.setdefault(req_id, []).extend(more)
+    return tokens
+
+
+def test_prompt_tokens_folded_into_the_decode_forward_give_the_same_tokens():
+    """On CUDA a step's prompt tokens run as more one-position rows of the decode forward (one graph
+    replay); the tokens equal the separate padded prompt forward's, eager and graph-padded."""
+    reference = staggered_tokens(orpheus_engine(num_slots=6, prefill_token_budget=16))
+    folded = orpheus_engine(num_slots=6, prefill_token_budget=16)
+    folded.runner.fold_prefill = True
+    assert staggered_tokens(folded) == reference
+    padded = orpheus_engine(num_slots=6, prefill_token_budget=16)
+    runner = padded.runner
+    runner.fold_prefill = True
+    runner.graphs = DecodeGraphs(runner._forward, [4, 8, 16], runner.padding_row, runner.device)
+    prepared = []
+    original = runner.prepare
+    runner.prepare = lambda plan: prepared.append(original(plan)) or prepared[-1]
+    assert staggered_tokens(padded) == reference
+    folded_steps = [p for p in prepared if p.folded_rows is not None]
+    assert folded_steps and all(p.decode.input_ids.shape[0] in (4, 8, 16) for p in folded_steps)
+    assert any(p.prefill is not None for p in prepared)  # a step past 16 rows: a separate prompt forward
