@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -26,6 +26,7 @@ from core.messages import Job, ResumeState, SamplingParams
 from core.policy import SchedulingPolicy, StepTimer, make_policy
 from llm_stage.cfg import merge_guidance
 from llm_stage.draws import draw_counter
+from llm_stage.histories import PenaltyHistories, uses_default_history
 from llm_stage.jobs import build_job
 from llm_stage.migration import KVSnapshot, fits, put_rows, take_rows
 from llm_stage.models.base import FrameBuilder, LMAdapter
@@ -86,6 +87,7 @@ class LLMEngine:
         self._seed_source = random.Random(seed)  # seeds of unseeded requests
         self._seeds: dict[str, int] = {}  # every request's draws are keyed by (seed, draw counter)
         self._vocab_size = adapter.backbone.lm_head_weight.shape[0]
+        self._histories = PenaltyHistories() if uses_default_history(adapter) else None
         self._frames: dict[str, FrameBuilder] = {}
         self.requests: dict[str, Request] = {}
         self.last_batch_size = 0
@@ -311,7 +313,13 @@ class LLMEngine:
         if prepared is not None:
             return prepared
         params = req.sampling
-        history = self.adapter.penalty_history(req, codebook) if params.repetition_penalty != 1.0 else []
+        history: Sequence[int] = []
+        if params.repetition_penalty != 1.0:
+            window = params.repetition_window
+            if self._histories is not None:
+                history = self._histories.window(req, window)
+            else:
+                history = self.adapter.penalty_history(req, codebook)
         recent: list[int] = []
         if params.is_repetition_aware:
             recent = self.adapter.drawn_ids(req, codebook)[-params.ras_window :]
@@ -328,6 +336,8 @@ class LLMEngine:
     def _forget(self, req_id: str) -> None:
         self.requests.pop(req_id, None)
         self._seeds.pop(req_id, None)
+        if self._histories is not None:
+            self._histories.forget(req_id)
         self._frames.pop(req_id, None)
 
     def run_to_completion(self) -> dict[str, list[int]]:

@@ -17,8 +17,6 @@ as the torch path keeps ties of the smallest kept logit.
 
 from __future__ import annotations
 
-from itertools import chain
-
 import numpy as np
 import torch
 
@@ -29,11 +27,11 @@ def history_pairs(rows: list) -> tuple[np.ndarray, np.ndarray] | None:
     """(row index, id) of every history id of the rows with a repetition penalty, as two int64
     arrays (`rows`: `llm_stage.sampler.SamplingRow`s); None when no row is penalised. numpy
     builds these from Python ints ~7x faster than torch.tensor (1,280 ids: 42 vs 298 us)."""
-    penalised = [b for b, row in enumerate(rows) if row.params.repetition_penalty != 1.0 and row.history]
+    penalised = [b for b, row in enumerate(rows) if row.params.repetition_penalty != 1.0 and len(row.history)]
     if not penalised:
         return None
     lengths = [len(rows[b].history) for b in penalised]
-    tokens = np.fromiter(chain.from_iterable(rows[b].history for b in penalised), np.int64, sum(lengths))
+    tokens = np.concatenate([np.asarray(rows[b].history, dtype=np.int64) for b in penalised])
     return np.repeat(np.array(penalised, dtype=np.int64), lengths), tokens
 
 

@@ -15,6 +15,7 @@ tokens back once. CPU logits are sampled in numpy (`host_sampler`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,7 +31,7 @@ from llm_stage.ras import sample_repetition_aware
 @dataclass
 class SamplingRow:
     params: SamplingParams
-    history: list[int]  # token ids the repetition penalty looks at
+    history: Sequence[int]  # token ids the repetition penalty looks at (a list, or an int64 array)
     seed: int = 0  # the request's seed (a random one for unseeded requests)
     counter: int = 0  # this draw's counter (`llm_stage.draws.draw_counter`)
     recent: list[int] = field(default_factory=list)  # the last `ras_window` generated ids (RAS rows)
@@ -181,9 +182,10 @@ def sample_on_device(
     """
     logits = logits.float().clone()
     table = RowTable.of(rows, logits.shape[1], logits.device)
-    if any(r.params.repetition_penalty != 1.0 and r.history for r in rows):
-        histories_max = max(max(r.history, default=0) for r in rows) + 1
-        penalize_on_device(logits, cand_ids, table, max(vocab_size or 0, histories_max, logits.shape[1]))
+    if any(r.params.repetition_penalty != 1.0 and len(r.history) for r in rows):
+        if cand_ids is not None and vocab_size is None:
+            vocab_size = int(cand_ids.max()) + 1  # (a read-back: the engine passes its head's rows)
+        penalize_on_device(logits, cand_ids, table, vocab_size or logits.shape[1])
     greedy_pick = logits.argmax(dim=-1)
     if all(r.params.is_greedy for r in rows):
         picked = greedy_pick
