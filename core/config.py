@@ -103,8 +103,15 @@ class DetokConfig(_Strict):
     async_steps: bool = Field(
         False, description="Decode each batch on a worker thread while the next one is picked and the last one is cut."
     )
+    cuda_graphs: bool = Field(
+        True,
+        description="Replay the codec over full-length windows as CUDA graphs on a CUDA device (stateless codecs, "
+        "wide schedule); false = eager on CUDA too.",
+    )
     cuda_graph_batch_sizes: tuple[int, ...] = Field(
-        (), description="Chunk-batch sizes captured as CUDA graphs for full-length windows (CUDA only; empty = eager)."
+        (),
+        description="Chunk-batch sizes captured as CUDA graphs for full-length windows; empty = derived from "
+        "max_batch_chunks (1, 2, 4, 8, then steps of 8 to 32, 16 beyond).",
     )
 
 

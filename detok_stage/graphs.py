@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from core.config import DetokConfig
-from core.graphs import GraphCache, graphs_available, padded_size
+from core.graphs import GraphCache, default_capture_sizes, graphs_available, padded_size
 from detok_stage.codecs.base import CodecAdapter
 
 logger = logging.getLogger(__name__)
@@ -30,17 +30,21 @@ class ChunkGraphs:
 
     @classmethod
     def build(cls, codec: CodecAdapter, config: DetokConfig) -> ChunkGraphs | None:
-        """None (eager decoding, with a warning) unless graphs are configured and can run here."""
-        if not config.cuda_graph_batch_sizes:
+        """None (eager decoding) unless graphs can run here: on CUDA by default (sizes derived from
+        `max_batch_chunks` when none are configured); configured sizes that cannot run say so."""
+        explicit = bool(config.cuda_graph_batch_sizes)
+        if not config.cuda_graphs or not (explicit or graphs_available(config.device)):
             return None
         if not graphs_available(config.device):
             logger.warning("CUDA graphs requested on %s: the detokenizer decodes eagerly", config.device)
             return None
         if codec.is_stateful or config.schedule == "reference":
-            logger.warning("CUDA graphs need a stateless codec and the wide schedule: decoding eagerly")
+            log = logger.warning if explicit else logger.info
+            log("CUDA graphs need a stateless codec and the wide schedule: decoding eagerly")
             return None
         window = config.left_context_frames + config.chunk_frames + config.right_context_frames
-        graphs = cls(codec, window, config.cuda_graph_batch_sizes, config.device)
+        sizes = config.cuda_graph_batch_sizes or default_capture_sizes(config.max_batch_chunks)
+        graphs = cls(codec, window, sizes, config.device)
         logger.info("captured %d detokenizer CUDA graphs of %s", graphs.capture_all(), graphs.batch_sizes)
         return graphs
 

@@ -5,7 +5,8 @@ so a seeded stream draws the same numbers wherever it runs: in any batch, on any
 resume (its counter is the row's draw index, `draw_counter`), with no generator state to carry
 and nothing drawn on the host per row. The hash is murmur3's 32-bit finaliser on int64 values
 kept under 2^32 (products split in 16-bit halves, so nothing overflows): the same bits from Python
-ints, numpy arrays and torch tensors on any device.
+ints, numpy arrays and torch tensors on any device (numpy's host path runs the same function on
+uint32 arrays, whose products wrap mod 2^32 natively: a third of the operations).
 """
 
 from __future__ import annotations
@@ -55,29 +56,39 @@ def row_key(seed: int, counter: int) -> int:
     return row_keys(low, high, counter)
 
 
+def _fmix32_u32(x: np.ndarray) -> np.ndarray:
+    """`fmix32` on a uint32 array (products wrap mod 2^32 by themselves): the same bits."""
+    x = x ^ (x >> np.uint32(16))
+    x = x * np.uint32(0x85EBCA6B)
+    x = x ^ (x >> np.uint32(13))
+    x = x * np.uint32(0xC2B2AE35)
+    return x ^ (x >> np.uint32(16))
+
+
 def _bits_to_uniform_np(bits: np.ndarray) -> np.ndarray:
-    return (((bits >> 9) * 2 + 1).astype(np.float32)) * np.float32(2.0**-24)
+    return ((bits >> np.uint32(9)).astype(np.float32) * np.float32(2.0) + np.float32(1.0)) * np.float32(2.0**-24)
 
 
 def uniforms_np(keys: np.ndarray, width: int) -> np.ndarray:
     """[R, width] float32 uniforms in (0, 1) (odd multiples of 2^-24) for per-row `keys` [R]."""
-    bits = fmix32(keys.astype(np.int64)[:, None] ^ _column_hashes_np(width)[None, :])
+    bits = _fmix32_u32(np.asarray(keys, dtype=np.uint32)[:, None] ^ _column_hashes_np(width)[None, :])
     return _bits_to_uniform_np(bits)
 
 
-def column_uniforms_np(key: int, columns: np.ndarray) -> np.ndarray:
-    """One row's uniforms at `columns` only (what `uniforms_np` gives there)."""
-    return _bits_to_uniform_np(fmix32(np.int64(key) ^ _column_hashes_np(int(columns.max()) + 1)[columns]))
+def column_uniforms_np(key: int, columns: np.ndarray, width: int) -> np.ndarray:
+    """One row's uniforms at `columns` (< `width`) only: what `uniforms_np` gives there."""
+    return _bits_to_uniform_np(_fmix32_u32(np.uint32(key) ^ _column_hashes_np(width)[columns]))
 
 
 @functools.cache
 def _column_hashes_np(width: int) -> np.ndarray:
-    return fmix32(_mul32(np.arange(width, dtype=np.int64), _GOLDEN))
+    """[width] uint32 hashes of the column indices (one table per row width, built once)."""
+    return fmix32(_mul32(np.arange(width, dtype=np.int64), _GOLDEN)).astype(np.uint32)
 
 
 @functools.cache
 def _column_hashes(width: int, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(_column_hashes_np(width)).to(device)
+    return torch.from_numpy(_column_hashes_np(width).astype(np.int64)).to(device)
 
 
 def uniforms(keys: torch.Tensor, width: int) -> torch.Tensor:

@@ -100,7 +100,7 @@ def draw(values: np.ndarray, temperature: np.ndarray, rows: list) -> np.ndarray:
     picked = np.empty(len(rows), dtype=np.int64)
     for b in range(len(rows)):
         columns = np.flatnonzero(kept[b])
-        race = weights[b, columns] / -np.log(column_uniforms_np(rows[b].key, columns))
+        race = weights[b, columns] / -np.log(column_uniforms_np(rows[b].key, columns, values.shape[1]))
         picked[b] = columns[int(np.argmax(race))]
     return picked
 

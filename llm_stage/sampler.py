@@ -23,7 +23,7 @@ import torch
 
 from core.messages import SamplingParams
 from core.transfer import to_device
-from llm_stage.draws import row_key, uniforms
+from llm_stage.draws import row_key, row_keys, seed_halves, uniforms
 from llm_stage.host_sampler import history_pairs, sample_on_host
 from llm_stage.ras import sample_repetition_aware
 
@@ -40,6 +40,12 @@ class SamplingRow:
     def key(self) -> int:
         """32 bits for (seed, counter) that this draw's uniforms hash with each column."""
         return row_key(self.seed, self.counter)
+
+
+def row_keys_np(rows: list[SamplingRow]) -> np.ndarray:
+    """Every row's `key` in one pass of numpy (int64 under 2^32 throughout: `llm_stage.draws`)."""
+    halves = np.array([(*seed_halves(r.seed), r.counter) for r in rows], dtype=np.int64).reshape(-1, 3)
+    return row_keys(halves[:, 0], halves[:, 1], halves[:, 2])
 
 
 def apply_repetition_penalty(logits: torch.Tensor, cand_ids: torch.Tensor | None, rows: list[SamplingRow]) -> None:
@@ -139,9 +145,9 @@ class RowTable:
         table = np.full((len(rows), 7 + history_width), -1.0)  # float64 holds ids and 32-bit keys exactly
         for b, row in enumerate(rows):
             p = row.params
-            filters = (p.temperature, p.top_k or width, p.top_p, p.min_p, p.repetition_penalty)
-            table[b, :7] = (*filters, row.key, p.is_greedy)
+            table[b, :7] = (p.temperature, p.top_k or width, p.top_p, p.min_p, p.repetition_penalty, 0, p.is_greedy)
             table[b, 7 : 7 + len(penalised[b])] = penalised[b]
+        table[:, 5] = row_keys_np(rows)
         on_device = to_device(torch.from_numpy(table), device)
         floats = on_device[:, :5].float()
         history = on_device[:, 7:].long()

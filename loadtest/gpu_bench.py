@@ -408,6 +408,42 @@ def host_syncs_section(run: BenchRun) -> dict:
     return {"rows": rows, "syncs_per_step": round(per_step, 2), "where": places, "profiled_per_step": profiled}
 
 
+def step_profile_section(run: BenchRun) -> dict:
+    """torch.profiler over steady decode steps at `--profile-rows` rows (graphs, async off): GPU kernel time
+    per step against the wall, the kernels that take it, the host ops that take the rest
+    (DIR/step_profile.txt has the full tables)."""
+    if not run.is_cuda:
+        return {"skipped": "n/a (cpu)"}
+    adapter, rows, steps = run.adapter(), run.args.profile_rows, 20
+    engine = step_engine(adapter, StepCase("graphs", rows, 1024))
+    try:
+        params = adapter.default_sampling.model_copy(update={"max_tokens": 400})
+        for i, prompt in enumerate(filler_prompts(adapter, rows, run.args.prompt_tokens)):
+            engine.add_prompt(f"r{i}", prompt, params.model_copy(update={"seed": i}))
+        generate_until(engine, 60)
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        run.synchronize()
+        begin = time.perf_counter()
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(steps):
+                engine.step()
+            run.synchronize()
+        wall_ms = (time.perf_counter() - begin) / steps * 1e3
+    finally:
+        engine.close()
+    averages = prof.key_averages()
+    kernels = sorted((e for e in averages if e.self_device_time_total > 0), key=lambda e: -e.self_device_time_total)
+    gpu_ms = sum(e.self_device_time_total for e in averages) / steps / 1e3
+    by_cpu = averages.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70)
+    by_gpu = averages.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70)
+    (run.args.out / "step_profile.txt").write_text(f"rows={rows} wall {wall_ms:.2f} ms/step\n{by_gpu}\n{by_cpu}")
+    top = [
+        {"name": e.key[:70], "us_per_step": round(e.self_device_time_total / steps, 1), "calls": e.count / steps}
+        for e in kernels[:12]
+    ]
+    return {"rows": rows, "wall_ms_per_step": round(wall_ms, 2), "gpu_kernel_ms_per_step": round(gpu_ms, 2), "top": top}
+
+
 # --- 5: SNAC decode ---------------------------------------------------------------------------------------
 
 
@@ -500,6 +536,8 @@ class RateRun:
     peak_active: int = 0  # requests the LLM engine holds (queued or running)
     peak_batch_rows: int = 0
     audio_s: float = 0.0
+    pipeline_steps: int = 0  # pipe.step() calls with work (one LLM step each while the engine has work)
+    llm_step_s: list[float] = field(default_factory=list)  # wall time of each LLMSide.step inside them
 
     @property
     def all_sent(self) -> bool:
@@ -514,15 +552,33 @@ def submit_due(pipe: InProcessPipeline, streams: RateRun, tag: str, elapsed_s: f
         pipe.submit(req_id, TEXTS[index % len(TEXTS)], None, {"max_tokens": max_tokens, "seed": index})
 
 
+def timing_llm_steps(pipe: InProcessPipeline, into: list[float]) -> Callable[[], None]:
+    """Record the wall time of each `LLMSide.step` the pipeline makes into `into`; returns the undo."""
+    side = pipe.llm
+    original = side.step
+
+    def timed_step(*args, **kwargs):
+        begin = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            into.append(time.perf_counter() - begin)
+
+    side.step = timed_step
+    return lambda: setattr(side, "step", original)
+
+
 def play_rate(pipe: InProcessPipeline, rate: float, args: argparse.Namespace, cap_s: float) -> tuple[RateRun, float]:
     """Open-loop Poisson arrivals for `args.arrival_s`, until all streams end or `cap_s` passes."""
     streams = RateRun(poisson_arrivals_s(rate, max(2, round(rate * args.arrival_s))))
+    undo_timing = timing_llm_steps(pipe, streams.llm_step_s)
     start = time.monotonic()
     while (not streams.all_sent or pipe.has_work) and time.monotonic() - start < cap_s:
         submit_due(pipe, streams, f"r{rate:g}", time.monotonic() - start, args.max_tokens)
         if not pipe.has_work:
             time.sleep(0.001)
             continue
+        streams.pipeline_steps += 1
         for chunk in pipe.step():
             tracker = streams.trackers.get(chunk.req_id)
             if tracker is not None:
@@ -533,6 +589,7 @@ def play_rate(pipe: InProcessPipeline, rate: float, args: argparse.Namespace, ca
         streams.peak_active = max(streams.peak_active, len(pipe.llm.engine.requests))
         streams.peak_batch_rows = max(streams.peak_batch_rows, pipe.llm.engine.last_batch_size)
     wall_s = time.monotonic() - start
+    undo_timing()
     for req_id in set(streams.trackers) - streams.finished:
         pipe.cancel(req_id)
     drain(pipe)
@@ -554,7 +611,17 @@ def rate_summary(streams: RateRun, wall_s: float, cap_s: float) -> dict:
         "peak_active": streams.peak_active, "peak_batch_rows": streams.peak_batch_rows,
         "audio_x_rt": round(streams.audio_s / wall_s, 1),
         "worst_underrun_s": round(max(underruns, default=0.0), 3),
+        "pipeline_steps_per_s": round(streams.pipeline_steps / wall_s, 1),
+        "llm_step_ms_p50_p90": step_percentiles_ms(streams.llm_step_s),
     }  # fmt: skip
+
+
+def step_percentiles_ms(durations_s: list[float]) -> list[float] | None:
+    """p50 and p90 of the LLM side's steps (engine step + chunking; 82 steps/s keep every row real time)."""
+    if not durations_s:
+        return None
+    ordered = sorted(durations_s)
+    return [round(1e3 * ordered[int(q * (len(ordered) - 1))], 2) for q in (0.5, 0.9)]
 
 
 def streaming_section(run: BenchRun) -> dict:
@@ -621,7 +688,8 @@ SECTIONS: tuple[tuple[str, float, Callable[[BenchRun], dict]], ...] = (  # name,
     ("attention_check", 0.04, attention_section),
     ("decode_step_ms", 0.33, decode_step_section),
     ("host_syncs_per_step", 0.37, host_syncs_section),
-    ("snac_decode_ms", 0.40, snac_section),
+    ("step_profile", 0.40, step_profile_section),
+    ("snac_decode_ms", 0.43, snac_section),
     ("streaming_sweep", 0.82, streaming_section),
     ("throughput_mode", 0.92, throughput_section),
     ("naive_hf_generate", 1.0, hf_generate_section),
@@ -734,6 +802,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--step-tokens", type=int, default=280, help="generated before timing (at most; must fit)")
     p.add_argument("--max-kv-gb", type=float, default=64, help="skip decode cases whose KV cache is larger")
     p.add_argument("--sync-rows", type=int, default=32)
+    p.add_argument("--profile-rows", type=int, default=128)
     p.add_argument("--snac-chunks", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--rates", type=float, nargs="+", default=[8, 16, 24, 32, 50], help="req/s")
     p.add_argument("--arrival-s", type=float, default=10.0)

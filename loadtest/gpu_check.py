@@ -1,7 +1,7 @@
 """The GPU paths in one prepared run, for a session that is lent a device (15 minutes in all).
 
 On the orpheus-tiny preset, on `--device`:
-1. LLM greedy decode: eager vs CUDA graphs (`scheduler.cuda_graph_batch_sizes`) vs async steps
+1. LLM greedy decode: eager (`scheduler.cuda_graphs` off) vs CUDA graphs vs async steps
    must give the same tokens; so must seeded sampling with Orpheus' defaults (the sampler's
    tensors on the device).
 2. ms per engine step at each `--rows`: eager, graphs, async, graphs + async, and their ratios.
@@ -39,9 +39,10 @@ MODES = {  # graphs are on by default on CUDA: eager modes turn them off
 
 
 def scheduler_fields(mode: str, rows: list[int]) -> dict:
+    """Graph modes capture the derived sizes (up to the rows plus the prompt tokens a step folds
+    in), so eager and graph modes fold the same prompt steps and compute the same things."""
     fields = dict(MODES[mode])
-    if fields.pop("graphs", False):
-        fields["cuda_graph_batch_sizes"] = tuple(sorted(set(rows)))
+    fields.pop("graphs", None)
     return fields
 
 

@@ -82,11 +82,15 @@ def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor |
 
 
 def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """transformers' RMSNorm; one fused op in fp32, where it computes the same thing."""
+    """transformers' RMSNorm (normalise in fp32, round to the input dtype, then scale by the
+    weight) as one fused op in fp32, and as fused op + cast + scale in bf16 / fp16: 3 kernels
+    instead of 8 per norm, 56 norms a step at Orpheus 3B's 28 layers."""
     eps = getattr(norm, "variance_epsilon", None)
-    if x.dtype != torch.float32 or eps is None:
+    if eps is None:
         return norm(x)
-    return F.rms_norm(x, (x.shape[-1],), norm.weight, eps)
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), norm.weight, eps)
+    return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
 class FusedLayer:

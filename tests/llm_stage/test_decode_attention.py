@@ -235,3 +235,15 @@ def test_prompt_tokens_folded_into_the_decode_forward_give_the_same_tokens():
     folded_steps = [p for p in prepared if p.folded_rows is not None]
     assert folded_steps and all(p.decode.input_ids.shape[0] in (4, 8, 16) for p in folded_steps)
     assert any(p.prefill is not None for p in prepared)  # a step past 16 rows: a separate prompt forward
+
+
+def test_half_precision_rms_norm_is_transformers_own():
+    """bf16 norms take the fused path (normalise in fp32, round, scale): transformers' numbers."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from llm_stage.models.llama import rms_norm
+
+    norm = LlamaRMSNorm(64, eps=1e-5).to(torch.bfloat16)
+    norm.weight.data = torch.randn(64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    x = (torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(1)) * 4).to(torch.bfloat16)
+    torch.testing.assert_close(rms_norm(norm, x), norm(x), rtol=0, atol=0)

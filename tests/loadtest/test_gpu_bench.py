@@ -23,6 +23,7 @@ def test_every_section_runs_on_cpu_and_the_table_prints_last(tmp_path, capsys):
     for name, *_ in gpu_bench.SECTIONS:
         assert report[name]["ok"] is True, (name, report[name].get("error"))
     assert report["host_syncs_per_step"]["skipped"] == "n/a (cpu)"  # sync debug mode is CUDA's
+    assert report["step_profile"]["skipped"] == "n/a (cpu)"
     assert report["attention_check"]["status"] in ("ran", "missing")
 
     steps = report["decode_step_ms"]["results"]
@@ -40,6 +41,7 @@ def test_every_section_runs_on_cpu_and_the_table_prints_last(tmp_path, capsys):
     assert len(sweep["c1_ttfa_s"]) == 4 and sweep["c1_warm_ttfa_s"] > 0
     rate = sweep["rates"]["4"]
     assert rate["sent"] == rate["n"] == 4 and rate["p90_ttfa_s"] > 0 and rate["peak_active"] >= 1
+    assert rate["pipeline_steps_per_s"] > 0 and 0 < rate["llm_step_ms_p50_p90"][0] <= rate["llm_step_ms_p50_p90"][1]
     assert report["throughput_mode"]["x_real_time"] > 0 and report["naive_hf_generate"]["x_real_time"] > 0
 
     out = capsys.readouterr().out
