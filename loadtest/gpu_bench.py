@@ -538,6 +538,10 @@ class RateRun:
     audio_s: float = 0.0
     pipeline_steps: int = 0  # pipe.step() calls with work (one LLM step each while the engine has work)
     llm_step_s: list[float] = field(default_factory=list)  # wall time of each LLMSide.step inside them
+    submitted_unix_s: dict[str, float] = field(default_factory=dict)
+    first_cut_s: list[float] = field(default_factory=list)  # submit -> the LLM cut the stream's first chunk
+    detok_s: list[float] = field(default_factory=list)  # each chunk: cut -> its audio left the codec
+    handback_s: list[float] = field(default_factory=list)  # each chunk: audio ready -> the loop got it
 
     @property
     def all_sent(self) -> bool:
@@ -549,6 +553,7 @@ def submit_due(pipe: InProcessPipeline, streams: RateRun, tag: str, elapsed_s: f
         index = len(streams.trackers)
         req_id = f"{tag}-{index}"
         streams.trackers[req_id] = PlaybackTracker(time.monotonic())
+        streams.submitted_unix_s[req_id] = time.time()
         pipe.submit(req_id, TEXTS[index % len(TEXTS)], None, {"max_tokens": max_tokens, "seed": index})
 
 
@@ -582,8 +587,12 @@ def play_rate(pipe: InProcessPipeline, rate: float, args: argparse.Namespace, ca
         for chunk in pipe.step():
             tracker = streams.trackers.get(chunk.req_id)
             if tracker is not None:
+                if tracker.ttfa_s is None:
+                    streams.first_cut_s.append(chunk.hops.chunk_ready_unix_s - streams.submitted_unix_s[chunk.req_id])
                 tracker.on_chunk(time.monotonic(), chunk.duration_s)
                 streams.audio_s += chunk.duration_s
+                streams.detok_s.append(chunk.hops.audio_ready_unix_s - chunk.hops.chunk_ready_unix_s)
+                streams.handback_s.append(time.time() - chunk.hops.audio_ready_unix_s)
             if chunk.is_final:
                 streams.finished.add(chunk.req_id)
         streams.peak_active = max(streams.peak_active, len(pipe.llm.engine.requests))
@@ -613,11 +622,15 @@ def rate_summary(streams: RateRun, wall_s: float, cap_s: float) -> dict:
         "worst_underrun_s": round(max(underruns, default=0.0), 3),
         "pipeline_steps_per_s": round(streams.pipeline_steps / wall_s, 1),
         "llm_step_ms_p50_p90": step_percentiles_ms(streams.llm_step_s),
+        "first_chunk_cut_ms_p50_p90": step_percentiles_ms(streams.first_cut_s),
+        "chunk_detok_ms_p50_p90": step_percentiles_ms(streams.detok_s),
+        "chunk_handback_ms_p50_p90": step_percentiles_ms(streams.handback_s),
     }  # fmt: skip
 
 
 def step_percentiles_ms(durations_s: list[float]) -> list[float] | None:
-    """p50 and p90 of the LLM side's steps (engine step + chunking; 82 steps/s keep every row real time)."""
+    """p50 and p90 in ms (LLM side steps: engine step + chunking, 82 steps/s keep every row real time;
+    a stream's first chunk cut after its submit; a chunk's detokenizer time and hand-back)."""
     if not durations_s:
         return None
     ordered = sorted(durations_s)
