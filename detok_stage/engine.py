@@ -18,6 +18,7 @@ import torch
 
 from core.config import DetokConfig
 from core.errors import InvalidArgumentError
+from core.graphs import graphs_available
 from core.messages import AudioChunk, TokenChunk
 from core.policy import PolicyKind, SchedulingPolicy
 from detok_stage.codecs.base import CodecAdapter
@@ -58,6 +59,9 @@ class DetokEngine:
         self.num_decoded_frames = 0  # frames through the codec, context included
         self._forward_thread = ThreadPoolExecutor(1, "detok-forward") if config.async_steps else None
         self.graphs = ChunkGraphs.build(codec, config)
+        # its own CUDA stream: beside an LLM engine on the same GPU (the in-process pipeline), codec
+        # kernels neither queue behind the LLM's nor hold up its one read-back per step
+        self._stream = torch.cuda.Stream(config.device) if graphs_available(config.device) else None
 
     @property
     def has_work(self) -> bool:
@@ -158,7 +162,9 @@ class DetokEngine:
     def _decode(self, chunks: list[TokenChunk]) -> list[AudioChunk]:
         if self.codec.is_stateful:  # per-request decoder caches: the codec crops to the kept frames itself
             self.num_decoded_frames += sum(c.keep_end - c.keep_start for c in chunks)
-            return [self._audio_chunk(c, w) for c, w in zip(chunks, self.codec.decode_stream(chunks), strict=True)]
+            with torch.cuda.stream(self._stream):
+                waves = self.codec.decode_stream(chunks)
+            return [self._audio_chunk(c, w) for c, w in zip(chunks, waves, strict=True)]
         by_len: dict[int, list[TokenChunk]] = defaultdict(list)
         for chunk in chunks:
             if chunk.keep_end > chunk.keep_start:
@@ -197,8 +203,9 @@ class DetokEngine:
     @torch.inference_mode()
     def _forward(self, frames: torch.Tensor) -> torch.Tensor:
         self.num_decoded_frames += frames.shape[0] * frames.shape[1]
-        replayed = self.graphs.run(frames) if self.graphs is not None else None
-        return replayed if replayed is not None else self.codec.decode(frames)
+        with torch.cuda.stream(self._stream):  # (None: a no-op off CUDA)
+            replayed = self.graphs.run(frames) if self.graphs is not None else None
+            return replayed if replayed is not None else self.codec.decode(frames)
 
     def _cut(self, group: list[TokenChunk], waves: torch.Tensor) -> list[tuple[TokenChunk, AudioChunk]]:
         return [(c, self._audio_chunk(c, self._keep(c, w))) for c, w in zip(group, waves, strict=True)]

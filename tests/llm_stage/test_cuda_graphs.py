@@ -76,7 +76,9 @@ def test_detok_graph_padding_and_cpu_fallback(caplog):
     frames = torch.randint(0, 4096, (3, 14, 7))
     padded = graphs.pad(frames)
     assert padded.shape == (4, 14, 7) and torch.equal(padded[3], frames[0])
-    assert graphs.pad(torch.randint(0, 4096, (3, 9, 7))) is None  # not a full window: eager
+    short = torch.randint(0, 4096, (3, 9, 7))  # a shorter window (a first chunk, a stream's end): its own graphs
+    assert graphs.pad(short).shape == (4, 9, 7)
+    assert graphs.pad(torch.randint(0, 4096, (3, 15, 7))) is None  # longer than the schedule's windows: eager
     assert graphs.pad(torch.randint(0, 4096, (5, 14, 7))) is None  # more chunks than captured: eager
     assert graphs.run(frames) is None  # nothing captured on a CPU
     torch.testing.assert_close(codec.decode(padded)[:3], codec.decode(frames), atol=1e-5, rtol=0)
