@@ -3,7 +3,7 @@
 Two logit shapes: `peaked` (what a trained model gives: the nucleus sits in a few dozen
 columns) and `flat` (the random-weight CPU preset: top-p 0.8 keeps thousands of columns).
 Orpheus' default sampling (T 0.6, top-p 0.8, repetition penalty 1.3 over the whole sequence:
-a 20-token prompt + 300 generated tokens), one seeded generator per row.
+a 20-token prompt + 300 generated tokens), a seed per row (counter-based draws, `llm_stage.draws`).
 Each shape is timed on both paths: `host` (what `sample` does with CPU logits: numpy) and
 `torch` (`sample_on_device`, the accelerator path, here on CPU tensors).
 Run: `.venv/bin/python -m loadtest.sampler_bench --rows 1 4 8`
@@ -36,7 +36,7 @@ def rows_for(num_rows: int, rng: random.Random) -> list[SamplingRow]:
     for b in range(num_rows):
         prompt = [rng.randrange(128_000) for _ in range(20)]
         generated = [AUDIO_TOKEN_BASE + rng.randrange(TOKENS_PER_FRAME * CODES_PER_SLOT) for _ in range(300)]
-        rows.append(SamplingRow(params, prompt + generated, torch.Generator().manual_seed(b)))
+        rows.append(SamplingRow(params, prompt + generated, seed=b, counter=320))
     return rows
 
 
@@ -44,12 +44,12 @@ def ms_per_call(num_rows: int, scale: float, calls: int, sampler=sample) -> floa
     rng = random.Random(0)
     cand = candidate_table()[[b % TOKENS_PER_FRAME for b in range(num_rows)]]
     logits = torch.randn(num_rows, CODES_PER_SLOT + 1, generator=torch.Generator().manual_seed(0)) * scale
-    rows, default = rows_for(num_rows, rng), torch.Generator().manual_seed(0)
+    rows = rows_for(num_rows, rng)
     for _ in range(10):
-        sampler(logits, cand, rows, default)
+        sampler(logits, cand, rows)
     start = time.perf_counter()
     for _ in range(calls):
-        sampler(logits, cand, rows, default)
+        sampler(logits, cand, rows)
     return (time.perf_counter() - start) / calls * 1e3
 
 
