@@ -207,7 +207,9 @@ def attention_section(run: BenchRun) -> dict:
     if not hasattr(attention, "attention_parity"):
         return {"status": "missing"}
     parity = attention.attention_parity(run.args.device)
-    return {"status": "ran", "parity_ok": bool(parity.get("ok")), "parity": parity}
+    rope = importlib.import_module("llm_stage.rope_cache").rope_parity(run.args.device)
+    ok = bool(parity.get("ok")) and bool(rope.get("ok"))
+    return {"status": "ran", "parity_ok": ok, "parity": parity, "rope_cache_parity": rope}
 
 
 # --- 3: decode step per rows x max_seq_len ----------------------------------------------------------------

@@ -22,8 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llm_stage.attention import decode_attention
+from llm_stage.attention import decode_attention, triton_available
 from llm_stage.kv_cache import SlotKVCache
+from llm_stage.rope_cache import fused_rope_works, rope_and_cache
 
 
 @dataclass(frozen=True)
@@ -176,6 +177,13 @@ class LlamaBackbone:
         rope_type = getattr(self.model.rotary_emb, "rope_type", "default")
         self._static_rope = "dynamic" not in rope_type and rope_type != "longrope"  # tables depend on length
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        # rotary + cache write as one kernel (`llm_stage.rope_cache`); None = on CUDA when Triton is there
+        self.fuse_rope_cache: bool | None = None
+
+    def _fuses_rope(self, x: torch.Tensor) -> bool:
+        if self.fuse_rope_cache is None:  # on CUDA once the kernel proved itself on this GPU
+            return x.is_cuda and triton_available() and fused_rope_works(x.device.index or 0)
+        return self.fuse_rope_cache
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
@@ -221,10 +229,18 @@ class LlamaBackbone:
     def _attention(self, index, fused: FusedLayer, x, batch, cache, cos, sin, context) -> torch.Tensor:
         bsz, seq, _ = x.shape
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        attn = fused.attn
+        has_head_norms = getattr(attn, "q_norm", None) is not None
+        if self._fuses_rope(x) and not has_head_norms:  # rotation and cache write in one kernel
+            q = rope_and_cache(
+                fused.qkv(x).view(bsz * seq, -1), cos.reshape(bsz * seq, dim), sin.reshape(bsz * seq, dim),
+                batch.write_slots.flatten(), batch.positions.flatten(), *cache.layer(index), heads, kv_heads,
+            ).view(bsz, seq, heads, dim).transpose(1, 2)  # fmt: skip
+            out = context.attend(q, cache, index, self.scale)
+            return project(out.transpose(1, 2).reshape(bsz, seq, heads * dim), attn.o_proj.weight, attn.o_proj.bias)
         qkv = fused.qkv(x).view(bsz, seq, heads + 2 * kv_heads, dim).transpose(1, 2)  # [B, Hq + 2 Hkv, T, D]
         v = qkv[:, heads + kv_heads :]
-        attn = fused.attn
-        if getattr(attn, "q_norm", None) is not None:  # Qwen3: per-head norms before rotary
+        if has_head_norms:  # Qwen3: per-head norms before rotary
             q, k = attn.q_norm(qkv[:, :heads]), attn.k_norm(qkv[:, heads : heads + kv_heads])
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         else:  # queries and keys rotate together

@@ -55,10 +55,11 @@ def test_torch_decode_attention_equals_each_rows_own_sdpa():
     torch.testing.assert_close(whole_rows, want)
 
 
-def test_triton_kernel_equals_sdpa_and_loads_only_the_cached_tokens():
-    """The kernel that serves CUDA, in Triton's interpreter: outputs within float32 rounding of SDPA
-    over each row's tokens (one and several splits, GQA groups of 2 to 4, head dims 64, 80, 128, a
-    padding row), and its K and V loads are exactly the cached tokens: the same at 256 and 4096."""
+def test_triton_kernels_in_the_interpreter():
+    """The kernels that serve CUDA, in Triton's interpreter. Decode attention: outputs within float32
+    rounding of SDPA over each row's tokens (one and several splits, GQA groups of 2 to 4, head dims
+    64, 80, 128, a padding row), and its K and V loads are exactly the cached tokens: the same at 256
+    and 4096. Rotary + cache write: the torch ops' bits in fp32 and bf16, and an engine's tokens."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
@@ -67,10 +68,15 @@ def test_triton_kernel_equals_sdpa_and_loads_only_the_cached_tokens():
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     cases = json.loads(done.stdout.strip().splitlines()[-1])
+    rope = {name: cases.pop(name) for name in ("rope_float32", "rope_bfloat16", "rope_engine")}
     for name, case in cases.items():
         assert case["max_abs_err"] < 1e-5, name
         assert case["keys_loaded"] == case["values_loaded"] == case["cached_elements"], name
     assert cases["short_cache_256"]["keys_loaded"] == cases["long_cache_4096"]["keys_loaded"]
+    for dtype in ("rope_float32", "rope_bfloat16"):  # the fused rotation + cache write: the torch ops' bits
+        assert rope[dtype]["queries_equal"] and rope[dtype]["keys_equal"] and rope[dtype]["values_equal"], rope
+        assert rope[dtype]["keys_written"] == 14
+    assert rope["rope_engine"] == {"same_tokens": True, "tokens": 21}
 
 
 def decoding_engine(max_seq_len: int, **sched):

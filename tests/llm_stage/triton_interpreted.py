@@ -1,7 +1,9 @@
-"""Runs `llm_stage.attention`'s Triton kernels in Triton's interpreter (CPU tensors) and prints
-JSON: per case the max abs difference from SDPA over each row's own tokens, and the K / V
-elements the kernel loaded against the tokens cached. Run with TRITON_INTERPRET=1 in the
-environment (Triton reads it at import): `test_decode_attention.py` starts it in a subprocess.
+"""Runs our Triton kernels in Triton's interpreter (CPU tensors) and prints JSON: for
+`llm_stage.attention`, per case the max abs difference from SDPA over each row's own tokens and
+the K / V elements the kernel loaded against the tokens cached; for `llm_stage.rope_cache`,
+whether the fused rotation + cache write gives the torch ops' bits (fp32 and bf16), and whether
+an engine's greedy tokens are the same with it. Run with TRITON_INTERPRET=1 in the environment
+(Triton reads it at import): `test_decode_attention.py` starts it in a subprocess.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import torch
 import triton.runtime.interpreter as interpreter
 
 from llm_stage.attention import decode_attention_sdpa, decode_attention_triton
+from llm_stage.models.llama import apply_rotary
+from llm_stage.rope_cache import rope_and_cache
 
 
 def _index_scalars_as_numpy_2_wants() -> None:
@@ -71,6 +75,44 @@ def run_case(counter: LoadCounter, rows, max_len, kv_heads, heads, dim, splits, 
     }
 
 
+def rope_case(dtype: torch.dtype, seed: int = 0) -> dict:
+    """The fused kernel against apply_rotary + indexed cache writes on the same inputs."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens, heads, kv_heads, dim, slots_total, max_len = 7, 6, 2, 80, 5, 32
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+    angles = torch.rand(tokens, dim // 2, generator=gen) * 6.0
+    cos, sin = torch.cat([angles.cos()] * 2, dim=-1).to(dtype), torch.cat([angles.sin()] * 2, dim=-1).to(dtype)
+    cells = torch.randperm(slots_total * max_len, generator=gen)[:tokens]
+    slots, positions = cells // max_len, cells % max_len
+    caches = [torch.zeros(slots_total, kv_heads, max_len, dim, dtype=dtype) for _ in range(4)]
+    queries = rope_and_cache(qkv, cos, sin, slots, positions, caches[0], caches[1], heads, kv_heads)
+    split = qkv.view(tokens, 1, heads + 2 * kv_heads, dim).transpose(1, 2)  # [N, H, 1, D]
+    rotated = apply_rotary(split[:, : heads + kv_heads], cos.unsqueeze(1), sin.unsqueeze(1))
+    caches[2][slots, :, positions] = rotated[:, heads:, 0]
+    caches[3][slots, :, positions] = split[:, heads + kv_heads :, 0]
+    return {
+        "queries_equal": bool(torch.equal(queries, rotated[:, :heads, 0])),
+        "keys_equal": bool(torch.equal(caches[0], caches[2])),
+        "values_equal": bool(torch.equal(caches[1], caches[3])),
+        "keys_written": int((caches[0] != 0).any(-1).sum()),
+    }
+
+
+def fused_engine_tokens() -> dict:
+    """Greedy and seeded tokens of the orpheus-tiny engine with and without the fused kernel."""
+    from tests.factories import orpheus_engine
+
+    runs = {}
+    for fused in (False, True):
+        engine = orpheus_engine(num_slots=4, prefill_token_budget=64)
+        engine.adapter.backbone.fuse_rope_cache = fused
+        engine.add_request("greedy", "fused or not", None, {"temperature": 0.0, "max_tokens": 21})
+        engine.add_request("seeded", "the same words", None, {"seed": 3, "max_tokens": 21})
+        runs[fused] = engine.run_to_completion()
+        engine.adapter.backbone.fuse_rope_cache = None
+    return {"same_tokens": runs[False] == runs[True], "tokens": len(runs[True]["greedy"])}
+
+
 def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     _index_scalars_as_numpy_2_wants()
@@ -84,6 +126,9 @@ def main() -> None:
     }
     seeds = {name: 1 if "cache" in name else i for i, name in enumerate(cases)}  # the two caches: the same rows
     out = {name: run_case(counter, *shape, seed=seeds[name]) for name, shape in cases.items()}
+    out["rope_float32"] = rope_case(torch.float32)
+    out["rope_bfloat16"] = rope_case(torch.bfloat16)
+    out["rope_engine"] = fused_engine_tokens()
     print(json.dumps(out))
 
 
