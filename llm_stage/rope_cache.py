@@ -25,26 +25,13 @@ import logging
 import torch
 
 from llm_stage.attention import triton_available
+from llm_stage.rounding import ROUND_CODES, rounded
 
 logger = logging.getLogger(__name__)
 
 if triton_available():
     import triton
     import triton.language as tl
-
-    @triton.jit
-    def _rounded(x, ROUND: tl.constexpr):
-        """fp32 `x` rounded to nearest-even in the input dtype (0 fp32: as is, 1 bf16, 2 fp16), kept in
-        fp32. bf16 by integer arithmetic: a plain cast's rounding differs between the GPU (nearest
-        even) and Triton's interpreter (toward zero), and the tests run the interpreter."""
-        if ROUND == 1:
-            bits = x.to(tl.uint32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-            return bits.to(tl.float32, bitcast=True)
-        elif ROUND == 2:
-            return x.to(tl.float16).to(tl.float32)
-        else:
-            return x
 
     @triton.jit
     def _rope_and_cache(
@@ -72,10 +59,10 @@ if triton_available():
             sin_second = tl.load(sin_row + HALF + offsets, mask=inside, other=0.0).to(tl.float32)
             x1 = first.to(tl.float32)
             x2 = second.to(tl.float32)
-            out_first = _rounded(x1 * cos_first, ROUND) + _rounded((-x2) * sin_first, ROUND)
-            out_second = _rounded(x2 * cos_second, ROUND) + _rounded(x1 * sin_second, ROUND)
-            first = _rounded(out_first, ROUND).to(dtype)  # (exact: already a value of `dtype`)
-            second = _rounded(out_second, ROUND).to(dtype)
+            out_first = rounded(x1 * cos_first, ROUND) + rounded((-x2) * sin_first, ROUND)
+            out_second = rounded(x2 * cos_second, ROUND) + rounded(x1 * sin_second, ROUND)
+            first = rounded(out_first, ROUND).to(dtype)  # (exact: already a value of `dtype`)
+            second = rounded(out_second, ROUND).to(dtype)
         if head < NUM_HEADS:
             out = q_out_ptr + token * stride_q_token + head * stride_q_head
             tl.store(out + offsets, first, mask=inside)
@@ -117,7 +104,7 @@ def rope_and_cache(
         k_layer.stride(0), k_layer.stride(1), k_layer.stride(2),
         v_layer.stride(0), v_layer.stride(1), v_layer.stride(2),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, BLOCK=max(16, 1 << (half - 1).bit_length()),
-        ROUND={torch.bfloat16: 1, torch.float16: 2}.get(qkv.dtype, 0),
+        ROUND=ROUND_CODES.get(qkv.dtype, 0),
     )  # fmt: skip
     return queries
 

@@ -208,8 +208,9 @@ def attention_section(run: BenchRun) -> dict:
         return {"status": "missing"}
     parity = attention.attention_parity(run.args.device)
     rope = importlib.import_module("llm_stage.rope_cache").rope_parity(run.args.device)
-    ok = bool(parity.get("ok")) and bool(rope.get("ok"))
-    return {"status": "ran", "parity_ok": ok, "parity": parity, "rope_cache_parity": rope}
+    add_norm = importlib.import_module("llm_stage.add_norm").add_norm_parity(run.args.device)
+    ok = all(bool(check.get("ok")) for check in (parity, rope, add_norm))
+    return {"status": "ran", "parity_ok": ok, "parity": parity, "rope_cache_parity": rope, "add_norm_parity": add_norm}
 
 
 # --- 3: decode step per rows x max_seq_len ----------------------------------------------------------------

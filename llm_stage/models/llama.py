@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llm_stage.add_norm import add_rms_norm, fused_add_norm_works
 from llm_stage.attention import decode_attention, triton_available
 from llm_stage.kv_cache import SlotKVCache
 from llm_stage.rope_cache import fused_rope_works, rope_and_cache
@@ -80,6 +81,15 @@ def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor |
             lin.bias = nn.Parameter(bias[start : start + rows], requires_grad=False)
         start += rows
     return weight, bias
+
+
+def add_and_norm(hidden: torch.Tensor, delta: torch.Tensor, norm: nn.Module, fuse: bool):
+    """(hidden + delta, its RMSNorm): one kernel when `fuse` and the norm is transformers' RMSNorm."""
+    eps = getattr(norm, "variance_epsilon", None)
+    if fuse and eps is not None:
+        return add_rms_norm(hidden, delta, norm.weight, eps)
+    total = hidden + delta
+    return total, rms_norm(norm, total)
 
 
 def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -177,8 +187,15 @@ class LlamaBackbone:
         rope_type = getattr(self.model.rotary_emb, "rope_type", "default")
         self._static_rope = "dynamic" not in rope_type and rope_type != "longrope"  # tables depend on length
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
-        # rotary + cache write as one kernel (`llm_stage.rope_cache`); None = on CUDA when Triton is there
+        # rotary + cache write as one kernel (`llm_stage.rope_cache`), residual add + RMSNorm as one
+        # (`llm_stage.add_norm`); None = on CUDA when Triton is there and the kernel checked out
         self.fuse_rope_cache: bool | None = None
+        self.fuse_add_norm: bool | None = None
+
+    def _fuses_add_norm(self, x: torch.Tensor) -> bool:
+        if self.fuse_add_norm is None:
+            return x.is_cuda and triton_available() and fused_add_norm_works(x.device.index or 0)
+        return self.fuse_add_norm
 
     def _fuses_rope(self, x: torch.Tensor) -> bool:
         if self.fuse_rope_cache is None:  # on CUDA once the kernel proved itself on this GPU
@@ -219,10 +236,16 @@ class LlamaBackbone:
             context = DecodeContext(batch.slots, (batch.positions[:, 0] + 1).to(torch.int32))
         else:
             context = PromptContext.of(batch, length)
+        fuse = self._fuses_add_norm(hidden)
+        normed = rms_norm(self.layers[0].layer.input_layernorm, hidden)
         for index, fused in enumerate(self.layers):
-            attn_in = rms_norm(fused.layer.input_layernorm, hidden)
-            hidden = hidden + self._attention(index, fused, attn_in, batch, cache, cos, sin, context)
-            hidden = hidden + fused.mlp_out(rms_norm(fused.layer.post_attention_layernorm, hidden))
+            attn_out = self._attention(index, fused, normed, batch, cache, cos, sin, context)
+            hidden, normed = add_and_norm(hidden, attn_out, fused.layer.post_attention_layernorm, fuse)
+            mlp_out = fused.mlp_out(normed)
+            if index + 1 < len(self.layers):  # the next layer's input norm
+                hidden, normed = add_and_norm(hidden, mlp_out, self.layers[index + 1].layer.input_layernorm, fuse)
+            else:
+                hidden = hidden + mlp_out
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         return rms_norm(self.model.norm, hidden[rows, batch.last_index])
 

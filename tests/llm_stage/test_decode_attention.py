@@ -59,7 +59,8 @@ def test_triton_kernels_in_the_interpreter():
     """The kernels that serve CUDA, in Triton's interpreter. Decode attention: outputs within float32
     rounding of SDPA over each row's tokens (one and several splits, GQA groups of 2 to 4, head dims
     64, 80, 128, a padding row), and its K and V loads are exactly the cached tokens: the same at 256
-    and 4096. Rotary + cache write: the torch ops' bits in fp32 and bf16, and an engine's tokens."""
+    and 4096. Rotary + cache write: the torch ops' bits in fp32 and bf16. Residual add + RMSNorm: the
+    sums' bits, the norm's bits in bf16 (fp32: rounding). With both fused, an engine's tokens."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
@@ -68,7 +69,8 @@ def test_triton_kernels_in_the_interpreter():
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     cases = json.loads(done.stdout.strip().splitlines()[-1])
-    rope = {name: cases.pop(name) for name in ("rope_float32", "rope_bfloat16", "rope_engine")}
+    fused = ("rope_float32", "rope_bfloat16", "rope_engine", "add_norm_float32", "add_norm_bfloat16")
+    rope = {name: cases.pop(name) for name in fused}
     for name, case in cases.items():
         assert case["max_abs_err"] < 1e-5, name
         assert case["keys_loaded"] == case["values_loaded"] == case["cached_elements"], name
@@ -76,7 +78,9 @@ def test_triton_kernels_in_the_interpreter():
     for dtype in ("rope_float32", "rope_bfloat16"):  # the fused rotation + cache write: the torch ops' bits
         assert rope[dtype]["queries_equal"] and rope[dtype]["keys_equal"] and rope[dtype]["values_equal"], rope
         assert rope[dtype]["keys_written"] == 14
-    assert rope["rope_engine"] == {"same_tokens": True, "tokens": 21}
+    assert rope["rope_engine"] == {"same_tokens": True, "tokens": 21}  # both fused kernels on, fp32
+    assert rope["add_norm_bfloat16"] == {"sums_equal": True, "normed_max_rel": 0.0, "normed_unequal_share": 0.0}
+    assert rope["add_norm_float32"]["sums_equal"] and rope["add_norm_float32"]["normed_max_rel"] < 1e-6
 
 
 def decoding_engine(max_seq_len: int, **sched):

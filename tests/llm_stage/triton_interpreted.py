@@ -15,6 +15,7 @@ import numpy as np
 import torch
 import triton.runtime.interpreter as interpreter
 
+from llm_stage.add_norm import add_rms_norm, reference_add_rms_norm
 from llm_stage.attention import decode_attention_sdpa, decode_attention_triton
 from llm_stage.models.llama import apply_rotary
 from llm_stage.rope_cache import rope_and_cache
@@ -99,18 +100,37 @@ def rope_case(dtype: torch.dtype, seed: int = 0) -> dict:
 
 
 def fused_engine_tokens() -> dict:
-    """Greedy and seeded tokens of the orpheus-tiny engine with and without the fused kernel."""
+    """Greedy and seeded tokens of the orpheus-tiny engine with and without the fused kernels."""
     from tests.factories import orpheus_engine
 
     runs = {}
     for fused in (False, True):
         engine = orpheus_engine(num_slots=4, prefill_token_budget=64)
-        engine.adapter.backbone.fuse_rope_cache = fused
+        backbone = engine.adapter.backbone
+        backbone.fuse_rope_cache = backbone.fuse_add_norm = fused
         engine.add_request("greedy", "fused or not", None, {"temperature": 0.0, "max_tokens": 21})
         engine.add_request("seeded", "the same words", None, {"seed": 3, "max_tokens": 21})
         runs[fused] = engine.run_to_completion()
-        engine.adapter.backbone.fuse_rope_cache = None
+        backbone.fuse_rope_cache = backbone.fuse_add_norm = None
     return {"same_tokens": runs[False] == runs[True], "tokens": len(runs[True]["greedy"])}
+
+
+def add_norm_case(dtype: torch.dtype, seed: int = 0) -> dict:
+    """The fused add + RMSNorm against the torch ops: sums bit-equal; normalised values' largest
+    difference, relative, and the share of them not bit-equal."""
+    gen = torch.Generator().manual_seed(seed)
+    rows, hidden = 6, 200
+    residual = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype)
+    delta = torch.randn(rows, hidden, generator=gen).to(dtype)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
+    total, normed = add_rms_norm(residual, delta, weight, 1e-5)
+    want_total, want_normed = reference_add_rms_norm(residual, delta, weight, 1e-5)
+    relative = (normed.float() - want_normed.float()).abs() / want_normed.float().abs().clamp(min=1e-3)
+    return {
+        "sums_equal": bool(torch.equal(total, want_total)),
+        "normed_max_rel": float(relative.max()),
+        "normed_unequal_share": float((normed != want_normed).float().mean()),
+    }
 
 
 def main() -> None:
@@ -129,6 +149,8 @@ def main() -> None:
     out["rope_float32"] = rope_case(torch.float32)
     out["rope_bfloat16"] = rope_case(torch.bfloat16)
     out["rope_engine"] = fused_engine_tokens()
+    out["add_norm_float32"] = add_norm_case(torch.float32)
+    out["add_norm_bfloat16"] = add_norm_case(torch.bfloat16)
     print(json.dumps(out))
 
 
