@@ -32,7 +32,7 @@ from llm_stage.migration import KVSnapshot, fits, put_rows, take_rows
 from llm_stage.models.base import FrameBuilder, LMAdapter
 from llm_stage.request import FinishReason, Request, RequestStatus, Token
 from llm_stage.runner import ModelRunner
-from llm_stage.sampler import SamplingRow, sample
+from llm_stage.sampler import RowTable, SamplingRow, sample
 from llm_stage.scheduler import Scheduler, StepPlan
 from llm_stage.text_feed import TextFeed
 
@@ -84,6 +84,9 @@ class LLMEngine:
         self._forward_thread = ThreadPoolExecutor(1, "llm-forward") if scheduler.async_steps else None
         self._next_plan: StepPlan | None = None  # async: planned while the previous forward ran
         self._prepared_rows: dict[tuple[int, int], SamplingRow] = {}
+        # async steps on an accelerator: the sampled rows' RowTable, built and sent during the forward
+        self._prepared_table: tuple[list[tuple[int, int]], RowTable] | None = None
+        self.prepares_row_tables = self.runner.device.type != "cpu"  # (CPU logits sample in numpy)
         self._seed_source = random.Random(seed)  # seeds of unseeded requests
         self._seeds: dict[str, int] = {}  # every request's draws are keyed by (seed, draw counter)
         self._vocab_size = adapter.backbone.lm_head_weight.shape[0]
@@ -246,6 +249,7 @@ class LLMEngine:
         plan's positions cached, selects the next step's batch and builds this step's sampling rows."""
         start = time.perf_counter()
         self._prepared_rows.clear()  # keyed by request identity: never carry them past a failed step
+        self._prepared_table = None
         plan = self._take_plan()
         if plan.is_empty:
             return []
@@ -300,13 +304,24 @@ class LLMEngine:
         self, logits: torch.Tensor, cand_ids: torch.Tensor | None, reqs: list[Request], codebooks: list[int]
     ) -> list[int]:
         rows = [self._sampling_row(r, k) for r, k in zip(reqs, codebooks, strict=True)]
-        return sample(logits, cand_ids, rows, self._vocab_size)
+        prepared, self._prepared_table = self._prepared_table, None  # one draw uses it, on its own rows
+        keys = [(id(r), k) for r, k in zip(reqs, codebooks, strict=True)]
+        table = prepared[1] if prepared is not None and prepared[0] == keys else None
+        return sample(logits, cand_ids, rows, self._vocab_size, table)
 
     def _prepare_sampling_rows(self, reqs: list[Request]) -> None:
-        """Build the rows' sampling inputs ahead of the logits (histories only change at `append`)."""
+        """Build the rows' sampling inputs ahead of the logits (histories only change at `append`);
+        on an accelerator also their RowTable, sent while the forward runs (the draw uses it when
+        it draws these rows in this order: one codebook-major draw per step, the usual case)."""
+        codebooks = range(self.adapter.num_codebooks)
         for req in reqs:
-            for codebook in range(self.adapter.num_codebooks):
+            for codebook in codebooks:
                 self._prepared_rows[(id(req), codebook)] = self._sampling_row(req, codebook)
+        if not self.prepares_row_tables or not reqs or any(r.sampling.is_repetition_aware for r in reqs):
+            return
+        keys = [(id(r), k) for r in reqs for k in codebooks]
+        rows = [self._prepared_rows[key] for key in keys]
+        self._prepared_table = (keys, RowTable.of(rows, 0, self.runner.device))
 
     def _sampling_row(self, req: Request, codebook: int) -> SamplingRow:
         prepared = self._prepared_rows.get((id(req), codebook))

@@ -15,6 +15,7 @@ tokens back once. CPU logits are sampled in numpy (`host_sampler`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -89,35 +90,45 @@ def sample(
     cand_ids: torch.Tensor | None,  # [B, C] vocab id of each column, or None for the full vocab
     rows: list[SamplingRow],
     vocab_size: int | None = None,
+    table: RowTable | None = None,
 ) -> list[int]:
     """Vocabulary id per row. CPU logits are sampled in numpy (`host_sampler`: same semantics, a
     fraction of torch's per-op overhead); accelerator logits on their device, read back once.
     Rows with repetition-aware sampling are drawn by `llm_stage.ras`. `vocab_size`: ids in
-    `cand_ids` are below it (the LM head's rows), so the device penalty needs no read-back."""
+    `cand_ids` are below it (the LM head's rows), so the device penalty needs no read-back.
+    `table`: `rows`' RowTable built ahead (during the forward), for the device path."""
     ras = [b for b, row in enumerate(rows) if row.params.is_repetition_aware]
     if not ras:
-        return _sample_plain(logits, cand_ids, rows, vocab_size)
+        return _sample_plain(logits, cand_ids, rows, vocab_size, table)
     plain = [b for b, row in enumerate(rows) if not row.params.is_repetition_aware]
     picked = [0] * len(rows)
     for group, draw in ((plain, _sample_plain), (ras, _sample_ras)):
         if group:
             group_cand = None if cand_ids is None else cand_ids[group]
-            ids = draw(logits[group], group_cand, [rows[b] for b in group], vocab_size)
+            ids = draw(logits[group], group_cand, [rows[b] for b in group], vocab_size, None)
             for b, token in zip(group, ids, strict=True):
                 picked[b] = token
     return picked
 
 
 def _sample_plain(
-    logits: torch.Tensor, cand_ids: torch.Tensor | None, rows: list[SamplingRow], vocab_size: int | None
+    logits: torch.Tensor,
+    cand_ids: torch.Tensor | None,
+    rows: list[SamplingRow],
+    vocab_size: int | None,
+    table: RowTable | None = None,
 ) -> list[int]:
     if logits.device.type == "cpu":
         return sample_on_host(logits, cand_ids, rows)
-    return sample_on_device(logits, cand_ids, rows, vocab_size).tolist()  # the step's one wait for the GPU
+    return sample_on_device(logits, cand_ids, rows, vocab_size, table).tolist()  # the step's one wait for the GPU
 
 
 def _sample_ras(
-    logits: torch.Tensor, cand_ids: torch.Tensor | None, rows: list[SamplingRow], vocab_size: int | None
+    logits: torch.Tensor,
+    cand_ids: torch.Tensor | None,
+    rows: list[SamplingRow],
+    vocab_size: int | None,
+    table: RowTable | None = None,
 ) -> list[int]:
     logits = logits.float().clone()
     apply_repetition_penalty(logits, cand_ids, rows)
@@ -140,6 +151,8 @@ class RowTable:
 
     @classmethod
     def of(cls, rows: list[SamplingRow], width: int, device: torch.device) -> RowTable:
+        """`width`: the logits' columns, the top-k of rows with none; 0 = not known yet (the table is
+        built ahead of the logits): `with_width` fills it in on the device."""
         penalised = [r.history if r.params.repetition_penalty != 1.0 else [] for r in rows]
         history_width = max(1, max(len(h) for h in penalised))
         table = np.full((len(rows), 7 + history_width), -1.0)  # float64 holds ids and 32-bit keys exactly
@@ -155,6 +168,10 @@ class RowTable:
             floats[:, 0:1], on_device[:, 1:2].long(), floats[:, 2:3], floats[:, 3:4], floats[:, 4:5],
             on_device[:, 5].long(), on_device[:, 6] > 0, history,
         )  # fmt: skip
+
+    def with_width(self, width: int) -> RowTable:
+        """The table with top-k 0 (a table built before the logits' width was known) set to `width`."""
+        return dataclasses.replace(self, top_k=torch.where(self.top_k > 0, self.top_k, width))
 
 
 def penalize_on_device(logits: torch.Tensor, cand_ids: torch.Tensor | None, table: RowTable, vocab_size: int) -> None:
@@ -177,7 +194,11 @@ def penalize_on_device(logits: torch.Tensor, cand_ids: torch.Tensor | None, tabl
 
 
 def sample_on_device(
-    logits: torch.Tensor, cand_ids: torch.Tensor | None, rows: list[SamplingRow], vocab_size: int | None = None
+    logits: torch.Tensor,
+    cand_ids: torch.Tensor | None,
+    rows: list[SamplingRow],
+    vocab_size: int | None = None,
+    table: RowTable | None = None,
 ) -> torch.Tensor:
     """[B] vocabulary ids on the logits' device, nothing read back (runs on CPU tensors too).
 
@@ -187,7 +208,10 @@ def sample_on_device(
     those at or above the smallest value the row's top-k, top-p and min-p keep on its sorted values.
     """
     logits = logits.float().clone()
-    table = RowTable.of(rows, logits.shape[1], logits.device)
+    if table is None:
+        table = RowTable.of(rows, logits.shape[1], logits.device)
+    else:
+        table = table.with_width(logits.shape[1])
     if any(r.params.repetition_penalty != 1.0 and len(r.history) for r in rows):
         if cand_ids is not None and vocab_size is None:
             vocab_size = int(cand_ids.max()) + 1  # (a read-back: the engine passes its head's rows)

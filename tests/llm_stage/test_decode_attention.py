@@ -165,9 +165,9 @@ def device_path(monkeypatch):
     monkeypatch.setattr(attention, "_capturing", lambda device: True)
 
 
-def _as_on_a_gpu(logits, cand_ids, rows, vocab_size):
+def _as_on_a_gpu(logits, cand_ids, rows, vocab_size, table=None):
     """`sampler._sample_plain`'s accelerator branch."""
-    return sampler_module.sample_on_device(logits, cand_ids, rows, vocab_size).tolist()
+    return sampler_module.sample_on_device(logits, cand_ids, rows, vocab_size, table).tolist()
 
 
 def test_a_decode_step_reads_back_from_the_device_once(device_path, monkeypatch):
@@ -257,3 +257,28 @@ def test_half_precision_rms_norm_is_transformers_own():
     norm.weight.data = torch.randn(64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     x = (torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(1)) * 4).to(torch.bfloat16)
     torch.testing.assert_close(rms_norm(norm, x), norm(x), rtol=0, atol=0)
+
+
+def test_a_row_table_built_during_the_forward_draws_the_same_tokens(device_path, monkeypatch):
+    """Async steps on an accelerator build the sampled rows' table while the forward runs (top-k
+    filled in once the logits' width is known): the same tokens as tables built after the logits."""
+    used: list[bool] = []
+    original = sampler_module.sample_on_device
+
+    def recording(logits, cand_ids, rows, vocab_size=None, table=None):
+        used.append(table is not None)
+        return original(logits, cand_ids, rows, vocab_size, table)
+
+    monkeypatch.setattr(sampler_module, "sample_on_device", recording)
+    runs, tables_used = {}, {}
+    for prepared in (False, True):
+        used.clear()
+        engine = orpheus_engine(num_slots=4, async_steps=True)
+        engine.prepares_row_tables = prepared
+        for i, sampling in enumerate(({"seed": 5}, {"seed": 6, "top_k": 40}, {"temperature": 0.0})):
+            engine.add_request(f"r{i}", f"request {i}", None, {"max_tokens": 30, **sampling})
+        runs[prepared] = engine.run_to_completion()
+        tables_used[prepared] = sum(used) / len(used)
+        engine.close()
+    assert runs[True] == runs[False]
+    assert tables_used[False] == 0 and tables_used[True] == 1.0  # every draw of the async engine used its table
