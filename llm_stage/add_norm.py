@@ -17,14 +17,12 @@ is there, after a once-per-process check on the GPU; elsewhere the torch ops run
 from __future__ import annotations
 
 import functools
-import logging
 
 import torch
 
-from llm_stage.attention import triton_available
+from llm_stage.attention import next_pow2, triton_available
+from llm_stage.kernel_check import passes_on_gpu
 from llm_stage.rounding import ROUND_CODES, rounded
-
-logger = logging.getLogger(__name__)
 
 if triton_available():
     import triton
@@ -62,7 +60,7 @@ def add_rms_norm(
         rows_in, deltas, weight, total, normed,
         rows_in.stride(0), deltas.stride(0), total.stride(0), normed.stride(0),
         hidden, eps,
-        BLOCK=max(16, 1 << (hidden - 1).bit_length()), ROUND=ROUND_CODES.get(residual.dtype, 0),
+        BLOCK=next_pow2(hidden, 16), ROUND=ROUND_CODES.get(residual.dtype, 0),
     )  # fmt: skip
     return total.view(residual.shape), normed.view(residual.shape)
 
@@ -79,14 +77,8 @@ def reference_add_rms_norm(residual, delta, weight, eps):
 def fused_add_norm_works(device_index: int) -> bool:
     """Whether the kernel compiles and stays within one bf16 step of the torch ops on this GPU
     (checked once per process); otherwise the backbone keeps the torch ops, and says so."""
-    try:
-        report = add_norm_parity(torch.device("cuda", device_index), rows=8, hidden=256)
-    except Exception as err:  # a compile or launch failure: the torch ops still serve
-        logger.warning("fused add + RMSNorm failed on cuda:%d (%s): using the torch ops", device_index, err)
-        return False
-    if not report["ok"]:
-        logger.warning("fused add + RMSNorm differs from the torch ops (%s): using the torch ops", report)
-    return bool(report["ok"])
+    device = torch.device("cuda", device_index)
+    return passes_on_gpu("add + RMSNorm", lambda: add_norm_parity(device, rows=8, hidden=256))
 
 
 def add_norm_parity(device: str | torch.device = "cuda", rows: int = 300, hidden: int = 3072, seed: int = 0) -> dict:

@@ -147,7 +147,8 @@ def num_splits(rows: int, kv_heads: int, max_seq_len: int, sm_count: int) -> int
     return max(1, min(splits, MAX_SPLITS, math.ceil(max_seq_len / BLOCK_N)))
 
 
-def _next_pow2(value: int, floor: int) -> int:
+def next_pow2(value: int, floor: int) -> int:
+    """The smallest power of two >= `value`, at least `floor` (Triton block sizes)."""
     return max(floor, 1 << (value - 1).bit_length())
 
 
@@ -170,7 +171,7 @@ def decode_attention_triton(
         sm_count = _sm_count(q.device.index or 0) if q.is_cuda else 4
         splits = num_splits(rows, kv_heads, max_len, sm_count)
     out = torch.empty_like(q)
-    block_d = _next_pow2(dim, 16)
+    block_d = next_pow2(dim, 16)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     if splits == 1:
         part, lse, part_strides, lse_strides = out, out, (out.stride(0), out.stride(1), 0), (0, 0)
@@ -184,13 +185,13 @@ def decode_attention_triton(
         k_layer.stride(0), k_layer.stride(1), k_layer.stride(2),
         v_layer.stride(0), v_layer.stride(1), v_layer.stride(2),
         *part_strides, *lse_strides,
-        GROUP=group, GROUP_PAD=_next_pow2(group, 16), HEAD_DIM=dim, BLOCK_D=block_d, BLOCK=BLOCK_N,
+        GROUP=group, GROUP_PAD=next_pow2(group, 16), HEAD_DIM=dim, BLOCK_D=block_d, BLOCK=BLOCK_N,
         NUM_SPLITS=splits, WRITE_LSE=splits > 1, PRECISION=precision,
     )  # fmt: skip
     if splits > 1:
         _merge_splits[(rows, heads)](
             part, lse, seq_lens, out, *part.stride()[:3], *lse.stride()[:2], out.stride(0), out.stride(1),
-            HEAD_DIM=dim, BLOCK_D=block_d, BLOCK=BLOCK_N, NUM_SPLITS=splits, SPLITS_PAD=_next_pow2(splits, 1),
+            HEAD_DIM=dim, BLOCK_D=block_d, BLOCK=BLOCK_N, NUM_SPLITS=splits, SPLITS_PAD=next_pow2(splits, 1),
         )  # fmt: skip
     return out
 

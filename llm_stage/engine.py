@@ -305,8 +305,9 @@ class LLMEngine:
     ) -> list[int]:
         rows = [self._sampling_row(r, k) for r, k in zip(reqs, codebooks, strict=True)]
         prepared, self._prepared_table = self._prepared_table, None  # one draw uses it, on its own rows
-        keys = [(id(r), k) for r, k in zip(reqs, codebooks, strict=True)]
-        table = prepared[1] if prepared is not None and prepared[0] == keys else None
+        table = None
+        if prepared is not None and prepared[0] == [(id(r), k) for r, k in zip(reqs, codebooks, strict=True)]:
+            table = prepared[1]
         return sample(logits, cand_ids, rows, self._vocab_size, table)
 
     def _prepare_sampling_rows(self, reqs: list[Request]) -> None:

@@ -20,14 +20,12 @@ per-head q/k norms; elsewhere the torch ops run.
 from __future__ import annotations
 
 import functools
-import logging
 
 import torch
 
-from llm_stage.attention import triton_available
+from llm_stage.attention import next_pow2, triton_available
+from llm_stage.kernel_check import passes_on_gpu
 from llm_stage.rounding import ROUND_CODES, rounded
-
-logger = logging.getLogger(__name__)
 
 if triton_available():
     import triton
@@ -103,7 +101,7 @@ def rope_and_cache(
         qkv.stride(0), cos.stride(0), queries.stride(0), queries.stride(1),
         k_layer.stride(0), k_layer.stride(1), k_layer.stride(2),
         v_layer.stride(0), v_layer.stride(1), v_layer.stride(2),
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, BLOCK=max(16, 1 << (half - 1).bit_length()),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, BLOCK=next_pow2(half, 16),
         ROUND=ROUND_CODES.get(qkv.dtype, 0),
     )  # fmt: skip
     return queries
@@ -113,14 +111,7 @@ def rope_and_cache(
 def fused_rope_works(device_index: int) -> bool:
     """Whether the kernel compiles and gives the torch ops' bits on this GPU (checked once per
     process, small bf16 shapes); otherwise the backbone keeps the torch ops, and says so."""
-    try:
-        report = rope_parity(torch.device("cuda", device_index), small=True)
-    except Exception as err:  # a compile or launch failure: the torch ops still serve
-        logger.warning("fused rotary + cache write failed on cuda:%d (%s): using the torch ops", device_index, err)
-        return False
-    if not report["ok"]:
-        logger.warning("fused rotary + cache write differs from the torch ops (%s): using the torch ops", report)
-    return bool(report["ok"])
+    return passes_on_gpu("rotary + cache write", lambda: rope_parity(torch.device("cuda", device_index), small=True))
 
 
 def rope_parity(device: str | torch.device = "cuda", seed: int = 0, small: bool = False) -> dict:

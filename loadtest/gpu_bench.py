@@ -379,16 +379,23 @@ def profiled_sync_calls(engine: LLMEngine, steps: int) -> dict[str, float]:
     return {name: round(counts[name] / steps, 2) for name in (*SYNC_CALLS, "cudaMemcpyAsync")}
 
 
+def decoding_engine(run: BenchRun, rows: int, max_tokens: int, generated: int) -> LLMEngine:
+    """A graphs engine at cache length 1024 with `rows` seeded requests, each `generated` tokens in."""
+    adapter = run.adapter()
+    engine = step_engine(adapter, StepCase("graphs", rows, 1024))
+    params = adapter.default_sampling.model_copy(update={"max_tokens": max_tokens})
+    for i, prompt in enumerate(filler_prompts(adapter, rows, run.args.prompt_tokens)):
+        engine.add_prompt(f"r{i}", prompt, params.model_copy(update={"seed": i}))
+    generate_until(engine, generated)
+    return engine
+
+
 def host_syncs_section(run: BenchRun) -> dict:
     if not run.is_cuda:
         return {"skipped": "n/a (cpu)"}
-    adapter, rows = run.adapter(), run.args.sync_rows
-    engine = step_engine(adapter, StepCase("graphs", rows, 1024))
+    rows = run.args.sync_rows
+    engine = decoding_engine(run, rows, max_tokens=300, generated=40)
     try:
-        params = adapter.default_sampling.model_copy(update={"max_tokens": 300})
-        for i, prompt in enumerate(filler_prompts(adapter, rows, run.args.prompt_tokens)):
-            engine.add_prompt(f"r{i}", prompt, params.model_copy(update={"seed": i}))
-        generate_until(engine, 40)
         per_step, places = sync_warnings(engine, 50)
         profiled = profiled_sync_calls(engine, 20)
     finally:
@@ -402,13 +409,9 @@ def step_profile_section(run: BenchRun) -> dict:
     (DIR/step_profile.txt has the full tables)."""
     if not run.is_cuda:
         return {"skipped": "n/a (cpu)"}
-    adapter, rows, steps = run.adapter(), run.args.profile_rows, 20
-    engine = step_engine(adapter, StepCase("graphs", rows, 1024))
+    rows, steps = run.args.profile_rows, 20
+    engine = decoding_engine(run, rows, max_tokens=400, generated=60)
     try:
-        params = adapter.default_sampling.model_copy(update={"max_tokens": 400})
-        for i, prompt in enumerate(filler_prompts(adapter, rows, run.args.prompt_tokens)):
-            engine.add_prompt(f"r{i}", prompt, params.model_copy(update={"seed": i}))
-        generate_until(engine, 60)
         activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         run.synchronize()
         begin = time.perf_counter()
