@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install serve test lint vllm-venv vllm-baseline-deps sweep locust bench gpu-wheels
+.PHONY: install serve test lint vllm-venv vllm-baseline-deps sweep locust bench gpu-wheels gpu-wheelhouse
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,17 +44,12 @@ locust: install
 bench: install
 	$(BIN)/python -m loadtest.decode_bench
 
-# The cp312 manylinux wheels the GPU machine's Python lacks, at this venv's versions, into .whl/; carry `.whl`
-# to the device, where loadtest/gpu_run.sh installs them and runs loadtest.gpu_bench.
-GPU_WHEELS := pydantic pydantic-core annotated-types typing-inspection typing-extensions snac
-GPU_WHEEL_TAGS := --only-binary=:all: --python-version 3.12 --implementation cp \
-	--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
-	--platform manylinux2014_x86_64 --platform manylinux1_x86_64
-
+# The cp312 manylinux wheels the GPU machine's Python lacks, at this venv's versions, into .whl/ (the lists, what
+# is trimmed from Ray's wheel and the size budget: loadtest/gpu/wheelhouse.py). Carry `.whl` to the device:
+# gpu-wheels (pydantic, snac) for loadtest/gpu_run.sh (the in-process GPU bench); gpu-wheelhouse (those plus
+# Ray trimmed, Serve's needs; fails over 56 MiB) for loadtest/gpu/cluster_run.sh (the Serve cluster on one GPU).
 gpu-wheels: install
-	mkdir -p .whl
-	for name in $(GPU_WHEELS); do \
-		version=$$($(BIN)/pip show $$name | sed -n 's/^Version: //p'); \
-		$(PYTHON) -m pip download --quiet --no-deps $(GPU_WHEEL_TAGS) -d .whl "$$name==$$version" || exit 1; \
-	done
-	ls .whl
+	$(BIN)/python -m loadtest.gpu.wheelhouse --group bench --out .whl
+
+gpu-wheelhouse: install
+	$(BIN)/python -m loadtest.gpu.wheelhouse --group cluster --out .whl

@@ -109,6 +109,7 @@ class GeneratedFile:
 GENERATED: tuple[GeneratedFile, ...] = (
     GeneratedFile("deployments/configs/cpu.yaml", "deployments/serve_cpu.yaml", "serve"),
     GeneratedFile("deployments/configs/gpu.yaml", "deployments/serve_gpu.yaml", "serve"),
+    GeneratedFile("deployments/configs/gpu-1.yaml", "deployments/serve_gpu_1.yaml", "serve"),  # one machine, no k8s
     GeneratedFile("deployments/configs/cpu.yaml", "k8s/overlays/dev-cpu/serve-config.patch.yaml", "rayservice-patch"),
     GeneratedFile("deployments/configs/gpu.yaml", "k8s/overlays/prod-gpu/serve-config.patch.yaml", "rayservice-patch"),
     GeneratedFile("deployments/configs/gpu-cosyvoice2.yaml", "deployments/serve_gpu_cosyvoice2.yaml", "serve"),

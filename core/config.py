@@ -203,7 +203,14 @@ class AuthConfig(_Strict):
         None,
         description="File of the accepted keys' sha256 hex digests, one per line as `<sha256-hex> [name]` ('#' "
         "comments), e.g. a k8s Secret mounted as a file; re-read when it changes. None = open: every client is "
-        "served without a key (the loopback embedded default; the Router logs it at start).",
+        "served without a key (the loopback embedded default; the Router logs it at start; beyond loopback only "
+        "with allow_open).",
+    )
+    allow_open: bool = Field(
+        False,
+        description="Serve every client without a key while listening beyond loopback (http_host / grpc_host not "
+        "127.0.0.1 / ::1 / localhost). Off: such a config without api_keys_file is refused, so an exposed server "
+        "is open only by this explicit setting (the k8s dev-cpu config sets it; the prod configs name a keys file).",
     )
     max_streams_per_key: int = Field(8, ge=1, description="Concurrent synthesis streams one key holds (per Router).")
     requests_per_s_per_key: float = Field(
@@ -445,6 +452,20 @@ class ServeConfig(_Strict):
     def _streams_fit_cache(self) -> ServeConfig:
         if self.admission.max_streams_per_replica > self.engine.cache.num_slots:
             raise ValueError("admission.max_streams_per_replica must be <= engine.cache.num_slots")
+        return self
+
+    @model_validator(mode="after")
+    def _open_only_on_purpose(self) -> ServeConfig:
+        """Beyond loopback, no keys file is an error unless `auth.allow_open` says it is meant."""
+        exposed = [name for name in ("http_host", "grpc_host") if not is_loopback(getattr(self, name))]
+        if self.auth.api_keys_file is not None and self.auth.allow_open:
+            raise ValueError("auth.allow_open: true contradicts auth.api_keys_file (keys are required when named)")
+        if exposed and self.auth.api_keys_file is None and not self.auth.allow_open:
+            where = ", ".join(f"{name} {getattr(self, name)}" for name in exposed)
+            raise ValueError(
+                f"auth.api_keys_file: required when listening beyond loopback ({where}): name a file of key digests "
+                "(README, API keys), or set auth.allow_open: true to serve every client without a key"
+            )
         return self
 
 

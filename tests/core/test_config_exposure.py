@@ -25,7 +25,7 @@ def test_defaults_listen_on_loopback_with_nothing_extra():
 @pytest.mark.parametrize("field", ["http_host", "grpc_host"])
 def test_hosts_must_be_addresses_to_listen_on(field):
     assert f"{field}: 'example.com' is not an IP address" in _error(**{field: "example.com"})
-    assert ServeConfig.model_validate({field: "::"}).model_dump()[field] == "::"
+    assert ServeConfig.model_validate({field: "::", "auth": {"allow_open": True}}).model_dump()[field] == "::"
     assert not is_loopback("0.0.0.0") and is_loopback("::1") and is_loopback("localhost")
 
 
@@ -48,3 +48,23 @@ def test_a_config_rendered_for_other_machines_skips_the_file_check():
     config = ServeConfig.model_validate({"tls": tls}, context={CHECK_FILES: False})
     assert config.tls.enabled and not config.tls.on_http  # HTTPS at a gateway: Serve's proxy stays plain
     assert "ssl_certfile" not in http_proxy_options(config)
+
+
+@pytest.mark.parametrize("field", ["http_host", "grpc_host"])
+def test_listening_beyond_loopback_needs_keys_or_an_explicit_open(field, tmp_path):
+    error = _error(**{field: "0.0.0.0"})
+    assert f"auth.api_keys_file: required when listening beyond loopback ({field} 0.0.0.0)" in error
+    assert "auth.allow_open: true" in error
+    assert ServeConfig.model_validate({field: "0.0.0.0", "auth": {"allow_open": True}}).auth.api_keys_file is None
+    keys = tmp_path / "api-keys"
+    assert ServeConfig.model_validate({field: "0.0.0.0", "auth": {"api_keys_file": str(keys)}}).auth.allow_open is False
+
+
+def test_loopback_is_open_without_saying_so():
+    for host in ("127.0.0.1", "::1", "localhost"):
+        assert ServeConfig(http_host=host, grpc_host=host).auth.api_keys_file is None
+
+
+def test_open_and_keys_together_are_refused(tmp_path):
+    error = _error(auth={"api_keys_file": str(tmp_path / "api-keys"), "allow_open": True})
+    assert "auth.allow_open: true contradicts auth.api_keys_file" in error

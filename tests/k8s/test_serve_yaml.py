@@ -14,13 +14,15 @@ from tests.k8s.manifests import OVERLAY_CONFIGS, REPO_ROOT
 from tests.k8s.serve_checks import serve_config_errors
 
 CONFIGS = sorted(set(OVERLAY_CONFIGS.values()))
+GPU_1 = "deployments/configs/gpu-1.yaml"  # one machine, no k8s overlay
+ALL_CONFIGS = sorted({*CONFIGS, GPU_1})
 
 
 def _config(path: str) -> ServeConfig:
     return load_serve_config(REPO_ROOT / path, check_files=False)  # TLS files are in the pods
 
 
-@pytest.mark.parametrize("path", CONFIGS)
+@pytest.mark.parametrize("path", ALL_CONFIGS)
 def test_serve_config_passes_ray_schema_and_ours(path: str) -> None:
     assert serve_config_errors(serve_schema_dict(_config(path))) == []
 
@@ -29,7 +31,7 @@ def test_default_serve_config_is_valid() -> None:
     assert serve_config_errors(serve_schema_dict(ServeConfig())) == []
 
 
-@pytest.mark.parametrize("path", CONFIGS)
+@pytest.mark.parametrize("path", ALL_CONFIGS)
 def test_args_round_trip_to_the_same_config(path: str) -> None:
     config = _config(path)
     (app,) = serve_schema_dict(config)["applications"]
@@ -78,6 +80,26 @@ def test_gpu_config_is_a_production_gpu_config() -> None:
     assert set(config.llm.resources).isdisjoint(config.detok.resources), "stages must steer to different groups"
     assert str(config.engine.model.checkpoint_dir).startswith("/models/")
     assert str(config.engine.model.codec_dir).startswith("/models/")
+
+
+def test_gpu_1_config_shares_one_gpu_on_loopback() -> None:
+    config = _config(GPU_1)
+    assert config.engine.model.name == "orpheus" and config.engine.model.device == "cuda"
+    assert config.engine.detok.device == "cuda"
+    stages = (config.llm, config.detok)
+    assert all(0 < stage.num_gpus < 1 and not stage.autoscaling and stage.num_replicas == 1 for stage in stages)
+    assert sum(stage.num_gpus for stage in stages) <= 1, "both replicas must fit the one GPU"
+    assert not any(stage.resources for stage in (config.router, *stages)), "one node: no worker groups to steer to"
+    assert (config.http_host, config.grpc_host, config.ray_loopback_only) == ("127.0.0.1", "127.0.0.1", True)
+    gpu = _config("deployments/configs/gpu.yaml")  # the same measurement sizes both
+    assert (config.engine.cache, config.engine.scheduler) == (gpu.engine.cache, gpu.engine.scheduler)
+    assert config.admission.max_streams_per_replica <= config.engine.cache.num_slots
+
+
+@pytest.mark.parametrize("path", ["deployments/configs/gpu.yaml", GPU_1])
+def test_gpu_configs_state_cuda_graphs_on_for_both_stages(path: str) -> None:
+    engine = yaml.safe_load((REPO_ROOT / path).read_text())["engine"]
+    assert engine["scheduler"]["cuda_graphs"] is True and engine["detok"]["cuda_graphs"] is True  # said, not implied
 
 
 def test_cpu_config_needs_no_gpu_and_no_weights() -> None:
