@@ -269,7 +269,8 @@ class RebalanceConfig(_Strict):
 
 
 class MigrationConfig(_Strict):
-    """How a moved stream's KV (drain, move-out, rebalance) reaches the LLM replica that continues it."""
+    """How a stream continues on another LLM replica: a moved one's KV (drain, move-out, rebalance), a
+    resumed one's wait for a replica to resume on."""
 
     kv_transport: Literal["auto", "gloo", "object_store"] = Field(
         "auto",
@@ -283,6 +284,12 @@ class MigrationConfig(_Strict):
     delivery_timeout_s: float = Field(
         30.0, gt=0, le=600, description="Longest wait for a gloo delivery (the first one between two nodes forms "
         "their group: seconds on a loaded CPU box) before reading the object store instead."
+    )  # fmt: skip
+    replacement_wait_s: float = Field(
+        30.0, ge=0, le=600, description="Longest a stream whose LLM replica was lost waits for Serve's replacement "
+        "when no other LLM replica is left (one replica, as the embedded default runs: a replacement is up in ~6-20 "
+        "s), then resumes there from its last checkpoint, late but complete; over it, it ends with UNAVAILABLE and a "
+        "retry hint. 0: end it at once. New requests meanwhile answer UNAVAILABLE at once either way.",
     )  # fmt: skip
 
 

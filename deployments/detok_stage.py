@@ -49,7 +49,9 @@ class DetokStage:
         if check_model_config(self.config.engine.model).family.lm.takes_registered_voices:
             check_voice_encoders(self.config)  # raises for a wrong voices.encoder_dir
             self.voices.join_soon()
-        self.loop = EngineLoop(self._step, lambda: self.engine.has_work, self._fail_all, "detok-engine")
+        self.loop = EngineLoop(
+            self._step, lambda: self.engine.has_work, self._fail_all, "detok-engine", on_idle=self._publish_gauges
+        )
         self.loop.start()
 
     def _step(self) -> None:
@@ -62,8 +64,13 @@ class DetokStage:
             self.num_decoded_chunks += 1
             self._resolve((audio.req_id, audio.seq), audio)
         self.metrics.batch_size.observe(len(decoded))
+        self._publish_gauges()
+
+    def _publish_gauges(self) -> None:
+        """Queued chunks and streams waiting here, after every step and after a drop (cancelled
+        streams: no step may follow to publish them)."""
         self.metrics.queue_depth.set(self.engine.num_queued)
-        self.metrics.active.set(len({req_id for req_id, _ in self.waiters}))
+        self.metrics.active.set(len({req_id for req_id, _ in list(self.waiters)}))
 
     def _resolve(self, key: tuple[str, int], value: AudioChunk | BaseException) -> None:
         future = self.waiters.pop(key, None)
@@ -129,6 +136,7 @@ class DetokStage:
                 del self.parked[req_id]
             waiting = [self.waiters.pop(k) for k in [k for k in self.waiters if k[0] in req_ids]]
         self.pace.forget(req_ids)  # cancelled streams run here no more
+        self._publish_gauges()
         for future in waiting:
             future.get_loop().call_soon_threadsafe(future.cancel)
 

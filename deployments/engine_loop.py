@@ -20,6 +20,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 CALLER_WINDOW_S = 0.01  # longest the loop holds back a step for callers waiting for the engine
+IDLE_REPORT_S = 0.5  # an idle loop's `on_idle` period: under half Ray's shortest metric export interval (1 s)
 
 
 async def finish_on_thread(fn: Callable[..., Any], *args: Any) -> Any:
@@ -64,6 +65,8 @@ class EngineLoop:
         on_error: Callable[[BaseException], None],
         name: str,
         idle_wait_s: float = 0.05,
+        on_idle: Callable[[], None] | None = None,
+        idle_report_s: float = IDLE_REPORT_S,
     ) -> None:
         self._lock = threading.Lock()
         self._callers = 0  # callers inside or waiting for `exclusive()`
@@ -74,6 +77,9 @@ class EngineLoop:
         self._wake = threading.Event()
         self._stopped = threading.Event()
         self._idle_wait_s = idle_wait_s
+        self._on_idle = on_idle
+        self._idle_report_s = idle_report_s
+        self._last_idle_report_s = 0.0
         self.step_time_ema_s = 0.0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
@@ -108,8 +114,21 @@ class EngineLoop:
                 if busy:
                     self._timed_step()
             if not busy:
+                self._report_idle()
                 self._wake.wait(self._idle_wait_s)
                 self._wake.clear()
+
+    def _report_idle(self) -> None:
+        """`on_idle` at most every `idle_report_s` while there is no work (gauges re-set: Ray drops a
+        gauge series not set within two metric export intervals, so an idle replica's 0 would vanish)."""
+        now = time.monotonic()
+        if self._on_idle is None or now - self._last_idle_report_s < self._idle_report_s:
+            return
+        self._last_idle_report_s = now
+        try:
+            self._on_idle()
+        except Exception:  # a report must never stop the engine
+            logger.exception("idle report failed")
 
     def _let_callers_in(self) -> None:
         """Callers waiting now go before the next step, for at most CALLER_WINDOW_S: a steady

@@ -144,7 +144,9 @@ class LLMStage:
         self.num_rebalanced_out = 0  # streams handed off to rebalance (this replica stays)
         self.is_moving_out = False  # set once asked to hand every stream to the other replicas
         self.kv_moves = KVMoves(self.config, self.replica_tag)  # KV of streams moved out and in
-        self.loop = EngineLoop(self._step, lambda: self.side.engine.has_work, self._fail_all, "llm-engine")
+        self.loop = EngineLoop(
+            self._step, lambda: self.side.engine.has_work, self._fail_all, "llm-engine", on_idle=self._publish_gauges
+        )
         self.loop.start()
         threading.Thread(target=self._watch_move_out, name="llm-move-out", daemon=True).start()
         if self.detok_pins is not None:
@@ -171,11 +173,17 @@ class LLMStage:
         chunks = self.side.step()
         if chunks and self.event_loop is not None:
             self.event_loop.call_soon_threadsafe(self._send, chunks, self.side.take_checkpoints())
-        engine = self.side.engine
-        self.metrics.batch_size.observe(engine.last_batch_size)
-        self.metrics.queue_depth.set(len(engine.scheduler.waiting))
+        self.metrics.batch_size.observe(self.side.engine.last_batch_size)
+        self._publish_gauges()
+
+    def _publish_gauges(self) -> None:
+        """The stage's gauges as they are now: after every engine step, and whenever a stream leaves
+        this replica (it ended, was cancelled, moved or handed off by a drain), after which no step may
+        follow (a last step's reading stayed on the dashboard while the replica sat idle)."""
+        scheduler = self.side.engine.scheduler
+        self.metrics.queue_depth.set(len(scheduler.waiting))
         self.metrics.active.set(len(self.streams))
-        self.metrics.kv_used.set(engine.scheduler.slots.num_used)
+        self.metrics.kv_used.set(scheduler.slots.num_used)
 
     def _fail_all(self, err: BaseException) -> None:
         for req_id in list(self.streams):
@@ -505,6 +513,7 @@ class LLMStage:
             for batch in {id(b): b for b in stream.pending}.values():
                 batch.release()
             await finish_on_thread(self._cancel, req_id)  # never withdrawn by a second cancel
+        self._publish_gauges()
 
     async def _know_detok_replicas(self) -> None:
         """Before a stateful detokenizer's first stream here: wait (up to DETOK_LISTING_S) until the

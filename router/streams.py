@@ -130,6 +130,27 @@ async def first_event(stream, is_lost: Callable[[], bool], poll_s: float = HEAD_
             head.add_done_callback(lambda task: task.cancelled() or task.exception())
 
 
+class OutageClock:
+    """Whether no LLM replica of `app_name` has been left to route to for `wait_s` (0: as soon as none
+    is); the clock restarts whenever one is listed again."""
+
+    def __init__(self, app_name: str, wait_s: float, req_id: str) -> None:
+        self.app_name, self.wait_s, self.req_id = app_name, wait_s, req_id
+        self.since_s: float | None = None
+
+    def is_over(self) -> bool:
+        if num_live_replicas(self.app_name) != 0:
+            self.since_s = None
+            return False
+        now = time.monotonic()
+        if self.since_s is None:
+            self.since_s = now
+            if self.wait_s > 0:
+                logger.warning("%s: no LLM replica left; waiting up to %.0f s for a replacement", self.req_id,
+                               self.wait_s)  # fmt: skip
+        return now - self.since_s >= self.wait_s
+
+
 class RouterCore:
     """Transport-independent part of the router: validation, dispatch, ordered streaming."""
 
@@ -317,7 +338,7 @@ class RouterCore:
         stream = self.llm.generate.remote(job)
         finished = False
         try:
-            llm_replica = self._check_head(await self._head(stream))
+            llm_replica = self._check_head(await self._head(stream, job.req_id, job.resume is not None))
             if on_head is not None:
                 on_head(llm_replica)
             async for event in stream:
@@ -345,11 +366,13 @@ class RouterCore:
             if not finished:
                 stream.cancel()
 
-    async def _head(self, stream) -> StreamHead:
-        """The stream's head event; UNAVAILABLE as soon as no LLM replica is left to route it to
-        (Serve drops a dead replica when routing to it fails, then holds the request until it has
-        started another one: 10-20 s)."""
-        head = await first_event(stream, lambda: num_live_replicas(self.config.app_name) == 0)
+    async def _head(self, stream, req_id: str, is_resumed: bool) -> StreamHead:
+        """The stream's head event. With no LLM replica left to route it to (Serve drops a dead replica
+        when routing to it fails, then holds the request until it has started another one: 6-20 s), a
+        new stream answers UNAVAILABLE at once, and a resumed one waits up to
+        `migration.replacement_wait_s` for the replacement first (its client has audio, and then a gap)."""
+        wait_s = self.config.migration.replacement_wait_s if is_resumed else 0.0
+        head = await first_event(stream, OutageClock(self.config.app_name, wait_s, req_id).is_over)
         if head is None:
             raise ReplicasUnavailable(self.config.admission.unavailable_retry_after_s)
         return head

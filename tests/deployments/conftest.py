@@ -13,6 +13,10 @@ import pytest
 from core.config import AdmissionConfig, ServeConfig, StageDeploymentConfig
 from tests.deployments.grpc_helpers import run_stream
 
+# Replicas report their metrics every second here (Ray's default: 10 s), so the gauge tests see a
+# stream's gauges move within its life. Read by Ray when the session cluster starts.
+os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
+
 # VOXRAY_TEST_PORT_OFFSET lets two checkouts run their cluster tests side by side on one machine.
 _OFFSET = int(os.environ.get("VOXRAY_TEST_PORT_OFFSET", "0"))
 GRPC_PORT = 19000 + _OFFSET  # each app's Router serves gRPC on a port of its own: GRPC_PORT + APP_GRPC_PORTS[app]

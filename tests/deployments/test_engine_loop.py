@@ -101,3 +101,32 @@ def test_finish_on_thread_runs_a_call_not_yet_started_through_repeated_cancels()
 
     assert asyncio.run(cancel_twice_before_the_call_starts()) is True
     assert ran == ["cleanup"]
+
+
+def test_an_idle_loop_reports_periodically_and_a_busy_one_does_not():
+    """`on_idle` (the stages re-set their gauges there) runs every `idle_report_s` while there is no work,
+    survives its own errors, and stays quiet while the engine steps."""
+    work = threading.Event()
+    reports: list[float] = []
+
+    def on_idle() -> None:
+        reports.append(time.monotonic())
+        if len(reports) == 2:
+            raise RuntimeError("a failing report must not stop the loop")
+
+    loop = EngineLoop(busy_step, work.is_set, lambda err: None, "test-engine", on_idle=on_idle, idle_report_s=0.1)
+    loop.start()
+    try:
+        time.sleep(0.55)
+        idle_reports = len(reports)
+        assert 3 <= idle_reports <= 7, reports
+        work.set()
+        time.sleep(0.1)  # the report already under way, if any, ends
+        while_busy = len(reports)
+        time.sleep(0.4)
+        assert len(reports) == while_busy
+        work.clear()
+        time.sleep(0.35)
+        assert len(reports) > while_busy
+    finally:
+        loop.stop()

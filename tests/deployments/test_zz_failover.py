@@ -18,6 +18,7 @@ from core.config import AdmissionConfig, MigrationConfig, StageDeploymentConfig
 from tests.deployments.conftest import deployment_actor_names, small_config
 from tests.deployments.grpc_helpers import StreamOutcome, run_stream
 from tests.deployments.test_cluster import in_process_audio
+from tests.deployments.test_metrics import wait_for_gauges
 
 pytestmark = pytest.mark.slow
 
@@ -155,34 +156,51 @@ def test_streams_survive_losing_a_detok_replica(cluster):
 
 LONE_LLM = small_config(
     app_name="voxray-lone", route_prefix="/lone", llm=StageDeploymentConfig(num_cpus=0.25),
-    detok=StageDeploymentConfig(num_cpus=0.25),
+    detok=StageDeploymentConfig(num_cpus=0.25), migration=MigrationConfig(replacement_wait_s=90.0),  # a loaded box
     admission=AdmissionConfig(max_streams_per_replica=4, max_queued_per_replica=4, default_ttfa_deadline_s=60.0),
 )  # fmt: skip
 
 
-def test_losing_the_only_llm_replica_answers_unavailable_at_once(cluster):
-    """No replica to resume on: the playing streams and the next request end with UNAVAILABLE and
-    a retry hint at once, instead of waiting 10-20 s for Serve to start another replica."""
+def _unavailable_while_no_replica(ep, timeout_s: float = 10.0):
+    """A new request's outcome once one answers UNAVAILABLE (Serve has dropped the dead replica), or the
+    last one's when none did within `timeout_s`."""
+    give_up_s = time.monotonic() + timeout_s
+    while True:
+        outcome = run_stream(ep.grpc_target, ep.app_name, "anyone there?", sampling={"max_tokens": 28})
+        if outcome.code == grpc.StatusCode.UNAVAILABLE or time.monotonic() > give_up_s:
+            return outcome
+        time.sleep(0.1)
+
+
+def test_streams_wait_for_the_replacement_of_the_only_llm_replica(cluster):
+    """The one LLM replica dies under four streams: each waits for Serve's replacement and resumes
+    there from its last checkpoint, late but complete, with the audio of an uninterrupted run; a new
+    request meanwhile answers UNAVAILABLE with a retry hint at once (it has nothing to lose by retrying)."""
     from cluster.server import deploy_app
 
     ep = deploy_app(LONE_LLM)
     try:
-        jobs = [{"request_id": f"lone-{i}", "text": f"alone {i}", "sampling": {"max_tokens": 7 * 250}}
-                for i in range(2)]  # fmt: skip
+        jobs = [{"request_id": f"lone-{i}", "text": f"alone {i}", "voice": "tara",
+                 "sampling": {"seed": i, "max_tokens": 7 * 96} if i % 2 else {"temperature": 0.0, "max_tokens": 7 * 96}}
+                for i in range(4)]  # fmt: skip
         outcomes, threads = _play_all(ep, jobs)
         _wait_until_all_play(outcomes)
         [replica] = _replicas(ep.app_name, "LLMStage")
         killed_at = time.monotonic()
         ray.kill(replica, no_restart=True)
+        asked_at = time.monotonic()
+        new = _unavailable_while_no_replica(ep)
+        answered_s = time.monotonic() - asked_at
+        assert new.code == grpc.StatusCode.UNAVAILABLE, (new.code, new.details)
+        assert "retry after" in new.details and int(new.trailers["retry-after-ms"]) > 0
         for thread in threads:
-            thread.join(timeout=60)
-        after = run_stream(ep.grpc_target, ep.app_name, "anyone there?", sampling={"max_tokens": 28})
-        answered_s = time.monotonic() - killed_at
-        for outcome in [*outcomes.values(), after]:
-            assert outcome.code == grpc.StatusCode.UNAVAILABLE, (outcome.code, outcome.details)
-            assert "retry after" in outcome.details and int(outcome.trailers["retry-after-ms"]) > 0
-        assert answered_s < 9.0  # not a benchmark: Serve alone held requests until a new replica was up
-        print(f"kill -> playing streams and a new request answered UNAVAILABLE within {answered_s:.2f} s")
+            thread.join(timeout=180)
+        _check_audio(outcomes, jobs, LONE_LLM.engine)
+        for outcome in outcomes.values():  # each resumed on the replacement
+            assert len({c.llm_replica for c in outcome.chunks}) == 2, [c.llm_replica for c in outcome.chunks]
+        gaps = [max(np.diff(o.arrivals_s)) for o in outcomes.values()]
+        print(f"kill -> a new request answered UNAVAILABLE in {answered_s:.2f} s; 4/4 streams finished, their "
+              f"longest gap {max(gaps):.1f} s (the replacement's start); {time.monotonic() - killed_at:.1f} s in all")
     finally:
         serve.delete(ep.app_name)
 
@@ -192,6 +210,12 @@ LLM_MOVE = small_config(
     detok=StageDeploymentConfig(num_cpus=0.25), migration=MigrationConfig(kv_transport="gloo"),  # the courier, one node
     admission=AdmissionConfig(max_streams_per_replica=4, max_queued_per_replica=4, default_ttfa_deadline_s=60.0),
 )  # fmt: skip
+
+
+def has_no_streams(gauges: dict[str, float]) -> bool:
+    """An LLM replica's scraped gauges published and at zero."""
+    names = ("active_streams:LLMStage", "kv_slots_used:LLMStage")
+    return all(gauges.get(name) == 0 for name in names)
 
 
 def test_streams_move_with_their_kv_off_a_leaving_llm_replica(cluster):
@@ -212,6 +236,9 @@ def test_streams_move_with_their_kv_off_a_leaving_llm_replica(cluster):
         assert set(here) == live_llm_replicas(ep.app_name)  # one node: both announced it (worker preStop)
         report = move_out(ep.app_name, [leaving_id], timeout_s=60)
         assert report.streams_left == 0  # every stream it held was handed off before the wait ended
+        # the leaving replica's scraped gauges fall to zero with its last stream gone (no step follows there)
+        left = wait_for_gauges(ep.app_name, has_no_streams, replica=leaving_id)
+        assert has_no_streams(left), left
         for thread in threads:
             thread.join(timeout=120)
         _check_audio(outcomes, jobs, LLM_MOVE.engine)

@@ -61,3 +61,28 @@ def test_no_replica_left_gives_none_and_leaves_no_unobserved_error():
         assert await waiting is None
 
     assert asyncio.run(_unobserved_errors_after(give_up)) == []
+
+
+def test_the_outage_clock_gives_a_resumed_stream_its_wait_and_a_new_one_none(monkeypatch):
+    """No replica listed: over at once without a wait; with one, only once the outage has lasted it,
+    and a replica listed meanwhile (the replacement) restarts the clock."""
+    import router.streams as streams
+
+    now = [100.0]
+    live: list[int | None] = [0]
+    monkeypatch.setattr(streams.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(streams, "num_live_replicas", lambda app_name: live[0])
+    assert streams.OutageClock("app", 0.0, "new").is_over()
+    resumed = streams.OutageClock("app", 30.0, "resumed")
+    assert not resumed.is_over()
+    now[0] += 29.0
+    assert not resumed.is_over()
+    live[0] = 1  # the replacement is listed: the clock restarts
+    assert not resumed.is_over()
+    live[0] = 0
+    now[0] += 29.0
+    assert not resumed.is_over()
+    now[0] += 30.0
+    assert resumed.is_over()
+    live[0] = None  # before Serve has lost any replica: never an outage
+    assert not streams.OutageClock("app", 0.0, "new").is_over()
