@@ -188,6 +188,13 @@ class AdmissionConfig(_Strict):
         "(queued, or refused when it could not start by its TTFA deadline): streams started together hold one small "
         "chunk each while the others' first chunks take the steps.",
     )  # fmt: skip
+    credible_ttfa_factor: float = Field(
+        3.0, ge=0,
+        description="A request is refused for its TTFA deadline (RESOURCE_EXHAUSTED, or DEADLINE_EXCEEDED for a "
+        "gRPC deadline) only on a predicted first audio at most this many times the replica's recent measured p90 "
+        "(arrival to first chunk, queue included); a prediction beyond it runs on a transient (a failover's resumes, "
+        "a replacement's first steps), so the request is admitted or queued instead. 0: every prediction refuses.",
+    )  # fmt: skip
     default_ttfa_deadline_s: float = Field(5.0, gt=0, description="Deadline when the request names none.")
     retry_after_s: float = Field(1.0, gt=0, description="Hint sent with RESOURCE_EXHAUSTED / 429.")
     unavailable_retry_after_s: float = Field(

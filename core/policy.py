@@ -136,12 +136,22 @@ class StepTimer:
     frame_s: float | None = None  # audio seconds per frame; None until a chunk with frames is shipped
     steps_by_rows: StepSamples = field(default_factory=StepSamples)
     _seen: bool = False
+    _decode_step_s: float | None = None  # EMA of decode-only steps
 
     def record_step(self, elapsed_s: float, rows: int = 0) -> None:
+        """A step of `rows` decode rows (0: it prefilled too)."""
         self.step_s = _ema(self.step_s if self._seen else None, elapsed_s)
         self._seen = True
         if rows > 0:
             self.steps_by_rows.record(rows, elapsed_s)
+            self._decode_step_s = _ema(self._decode_step_s, elapsed_s)
+
+    @property
+    def steady_step_s(self) -> float:
+        """The step as streams decoding meet it: the EMA of decode-only steps (`step_s` before one).
+        Admission predicts from it: a resumed stream's prefill (its prompt and every token it had
+        sent) took seconds on a survivor, and `step_s` carried it into every prediction after."""
+        return self.step_s if self._decode_step_s is None else self._decode_step_s
 
     @property
     def step_s_by_rows(self) -> dict[int, float]:

@@ -105,6 +105,8 @@ class _Batch:
 class _Stream:
     queue: asyncio.Queue  # (batch, index, checkpoint) per chunk in seq order, or the exception that ended the engine
     started_s: float = field(default_factory=time.monotonic)
+    arrived_s: float = field(default_factory=time.monotonic)
+    is_new: bool = True  # not resumed or moved in: its start times stand for a new stream's (StartTimes)
     pending: list[_Batch] = field(default_factory=list)  # a batch per chunk queued, not yet yielded
     is_done: bool = False
     is_held: bool = False  # queued in the replica, not in the engine yet (`_hold`)
@@ -335,7 +337,7 @@ class LLMStage:
             num_active=full if self.is_moving_out else num_streams,  # routers then send it nothing
             max_streams=max(1, min(admission.max_streams_per_replica, kv_streams)),
             max_queued=admission.max_queued_per_replica,
-            step_s=self.side.engine.timer.step_s,  # the estimate the policy uses too
+            step_s=timer.steady_step_s,  # decode steps: not a resume's long prefill
             first_chunk_tokens=first_tokens * self.side.engine.adapter.tokens_per_frame,
             avg_stream_s=self.avg_stream_s,
             real_time_streams=real_time_rows / rows_per_stream,
@@ -352,6 +354,8 @@ class LLMStage:
             startup_limit=admission.max_starting_per_replica,
             startup_s=self.start_times.startup_s(),
             measured_first_chunk_s=self.start_times.first_chunk_s(),
+            measured_ttfa_s=self.start_times.ttfa_s(),
+            credible_ttfa_factor=admission.credible_ttfa_factor,
             ends_in_s=self._ends_in_s(detok.first_chunk_s),
             starting_for_s=self._starting_for_s(),
         )
@@ -365,7 +369,7 @@ class LLMStage:
         """The most each running stream has left, soonest first: its steps to its max_tokens at the
         step measured now and its last chunk's decode (`decode_s`); one finished in the engine
         waits for its last decodes only; one not in the engine yet takes a mean lifetime."""
-        step_s, ends = self.side.engine.timer.step_s, []
+        step_s, ends = self.side.engine.timer.steady_step_s, []
         for req_id, stream in list(self.streams.items()):
             if stream.is_held:
                 continue
@@ -427,7 +431,7 @@ class LLMStage:
         kv = await self._fetch_kv(job)
         if self.detok_pins is not None and job.resume is not None:  # its decoder state stays where it is
             self.detok_pins.decoded_on(job.req_id, job.resume.detok_replica)
-        stream = _Stream(asyncio.Queue())
+        stream = _Stream(asyncio.Queue(), is_new=job.resume is None)
         self.streams[job.req_id] = stream
         try:
             try:
@@ -473,8 +477,9 @@ class LLMStage:
 
     def _count_chunk(self, stream: _Stream) -> None:
         stream.num_chunks += 1
-        if stream.num_chunks <= STARTUP_CHUNKS:
-            self.start_times.record(stream.num_chunks, time.monotonic() - stream.started_s)
+        if stream.num_chunks <= STARTUP_CHUNKS and stream.is_new:
+            now = time.monotonic()
+            self.start_times.record(stream.num_chunks, now - stream.started_s, now - stream.arrived_s)
         if stream.num_chunks == STARTUP_CHUNKS:
             self._wake_held()  # one start less
 

@@ -73,3 +73,31 @@ def plot_all(results: list[dict], out_dir: Path, slo_s: float) -> list[Path]:
     plot_viable(results, paths[1])
     plot_underrun(results, paths[2])
     return paths
+
+
+def plot_soak(samples: list[dict], path: Path, warm_up_s: float, load_end_s: float) -> Path:
+    """`loadtest.soak`'s time series: RSS per process (log scale) and in all, open fds per process, the
+    object store, the stream gauges; dashed lines at the warm-up and at the end of the load."""
+    panels = [("rss_mb/", "RSS (MB)"), ("rss_mb/total", "RSS, all (MB)"), ("fds/", "open fds"),
+              ("object_store_mb", "object store (MB)"), ("object_store_objects", "object store (objects)"),
+              ("gauge/", "VoxRay gauges")]  # fmt: skip
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.6 * len(panels)), sharex=True)
+    times_min = [s["t_s"] / 60 for s in samples]
+    for ax, (prefix, ylabel) in zip(axes, panels, strict=True):
+        names = sorted({name for s in samples for name in s["values"] if name.startswith(prefix)})
+        if prefix == "rss_mb/":  # the processes on a log scale; their sum has its own panel
+            names = [name for name in names if name != "rss_mb/total"]
+            ax.set_yscale("log")
+        for name in names:
+            values = [s["values"].get(name, float("nan")) for s in samples]
+            ax.plot(times_min, values, label=name.removeprefix(prefix) or name, linewidth=1)
+        for at_s in (warm_up_s, load_end_s):
+            ax.axvline(at_s / 60, color="grey", linestyle="--", linewidth=0.8)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=6, ncol=2, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    axes[-1].set_xlabel("minutes since the start (dashed: warm-up, end of load)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -59,6 +59,9 @@ class ReplicaLoad:
     startup_limit: int = 0  # streams that may be starting at once (0 = no limit)
     startup_s: float = 0.0  # recent time from a stream's start to its STARTUP_CHUNKS-th chunk (p90); 0 = unknown
     measured_first_chunk_s: float = 0.0  # recent time from a stream's start to its first chunk (p90); 0 = unknown
+    # recent time from a stream's arrival here (a wait in the queue included) to its first chunk (p90); 0 = unknown
+    measured_ttfa_s: float = 0.0
+    credible_ttfa_factor: float = 3.0  # a prediction past this many measured_ttfa_s refuses nothing (AdmissionConfig)
     # the most each running stream has left (s from the report), soonest first; () = unknown
     ends_in_s: tuple[float, ...] = ()
     # how long each starting stream has been starting (s at the report), longest first; () = none or unknown
@@ -78,18 +81,23 @@ class ReplicaLoad:
 @dataclass
 class StartTimes:
     """How long a replica's recent streams took from their start to their first chunk and to their
-    STARTUP_CHUNKS-th: the 90th percentile of the last STARTS_KEPT within STARTS_FRESH_S (0 when
-    none). A queued stream is promised a start from these; promised from the mean, some were
-    refused after their wait instead of at once."""
+    STARTUP_CHUNKS-th, and from their arrival (a wait in the queue included) to their first chunk:
+    the 90th percentile of the last STARTS_KEPT within STARTS_FRESH_S (0 when none). A queued
+    stream is promised a start from these; promised from the mean, some were refused after their
+    wait instead of at once. The replica records new streams only: a resumed or moved-in stream's
+    first chunk (a long re-prefill, or none) says nothing of what a new one waits."""
 
     clock: Callable[[], float] = time.monotonic
     _first_chunk: deque = field(default_factory=lambda: deque(maxlen=STARTS_KEPT))  # (when, seconds)
     _started: deque = field(default_factory=lambda: deque(maxlen=STARTS_KEPT))
+    _ttfa: deque = field(default_factory=lambda: deque(maxlen=STARTS_KEPT))
 
-    def record(self, num_chunks: int, since_start_s: float) -> None:
-        """A stream sent its `num_chunks`-th chunk `since_start_s` after it started."""
+    def record(self, num_chunks: int, since_start_s: float, since_arrival_s: float | None = None) -> None:
+        """A stream sent its `num_chunks`-th chunk `since_start_s` after it started (and
+        `since_arrival_s` after it arrived; None: as it started)."""
         if num_chunks == 1:
             self._first_chunk.append((self.clock(), since_start_s))
+            self._ttfa.append((self.clock(), since_start_s if since_arrival_s is None else since_arrival_s))
         if num_chunks == STARTUP_CHUNKS:
             self._started.append((self.clock(), since_start_s))
 
@@ -98,6 +106,9 @@ class StartTimes:
 
     def startup_s(self) -> float:
         return self._p90(self._started)
+
+    def ttfa_s(self) -> float:
+        return self._p90(self._ttfa)
 
     def _p90(self, samples: deque) -> float:
         since_s = self.clock() - STARTS_FRESH_S
@@ -244,16 +255,38 @@ def has_room(load: ReplicaLoad) -> bool:
     return load.num_active < stream_limit(load) and not starting_full
 
 
+def is_credible(load: ReplicaLoad, predicted_s: float) -> bool:
+    """Whether a predicted time to first audio may refuse a request for its deadline: at most
+    `credible_ttfa_factor` times what the replica's recent new streams measured (`measured_ttfa_s`,
+    their queue waits included), or nothing measured to hold it to. A prediction far beyond that runs
+    on a transient (a survivor's steps right after a failover, the first steps of a replacement):
+    after an LLM replica was killed, the survivor refused requests on a predicted 39.5 s while the
+    one sent 0.3 s later met its first audio in 2.2 s."""
+    if load.measured_ttfa_s <= 0 or load.credible_ttfa_factor <= 0:
+        return True
+    return predicted_s <= load.credible_ttfa_factor * load.measured_ttfa_s
+
+
+def credible_ttfa_s(load: ReplicaLoad) -> float | None:
+    """`predict_ttfa_s(load)` when credible (`is_credible`), else None (not known)."""
+    predicted_s = predict_ttfa_s(load)
+    return predicted_s if is_credible(load, predicted_s) else None
+
+
 def decide(load: ReplicaLoad, deadline_s: float) -> Admission:
-    """Reject when the predicted first audio misses `deadline_s`; otherwise admit under the stream
-    and startup limits, and queue past them while the queue has room (the prediction counts the
-    wait). An idle replica admits: only a running stream measures its steps again, so a slow
+    """Reject when the predicted first audio misses `deadline_s` (a credible prediction:
+    `is_credible`; past it the request is admitted or queued as if it met it, and the replica
+    holding it refuses it only once it could no longer start in time); otherwise admit under the
+    stream and startup limits, and queue past them while the queue has room (the prediction counts
+    the wait). An idle replica admits: only a running stream measures its steps again, so a slow
     figure (a cold first decode, a burst of load beside it) would otherwise reject everything for
     good."""
     if load.num_active == 0:
         return Admission.ADMIT
-    if load.predicts and predict_ttfa_s(load) > deadline_s:
-        return Admission.REJECT
+    if load.predicts:
+        predicted_s = predict_ttfa_s(load)
+        if predicted_s > deadline_s and is_credible(load, predicted_s):
+            return Admission.REJECT
     if has_room(load):
         return Admission.ADMIT
     return Admission.QUEUE if load.num_active - stream_limit(load) < load.max_queued else Admission.REJECT

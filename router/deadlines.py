@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from core.messages import Job
-from router.admission import ReplicaLoad, predict_ttfa_s
+from router.admission import ReplicaLoad, credible_ttfa_s
 
 
 class DeadlineUnmeetable(Exception):
@@ -26,8 +26,11 @@ def client_deadline_s(grpc_context) -> float | None:
 
 
 def best_predicted_ttfa_s(loads: list[ReplicaLoad]) -> float | None:
-    """The lowest predicted time to first audio over the known LLM replicas (None: none known yet)."""
-    return min((predict_ttfa_s(load) for load in loads), default=None)
+    """The lowest predicted time to first audio over the known LLM replicas (None: none known yet, or
+    some replica's prediction is not credible, `router.admission.is_credible`: it may start sooner)."""
+    predictions = [credible_ttfa_s(load) for load in loads]
+    known = [predicted_s for predicted_s in predictions if predicted_s is not None]
+    return min(known, default=None) if len(known) == len(predictions) else None
 
 
 def fit_to_client_deadline(job: Job, remaining_s: float | None, predicted_ttfa_s: float | None) -> Job:

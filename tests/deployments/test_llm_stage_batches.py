@@ -9,6 +9,8 @@ import gc
 import time
 from types import SimpleNamespace
 
+import pytest
+
 from core.messages import TokenChunk
 from core.policy import StepTimer
 from deployments.llm_stage import LLMStage, _Batch, _Stream
@@ -238,7 +240,7 @@ def test_a_replica_reports_the_most_each_running_stream_has_left_soonest_first()
         stage.side.add(dataclasses.replace(job, sampling=SamplingParams(max_tokens=max_tokens, seed=1)))
     for _ in range(5):
         stage.side.step()
-    timer.step_s, stage.avg_stream_s = 0.01, 3.0
+    timer._decode_step_s, stage.avg_stream_s = 0.01, 3.0  # the steady step (`StepTimer.steady_step_s`)
     stage.streams = {rid: _Stream(asyncio.Queue()) for rid in ("long", "short", "held", "adding", "ended")}
     stage.streams["held"].is_held = True
     stage.streams["ended"].num_chunks = 3  # finished in the engine, its last chunk's audio on the way
@@ -246,3 +248,21 @@ def test_a_replica_reports_the_most_each_running_stream_has_left_soonest_first()
     long_left = 300 - len(stage.side.engine.requests["long"].output_ids)
     expected = (0.05, short_left * 0.01 + 0.05, 3.0, long_left * 0.01 + 0.05)
     assert stage._ends_in_s(decode_s=0.05) == pytest.approx(expected)
+
+
+def test_only_new_streams_measure_start_times():
+    """A resumed or moved-in stream's first chunk (a long re-prefill, or none at all) says nothing of
+    a new stream's wait: the start times admission predicts from leave it out."""
+    from router.admission import StartTimes
+
+    stage = object.__new__(LLMStage)
+    stage.start_times, stage.held, stage.room_changed = StartTimes(), [], None
+    resumed = _Stream(asyncio.Queue(), is_new=False)
+    resumed.started_s = resumed.arrived_s = time.monotonic() - 30.0
+    stage._count_chunk(resumed)
+    assert stage.start_times.first_chunk_s() == stage.start_times.ttfa_s() == 0.0
+    new = _Stream(asyncio.Queue())
+    new.arrived_s, new.started_s = time.monotonic() - 1.0, time.monotonic() - 0.25  # held 0.75 s first
+    stage._count_chunk(new)
+    assert stage.start_times.first_chunk_s() == pytest.approx(0.25, abs=0.05)
+    assert stage.start_times.ttfa_s() == pytest.approx(1.0, abs=0.05)

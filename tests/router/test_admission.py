@@ -326,3 +326,43 @@ def test_start_times_report_a_recent_high_percentile_and_forget_old_starts():
     assert times.startup_s() == 0.6  # the last STARTS_KEPT count
     now[0] = STARTS_FRESH_S + 1.0
     assert times.startup_s() == 0.0  # a burst's slow starts do not hold admission down for good
+
+
+def test_a_prediction_far_past_what_new_streams_measured_refuses_nothing():
+    """During a failover the survivor's prediction ran on a transient (39.5 s predicted, 2.2 s met):
+    a request is refused for its deadline only on a prediction within `credible_ttfa_factor` x the
+    measured p90 TTFA; past it, it is admitted under the limits, or queued, as if it met it."""
+    from dataclasses import replace
+
+    full = replace(load(5, real_time=6.0, measured=6), ends_in_s=(39.0, 39.0, 39.0, 39.0, 39.0))  # limit 5
+    assert predict_ttfa_s(full) > 39.0
+    assert decide(full, 15.0) is Admission.REJECT  # nothing measured to hold it to: it stands
+    measured = replace(full, measured_ttfa_s=2.0)  # 3 x 2 s = 6 s < 39 s: a transient
+    assert decide(measured, 15.0) is Admission.QUEUE and admits_anywhere([measured], 15.0)
+    assert decide(replace(measured, num_active=1, ends_in_s=(39.0,), num_starting=4, startup_limit=4,
+                          starting_for_s=(0.0,) * 4, startup_s=40.0), 15.0) is Admission.QUEUE  # fmt: skip
+    assert decide(replace(measured, num_active=7), 15.0) is Admission.REJECT  # its queue is full: refused still
+    credible = replace(full, measured_ttfa_s=14.0)  # 39 s is under 3 x 14 s
+    assert decide(credible, 15.0) is Admission.REJECT and not admits_anywhere([credible], 15.0)
+    assert decide(replace(measured, credible_ttfa_factor=0.0), 15.0) is Admission.REJECT  # the bound off
+
+
+def test_start_times_measure_the_ttfa_from_arrival_queue_included():
+    times = StartTimes()
+    assert times.ttfa_s() == 0.0
+    times.record(1, 0.3, since_arrival_s=1.2)  # held 0.9 s in the queue first
+    times.record(1, 0.4)  # not held: as it started
+    assert times.first_chunk_s() == 0.4 and times.ttfa_s() == 1.2
+    times.record(STARTUP_CHUNKS, 0.9, since_arrival_s=5.0)  # only first chunks count
+    assert times.ttfa_s() == 1.2
+
+
+def test_the_steady_step_leaves_out_steps_that_prefilled():
+    """A resumed stream's prefill (its prompt and every token it had sent) took seconds on a
+    survivor: admission's step is the decode-only steps' EMA, the policy's keeps every step."""
+    timer = StepTimer(step_s=0.01)
+    assert timer.steady_step_s == 0.01  # nothing measured: the prior
+    for _ in range(5):
+        timer.record_step(0.02, rows=4)
+    timer.record_step(3.0, rows=0)  # a step that prefilled
+    assert timer.steady_step_s == pytest.approx(0.02) and timer.step_s > 0.3

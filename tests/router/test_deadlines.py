@@ -35,3 +35,15 @@ def test_the_best_replica_predicts():
     busy = ReplicaLoad(num_active=4, max_streams=4, max_queued=2, step_s=0.02, first_chunk_tokens=14, avg_stream_s=8)
     assert best_predicted_ttfa_s([busy, idle]) == pytest.approx(15 * 0.02)
     assert best_predicted_ttfa_s([]) is None
+
+
+def test_a_prediction_on_a_transient_refuses_no_client_deadline():
+    """A replica predicting far past what its new streams measured (`router.admission.is_credible`):
+    the best prediction is not known, so the client's deadline cuts the job and nothing is refused."""
+    from dataclasses import replace
+
+    idle = ReplicaLoad(num_active=0, max_streams=4, max_queued=2, step_s=0.02, first_chunk_tokens=14, avg_stream_s=0)
+    transient = replace(idle, step_s=2.0, measured_ttfa_s=0.5)  # predicts 30 s, its streams met 0.5 s
+    assert best_predicted_ttfa_s([transient]) is None and best_predicted_ttfa_s([transient, idle]) is None
+    assert best_predicted_ttfa_s([replace(transient, measured_ttfa_s=12.0)]) == pytest.approx(30.0)
+    assert fit_to_client_deadline(_job(), 15.0, best_predicted_ttfa_s([transient])).ttfa_deadline_s == 5.0
