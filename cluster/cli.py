@@ -1,4 +1,4 @@
-"""The `voxray` command line: synthesize in-process, serve the cluster, talk to it, list models.
+"""The `voxray` command line: synthesize in-process, serve the cluster, talk to it, list models, plan a fleet.
 
 Sub-commands build their config from flags or `--config FILE` and hand off to the engines,
 the app builder or the gRPC client; bad input exits with the offending field named.
@@ -190,6 +190,22 @@ def _batch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    """`voxray plan`: replicas per stage and GPUs for N streams at a p90 TTFA, from measured stage costs."""
+    from cluster.planner.command import SWEEP_STREAMS, PlanRequest, describe_calibration, plan_report, scenario_for
+
+    request = PlanRequest(
+        model=args.model, gpu=args.gpu, streams=args.streams, ttfa_p90_s=args.ttfa_p90_s,
+        min_viable_pct=args.min_viable_pct, sweep=tuple(args.sweep_streams or SWEEP_STREAMS) if args.sweep else (),
+        llm_replicas=args.llm_replicas, detok_replicas=args.detok_replicas, text_chars=tuple(args.text_chars),
+        step_scale=args.step_scale, seed=args.seed, calibration=args.calibration,
+    )  # fmt: skip
+    print("\n".join(plan_report(request)))
+    if args.sources:
+        print("sources:\n" + "\n".join(describe_calibration(scenario_for(request).calib)))
+    return 0
+
+
 def _models(_: argparse.Namespace) -> int:
     for family in families():
         print("\n".join(describe_family(family)))
@@ -288,7 +304,30 @@ def build_parser() -> argparse.ArgumentParser:
 
     models = sub.add_parser("models", help="list model families: what they load, voices, rates, cache status")
     models.set_defaults(func=_models)
+    add_plan_parser(sub)
     return parser
+
+
+def add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    plan = sub.add_parser("plan", help="capacity planner: replicas per stage and GPUs for N streams at a p90 TTFA")
+    plan.add_argument("--model", default="orpheus-3b", help="calibrated model (orpheus-3b, orpheus-tiny)")
+    plan.add_argument("--gpu", default="h200", help="calibrated device (h200; cpu: this 2-core box's preset)")
+    plan.add_argument("--streams", type=int, default=1000, help="concurrent streams on average")
+    plan.add_argument("--ttfa-p90-s", type=float, default=0.5, help="SLO: p90 time to first audio, seconds")
+    plan.add_argument("--min-viable-pct", type=float, default=99.0, help="SLO: %% of streams playing without a gap")
+    plan.add_argument(
+        "--sweep", action="store_true",
+        help="size a cluster at each of 10 .. 10,000 streams (with --llm/--detok-replicas: that cluster at each)",
+    )  # fmt: skip
+    plan.add_argument("--sweep-streams", type=int, nargs="+", default=None, help="--sweep: these stream counts")
+    plan.add_argument("--llm-replicas", type=int, default=None, help="predict this cluster (with --detok-replicas)")
+    plan.add_argument("--detok-replicas", type=int, default=None)
+    plan.add_argument("--text-chars", type=int, nargs="+", default=[110], help="request texts' lengths (~15 chars/s)")
+    plan.add_argument("--step-scale", type=float, default=1.0, help="what-if: every LLM step x this")
+    plan.add_argument("--seed", type=int, default=0)
+    plan.add_argument("--calibration", type=Path, default=None, help="a calibration JSON instead of --gpu/--model")
+    plan.add_argument("--sources", action="store_true", help="also print where each calibration figure came from")
+    plan.set_defaults(func=_plan)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,9 @@ from here once for all its streams, so audio takes one hop to the ingress and ne
 through the LLM replica. Chunks are self-describing, so any replica can decode any chunk (M:N
 routing; a stateful codec's streams are pinned to one replica by their LLM replica, see
 `router.detok_pins`, and its engine decodes each stream's chunks in seq order); cancelling a call
-drops its chunks.
+drops its chunks. A failed step fails the calls waiting here (out of memory as such, so their
+streams' clients get a retry hint); a lost device ends the replica (`EngineLoop`), and its callers
+send their chunks to another one.
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ import asyncio
 import time
 
 import ray
+import torch
 
 from core.config import CHECK_FILES, ServeConfig
 from core.messages import AudioChunk, AudioRef, TokenChunk
 from deployments.engine_loop import EngineLoop, finish_on_thread, replica_tag
 from deployments.metrics import StageMetrics
 from deployments.voices import DetokVoices, check_voice_encoders
+from llm_stage.faults import is_out_of_memory, release_cached_memory
 from llm_stage.registry import check_model_config
 from llm_stage.wiring import build_detok_engine
 from router.detok_load import DetokPace
@@ -80,8 +84,15 @@ class DetokStage:
         future.get_loop().call_soon_threadsafe(lambda: None if future.done() else setter(value))
 
     def _fail_all(self, err: BaseException) -> None:
+        """Fail every call waiting here. Out of memory stays a torch OutOfMemoryError through the Ray
+        call, so the LLM replica fails its streams as out-of-memory (RESOURCE_EXHAUSTED with a hint)."""
+        if is_out_of_memory(err):
+            release_cached_memory()
+            failure: Exception = torch.OutOfMemoryError(f"detokenizer out of memory: {err}")
+        else:
+            failure = RuntimeError(f"detokenizer failed: {err}")
         for key in list(self.waiters):
-            self._resolve(key, RuntimeError(f"detokenizer failed: {err}"))
+            self._resolve(key, failure)
 
     async def decode_batch(self, chunks: list[TokenChunk], to_replica: str = "") -> list[AudioRef]:
         """Decode `chunks` (one LLM step's, any streams); each audio stays here behind its ref.
@@ -139,6 +150,10 @@ class DetokStage:
         self._publish_gauges()
         for future in waiting:
             future.get_loop().call_soon_threadsafe(future.cancel)
+
+    def check_health(self) -> None:
+        """Serve's periodic health check: fails once the engine lost its device (`EngineLoop`)."""
+        self.loop.check_health()
 
     def record_routing_stats(self) -> dict:
         return self.pace.load(num_queued_chunks=len(self.waiters)).to_stats()

@@ -4,23 +4,29 @@ Replicas are asyncio actors; the engine step is CPU/GPU-bound, so it runs here a
 results back to the event loop. Callers mutate the engine only inside `exclusive()`, which
 waits for the current step at most: the loop lets waiting callers in before its next step (a
 plain lock is unfair: the loop re-took it after every step and could starve a cancel for the
-whole length of a stream).
+whole length of a stream). A step that fails goes to `on_error` and the loop steps on, unless the
+device is lost (`llm_stage.faults.is_device_lost`): then the loop stops, `check_health` fails and
+the replica's process ends, so Serve replaces it and the Router resumes its streams elsewhere.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from llm_stage.faults import is_device_lost, is_out_of_memory
+
 logger = logging.getLogger(__name__)
 
 CALLER_WINDOW_S = 0.01  # longest the loop holds back a step for callers waiting for the engine
 IDLE_REPORT_S = 0.5  # an idle loop's `on_idle` period: under half Ray's shortest metric export interval (1 s)
+DEVICE_LOST_EXIT_CODE = 70  # (EX_SOFTWARE) the process ended itself after a device error
 
 
 async def finish_on_thread(fn: Callable[..., Any], *args: Any) -> Any:
@@ -45,6 +51,26 @@ async def finish_on_thread(fn: Callable[..., Any], *args: Any) -> Any:
     return call.result()
 
 
+def end_process(reason: str) -> None:
+    """End this replica's process now: its device is lost. The Router's streams from it then fail
+    with RayActorError, which it answers by resuming them on another replica (`router.streams`),
+    and Serve's controller replaces it at once (a failing `check_health` alone takes three health
+    periods, then a graceful stop that waits for the streams). `os._exit`: no Python teardown, which
+    could touch the broken CUDA context and hang; the log is flushed first."""
+    logger.critical("accelerator lost (%s): ending this replica so Serve replaces it", reason)
+    for handler in _all_log_handlers():
+        try:
+            handler.flush()
+        except Exception:  # a handler that cannot flush must not keep the process alive
+            pass
+    os._exit(DEVICE_LOST_EXIT_CODE)
+
+
+def _all_log_handlers() -> list[logging.Handler]:
+    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+    return [h for lg in loggers if isinstance(lg, logging.Logger) for h in lg.handlers]
+
+
 def replica_tag() -> str:
     """`Deployment#replica` of the calling Serve replica ("" outside Serve)."""
     from ray import serve
@@ -67,6 +93,7 @@ class EngineLoop:
         idle_wait_s: float = 0.05,
         on_idle: Callable[[], None] | None = None,
         idle_report_s: float = IDLE_REPORT_S,
+        on_device_lost: Callable[[str], None] = end_process,
     ) -> None:
         self._lock = threading.Lock()
         self._callers = 0  # callers inside or waiting for `exclusive()`
@@ -81,6 +108,8 @@ class EngineLoop:
         self._idle_report_s = idle_report_s
         self._last_idle_report_s = 0.0
         self.step_time_ema_s = 0.0
+        self._on_device_lost = on_device_lost
+        self.device_error: str | None = None  # set once a step lost the device: the replica is unhealthy
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
@@ -93,6 +122,12 @@ class EngineLoop:
 
     def wake(self) -> None:
         self._wake.set()
+
+    def check_health(self) -> None:
+        """Raise once the device was lost (the stages' Serve `check_health`: Serve then replaces the
+        replica, should `on_device_lost` not have ended it)."""
+        if self.device_error is not None:
+            raise RuntimeError(f"accelerator lost: {self.device_error}")
 
     @contextmanager
     def exclusive(self) -> Iterator[None]:
@@ -141,8 +176,21 @@ class EngineLoop:
         start = time.perf_counter()
         try:
             self._step()
-        except Exception as err:  # the engine is broken for its current requests: fail them, keep serving
-            logger.exception("engine step failed")
+        except Exception as err:
+            if is_device_lost(err):  # the CUDA context is unusable: never step again here
+                self._lose_device(err)
+                return
+            if is_out_of_memory(err):  # the step shed its requests; the engine runs on
+                logger.warning("engine step out of memory: %s", err)
+            else:
+                logger.exception("engine step failed")
             self._on_error(err)
         elapsed = time.perf_counter() - start
         self.step_time_ema_s = elapsed if self.step_time_ema_s == 0 else 0.9 * self.step_time_ema_s + 0.1 * elapsed
+
+    def _lose_device(self, err: BaseException) -> None:
+        """Unhealthy for good, no more steps, and `on_device_lost` (which ends the process)."""
+        logger.error("engine step lost the device", exc_info=err)
+        self.device_error = f"{type(err).__name__}: {err}"[:300]
+        self._stopped.set()
+        self._on_device_lost(self.device_error)

@@ -9,7 +9,9 @@ this replica. A decode call whose detok replica dies is resent (chunks are self-
 Cancelling a stream frees its KV slot and drops its undecoded chunks. A streaming-text job gets its
 later text through `push_text` (the Router's request router pins those calls to this replica).
 Asked to leave, it hands every stream (KV included) to the other replicas; asked to rebalance
-(`router.rebalance`), the few cheapest to move.
+(`router.rebalance`), the few cheapest to move. A step out of accelerator memory fails only the
+streams it shed (`llm_stage.faults`), each with a Failed event the Router answers RESOURCE_EXHAUSTED
+with a retry hint; a lost device ends the replica (`EngineLoop`), whose streams resume elsewhere.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import ray
+import torch
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from core.config import CHECK_FILES, ServeConfig
@@ -48,6 +51,7 @@ from deployments.engine_loop import EngineLoop, finish_on_thread, replica_tag
 from deployments.kv_courier import KVMoves
 from deployments.metrics import StageMetrics
 from deployments.voices import LLMVoices
+from llm_stage.faults import StepOutOfMemory, is_out_of_memory, release_cached_memory
 from llm_stage.migration import KVSnapshot
 from llm_stage.registry import check_model_config
 from llm_stage.wiring import build_llm_side, size_for_streams
@@ -67,6 +71,7 @@ from router.dispatch import detok_loads, live_detok_replicas
 from router.drain import announce_llm_replica, is_move_out_requested, publish_moving_out
 from router.rebalance import take_rebalance_request
 from router.replica_listener import keep_replica_listener_on_loopback
+from router.replies import out_of_memory_message
 
 # A decode call whose detok replica died is resent, backing off, for this long: long enough for
 # Serve to replace the only replica of a small deployment (10-17 s measured on 2 cores).
@@ -146,9 +151,11 @@ class LLMStage:
         self.num_rebalanced_out = 0  # streams handed off to rebalance (this replica stays)
         self.is_moving_out = False  # set once asked to hand every stream to the other replicas
         self.kv_moves = KVMoves(self.config, self.replica_tag)  # KV of streams moved out and in
+        self.num_out_of_memory = 0  # streams failed because the accelerator ran out of memory
         self.loop = EngineLoop(
-            self._step, lambda: self.side.engine.has_work, self._fail_all, "llm-engine", on_idle=self._publish_gauges
-        )
+            self._step, lambda: self.side.engine.has_work, self._on_step_error, "llm-engine",
+            on_idle=self._publish_gauges,
+        )  # fmt: skip
         self.loop.start()
         threading.Thread(target=self._watch_move_out, name="llm-move-out", daemon=True).start()
         if self.detok_pins is not None:
@@ -186,6 +193,18 @@ class LLMStage:
         self.metrics.queue_depth.set(len(scheduler.waiting))
         self.metrics.active.set(len(self.streams))
         self.metrics.kv_used.set(scheduler.slots.num_used)
+
+    def _on_step_error(self, err: BaseException) -> None:
+        """A failed engine step (on the engine thread): one out of memory has dropped the requests it
+        shed (`StepOutOfMemory`), whose streams fail, and the rest run on; anything else fails every
+        stream here (the engine's state for them is unknown), and the replica serves new ones."""
+        if isinstance(err, StepOutOfMemory):
+            for req_id in err.req_ids:
+                self.num_out_of_memory += req_id in self.streams
+                if self.event_loop is not None:
+                    self.event_loop.call_soon_threadsafe(self._fail_stream, req_id, err)
+            return
+        self._fail_all(err)
 
     def _fail_all(self, err: BaseException) -> None:
         for req_id in list(self.streams):
@@ -382,6 +401,10 @@ class LLMStage:
                 ends.append(self.avg_stream_s)
         return tuple(sorted(ends))
 
+    def check_health(self) -> None:
+        """Serve's periodic health check: fails once the engine lost its device (`EngineLoop`)."""
+        self.loop.check_health()
+
     def record_routing_stats(self) -> dict:
         return self.load().to_stats()
 
@@ -397,6 +420,7 @@ class LLMStage:
             "decode_calls": self.num_decode_calls,  # one per engine step that cut chunks
             "audio_refs": self.num_audio_refs,  # chunks forwarded by reference (their audio never came here)
             "detok_retries": self.num_detok_retries,  # decode calls resent after losing a detok replica
+            "out_of_memory": self.num_out_of_memory,  # streams failed because the accelerator ran out of memory
             # streams placed on each detok replica so far (a stateful detokenizer's are pinned)
             "detok_streams_placed": dict(self.detok_pins.placed) if self.detok_pins is not None else {},
             "moved_out": self.num_moved_out,  # streams handed to other replicas (move-out)
@@ -444,6 +468,10 @@ class LLMStage:
             except InvalidArgumentError as err:
                 yield Invalid(err.field, err.message)
                 return
+            except torch.OutOfMemoryError:  # placing it (prompt, moved KV) took memory there was not: shed it
+                release_cached_memory()
+                yield Rejected(self.config.admission.retry_after_s)  # (`_close` drops what it left)
+                return
             yield Queued(self.replica_tag) if verdict is Admission.QUEUE else Admitted(self.replica_tag)
             async for event in self._audio(stream):
                 yield event
@@ -455,7 +483,7 @@ class LLMStage:
         while True:
             item = await stream.queue.get()
             if isinstance(item, BaseException):  # the engine failed: the stream fails, never hangs
-                yield Failed(f"LLM engine failed: {item}")
+                yield self._failed("LLM engine", item)
                 return
             if isinstance(item, Moved):  # handed off: the chunks cut here came first
                 yield item
@@ -464,7 +492,7 @@ class LLMStage:
             try:
                 ref: AudioRef = (await asyncio.shield(batch.result))[index]
             except Exception as err:  # the detok replica failed this batch: the stream ends, typed
-                yield Failed(f"detokenizer failed: {err}")
+                yield self._failed("detokenizer", err)
                 return
             stream.pending.remove(batch)
             self.side.mark_audio_sent(ref.req_id, ref.duration_s, ref.num_frames)
@@ -474,6 +502,13 @@ class LLMStage:
             if ref.is_final:
                 stream.is_done = True
                 return
+
+    def _failed(self, stage: str, err: BaseException) -> Failed:
+        """The Failed event for a stream `stage` failed with `err`: an out-of-memory one says so with
+        a retry hint (the Router answers RESOURCE_EXHAUSTED), anything else is INTERNAL there."""
+        if is_out_of_memory(err):
+            return Failed(out_of_memory_message(self.config.admission.retry_after_s))
+        return Failed(f"{stage} failed: {err}")
 
     def _count_chunk(self, stream: _Stream) -> None:
         stream.num_chunks += 1

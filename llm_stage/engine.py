@@ -4,8 +4,10 @@
 returns the new tokens and completed codec frames per request; `cancel` frees the KV slot.
 A step samples one id or K codebook ids per row; a request with `guidance_scale` runs with a
 hidden unconditional twin whose logits are merged in (CFG). A streaming-text job (native text
-streaming) gets later text pieces through `push_text` while it runs. The LLMStage deployment and
-the in-process pipeline drive it.
+streaming) gets later text pieces through `push_text` while it runs. A step that fails leaves the
+scheduler as before it; one out of accelerator memory drops the requests it sheds and raises
+`StepOutOfMemory` naming them (`llm_stage.faults`). The LLMStage deployment and the in-process
+pipeline drive it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import dataclasses
 import random
 import time
 from collections.abc import Callable, Sequence
+from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -26,6 +29,7 @@ from core.messages import Job, ResumeState, SamplingParams
 from core.policy import SchedulingPolicy, StepTimer, make_policy
 from llm_stage.cfg import merge_guidance
 from llm_stage.draws import draw_counter
+from llm_stage.faults import StepOutOfMemory, is_out_of_memory, release_cached_memory, requests_to_shed
 from llm_stage.histories import PenaltyHistories, uses_default_history
 from llm_stage.jobs import build_job
 from llm_stage.migration import KVSnapshot, fits, put_rows, take_rows
@@ -254,18 +258,53 @@ class LLMEngine:
         if plan.is_empty:
             return []
         self.last_batch_size = len(plan.decodes) + len(plan.prefills)
-        prepared = self.runner.prepare(plan)
-        if self._forward_thread is None:
-            outputs = self._finish(plan, self.runner.forward(prepared), self.scheduler.update)
-        else:
-            pending = self._forward_thread.submit(self.runner.forward, prepared)
-            self.scheduler.advance(plan)
-            self._next_plan = self.scheduler.schedule()
-            self._prepare_sampling_rows(plan.sampled_requests)
-            outputs = self._finish(plan, pending.result(), self.scheduler.append)
+        is_sync = self._forward_thread is None
+        try:  # on any failure the scheduler is as before this step
+            sampled = self._compute(plan) if is_sync else self._compute_ahead(plan)
+        except Exception as err:
+            if not is_out_of_memory(err):
+                raise
+            raise self._shed(plan, err) from err
+        outputs = self._finish(plan, sampled, self.scheduler.update if is_sync else self.scheduler.append)
         decode_rows = 0 if plan.prefills else len(plan.decodes)  # the per-size table is of decode-only steps
         self.timer.record_step(time.perf_counter() - start, decode_rows)
         return outputs
+
+    def _compute(self, plan: StepPlan) -> list[Token]:
+        """Forward and sample `plan` (the request state is read, never changed: a failure leaves it as it was)."""
+        hidden = self.runner.forward(self.runner.prepare(plan))
+        rows = plan.sampling_rows
+        return self._sample(hidden, rows) if rows else []
+
+    def _compute_ahead(self, plan: StepPlan) -> list[Token]:
+        """`_compute` with the forward on the worker thread while this one marks the plan's positions
+        cached, plans the next step and builds the sampling rows. If anything fails, the forward is
+        waited for (it may still be writing the cache), the plan made ahead is dropped and the
+        positions are marked uncached again: the scheduler is as it was before this step."""
+        pending = self._forward_thread.submit(self.runner.forward, self.runner.prepare(plan))
+        self.scheduler.advance(plan)
+        try:
+            self._next_plan = self.scheduler.schedule()
+            self._prepare_sampling_rows(plan.sampled_requests)
+            hidden = pending.result()
+            rows = plan.sampling_rows
+            return self._sample(hidden, rows) if rows else []
+        except BaseException:
+            futures.wait([pending])
+            self._next_plan = None
+            self.scheduler.retreat(plan)
+            raise
+
+    def _shed(self, plan: StepPlan, err: Exception) -> StepOutOfMemory:
+        """After `plan` ran out of memory (rolled back): drop the requests it fails
+        (`faults.requests_to_shed`), free the allocator's cached blocks, and say which they were.
+        The rest are as before the step: the next step computes their positions again, and since
+        draws are keyed by (seed, draw counter) they sample the tokens this one would have."""
+        victims = requests_to_shed(plan, list(self.requests.values()))
+        for req in victims:
+            self.cancel(req.req_id)
+        release_cached_memory()
+        return StepOutOfMemory([req.req_id for req in victims], err)
 
     def _take_plan(self) -> StepPlan:
         """The plan made during the previous forward (minus rows finished since), else a fresh one."""
@@ -275,10 +314,9 @@ class LLMEngine:
         return plan if plan is not None and not plan.is_empty else self.scheduler.schedule()
 
     def _finish(
-        self, plan: StepPlan, hidden: torch.Tensor, apply: Callable[[StepPlan, list[Token]], list[Request]]
+        self, plan: StepPlan, sampled: list[Token], apply: Callable[[StepPlan, list[Token]], list[Request]]
     ) -> list[StepOutput]:
-        rows, visible = plan.sampling_rows, plan.sampled_requests  # read before `apply` appends tokens
-        sampled: list[Token] = self._sample(hidden, rows) if rows else []
+        visible = plan.sampled_requests  # read before `apply` appends tokens
         finished = {r.req_id for r in apply(plan, sampled)}
         outputs = [self._output(req, tok, req.req_id in finished) for req, tok in zip(visible, sampled, strict=True)]
         for req_id in finished:

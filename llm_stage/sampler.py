@@ -25,7 +25,7 @@ import torch
 from core.messages import SamplingParams
 from core.transfer import to_device
 from llm_stage.draws import row_key, row_keys, seed_halves, uniforms
-from llm_stage.host_sampler import history_pairs, sample_on_host
+from llm_stage.host_sampler import sample_on_host
 from llm_stage.ras import sample_repetition_aware
 
 
@@ -47,42 +47,6 @@ def row_keys_np(rows: list[SamplingRow]) -> np.ndarray:
     """Every row's `key` in one pass of numpy (int64 under 2^32 throughout: `llm_stage.draws`)."""
     halves = np.array([(*seed_halves(r.seed), r.counter) for r in rows], dtype=np.int64).reshape(-1, 3)
     return row_keys(halves[:, 0], halves[:, 1], halves[:, 2])
-
-
-def apply_repetition_penalty(logits: torch.Tensor, cand_ids: torch.Tensor | None, rows: list[SamplingRow]) -> None:
-    """In place: logit / p when positive, logit * p when negative, for ids seen in the row's history.
-
-    One scatter of every (row, history id) into a [B, V] mask (repeats just set a bit twice), a
-    gather by candidate column, then the penalty on the seen columns only: no per-row set
-    building or intersection, no full-width arithmetic on the hot path.
-    """
-    pairs = history_pairs(rows)
-    if pairs is None:
-        return
-    row_of, tokens = pairs
-    seen = _seen_columns(logits, cand_ids, torch.from_numpy(row_of), torch.from_numpy(tokens))
-    hit_rows, hit_cols = seen.nonzero(as_tuple=True)
-    values = logits[hit_rows, hit_cols]
-    penalties = torch.tensor([r.params.repetition_penalty for r in rows], dtype=logits.dtype, device=logits.device)
-    penalty = penalties[hit_rows]
-    logits[hit_rows, hit_cols] = torch.where(values > 0, values / penalty, values * penalty)
-
-
-def _seen_columns(
-    logits: torch.Tensor, cand_ids: torch.Tensor | None, row_of: torch.Tensor, tokens: torch.Tensor
-) -> torch.Tensor:
-    """[B, C] bool: which logits columns hold an id of the row's history."""
-    device = logits.device
-    row_of, tokens = row_of.to(device), tokens.to(device)
-    if cand_ids is None:
-        keep = tokens < logits.shape[1]
-        seen = torch.zeros(logits.shape, dtype=torch.bool, device=device)
-        seen[row_of[keep], tokens[keep]] = True
-        return seen
-    vocab = max(int(cand_ids.max()), int(tokens.max())) + 1
-    seen_ids = torch.zeros(logits.shape[0], vocab, dtype=torch.bool, device=device)
-    seen_ids[row_of, tokens] = True
-    return seen_ids.gather(1, cand_ids.clamp(min=0)) & (cand_ids >= 0)
 
 
 def sample(
@@ -130,8 +94,12 @@ def _sample_ras(
     vocab_size: int | None,
     table: RowTable | None = None,
 ) -> list[int]:
+    """RAS rows: the repetition penalty on the logits' device without a read-back (`penalize_on_device`;
+    `vocab_size` None: the candidates' largest id bounds it, read back once), then `llm_stage.ras`."""
     logits = logits.float().clone()
-    apply_repetition_penalty(logits, cand_ids, rows)
+    if vocab_size is None:
+        vocab_size = logits.shape[1] if cand_ids is None else int(cand_ids.max()) + 1
+    penalize_on_device(logits, cand_ids, RowTable.of(rows, logits.shape[1], logits.device), vocab_size)
     return sample_repetition_aware(logits, cand_ids, rows)
 
 

@@ -220,6 +220,17 @@ class Scheduler:
         for req in plan.decodes:
             req.num_cached += 1
 
+    def retreat(self, plan: StepPlan) -> None:
+        """Undo `advance` for a step whose forward or sampling failed: its positions are not in the
+        cache after all (whatever it wrote there is overwritten when they are computed again), so
+        the next plan computes them again and samples the same tokens."""
+        for work in plan.prefills:
+            work.req.num_cached -= work.num_tokens
+            if work.completes_prompt:
+                work.req.status = RequestStatus.PREFILLING  # (a prefill's request was PREFILLING before)
+        for req in plan.decodes:
+            req.num_cached -= 1
+
     def append(self, plan: StepPlan, sampled: list[Token]) -> list[Request]:
         """The token half of `update`: append, detect stops and lengths; returns the finished requests."""
         finished = []

@@ -16,6 +16,7 @@ from core.policy import buffered_s
 from core.voices import is_voice_id
 from llm_stage.chunking import Chunker, ChunkSchedule
 from llm_stage.engine import LLMEngine, StepOutput
+from llm_stage.faults import StepOutOfMemory
 from llm_stage.migration import KVSnapshot
 from llm_stage.request import Request
 
@@ -122,8 +123,16 @@ class LLMSide:
         req.audio_sent_s += duration_s
 
     def step(self) -> list[TokenChunk]:
+        """The chunks this engine step cut; a step out of memory raises `StepOutOfMemory` once the
+        requests it failed are gone from here too (the caller fails their streams)."""
         self.checkpoints = {}  # kept for one step: an in-process caller never takes them
-        chunks = [c for out in self.engine.step() for c in self._chunks(out)]
+        try:
+            outputs = self.engine.step()
+        except StepOutOfMemory as err:
+            for req_id in err.req_ids:
+                self.cancel(req_id)
+            raise
+        chunks = [c for out in outputs for c in self._chunks(out)]
         self._update_next_chunk_steps()
         return chunks
 

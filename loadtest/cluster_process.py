@@ -153,7 +153,12 @@ def join_cluster(server: ServerProcess) -> None:
 
     from cluster.ray_loopback import loopback_init_kwargs
 
+    address = gcs_address(server.proc.pid)
     if ray.is_initialized():
+        joined = ray.get_runtime_context().gcs_address
+        if joined != address:  # kills and queries would hit that other cluster's replicas
+            raise RuntimeError(f"this process is already a driver of the Ray at {joined}, not the server's "
+                               f"({address}): run the bench in a process of its own")  # fmt: skip
         return
     mode = ray_auth_mode(server.proc.pid)
     if mode is not None and os.environ.get("RAY_AUTH_MODE") != mode:
@@ -163,7 +168,7 @@ def join_cluster(server: ServerProcess) -> None:
         Config.initialize("")  # (ray._private.authentication.authentication_token_setup._enable_token_auth)
     extra = loopback_init_kwargs() if server.config.ray_loopback_only else {}
     extra.pop("dashboard_host", None)  # a driver starts no dashboard
-    ray.init(address=gcs_address(server.proc.pid), logging_level="ERROR", log_to_driver=False, **extra)
+    ray.init(address=address, logging_level="ERROR", log_to_driver=False, **extra)
 
 
 def leave_cluster() -> None:
@@ -192,6 +197,21 @@ def scrape_metrics(port: int, prefixes: tuple[str, ...], timeout_s: float = 10.0
         if match and match.group(1).startswith(prefixes):
             totals[match.group(1)] = totals.get(match.group(1), 0.0) + float(match.group(3))
     return totals
+
+
+def wait_for_metrics(port: int, prefix: str, timeout_s: float) -> float | None:
+    """Seconds until the Prometheus endpoint on `port` has a series named with `prefix` (Ray's
+    metrics agent starts after the cluster and exports every few seconds: slow on a small box), or
+    None when it has none by `timeout_s`."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        try:
+            if scrape_metrics(port, (prefix,), timeout_s=5.0):
+                return time.monotonic() - t0
+        except Exception:  # the agent is not listening yet
+            pass
+        time.sleep(1.0)
+    return None
 
 
 def live_replicas(app_name: str, deployment: str) -> dict[str, object]:

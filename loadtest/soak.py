@@ -32,10 +32,12 @@ from loadtest.cluster_process import (
     scrape_metrics,
     tree_processes,
     two_replica_config,
+    wait_for_metrics,
 )
 from loadtest.soak_verdict import Sample, gauge_series, process_series, verdict
 
 SOAK_RATE_RPS = 0.15  # ~50% of the 2-replica CPU config's capacity at SLO (see chaos_bench.DEFAULT_RATE_RPS)
+METRICS_READY_TIMEOUT_S = 120.0  # the soak's clock starts once the stages' gauges are exported (or after this)
 METRIC_PREFIXES = ("ray_voxray_", "ray_object_store_used_memory", "ray_object_store_num_local_objects")
 
 
@@ -84,6 +86,9 @@ def run(args: argparse.Namespace) -> dict:
         join_cluster(server)
         port = metrics_export_port()
         leave_cluster()  # the soak needs no driver: psutil and the Prometheus endpoint
+        waited_s = wait_for_metrics(port, "ray_voxray_", METRICS_READY_TIMEOUT_S)
+        print(f"metrics endpoint: {'no VoxRay series yet' if waited_s is None else f'ready after {waited_s:.1f} s'}",
+              flush=True)  # fmt: skip
         t0 = time.monotonic()
         load = threading.Thread(target=_play_all, args=(specs, server, args.request_timeout_s, outcome))
         load.start()

@@ -5,9 +5,10 @@ It authenticates (`router.auth`), validates requests (`router.jobs`) and hands t
 replicas' object stores, resume, drain, incremental sessions), then streams the audio out.
 Failures become a status and a short message with the request id (`router.replies`):
 UNAUTHENTICATED / 401, INVALID_ARGUMENT / 400 naming the field, RESOURCE_EXHAUSTED / 429 with a
-retry hint, DEADLINE_EXCEEDED for a gRPC deadline that cannot be met, INTERNAL / 500 without
-internals. A stream that fails after admission is closed, so the LLM replica frees it. gRPC comes
-in through the replica's own server (`router.grpc_server`), HTTP through Serve's proxy.
+retry hint (a full replica, or a stream an LLM replica ran out of accelerator memory for),
+DEADLINE_EXCEEDED for a gRPC deadline that cannot be met, INTERNAL / 500 without internals. A
+stream that fails after admission is closed, so the LLM replica frees it. gRPC comes in through
+the replica's own server (`router.grpc_server`), HTTP through Serve's proxy.
 """
 
 import time
@@ -46,7 +47,7 @@ from router.jobs import (
     speech_request,
 )
 from router.replica_listener import keep_replica_listener_on_loopback
-from router.replies import Failure, http_error, log_failure, with_request_id
+from router.replies import Failure, http_error, log_failure, out_of_memory_retry_s, with_request_id
 from router.sse import MEDIA_TYPE as SSE_MEDIA_TYPE
 from router.sse import audio_delta, audio_done, error_event
 from router.streams import AdmissionRejected, Draining, ReplicasUnavailable, RouterCore, SentChunk, StreamFailed
@@ -161,6 +162,8 @@ def _failure(err: Exception) -> tuple[Failure, Exception | None]:
             return Failure(code.UNAVAILABLE, str(err), None, retry_after_s), None
         case DeadlineUnmeetable():
             return Failure(code.DEADLINE_EXCEEDED, str(err)), None
+        case StreamFailed() if (retry_after_s := out_of_memory_retry_s(str(err))) is not None:
+            return Failure(code.RESOURCE_EXHAUSTED, str(err), None, retry_after_s), None  # our own words
         case StreamFailed():
             return Failure(code.INTERNAL, "synthesis failed", cause=str(err)[:500]), None
         case RayError():  # a stage replica died or raised: it logged its own traceback
@@ -243,6 +246,7 @@ class Router:
         find_bank = detok_handle.voice_bank.remote if self.core.entry.family.lm.takes_registered_voices else None
         self.voices = VoiceRegistry(self.core.entry, self.core.config.voices, find_bank)
         self.core.drain.start()
+        self.core.metrics.start()
         self.core.rebalancer.start()  # on this replica's event loop, like the admission checks
         self.auth = ApiKeys(self.core.config.auth, listen_host=widest_host(self.core.config))
         if self.core.config.http_docs:

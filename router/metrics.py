@@ -5,10 +5,14 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 LATENCY_BUCKETS_S = [0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0]
 UNDERRUN_BUCKETS_S = [0.0001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0]
+GAUGE_HOLD_S = 0.5  # re-set period of the held gauges: under half Ray's shortest metric export interval (1 s)
 
 
 class RouterMetrics:
@@ -23,7 +27,24 @@ class RouterMetrics:
             UNDERRUN_BUCKETS_S,
         )  # fmt: skip
         self.audio = Counter("voxray_audio_seconds", "Seconds of audio sent to clients.")
-        self.realtime = Gauge("voxray_realtime_factor", "Audio seconds / wall seconds of the last finished stream.")
+        self._realtime = Gauge("voxray_realtime_factor", "Audio seconds / wall seconds of the last finished stream.")
+        self._last_realtime: float | None = None
         self.rejections = Counter("voxray_admission_rejections", "Requests answered RESOURCE_EXHAUSTED / 429.")
         self.moves = Counter("voxray_stream_moves", "Streams handed to another LLM replica with their KV.")
         self.resumes = Counter("voxray_stream_resumes", "Streams moved to another LLM replica after theirs died.")
+
+    def set_realtime(self, factor: float) -> None:
+        """The last finished stream's real-time factor, held (re-set by `start`'s thread) until the next."""
+        self._last_realtime = factor
+        self._realtime.set(factor)
+
+    def start(self) -> None:
+        """Re-set the held gauges every GAUGE_HOLD_S: Ray drops a gauge not set for two export
+        intervals, so an idle router's last real-time factor would vanish from the scrape."""
+        threading.Thread(target=self._hold, name="voxray-router-gauges", daemon=True).start()
+
+    def _hold(self) -> None:
+        while True:
+            time.sleep(GAUGE_HOLD_S)
+            if self._last_realtime is not None:
+                self._realtime.set(self._last_realtime)

@@ -9,6 +9,7 @@ without a stack; a failure of the Router's own code logs its traceback once, her
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 
 import grpc
@@ -25,6 +26,22 @@ HTTP_STATUS = {
     grpc.StatusCode.UNAVAILABLE: 503,
 }
 HTTP_ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 415: "invalid_request_error"}
+
+# An LLM replica's Failed event for a stream an out-of-memory error failed, as the Router reads it:
+# RESOURCE_EXHAUSTED / 429 with the retry hint (a stream event carries only its message).
+OUT_OF_MEMORY = "out of accelerator memory"
+_OUT_OF_MEMORY_MESSAGE = re.compile(re.escape(OUT_OF_MEMORY) + r"; retry after ([0-9]+(?:\.[0-9]+)?) s")
+
+
+def out_of_memory_message(retry_after_s: float) -> str:
+    """The message of the Failed event an LLM replica sends for a stream failed by out-of-memory."""
+    return f"{OUT_OF_MEMORY}; retry after {retry_after_s:.1f} s"
+
+
+def out_of_memory_retry_s(message: str) -> float | None:
+    """The retry hint of an `out_of_memory_message`; None for any other message."""
+    match = _OUT_OF_MEMORY_MESSAGE.fullmatch(message)
+    return float(match[1]) if match else None
 
 
 @dataclass(frozen=True)

@@ -398,7 +398,7 @@ class RouterCore:
         if tracker.is_viable:
             metrics.viable.inc()
         metrics.audio.inc(tracker.audio_sent_s)
-        metrics.realtime.set(tracker.audio_sent_s / max(now_s - tracker.start_s, 1e-6))
+        metrics.set_realtime(tracker.audio_sent_s / max(now_s - tracker.start_s, 1e-6))
 
     def _check_head(self, head: StreamHead | AudioReady) -> str:
         """The replica serving the job; raises for a head that refuses it."""

@@ -1,4 +1,6 @@
-"""EngineLoop fairness: a caller (add / cancel) never waits more than about one step."""
+"""EngineLoop fairness: a caller (add / cancel) never waits more than about one step; a failed step
+goes to `on_error` and the loop steps on, unless the device is lost: then it stops, fails its health
+check and ends the replica."""
 
 from __future__ import annotations
 
@@ -6,7 +8,11 @@ import asyncio
 import threading
 import time
 
+import pytest
+import torch
+
 from deployments.engine_loop import EngineLoop, finish_on_thread
+from llm_stage.faults import StepOutOfMemory
 
 
 def busy_step(duration_s: float = 0.002) -> None:
@@ -130,3 +136,43 @@ def test_an_idle_loop_reports_periodically_and_a_busy_one_does_not():
         assert len(reports) > while_busy
     finally:
         loop.stop()
+
+
+def failing_loop(err: Exception, errors: list, lost: list) -> tuple[EngineLoop, list[int]]:
+    """A loop whose third step raises `err`; `errors` gets what `on_error` got, `lost` the reasons
+    `on_device_lost` got (the stages' default ends the process). Returns the loop and its step count."""
+    steps = [0]
+
+    def step() -> None:
+        steps[0] += 1
+        if steps[0] == 3:
+            raise err
+
+    loop = EngineLoop(step, lambda: True, errors.append, "test-engine", idle_wait_s=0.001, on_device_lost=lost.append)
+    return loop, steps
+
+
+def test_a_lost_device_stops_the_loop_fails_health_and_ends_the_replica():
+    for err in (torch.AcceleratorError("CUDA error: an illegal memory access was encountered"),
+                RuntimeError("CUDA error: device-side assert triggered")):  # fmt: skip
+        errors, lost = [], []
+        loop, steps = failing_loop(err, errors, lost)
+        loop.check_health()  # healthy before
+        loop.start()
+        time.sleep(0.1)
+        assert steps == [3] and errors == []  # no step after the device error, no stream failed here
+        assert len(lost) == 1 and "CUDA error" in lost[0]
+        with pytest.raises(RuntimeError, match="accelerator lost"):
+            loop.check_health()
+        loop.stop()
+
+
+def test_an_out_of_memory_step_fails_its_requests_and_the_loop_steps_on():
+    oom = StepOutOfMemory(["b"], torch.OutOfMemoryError("CUDA out of memory (injected)"))
+    errors, lost = [], []
+    loop, steps = failing_loop(oom, errors, lost)
+    loop.start()
+    time.sleep(0.1)
+    loop.stop()
+    assert errors == [oom] and lost == [] and steps[0] > 3
+    loop.check_health()

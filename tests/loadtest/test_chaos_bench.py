@@ -5,14 +5,24 @@ equals an undisturbed in-process run, every fault happened."""
 
 from __future__ import annotations
 
+import json
 import os
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from loadtest import chaos_bench
-from loadtest.chaos_bench import Fault, busiest_replica, fault_schedule, next_chunk_max_s, summarize, target_streams
+from loadtest.chaos_bench import (
+    Fault,
+    FaultRecord,
+    busiest_replica,
+    fault_schedule,
+    next_chunk_max_s,
+    summarize,
+    target_streams,
+)
 from loadtest.chaos_streams import StreamResult, StreamSpec, compare_audio, plan_streams
+from tests.loadtest.tool_process import run_tool
 
 _OFFSET = int(os.environ.get("VOXRAY_TEST_PORT_OFFSET", "0"))  # see tests/deployments/conftest.py
 GRPC_PORT, HTTP_PORT = 19420 + _OFFSET, 19421 + _OFFSET
@@ -62,7 +72,7 @@ def test_refused_failed_and_finished_streams_are_told_apart():
     assert refused.refusal_reason() == "RESOURCE_EXHAUSTED: cluster full for <id>: predicted TTFA # s"
     summary = summarize([finished, refused, failed, late], [Fault(1, "kill", "LLMStage")], [])
     assert summary["refused_in_failover"] == 0  # no kill done
-    kill = chaos_bench.FaultRecord(Fault(1, "kill", "LLMStage"), done_at_s=0.5, replica="x")
+    kill = FaultRecord(Fault(1, "kill", "LLMStage"), done_at_s=0.5, replica="x")
     assert summarize([refused], [kill.fault], [kill])["refusals_in_failover"] == {refused.refusal_reason(): 1}
     assert (summary["sent"], summary["refused"], summary["admitted"], summary["finished"]) == (4, 1, 3, 2)
     assert summary["failed"] == [{"req_id": "c", "code": "UNAVAILABLE", "details": ""}]
@@ -93,8 +103,10 @@ def test_the_victim_is_the_replica_most_playing_streams_use_and_waits_are_measur
 @pytest.mark.slow
 @pytest.mark.timeout(480)
 def test_bounded_chaos_run(tmp_path):
-    report = chaos_bench.main(["--duration-s", "120", "--kill-every-s", "45", "--grpc-port", str(GRPC_PORT),
-                               "--http-port", str(HTTP_PORT), "--out", str(tmp_path / "chaos.json")])  # fmt: skip
+    out = tmp_path / "chaos.json"  # its own process: this one may be a driver of another test's Ray
+    run_tool("loadtest.chaos_bench", "--duration-s", "120", "--kill-every-s", "45", "--grpc-port", str(GRPC_PORT),
+             "--http-port", str(HTTP_PORT), "--out", str(out), timeout_s=450)  # fmt: skip
+    report = json.loads(out.read_text())
     summary, faults = report["summary"], report["faults"]
     assert [(f["action"], f["deployment"]) for f in faults] == [("kill", "LLMStage"), ("drain", "LLMStage"),
                                                                 ("kill", "DetokStage")]  # fmt: skip
@@ -103,3 +115,19 @@ def test_bounded_chaos_run(tmp_path):
     assert summary["admitted"] >= 10 and summary["finished"] == summary["admitted"], summary["failed"]
     mismatched = [s["req_id"] for s in report["streams"] if s["same_audio"] is False]
     assert summary["compared"] >= 5 and summary["same_audio"] == summary["compared"], mismatched
+
+
+def test_joining_a_server_refuses_while_this_process_drives_another_ray(monkeypatch):
+    """A bench in a process that is already a driver of another Ray (a test session's) would kill and
+    query that cluster's replicas: joining the server's raises instead."""
+    import ray
+
+    from loadtest import cluster_process
+
+    monkeypatch.setattr(cluster_process, "gcs_address", lambda pid: "127.0.0.1:6380")
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: SimpleNamespace(gcs_address="127.0.0.1:6379"))
+    with pytest.raises(RuntimeError, match="already a driver of the Ray at 127.0.0.1:6379"):
+        cluster_process.join_cluster(SimpleNamespace(proc=SimpleNamespace(pid=1)))
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: SimpleNamespace(gcs_address="127.0.0.1:6380"))
+    cluster_process.join_cluster(SimpleNamespace(proc=SimpleNamespace(pid=1)))  # the server's own: nothing to do

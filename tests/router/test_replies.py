@@ -13,7 +13,7 @@ from core.errors import InvalidArgumentError
 from router.auth import QuotaExceeded, Unauthenticated
 from router.deadlines import DeadlineUnmeetable
 from router.ingress import _failure
-from router.replies import http_error, log_failure
+from router.replies import http_error, log_failure, out_of_memory_message, out_of_memory_retry_s
 from router.streams import AdmissionRejected, StreamFailed
 
 
@@ -55,3 +55,13 @@ def test_client_errors_log_one_line_and_our_bugs_their_traceback(caplog):
     first, second = caplog.records
     assert first.getMessage() == "gRPC request r-1: INVALID_ARGUMENT text: must not be empty" and not first.exc_info
     assert second.levelno == logging.ERROR and second.exc_info[1] is bug
+
+
+def test_a_stream_failed_by_out_of_memory_is_resource_exhausted_with_its_retry_hint():
+    failure, own = _failure(StreamFailed(out_of_memory_message(1.5)))
+    assert (failure.code, failure.http_status, failure.retry_after_s, own) == (
+        grpc.StatusCode.RESOURCE_EXHAUSTED, 429, 1.5, None,
+    )  # fmt: skip
+    assert failure.message == "out of accelerator memory; retry after 1.5 s"
+    assert http_error(failure, "req-oom").headers["Retry-After"] == "2"
+    assert out_of_memory_retry_s("out of accelerator memory at /opt/x.py") is None  # only our own message

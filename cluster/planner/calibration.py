@@ -1,0 +1,228 @@
+"""Calibration tables for the capacity planner: what one step of each stage costs on one device.
+
+A calibration is a small JSON file (`calibrations/<gpu>-<model>.json`, every number with its source)
+read into typed tables: the LLM decode step in ms by rows x tokens cached, the detokenizer's forward in ms
+by frames in its batch, the hops between stages, the chunk schedule and the serving limits measured with.
+`cluster.planner.simulate` prices each simulated step with these; `voxray plan` picks a file by
+`--gpu` / `--model`. Bad files or names raise `InvalidArgumentError` naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from core.errors import InvalidArgumentError
+
+CALIBRATION_DIR = Path(__file__).with_name("calibrations")
+
+
+@dataclass(frozen=True)
+class StepTable:
+    """LLM decode step ms at `rows` (ascending) x `cache_tokens` (ascending): `ms[i][j]`. Outside the rows,
+    the last segment's slope carries on; past the last cache column the last two columns' slope does, or with
+    one column the KV read a row adds (`kv_bytes_per_token` at `memory_bandwidth_bytes_per_s`)."""
+
+    rows: tuple[int, ...]
+    cache_tokens: tuple[int, ...]
+    ms: tuple[tuple[float, ...], ...]
+    kv_bytes_per_token: float = 0.0
+    memory_bandwidth_bytes_per_s: float = 1.0
+
+    def step_ms(self, rows: np.ndarray, cache_tokens: np.ndarray) -> np.ndarray:
+        """Vectorised: ms of one step for each (rows, mean tokens cached) pair; 0 where rows is 0."""
+        rows = np.asarray(rows, dtype=np.float64)
+        cache = np.asarray(cache_tokens, dtype=np.float64)
+        table = np.asarray(self.ms)  # [rows, cache columns]
+        columns = [_interp_extrapolate(rows, self.rows, table[:, j]) for j in range(len(self.cache_tokens))]
+        if len(columns) == 1:
+            extra_tokens = np.maximum(cache - self.cache_tokens[0], 0.0)
+            kv_ms = rows * extra_tokens * self.kv_bytes_per_token / self.memory_bandwidth_bytes_per_s * 1e3
+            ms = columns[0] + kv_ms
+        else:
+            stacked = np.stack(columns, axis=-1)  # [..., cache columns]
+            ms = _interp_columns(cache, self.cache_tokens, stacked)
+        return np.where(rows > 0, np.maximum(ms, 0.0), 0.0)
+
+
+@dataclass(frozen=True)
+class DetokTable:
+    """Detokenizer forward ms by the window frames in one batch (sum over its chunks), ascending."""
+
+    batch_frames: tuple[int, ...]
+    ms: tuple[float, ...]
+    max_batch_chunks: int
+
+    def batch_ms(self, frames: np.ndarray | float) -> np.ndarray:
+        return np.maximum(_interp_extrapolate(np.asarray(frames, np.float64), self.batch_frames, self.ms), 0.0)
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """The chunk schedule the stages ran with (fields of `core.config.DetokConfig`)."""
+
+    first_chunk_frames: int
+    chunk_frames: int
+    left_context_frames: int
+    right_context_frames: int
+    adaptive: bool
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """One device + model: the stage costs the planner prices steps with, and where they came from."""
+
+    gpu: str
+    model: str
+    family: str
+    device: str
+    llm_step: StepTable
+    prefill_ms_per_token: float
+    pipeline_step_factor: float  # the serving loop's step / the engine's alone (host work per step)
+    max_streams_per_replica: int
+    detok: DetokTable
+    llm_to_detok_s: float
+    detok_to_client_s: float
+    schedule: ScheduleSpec
+    sources: dict[str, str]
+
+
+def _interp_extrapolate(x: np.ndarray, xs: tuple, ys: tuple | np.ndarray) -> np.ndarray:
+    """Piecewise-linear through (xs, ys), extended past both ends along the end segments."""
+    xs_arr, ys_arr = np.asarray(xs, np.float64), np.asarray(ys, np.float64)
+    if len(xs_arr) == 1:
+        return np.full_like(x, ys_arr[0], dtype=np.float64)
+    inside = np.interp(x, xs_arr, ys_arr)
+    low_slope = (ys_arr[1] - ys_arr[0]) / (xs_arr[1] - xs_arr[0])
+    high_slope = (ys_arr[-1] - ys_arr[-2]) / (xs_arr[-1] - xs_arr[-2])
+    below = ys_arr[0] + low_slope * (x - xs_arr[0])
+    above = ys_arr[-1] + high_slope * (x - xs_arr[-1])
+    return np.where(x < xs_arr[0], below, np.where(x > xs_arr[-1], above, inside))
+
+
+def _interp_columns(cache: np.ndarray, cache_tokens: tuple[int, ...], stacked: np.ndarray) -> np.ndarray:
+    """Per element, interpolate its row of `stacked` [..., C] at its own `cache` value."""
+    xs = np.asarray(cache_tokens, np.float64)
+    hi = np.clip(np.searchsorted(xs, cache, side="right"), 1, len(xs) - 1)
+    lo = hi - 1
+    weight = (cache - xs[lo]) / (xs[hi] - xs[lo])  # may leave [0, 1]: extrapolation along the end columns
+    weight = np.maximum(weight, 0.0)  # never cheaper than the shortest cache measured
+    y_lo = np.take_along_axis(stacked, lo[..., None], axis=-1)[..., 0]
+    y_hi = np.take_along_axis(stacked, hi[..., None], axis=-1)[..., 0]
+    return y_lo + weight * (y_hi - y_lo)
+
+
+def available() -> list[tuple[str, str]]:
+    """(gpu, model) of every bundled calibration."""
+    pairs = []
+    for path in sorted(CALIBRATION_DIR.glob("*.json")):
+        data = json.loads(path.read_text())
+        pairs.append((str(data.get("gpu")), str(data.get("model"))))
+    return pairs
+
+
+def find_calibration(gpu: str, model: str) -> Calibration:
+    """The bundled calibration for `gpu` and `model`; an unknown name raises naming `gpu` or `model`."""
+    pairs = available()
+    if not pairs:
+        raise InvalidArgumentError("calibration", f"no calibration files in {CALIBRATION_DIR} (not installed?)")
+    models = sorted({m for _, m in pairs})
+    if model not in models:
+        raise InvalidArgumentError("model", f"no calibration for model {model!r}; calibrated: {', '.join(models)}")
+    gpus = sorted(g for g, m in pairs if m == model)
+    if gpu not in gpus:
+        raise InvalidArgumentError("gpu", f"no calibration for gpu {gpu!r} with {model}; calibrated: {', '.join(gpus)}")
+    return load_calibration(CALIBRATION_DIR / f"{gpu}-{model}.json")
+
+
+def load_calibration(path: Path) -> Calibration:
+    """Parse and check one calibration file."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise InvalidArgumentError("calibration", f"cannot read {path}: {err}") from err
+    return parse_calibration(data)
+
+
+def parse_calibration(data: dict[str, Any]) -> Calibration:
+    llm, detok, transfer = _section(data, "llm"), _section(data, "detok"), _section(data, "transfer")
+    return Calibration(
+        gpu=_text(data, "gpu"), model=_text(data, "model"), family=_text(data, "family"),
+        device=_text(data, "device"),
+        llm_step=_step_table(_section(llm, "step_ms", "llm."), llm),
+        prefill_ms_per_token=_number(llm, "prefill_ms_per_token", "llm.", allow_zero=True),
+        pipeline_step_factor=_number(llm, "pipeline_step_factor", "llm."),
+        max_streams_per_replica=int(_number(llm, "max_streams_per_replica", "llm.")),
+        detok=_detok_table(detok),
+        llm_to_detok_s=_number(transfer, "llm_to_detok_s", "transfer.", allow_zero=True),
+        detok_to_client_s=_number(transfer, "detok_to_client_s", "transfer.", allow_zero=True),
+        schedule=_schedule(_section(data, "schedule")),
+        sources={str(k): str(v) for k, v in _section(data, "sources").items()},
+    )  # fmt: skip
+
+
+def _step_table(step: dict[str, Any], llm: dict[str, Any]) -> StepTable:
+    rows = _ascending(step, "rows", "llm.step_ms.")
+    cache = _ascending(step, "cache_tokens", "llm.step_ms.")
+    ms = step.get("ms")
+    if not isinstance(ms, list) or len(ms) != len(rows) or any(len(r) != len(cache) for r in ms):
+        raise InvalidArgumentError("llm.step_ms.ms", f"must be a {len(rows)} x {len(cache)} list of lists")
+    return StepTable(
+        rows=tuple(int(r) for r in rows), cache_tokens=tuple(int(c) for c in cache),
+        ms=tuple(tuple(float(v) for v in row) for row in ms),
+        kv_bytes_per_token=_number(llm, "kv_bytes_per_token", "llm.", allow_zero=True),
+        memory_bandwidth_bytes_per_s=_number(llm, "memory_bandwidth_bytes_per_s", "llm."),
+    )  # fmt: skip
+
+
+def _detok_table(detok: dict[str, Any]) -> DetokTable:
+    frames = _ascending(detok, "batch_frames", "detok.")
+    ms = detok.get("ms")
+    if not isinstance(ms, list) or len(ms) != len(frames):
+        raise InvalidArgumentError("detok.ms", f"must list {len(frames)} numbers, one per batch_frames")
+    max_chunks = int(_number(detok, "max_batch_chunks", "detok."))
+    return DetokTable(tuple(int(f) for f in frames), tuple(float(v) for v in ms), max_chunks)
+
+
+def _schedule(schedule: dict[str, Any]) -> ScheduleSpec:
+    sizes = {
+        name: int(_number(schedule, name, "schedule.", allow_zero=name.endswith("context_frames")))
+        for name in ("first_chunk_frames", "chunk_frames", "left_context_frames", "right_context_frames")
+    }
+    return ScheduleSpec(**sizes, adaptive=bool(schedule.get("adaptive", False)))
+
+
+def _section(data: dict[str, Any], key: str, prefix: str = "") -> dict[str, Any]:
+    value = data.get(key)
+    if not isinstance(value, dict):
+        raise InvalidArgumentError(prefix + key, "missing or not an object")
+    return value
+
+
+def _text(data: dict[str, Any], key: str) -> str:
+    value = data.get(key)
+    if not isinstance(value, str) or not value:
+        raise InvalidArgumentError(key, "missing or not a string")
+    return value
+
+
+def _number(data: dict[str, Any], key: str, prefix: str, allow_zero: bool = False) -> float:
+    value = data.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidArgumentError(prefix + key, "missing or not a number")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise InvalidArgumentError(prefix + key, f"must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+    return float(value)
+
+
+def _ascending(data: dict[str, Any], key: str, prefix: str) -> list[float]:
+    values = data.get(key)
+    if not isinstance(values, list) or not values or not all(isinstance(v, (int, float)) for v in values):
+        raise InvalidArgumentError(prefix + key, "must be a non-empty list of numbers")
+    if any(b <= a for a, b in zip(values, values[1:], strict=False)) or values[0] <= 0:
+        raise InvalidArgumentError(prefix + key, "must be positive and strictly ascending")
+    return values

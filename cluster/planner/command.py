@@ -1,0 +1,126 @@
+"""What `voxray plan` asks and prints: a checked request -> sized (or given) clusters -> a text table.
+
+`cluster.cli` builds a `PlanRequest` from its flags and prints `plan_report(request)`; every bad value
+raises `InvalidArgumentError` naming the flag's field, so the CLI answers with one line, never a traceback.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from cluster.planner.calibration import CALIBRATION_DIR, Calibration, find_calibration, load_calibration
+from cluster.planner.predict import Scenario, predict
+from cluster.planner.search import Plan, SearchOptions, Slo, real_time_rows, size_cluster, zero_load_ttfa_s
+from cluster.planner.simulate import ClusterShape, SimOptions
+from cluster.planner.workload import ModelRates, Workload
+from core.errors import InvalidArgumentError
+
+SWEEP_STREAMS = (10, 30, 100, 300, 1000, 3000, 10000)
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    model: str
+    gpu: str
+    streams: int
+    ttfa_p90_s: float
+    min_viable_pct: float = 99.0
+    sweep: tuple[int, ...] = ()  # non-empty: each of these stream counts instead of `streams`
+    llm_replicas: int | None = None  # both given: predict this cluster (at each load) instead of sizing one
+    detok_replicas: int | None = None
+    text_chars: tuple[int, ...] = Workload.text_chars
+    step_scale: float = 1.0
+    seed: int = 0
+    calibration: Path | None = None  # a calibration file instead of --gpu / --model's bundled one
+
+    def check(self) -> None:
+        _positive("streams", self.streams)
+        _positive("ttfa_p90_s", self.ttfa_p90_s)
+        _positive("step_scale", self.step_scale)
+        if not 0 < self.min_viable_pct <= 100:
+            raise InvalidArgumentError("min_viable_pct", f"must be in (0, 100], got {self.min_viable_pct}")
+        for streams in self.sweep:
+            _positive("sweep_streams", streams)
+        for chars in self.text_chars:
+            _positive("text_chars", chars)
+        if (self.llm_replicas is None) != (self.detok_replicas is None):
+            raise InvalidArgumentError("llm_replicas", "give both --llm-replicas and --detok-replicas, or neither")
+        if self.llm_replicas is not None:
+            _positive("llm_replicas", self.llm_replicas)
+            _positive("detok_replicas", self.detok_replicas)
+
+
+def _positive(field: str, value: float | None) -> None:
+    if value is None or value <= 0:
+        raise InvalidArgumentError(field, f"must be > 0, got {value}")
+
+
+def scenario_for(request: PlanRequest) -> Scenario:
+    """The calibration (bundled or given), the family's audio clock from the model registry, the texts."""
+    from llm_stage.registry import FAMILY_MODULES, load_family
+
+    if request.calibration is not None:
+        calib = load_calibration(request.calibration)
+    else:
+        calib = find_calibration(request.gpu, request.model)
+    if calib.family not in FAMILY_MODULES:
+        raise InvalidArgumentError("family", f"calibration names unknown family {calib.family!r}")
+    family = load_family(calib.family)
+    rates = ModelRates(family.frame_rate_hz, family.lm.tokens_per_frame)
+    return Scenario(calib, rates, Workload(text_chars=request.text_chars))
+
+
+def plan_report(request: PlanRequest) -> list[str]:
+    request.check()
+    scenario = scenario_for(request)
+    slo = Slo(request.ttfa_p90_s, request.min_viable_pct)
+    sim = SimOptions(seed=request.seed, step_scale=request.step_scale)
+    lines = header(scenario, request, slo, sim)
+    loads = request.sweep or (request.streams,)
+    if request.llm_replicas is not None:  # this cluster under each load: where its bottleneck moves
+        shape = ClusterShape(request.llm_replicas, request.detok_replicas, scenario.calib.max_streams_per_replica)
+        plans = [Plan(n, shape.llm_replicas, shape.detok_replicas, predict(scenario, n, shape, sim)) for n in loads]
+    else:
+        plans = [size_cluster(scenario, n, slo, SearchOptions(sim=sim)) for n in loads]
+    return lines + table(plans, slo)
+
+
+def header(scenario: Scenario, request: PlanRequest, slo: Slo, sim: SimOptions) -> list[str]:
+    calib = scenario.calib
+    source = request.calibration or CALIBRATION_DIR / f"{calib.gpu}-{calib.model}.json"
+    audio_s = scenario.workload.mean_audio_s(scenario.rates)
+    return [
+        f"voxray plan: {calib.model} on {calib.gpu} ({calib.device})",
+        f"SLO: p90 TTFA <= {slo.ttfa_p90_s:.3f} s and >= {slo.min_viable_pct:g}% of streams viable; "
+        f"streams of {audio_s:.1f} s of audio on average (Poisson arrivals, rate = streams / {audio_s:.1f} s)",
+        f"calibration: {source}",
+        f"zero-load TTFA {zero_load_ttfa_s(scenario, sim):.3f} s; real-time rows per LLM replica "
+        f"{real_time_rows(scenario, sim)} of {calib.max_streams_per_replica} slots; 1 replica = 1 GPU"
+        + (f"; every LLM step x{request.step_scale:g}" if request.step_scale != 1.0 else ""),
+    ]
+
+
+COLUMNS = ("streams", "LLM", "detok", "GPUs", "streams/GPU", "p50 TTFA s", "p90 TTFA s", "viable %", "refused %",
+           "LLM load", "detok load", "slots used", "bottleneck", "SLO")  # fmt: skip
+
+
+def table(plans: list[Plan], slo: Slo) -> list[str]:
+    rows = [COLUMNS] + [_row(plan, slo) for plan in plans]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    return ["  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)) for row in rows]
+
+
+def _row(plan: Plan, slo: Slo) -> tuple[str, ...]:
+    p = plan.prediction
+    met = "met" if p.meets(slo.ttfa_p90_s, slo.min_viable_pct) else "MISSED"
+    return (
+        str(plan.streams), str(plan.llm_replicas), str(plan.detok_replicas), str(plan.gpus),
+        f"{plan.streams_per_gpu:.1f}", f"{p.p50_ttfa_s:.3f}", f"{p.p90_ttfa_s:.3f}", f"{p.viable_pct:.1f}",
+        f"{p.rejected_pct:.1f}", f"{p.llm_load:.2f}", f"{p.detok_load:.2f}", f"{p.slot_use:.2f}", p.bottleneck, met,
+    )  # fmt: skip
+
+
+def describe_calibration(calib: Calibration) -> list[str]:
+    """Where each figure came from (for the diary / `--sources`)."""
+    return [f"  {key}: {value}" for key, value in calib.sources.items()]

@@ -1,0 +1,267 @@
+"""Discrete-event model of one VoxRay cluster: Poisson streams through LLM replicas, then detok replicas.
+
+Coarser than `loadtest/policy_sim.py`, on purpose. policy_sim drives the real `Scheduler`, policy and
+`LLMSide` on a fake clock for one replica: exact to the row, ~0.3 s per 48 requests. Here each LLM replica
+is a batch server priced per step from a calibration table (rows x tokens cached); every admitted stream
+decodes one token every step (FCFS-like: no stream is skipped for its slack, no startup limit), new streams'
+prompts join the step they are admitted in. All replicas step in lockstep over numpy arrays [replicas, slots]
+(each keeps its own clock), so 10,000 concurrent streams cost seconds. The detokenizer stage runs after, as
+a second pass over the chunks' cut times (the LLM does not wait for it, as in serving): each detok replica
+batches what has arrived (FIFO, at most `max_batch_chunks`) and costs by the frames in the batch.
+Admission: a stream waits FCFS at its replica (the router picks the one with the fewest open streams) for
+one of `max_streams_per_replica` slots, and is refused after `admission_wait_s`. Metrics follow DESIGN §1.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+
+from cluster.planner.calibration import Calibration
+from cluster.planner.workload import ChunkRule, ModelRates, Streams
+
+
+@dataclass(frozen=True)
+class ClusterShape:
+    llm_replicas: int
+    detok_replicas: int  # 0: unlimited (every chunk decoded alone, on arrival)
+    max_streams_per_replica: int
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    seed: int = 0
+    admission_wait_s: float = 2.0  # a stream still waiting for a slot after this is refused
+    step_scale: float = 1.0  # x every LLM step: what-if for a slower / faster device
+    detok_scale: float = 1.0
+    min_measured: int = 100  # the measurement window lasts until this many streams arrived in it
+
+
+@dataclass(frozen=True)
+class LLMPass:
+    chunk_stream: np.ndarray  # [C] the stream each cut chunk belongs to
+    chunk_seq: np.ndarray  # [C]
+    chunk_cut_s: np.ndarray  # [C]
+    chunk_kept: np.ndarray  # [C] frames the chunk keeps (plays)
+    chunk_window: np.ndarray  # [C] frames the detokenizer decodes for it
+    admitted_s: np.ndarray  # [N], nan if never admitted
+    llm_load: float  # time-average of step / real-time step (>= 1: the rows fall behind playback)
+    slot_use: float  # time-average of open streams / slots
+
+
+@dataclass(frozen=True)
+class Prediction:
+    p50_ttfa_s: float
+    p90_ttfa_s: float
+    viable_pct: float
+    rejected_pct: float
+    worst_underrun_s: float
+    queue_wait_p90_s: float
+    llm_load: float
+    detok_load: float
+    slot_use: float
+    num_measured: int
+
+    @property
+    def bottleneck(self) -> str:
+        """The most loaded of the three: LLM step time, detokenizer busy time, admission slots."""
+        loads = {"llm step": self.llm_load, "detok": self.detok_load, "admission": self.slot_use}
+        return max(loads, key=loads.__getitem__)
+
+    def meets(self, ttfa_p90_s: float, min_viable_pct: float) -> bool:
+        return self.p90_ttfa_s <= ttfa_p90_s and self.viable_pct >= min_viable_pct
+
+
+@dataclass
+class _Replicas:
+    """State of every LLM replica's slots, [replicas, slots]."""
+
+    stream: np.ndarray
+    generated: np.ndarray
+    tokens: np.ndarray
+    frames: np.ndarray
+    seq: np.ndarray
+    emitted: np.ndarray  # frames covered by the chunks cut so far
+    cache: np.ndarray
+    prompt: np.ndarray
+    first_cut_s: np.ndarray  # float, nan until chunk 0 is cut
+
+    @classmethod
+    def empty(cls, replicas: int, slots: int) -> _Replicas:
+        def zeros() -> np.ndarray:
+            return np.zeros((replicas, slots), np.int64)
+
+        first_cut = np.full((replicas, slots), np.nan)
+        return cls(np.full((replicas, slots), -1), zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros(),
+                   first_cut)  # fmt: skip
+
+
+@dataclass
+class _Queues:
+    """Each replica's routed streams in arrival order, padded with -1 / inf."""
+
+    ids: np.ndarray  # [R, Q]
+    arrival_s: np.ndarray  # [R, Q]
+    length: np.ndarray  # [R]
+    head: np.ndarray  # [R]
+
+    def head_arrival(self) -> np.ndarray:
+        col = np.minimum(self.head, self.ids.shape[1] - 1)
+        return np.where(self.head < self.length, self.arrival_s[np.arange(len(self.head)), col], np.inf)
+
+
+def route_streams(streams: Streams, replicas: int, rates: ModelRates) -> np.ndarray:
+    """The router's pick per stream: the replica with the fewest streams expected open at its arrival
+    (a stream is taken to stay open for its audio's length)."""
+    ends: list[tuple[float, int]] = []
+    open_count = [0] * replicas
+    choice = np.empty(streams.count, np.int64)
+    hold_s = streams.frames * rates.frame_s
+    for sid in range(streams.count):
+        now = streams.arrival_s[sid]
+        while ends and ends[0][0] <= now:
+            open_count[heapq.heappop(ends)[1]] -= 1
+        replica = open_count.index(min(open_count))
+        open_count[replica] += 1
+        heapq.heappush(ends, (now + hold_s[sid], replica))
+        choice[sid] = replica
+    return choice
+
+
+def _queues(streams: Streams, choice: np.ndarray, replicas: int) -> _Queues:
+    counts = np.bincount(choice, minlength=replicas)
+    width = max(1, int(counts.max()))
+    ids = np.full((replicas, width), -1, np.int64)
+    order = np.argsort(choice, kind="stable")  # stream ids by replica, arrival order kept
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    cols = np.arange(streams.count) - np.repeat(starts, counts)
+    ids[choice[order], cols] = order
+    arrival = np.where(ids >= 0, streams.arrival_s[np.maximum(ids, 0)], np.inf)
+    return _Queues(ids, arrival, counts, np.zeros(replicas, np.int64))
+
+
+def _admit(state: _Replicas, queues: _Queues, clock: np.ndarray, streams: Streams, tokens_per_frame: int,
+           wait_s: float, admitted_s: np.ndarray) -> np.ndarray:  # fmt: skip
+    """Fill free slots FCFS from each replica's queue; refuse heads that waited past `wait_s`.
+    Returns the slots filled [R, S] (their prompts join this step)."""
+    filled = np.zeros(state.stream.shape, bool)
+    while True:
+        head_arrival = queues.head_arrival()
+        waiting = head_arrival <= clock
+        expired = waiting & (clock - head_arrival > wait_s)
+        if expired.any():
+            queues.head[expired] += 1  # refused: admitted_s stays nan
+            continue
+        free = state.stream < 0
+        can = waiting & free.any(axis=1)
+        if not can.any():
+            return filled
+        r = np.flatnonzero(can)
+        s = np.argmax(free[r], axis=1)
+        sid = queues.ids[r, queues.head[r]]
+        frames = streams.frames[sid]
+        state.stream[r, s], state.generated[r, s], state.seq[r, s], state.emitted[r, s] = sid, 0, 0, 0
+        state.frames[r, s], state.tokens[r, s] = frames, frames * tokens_per_frame
+        state.first_cut_s[r, s] = np.nan
+        state.prompt[r, s] = state.cache[r, s] = streams.prompt_tokens[sid]
+        admitted_s[sid] = clock[r]
+        queues.head[r] += 1
+        filled[r, s] = True
+
+
+def _budget_frames(state: _Replicas, clock: np.ndarray, step_s: np.ndarray, rates: ModelRates,
+                   rule: ChunkRule, detok_step_s: float) -> np.ndarray:  # fmt: skip
+    """Per slot, the frames its client's buffer can wait for (playback taken to start at the first cut)."""
+    played_s = clock[:, None] - state.first_cut_s
+    buffered_s = state.emitted * rates.frame_s - played_s
+    frame_cost_s = np.maximum(step_s[:, None] * rates.tokens_per_frame, 1e-6)
+    budget = np.floor((rule.buffer_safety * buffered_s - detok_step_s) / frame_cost_s)
+    return np.where(np.isnan(budget), rule.planned_size(state.seq), budget).astype(np.int64)
+
+
+def _cut_chunks(state: _Replicas, rule: ChunkRule, budget: np.ndarray, clock: np.ndarray,
+                tokens_per_frame: int) -> list[np.ndarray]:  # fmt: skip
+    """Cut every chunk whose kept frames and right context now exist (or the stream ended):
+    [stream ids, seqs, cut times, kept frames, window frames]; advances the slots' seq and emitted."""
+    frames_done = np.minimum(state.generated // tokens_per_frame, state.frames)
+    parts: list[list[np.ndarray]] = [[], [], [], [], []]
+    while True:
+        size = rule.next_size(state.seq, budget)
+        end = np.minimum(state.emitted + size, state.frames)
+        ready_at = np.minimum(end + rule.right_context_frames, state.frames)
+        ready = (state.stream >= 0) & (state.emitted < state.frames) & (frames_done >= ready_at)
+        if not ready.any():
+            return [np.concatenate(p) if p else np.empty(0) for p in parts]
+        rows, cols = np.nonzero(ready)
+        start = state.emitted[rows, cols]
+        window = ready_at[rows, cols] - np.maximum(start - rule.left_context_frames, 0)
+        kept = end[rows, cols] - start
+        values = (state.stream[rows, cols], state.seq[rows, cols], clock[rows], kept, window)
+        for part, value in zip(parts, values, strict=True):
+            part.append(value)
+        first = state.seq[rows, cols] == 0
+        state.first_cut_s[rows[first], cols[first]] = clock[rows[first]]
+        state.seq[rows, cols] += 1
+        state.emitted[rows, cols] = end[rows, cols]
+
+
+def _step_s(state: _Replicas, filled: np.ndarray, calib: Calibration, options: SimOptions) -> np.ndarray:
+    """Each replica's next step: the table at its rows and mean tokens cached, plus new prompts."""
+    live = state.stream >= 0
+    rows = live.sum(axis=1)
+    mean_cache = (state.cache * live).sum(axis=1) / np.maximum(rows, 1)
+    step_ms = calib.llm_step.step_ms(rows, mean_cache) * calib.pipeline_step_factor
+    prefill_ms = calib.prefill_ms_per_token * (state.prompt * filled).sum(axis=1)
+    return (step_ms + prefill_ms) * options.step_scale / 1e3
+
+
+def run_llm_stage(streams: Streams, shape: ClusterShape, calib: Calibration, rates: ModelRates,
+                  rule: ChunkRule, options: SimOptions, window_s: tuple[float, float]) -> LLMPass:  # fmt: skip
+    """Step every LLM replica until its streams are done; log each chunk's cut time."""
+    replicas, slots = shape.llm_replicas, shape.max_streams_per_replica
+    queues = _queues(streams, route_streams(streams, replicas, rates), replicas)
+    state = _Replicas.empty(replicas, slots)
+    clock = np.zeros(replicas)
+    admitted_s = np.full(streams.count, np.nan)
+    logs: list[list[np.ndarray]] = []
+    load_sum = slot_sum = 0.0
+    detok_step_s = typical_detok_step_s(calib, rule, options.detok_scale)
+    horizon_s = float(streams.arrival_s[-1]) + 60.0 * float(streams.frames.max()) * rates.frame_s
+    while True:
+        open_rows = (state.stream >= 0).sum(axis=1)
+        pending = queues.head < queues.length
+        if not (open_rows.any() or pending.any()) or clock.min() > horizon_s:
+            break
+        idle = (open_rows == 0) & pending
+        clock = np.where(idle, np.maximum(clock, queues.head_arrival()), clock)
+        filled = _admit(state, queues, clock, streams, rates.tokens_per_frame, options.admission_wait_s, admitted_s)
+        live = state.stream >= 0
+        step_s = _step_s(state, filled, calib, options)
+        in_window = (clock >= window_s[0]) & (clock < window_s[1])
+        load_sum += float((step_s * step_s / rates.real_time_step_s)[in_window].sum())
+        slot_sum += float((step_s * live.sum(axis=1))[in_window].sum())
+        clock = clock + step_s
+        state.generated += live
+        state.cache += live
+        budget = _budget_frames(state, clock, step_s, rates, rule, detok_step_s)
+        cut = _cut_chunks(state, rule, budget, clock, rates.tokens_per_frame)
+        if len(cut[0]):
+            logs.append(cut)
+        state.stream[live & (state.generated >= state.tokens)] = -1
+    span_s = (window_s[1] - window_s[0]) * replicas
+    stream, seq, cut_s, kept, window = (
+        [np.concatenate(part) for part in zip(*logs, strict=True)] if logs else [np.empty(0)] * 5
+    )
+    as_int = [part.astype(np.int64) for part in (stream, seq, kept, window)]
+    return LLMPass(as_int[0], as_int[1], cut_s.astype(np.float64), as_int[2], as_int[3], admitted_s,
+                   load_sum / span_s, slot_sum / (span_s * slots))  # fmt: skip
+
+
+def typical_detok_step_s(calib: Calibration, rule: ChunkRule, detok_scale: float) -> float:
+    """The detokenizer step the LLM side budgets for (`StepTimer.detok_s`, an EMA of measured steps): taken
+    as one steady window decoded alone, what an unloaded detokenizer measures. Under load the real EMA grows
+    and chunks shrink sooner; here the second pass's queueing shows as late chunks instead."""
+    steady_window = int(rule.planned[-1]) + rule.left_context_frames + rule.right_context_frames
+    return float(calib.detok.batch_ms(steady_window)) * detok_scale / 1e3

@@ -1,0 +1,76 @@
+"""`voxray plan`: the table it prints, the sweep, a given cluster, and one-line errors naming the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.cli import main
+
+CPU = ["plan", "--gpu", "cpu", "--model", "orpheus-tiny", "--text-chars", "30", "--ttfa-p90-s", "1.0"]
+
+
+def table_rows(out: str) -> list[list[str]]:
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:1] == ["streams"])
+    return [line.split() for line in lines[start + 1 :] if line.strip() and not line.startswith("sources")]
+
+
+def test_plan_prints_replicas_gpus_ttfa_viability_and_bottleneck(capsys):
+    assert main([*CPU, "--streams", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "orpheus-tiny on cpu" in out and "p90 TTFA <= 1.000 s" in out and "zero-load TTFA" in out
+    (row,) = table_rows(out)
+    streams, llm, detok, gpus = (int(cell) for cell in row[:4])
+    assert streams == 6 and llm >= 1 and detok >= 1 and gpus == llm + detok
+    assert float(row[6]) <= 1.0 and float(row[7]) >= 99.0
+    assert row[-2] in {"step", "detok", "admission"} and row[-1] == "met"  # "llm step" splits in two
+
+
+def test_sweep_sizes_each_load_and_needs_more_gpus_for_more_streams(capsys):
+    assert main([*CPU, "--sweep", "--sweep-streams", "2", "16"]) == 0
+    rows = table_rows(capsys.readouterr().out)
+    assert [int(row[0]) for row in rows] == [2, 16]
+    assert int(rows[1][3]) > int(rows[0][3])
+
+
+def test_a_given_cluster_is_predicted_at_each_load(capsys):
+    assert main([*CPU, "--llm-replicas", "1", "--detok-replicas", "1", "--sweep", "--sweep-streams", "2", "30"]) == 0
+    light, heavy = table_rows(capsys.readouterr().out)
+    assert (light[1], light[2], heavy[1], heavy[2]) == ("1", "1", "1", "1")
+    assert light[-1] == "met" and heavy[-1] == "MISSED"
+
+
+def test_sources_lists_where_the_figures_came_from(capsys):
+    assert main([*CPU, "--streams", "2", "--sources"]) == 0
+    out = capsys.readouterr().out
+    assert "sources:" in out and "policy_sim" in out
+
+
+@pytest.mark.parametrize(
+    ("flags", "field"),
+    [
+        (["--gpu", "h100"], "gpu"),
+        (["--model", "csm-1b"], "model"),
+        (["--streams", "0"], "streams"),
+        (["--ttfa-p90-s", "-0.5"], "ttfa_p90_s"),
+        (["--ttfa-p90-s", "0.01"], "ttfa_p90_s"),  # under the zero-load TTFA
+        (["--min-viable-pct", "150"], "min_viable_pct"),
+        (["--llm-replicas", "2"], "llm_replicas"),
+        (["--llm-replicas", "0", "--detok-replicas", "1"], "llm_replicas"),
+        (["--text-chars", "0"], "text_chars"),
+        (["--step-scale", "0"], "step_scale"),
+        (["--sweep", "--sweep-streams", "10", "-5"], "sweep_streams"),
+        (["--calibration", "/nonexistent/planner.json"], "calibration"),
+    ],
+)
+def test_bad_input_is_one_line_naming_the_field(capsys, flags, field):
+    assert main(["plan", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {field}: ") and "\n" not in err and "Traceback" not in err
+
+
+def test_a_non_number_is_refused_by_the_parser(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--streams", "many"])
+    assert exit_info.value.code == 2
+    assert "--streams" in capsys.readouterr().err

@@ -1,0 +1,176 @@
+"""The capacity planner's model: calibration tables, chunk cutting, and the physics a sizing rests on."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import pytest
+
+from cluster.planner.calibration import CALIBRATION_DIR, available, find_calibration, parse_calibration
+from cluster.planner.predict import Scenario, predict
+from cluster.planner.search import Slo, capacity_streams, size_cluster, zero_load_ttfa_s
+from cluster.planner.simulate import ClusterShape, SimOptions
+from cluster.planner.workload import ChunkRule, ModelRates, Workload
+from core.config import DetokConfig
+from core.errors import InvalidArgumentError
+from llm_stage.registry import load_family
+
+ORPHEUS = ModelRates(24000 / 2048, 7)
+FAST = SimOptions(min_measured=40)
+
+SMALL = {  # a made-up device: cheap to simulate (few slots, short streams), costs like the CPU preset's
+    "gpu": "test", "model": "orpheus-test", "family": "orpheus", "device": "made up in tests",
+    "llm": {
+        "step_ms": {"rows": [1, 4, 8], "cache_tokens": [100], "ms": [[5.0], [6.0], [8.0]]},
+        "kv_bytes_per_token": 0, "memory_bandwidth_bytes_per_s": 1e10, "prefill_ms_per_token": 0.02,
+        "pipeline_step_factor": 1.0, "max_streams_per_replica": 8,
+    },
+    "detok": {"batch_frames": [1, 64], "ms": [2.0, 20.0], "max_batch_chunks": 16},
+    "transfer": {"llm_to_detok_s": 0.005, "detok_to_client_s": 0.01},
+    "schedule": {"first_chunk_frames": 2, "chunk_frames": 8, "left_context_frames": 3, "right_context_frames": 3,
+                 "adaptive": True},
+    "sources": {"all": "made up"},
+}  # fmt: skip
+SHORT_TEXTS = Workload(text_chars=(30,))  # 2 s of audio
+
+
+def small_scenario(**changes: dict) -> Scenario:
+    data = copy.deepcopy(SMALL)
+    for section, fields in changes.items():
+        data[section].update(fields)
+    return Scenario(parse_calibration(data), ORPHEUS, SHORT_TEXTS)
+
+
+# calibration
+
+
+def test_bundled_calibrations_parse_and_match_the_registry():
+    assert ("h200", "orpheus-3b") in available() and ("cpu", "orpheus-tiny") in available()
+    for gpu, model in available():
+        calib = find_calibration(gpu, model)
+        assert calib.sources and calib.family == "orpheus"
+        family = load_family(calib.family)
+        assert (family.frame_rate_hz, family.lm.tokens_per_frame) == (ORPHEUS.frame_rate_hz, 7)
+
+
+def test_step_table_hits_its_points_interpolates_and_extends():
+    step = find_calibration("h200", "orpheus-3b").llm_step
+    at = step.step_ms(np.asarray([1, 128, 192, 1024, 0]), np.full(5, 233.0))
+    assert at[0] == pytest.approx(4.11) and at[1] == pytest.approx(7.05)
+    assert at[2] == pytest.approx((7.05 + 10.49) / 2)
+    assert at[3] == pytest.approx(18.87 + 512 * (18.87 - 10.49) / 256)  # past 512 rows: the last segment's slope
+    assert at[4] == 0.0
+    longer = step.step_ms(np.asarray([128]), np.asarray([1233.0]))[0]
+    assert longer - 7.05 == pytest.approx(128 * 1000 * 114688 / 4.3e12 * 1e3)  # the KV read at the memory bound
+
+
+def test_step_table_with_two_cache_columns_interpolates_between_them():
+    data = copy.deepcopy(SMALL)
+    data["llm"]["step_ms"] = {"rows": [1, 8], "cache_tokens": [100, 300], "ms": [[5.0, 7.0], [8.0, 12.0]]}
+    step = parse_calibration(data).llm_step
+    assert step.step_ms(np.asarray([1, 8]), np.asarray([200.0, 300.0])).tolist() == pytest.approx([6.0, 12.0])
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "field"),
+    [
+        (("llm", "step_ms"), None, "llm.step_ms"),
+        (("llm", "step_ms", "rows"), [4, 1, 8], "llm.step_ms.rows"),
+        (("llm", "step_ms", "ms"), [[5.0]], "llm.step_ms.ms"),
+        (("llm", "pipeline_step_factor"), 0, "llm.pipeline_step_factor"),
+        (("detok", "ms"), [1.0], "detok.ms"),
+        (("transfer", "llm_to_detok_s"), "fast", "transfer.llm_to_detok_s"),
+        (("schedule", "chunk_frames"), -2, "schedule.chunk_frames"),
+    ],
+)
+def test_bad_calibration_names_the_field(path, value, field):
+    data = copy.deepcopy(SMALL)
+    parent = data
+    for key in path[:-1]:
+        parent = parent[key]
+    parent[path[-1]] = value
+    with pytest.raises(InvalidArgumentError) as err:
+        parse_calibration(data)
+    assert err.value.field == field
+
+
+def test_calibration_files_say_where_every_section_came_from():
+    for path in CALIBRATION_DIR.glob("*.json"):
+        sources = json.loads(path.read_text())["sources"]
+        assert {"llm.step_ms", "detok", "transfer", "schedule"} <= set(sources), path.name
+
+
+# chunks
+
+
+def test_chunk_rule_follows_the_engines_schedule_and_caps_by_the_buffer():
+    rule = ChunkRule.from_spec(find_calibration("h200", "orpheus-3b").schedule)
+    assert DetokConfig().first_chunk_frames == 2 and DetokConfig().chunk_frames == 8
+    assert rule.planned_size(np.arange(5)).tolist() == [2, 4, 8, 8, 8]
+    seq = np.asarray([0, 1, 2, 2])
+    budget = np.asarray([0, 3, 20, -1])
+    assert rule.next_size(seq, budget).tolist() == [2, 3, 8, 2]  # seq 0 as planned; a spent buffer restarts
+
+
+# physics
+
+
+@pytest.mark.parametrize("step_scale", [1.0, 1.5])
+def test_zero_load_ttfa_is_the_first_chunks_compute(step_scale):
+    scenario = Scenario(find_calibration("h200", "orpheus-3b"), ORPHEUS)
+    options = SimOptions(min_measured=20, step_scale=step_scale)
+    alone = predict(scenario, 0.02, ClusterShape(1, 1, 256), options)
+    assert alone.p50_ttfa_s == pytest.approx(zero_load_ttfa_s(scenario, options), abs=1e-9)
+    assert alone.viable_pct == 100.0
+
+
+def test_more_streams_take_longer_to_first_audio():
+    scenario = small_scenario()
+    shape = ClusterShape(2, 1, 8)
+    light, heavy = (predict(scenario, n, shape, FAST) for n in (2, 14))
+    assert heavy.p90_ttfa_s > light.p90_ttfa_s
+    assert heavy.llm_load > light.llm_load and heavy.slot_use > light.slot_use
+
+
+def test_doubling_replicas_doubles_capacity():
+    """From 2 replicas on (one replica alone cannot spread its bursts: 1 -> 2 gains ~2.6x here)."""
+    scenario = small_scenario()
+    slo = Slo(ttfa_p90_s=0.6)
+    two = capacity_streams(scenario, ClusterShape(2, 2, 8), slo, high=64, sim=FAST)
+    four = capacity_streams(scenario, ClusterShape(4, 4, 8), slo, high=128, sim=FAST)
+    assert two >= 8
+    assert 1.8 <= four / two <= 2.2
+
+
+def test_a_slower_step_moves_the_bottleneck_from_the_detokenizer_to_the_llm():
+    scenario = small_scenario(detok={"ms": [30.0, 300.0]})  # a heavy detokenizer
+    shape = ClusterShape(1, 1, 8)
+    base = predict(scenario, 4, shape, FAST)
+    slow = predict(scenario, 4, shape, SimOptions(min_measured=40, step_scale=4.0))
+    assert base.bottleneck == "detok"
+    assert slow.bottleneck == "llm step"
+    assert slow.p90_ttfa_s > base.p90_ttfa_s
+
+
+def test_full_slots_make_admission_the_bottleneck_and_refuse_streams():
+    scenario = small_scenario(llm={"max_streams_per_replica": 2})
+    crowded = predict(scenario, 6, ClusterShape(1, 1, 2), SimOptions(min_measured=40, admission_wait_s=0.5))
+    assert crowded.bottleneck == "admission"
+    assert crowded.rejected_pct > 0 and crowded.viable_pct < 99
+
+
+def test_size_cluster_meets_the_slo_and_grows_with_the_load():
+    scenario = small_scenario()
+    slo = Slo(ttfa_p90_s=0.6)
+    small, large = (size_cluster(scenario, n, slo) for n in (4, 24))
+    for plan in (small, large):
+        assert plan.prediction.meets(slo.ttfa_p90_s, slo.min_viable_pct)
+    assert large.llm_replicas > small.llm_replicas and large.gpus > small.gpus
+
+
+def test_an_slo_under_the_zero_load_ttfa_is_refused_naming_the_field():
+    with pytest.raises(InvalidArgumentError) as err:
+        size_cluster(small_scenario(), 4, Slo(ttfa_p90_s=0.05))
+    assert err.value.field == "ttfa_p90_s"
