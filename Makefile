@@ -3,7 +3,8 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install serve test lint vllm-venv vllm-baseline-deps sweep locust bench gpu-wheels gpu-wheelhouse
+.PHONY: install serve test lint vllm-venv vllm-baseline-deps sweep locust bench gpu-wheels gpu-wheelhouse \
+	gpu-sweep-rehearsal
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -53,3 +54,13 @@ gpu-wheels: install
 
 gpu-wheelhouse: install
 	$(BIN)/python -m loadtest.gpu.wheelhouse --group cluster --out .whl
+
+# The GPU load sweep (loadtest/gpu/sweep_run.sh: in-process pipeline vs the Serve cluster on one GPU) rehearsed on
+# this machine's CPU with tiny shapes (~4 minutes; starts Ray and `voxray serve` on ports 19500 / 18500): a check that
+# the script runs end to end, not a result. On the GPU machine: `make gpu-wheelhouse`, carry .whl, and run
+# `VOXRAY_COMMIT=<sha> OUT=DIR bash loadtest/gpu/sweep_run.sh` (docs/experiments/2026-12-05-gpu-sweep-prep.md).
+GPU_SWEEP_REHEARSAL_OUT ?= bench_out/gpu_sweep_rehearsal
+gpu-sweep-rehearsal: install
+	OUT=$(GPU_SWEEP_REHEARSAL_OUT) PYTHON=$(BIN)/python CONFIG= LAYERS=2 SMALL=1 DEVICE=cpu RATES="1 2" ARRIVAL_S=4 \
+		RATE_CAP_S=15 MAX_TOKENS=84 HF_TOKENS=21 BUDGET_S=300 WORK=/tmp/voxray-sweep-rehearsal \
+		VOXRAY_COMMIT=$$(git rev-parse --short HEAD) bash loadtest/gpu/sweep_run.sh

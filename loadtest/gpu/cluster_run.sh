@@ -5,8 +5,11 @@
 # once and the OpenAI speech endpoint over HTTP with curl (a WAV body, then SSE as the openai SDK asks for it),
 # and stops it with SIGTERM (drain, then exit 0). Results in $OUT: cluster_run.json, serve.log, say.log,
 # the audio, and any import errors in Ray's logs (ray_import_errors.txt: a wheel the wheelhouse lacks).
-# Exits 1 when a check failed.
+# Exits 1 when a check failed. Sourced (`source loadtest/gpu/cluster_run.sh`), it only defines its functions
+# and defaults, for loadtest/gpu/sweep_run.sh (install, start, wait until ready, stop, Ray's import errors).
 #   MODEL    replaces the config's model (default orpheus-tiny: the machine has no checkpoints); MODEL= keeps it
+#   CODEC    with MODEL, the codec checkpoint (`voxray serve --codec`); default none
+#   LOG_DIR  where serve.log and the other files go (default $OUT)
 #   CONFIG   default deployments/configs/gpu-1.yaml; CONFIG= serves the embedded CPU default (a rehearsal)
 #   PYTHON (python3), SITE (/tmp/voxray-site), WHEELS (.whl), READY_TIMEOUT_S (600), STOP_TIMEOUT_S (60),
 #   VOXRAY_COMMIT (recorded in the JSON, as loadtest/gpu_run.sh does)
@@ -20,12 +23,14 @@ SITE="${SITE:-/tmp/voxray-site}"
 WHEELS="${WHEELS:-.whl}"
 CONFIG="${CONFIG-deployments/configs/gpu-1.yaml}"
 MODEL="${MODEL-orpheus-tiny}"
+CODEC="${CODEC:-}"
 VOICE="${VOICE:-tara}"
 READY_TIMEOUT_S="${READY_TIMEOUT_S:-600}"
 STOP_TIMEOUT_S="${STOP_TIMEOUT_S:-60}"
 RAY_LOGS="${RAY_TMPDIR:-${TMPDIR:-/tmp}}/ray/session_latest/logs"  # where Ray writes its processes' logs
 : "${OUT:?set OUT to the results folder}"
-mkdir -p "$OUT"
+LOG_DIR="${LOG_DIR:-$OUT}"
+mkdir -p "$OUT" "$LOG_DIR"
 command -v curl >/dev/null || { echo "curl is needed (readiness and the HTTP checks)" >&2; exit 2; }
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 FAILED=()
@@ -60,7 +65,7 @@ c = load_serve_config(sys.argv[1]) if sys.argv[1] else ServeConfig(); print(c.ht
 
 # Ray's start alone, as `voxray serve` starts it (embedded, loopback only, no dashboard): import + init.
 time_ray_start() {
-    "$PYTHON" - <<'EOF' | tee "$OUT/ray_start.json"
+    "$PYTHON" - <<'EOF' | tee "$LOG_DIR/ray_start.json"
 import json, time
 t0 = time.perf_counter()
 import ray
@@ -85,36 +90,37 @@ start_serve() {
     local args=(serve)
     [ -n "$CONFIG" ] && args+=(--config "$CONFIG")
     [ -n "$MODEL" ] && args+=(--model "$MODEL")
+    [ -n "$MODEL" ] && [ -n "$CODEC" ] && args+=(--codec "$CODEC")
     echo "starting: voxray ${args[*]}"
     SERVE_START=$(now_s)
-    "$PYTHON" -m cluster.cli "${args[@]}" >"$OUT/serve.log" 2>&1 &
+    "$PYTHON" -m cluster.cli "${args[@]}" >"$LOG_DIR/serve.log" 2>&1 &
     SERVE_PID=$!
 }
 
 # Ready = the CLI printed its endpoints (serve.run returned: every replica up) and /healthz answers 200.
 wait_ready() {
-    while ! { grep -q "^VoxRay serving" "$OUT/serve.log" && curl -sf -o /dev/null "$HTTP/healthz"; }; do
+    while ! { grep -q "^VoxRay serving" "$LOG_DIR/serve.log" && curl -sf -o /dev/null "$HTTP/healthz"; }; do
         if ! kill -0 "$SERVE_PID" 2>/dev/null; then
-            echo "voxray serve exited before it was ready:" >&2; tail -n 40 "$OUT/serve.log" >&2; return 1
+            echo "voxray serve exited before it was ready:" >&2; tail -n 40 "$LOG_DIR/serve.log" >&2; return 1
         fi
         if awk -v s="$(since "$SERVE_START")" -v t="$READY_TIMEOUT_S" 'BEGIN { exit !(s > t) }'; then
-            echo "not ready after ${READY_TIMEOUT_S} s" >&2; tail -n 40 "$OUT/serve.log" >&2; return 1
+            echo "not ready after ${READY_TIMEOUT_S} s" >&2; tail -n 40 "$LOG_DIR/serve.log" >&2; return 1
         fi
         sleep 0.5
     done
     READY_S=$(since "$SERVE_START")
     echo "ready after ${READY_S} s"
     command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv \
-        | tee "$OUT/nvidia_smi.csv" || true
+        | tee "$LOG_DIR/nvidia_smi.csv" || true
 }
 
 check_say() {
     if timeout 120 "$PYTHON" -m cluster.cli say "Hello from one GPU." --voice "$VOICE" \
-        --target "127.0.0.1:$GRPC_PORT" -o "$OUT/say.wav" \
-        >"$OUT/say.log" 2>&1; then
-        echo "say: $(tail -n 3 "$OUT/say.log" | tr '\n' ' ')"
+        --target "127.0.0.1:$GRPC_PORT" -o "$LOG_DIR/say.wav" \
+        >"$LOG_DIR/say.log" 2>&1; then
+        echo "say: $(tail -n 3 "$LOG_DIR/say.log" | tr '\n' ' ')"
     else
-        FAILED+=(say); echo "say FAILED:" >&2; tail -n 20 "$OUT/say.log" >&2
+        FAILED+=(say); echo "say FAILED:" >&2; tail -n 20 "$LOG_DIR/say.log" >&2
     fi
 }
 
@@ -126,15 +132,15 @@ post_speech() {
 }
 
 check_http() {
-    read -r WAV_STATUS WAV_FIRST_S WAV_TOTAL_S < <(post_speech '"response_format": "wav"' "$OUT/http.wav")
-    if [ "$WAV_STATUS" != 200 ] || [ "$(head -c 4 "$OUT/http.wav")" != RIFF ]; then
-        FAILED+=(http_wav); echo "HTTP wav FAILED: status $WAV_STATUS" >&2; head -c 400 "$OUT/http.wav" >&2
+    read -r WAV_STATUS WAV_FIRST_S WAV_TOTAL_S < <(post_speech '"response_format": "wav"' "$LOG_DIR/http.wav")
+    if [ "$WAV_STATUS" != 200 ] || [ "$(head -c 4 "$LOG_DIR/http.wav")" != RIFF ]; then
+        FAILED+=(http_wav); echo "HTTP wav FAILED: status $WAV_STATUS" >&2; head -c 400 "$LOG_DIR/http.wav" >&2
     fi
     read -r SSE_STATUS SSE_FIRST_S SSE_TOTAL_S < <(post_speech \
-        '"response_format": "pcm", "stream_format": "sse"' "$OUT/http_sse.txt")
-    SSE_DELTAS=$(grep -c '"speech.audio.delta"' "$OUT/http_sse.txt" || true)
-    if [ "$SSE_STATUS" != 200 ] || [ "$SSE_DELTAS" -lt 1 ] || ! grep -q '"speech.audio.done"' "$OUT/http_sse.txt"; then
-        FAILED+=(http_sse); echo "HTTP SSE FAILED: status $SSE_STATUS" >&2; head -c 400 "$OUT/http_sse.txt" >&2
+        '"response_format": "pcm", "stream_format": "sse"' "$LOG_DIR/http_sse.txt")
+    SSE_DELTAS=$(grep -c '"speech.audio.delta"' "$LOG_DIR/http_sse.txt" || true)
+    if [ "$SSE_STATUS" != 200 ] || [ "$SSE_DELTAS" -lt 1 ] || ! grep -q '"speech.audio.done"' "$LOG_DIR/http_sse.txt"; then
+        FAILED+=(http_sse); echo "HTTP SSE FAILED: status $SSE_STATUS" >&2; head -c 400 "$LOG_DIR/http_sse.txt" >&2
     fi
     echo "HTTP wav: $WAV_STATUS, first byte ${WAV_FIRST_S} s; SSE: $SSE_STATUS, $SSE_DELTAS deltas," \
         "first event ${SSE_FIRST_S} s"
@@ -161,40 +167,45 @@ stop_serve() {
 # A package the wheelhouse lacks shows up as an import error in some Ray process's log, not here.
 ray_import_errors() {
     grep -rhE "ModuleNotFoundError|No module named" "$RAY_LOGS" 2>/dev/null \
-        | sort | uniq -c | sort -rn | head -n 20 >"$OUT/ray_import_errors.txt" || true
-    IMPORT_ERRORS=$(wc -l <"$OUT/ray_import_errors.txt")
-    [ "$IMPORT_ERRORS" = 0 ] || { echo "import errors in Ray's logs:" >&2; cat "$OUT/ray_import_errors.txt" >&2; }
+        | sort | uniq -c | sort -rn | head -n 20 >"$LOG_DIR/ray_import_errors.txt" || true
+    IMPORT_ERRORS=$(wc -l <"$LOG_DIR/ray_import_errors.txt")
+    [ "$IMPORT_ERRORS" = 0 ] || { echo "import errors in Ray's logs:" >&2; cat "$LOG_DIR/ray_import_errors.txt" >&2; }
 }
 
 write_json() {
-    cat >"$OUT/cluster_run.json" <<EOF
+    cat >"$LOG_DIR/cluster_run.json" <<EOF
 {"config": "${CONFIG:-embedded default}", "model": "${MODEL:-from the config}", "install_s": $INSTALL_S,
- "ray_start": $(cat "$OUT/ray_start.json"), "serve_ready_s": ${READY_S:-null},
+ "ray_start": $(cat "$LOG_DIR/ray_start.json"), "serve_ready_s": ${READY_S:-null},
  "http_wav": {"status": "${WAV_STATUS:-}", "first_byte_s": ${WAV_FIRST_S:-null}, "total_s": ${WAV_TOTAL_S:-null}},
  "http_sse": {"status": "${SSE_STATUS:-}", "deltas": ${SSE_DELTAS:-0}, "first_event_s": ${SSE_FIRST_S:-null}},
  "stop_s": ${STOP_S:-null}, "stop_rc": ${STOP_RC:-null}, "ray_log_import_errors": ${IMPORT_ERRORS:-0},
  "failed": "${FAILED[*]:-}"}
 EOF
-    cat "$OUT/cluster_run.json"
+    cat "$LOG_DIR/cluster_run.json"
 }
 
 # Whatever fails from here on, the server this script started is stopped (by its pid) before it exits.
 stop_on_exit() { [ -z "${SERVE_PID:-}" ] || ! kill -0 "$SERVE_PID" 2>/dev/null || stop_serve; }
 
-install_wheels
-read_ports
-time_ray_start
-trap stop_on_exit EXIT
-start_serve
-if wait_ready; then
-    check_say
-    check_http
-else
-    FAILED+=(ready)
-fi
-stop_serve
-trap - EXIT
-ray_import_errors
-write_json
-[ "${#FAILED[@]}" = 0 ] || { echo "FAILED: ${FAILED[*]}" >&2; exit 1; }
-echo "cluster run OK"
+main() {
+    install_wheels
+    read_ports
+    time_ray_start
+    trap stop_on_exit EXIT
+    start_serve
+    if wait_ready; then
+        check_say
+        check_http
+    else
+        FAILED+=(ready)
+    fi
+    stop_serve
+    trap - EXIT
+    ray_import_errors
+    write_json
+    [ "${#FAILED[@]}" = 0 ] || { echo "FAILED: ${FAILED[*]}" >&2; exit 1; }
+    echo "cluster run OK"
+}
+
+# Run as a script: the checks above. Sourced: the functions and defaults only.
+[ "${BASH_SOURCE[0]}" != "$0" ] || main
