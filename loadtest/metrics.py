@@ -7,7 +7,11 @@ capacity at SLO. Used by `loadtest.sweep`, the Locust user and their unit tests;
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import TypeVar
+
+R = TypeVar("R")  # a per-rate row with a `rate_rps`
 
 
 @dataclass
@@ -164,9 +168,14 @@ def meets_slo(summary: RateSummary, slo_ttfa_p90_s: float, min_pct_viable: float
 
 def capacity_at_slo(summaries: list[RateSummary], slo_ttfa_p90_s: float, min_pct_viable: float = 99.0) -> float:
     """Highest swept rate that meets the SLO with every lower swept rate meeting it too; 0 if none."""
+    return highest_rate_meeting(summaries, lambda s: meets_slo(s, slo_ttfa_p90_s, min_pct_viable))
+
+
+def highest_rate_meeting(rows: Sequence[R], meets: Callable[[R], bool]) -> float:
+    """The highest `rate_rps` of `rows` for which `meets` holds, with every lower rate meeting it too; 0 if none."""
     capacity = 0.0
-    for s in sorted(summaries, key=lambda s: s.rate_rps):
-        if not meets_slo(s, slo_ttfa_p90_s, min_pct_viable):
+    for row in sorted(rows, key=lambda r: r.rate_rps):
+        if not meets(row):
             break
-        capacity = s.rate_rps
+        capacity = row.rate_rps
     return capacity

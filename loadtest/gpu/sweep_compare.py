@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loadtest.metrics import RequestRecord, is_viable, percentile, ttfa_s
+from loadtest.metrics import RequestRecord, highest_rate_meeting, is_viable, percentile, ttfa_s
 
 SLOS_S = (0.5, 0.3)  # p90 TTFA targets: VoxServe's 500 ms and the issue's 300 ms
 MIN_PCT_VIABLE = 99.0
@@ -133,12 +133,7 @@ def meets_slo(row: RateRow, slo_s: float, max_refused_pct: float | None = MAX_RE
 
 def capacity_rps(rows: list[RateRow], slo_s: float, max_refused_pct: float | None = MAX_REFUSED_PCT) -> float:
     """The highest swept rate meeting the SLO with every lower swept rate meeting it too; 0 if none."""
-    capacity = 0.0
-    for row in sorted(rows, key=lambda r: r.rate_rps):
-        if not meets_slo(row, slo_s, max_refused_pct):
-            break
-        capacity = row.rate_rps
-    return capacity
+    return highest_rate_meeting(rows, lambda row: meets_slo(row, slo_s, max_refused_pct))
 
 
 def served_rps(rows: list[RateRow], slo_s: float) -> float:
