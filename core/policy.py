@@ -154,6 +154,12 @@ class StepTimer:
         return self.step_s if self._decode_step_s is None else self._decode_step_s
 
     @property
+    def measured_step_s(self) -> float:
+        """`steady_step_s` once a step was measured, else 0.0 (the figure is the prior): what a load
+        report carries, so that admission knows a prediction from it rests on no measurement."""
+        return self.steady_step_s if self._seen else 0.0
+
+    @property
     def step_s_by_rows(self) -> dict[int, float]:
         """Decode-only step time per batch size measured (`StepSamples`)."""
         return self.steps_by_rows.measured()

@@ -356,7 +356,7 @@ class LLMStage:
             num_active=full if self.is_moving_out else num_streams,  # routers then send it nothing
             max_streams=max(1, min(admission.max_streams_per_replica, kv_streams)),
             max_queued=admission.max_queued_per_replica,
-            step_s=timer.steady_step_s,  # decode steps: not a resume's long prefill
+            step_s=timer.measured_step_s,  # decode steps: not a resume's long prefill; 0 = none measured yet
             first_chunk_tokens=first_tokens * self.side.engine.adapter.tokens_per_frame,
             avg_stream_s=self.avg_stream_s,
             real_time_streams=real_time_rows / rows_per_stream,

@@ -261,7 +261,12 @@ def is_credible(load: ReplicaLoad, predicted_s: float) -> bool:
     their queue waits included), or nothing measured to hold it to. A prediction far beyond that runs
     on a transient (a survivor's steps right after a failover, the first steps of a replacement):
     after an LLM replica was killed, the survivor refused requests on a predicted 39.5 s while the
-    one sent 0.3 s later met its first audio in 2.2 s."""
+    one sent 0.3 s later met its first audio in 2.2 s. Nor may a prediction that rests on no measured
+    step (the DEFAULT_STEP_S prior: the report was taken before the replica's first step): a fresh
+    replica refused a lone client's second request on the prior's 0.72 s, while its first had met
+    its first audio in 0.09 s."""
+    if not (load.next_step_s or load.step_s):
+        return False
     if load.measured_ttfa_s <= 0 or load.credible_ttfa_factor <= 0:
         return True
     return predicted_s <= load.credible_ttfa_factor * load.measured_ttfa_s

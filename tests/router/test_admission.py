@@ -347,6 +347,20 @@ def test_a_prediction_far_past_what_new_streams_measured_refuses_nothing():
     assert decide(replace(measured, credible_ttfa_factor=0.0), 15.0) is Admission.REJECT  # the bound off
 
 
+def test_a_prediction_on_the_step_prior_alone_refuses_nothing():
+    """A fresh replica's report taken before its first step predicts from DEFAULT_STEP_S: a lone
+    client's second request (its first just cancelled, still counted) was refused on the prior's
+    0.72 s against a 0.5 s deadline, though its first had met its first audio in 0.09 s."""
+    from dataclasses import replace
+
+    fresh = replace(load(1), step_s=0.0, first_chunk_tokens=35)
+    assert predict_ttfa_s(fresh) == pytest.approx(0.72)
+    assert decide(fresh, 0.5) is Admission.ADMIT and admits_anywhere([fresh], 0.5)
+    measured = replace(fresh, step_s=0.02)  # the same figure, measured: it refuses
+    assert decide(measured, 0.5) is Admission.REJECT and not admits_anywhere([measured], 0.5)
+    assert decide(replace(fresh, next_step_s=0.02), 0.5) is Admission.REJECT
+
+
 def test_start_times_measure_the_ttfa_from_arrival_queue_included():
     times = StartTimes()
     assert times.ttfa_s() == 0.0
@@ -362,7 +376,9 @@ def test_the_steady_step_leaves_out_steps_that_prefilled():
     survivor: admission's step is the decode-only steps' EMA, the policy's keeps every step."""
     timer = StepTimer(step_s=0.01)
     assert timer.steady_step_s == 0.01  # nothing measured: the prior
+    assert timer.measured_step_s == 0.0  # what a load report carries then (admission: not credible)
     for _ in range(5):
         timer.record_step(0.02, rows=4)
     timer.record_step(3.0, rows=0)  # a step that prefilled
     assert timer.steady_step_s == pytest.approx(0.02) and timer.step_s > 0.3
+    assert timer.measured_step_s == timer.steady_step_s
