@@ -24,11 +24,12 @@ DOC_PATHS = ("/docs", "/redoc", "/openapi.json")
 @pytest.fixture(scope="module")
 def docs_app(cluster):
     """An app with docs and reflection on, beside the session's apps (which have them off); its first
-    chunk is 16 frames, so its first audio comes late enough for the deadline test."""
+    chunk is 48 frames, so its first audio comes late enough for the deadline test (16 frames predicted
+    0.15 s on a quiet 2-core box: half of it is too short a gRPC deadline to time)."""
     from cluster.server import deploy_app
 
     small = StageDeploymentConfig(num_cpus=0.25)
-    slow_first_chunk = DetokConfig(first_chunk_frames=16, chunk_frames=16)  # a first audio the deadline test misses
+    slow_first_chunk = DetokConfig(first_chunk_frames=48, chunk_frames=48)  # a first audio the deadline test misses
     engine = ServeConfig().engine.model_copy(update={"detok": slow_first_chunk})
     config = small_config(app_name=DOCS_APP, route_prefix="/withdocs", http_docs=True, grpc_reflection=True,
                           llm=small, detok=small, engine=engine)  # fmt: skip
@@ -63,7 +64,7 @@ def test_grpc_reflection_only_where_configured(cluster, docs_app):
 
 
 def test_a_grpc_deadline_before_the_first_audio_is_rejected_at_once(docs_app):
-    ok = run_stream(docs_app.grpc_target, DOCS_APP, "measure the pace", sampling={"max_tokens": 7 * 20})
+    ok = run_stream(docs_app.grpc_target, DOCS_APP, "measure the pace", sampling={"max_tokens": 7 * 60})
     assert ok.code == grpc.StatusCode.OK
     time.sleep(1.5)  # the Router's view of the replica's load refreshes every 0.5 s
     predicted_s = predict_ttfa_s(serve.get_deployment_handle("LLMStage", DOCS_APP).load.remote().result())
