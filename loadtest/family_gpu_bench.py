@@ -9,7 +9,7 @@ the detokenizer's cost per second of audio per batch, the in-process pipeline (c
 x-real-time, Poisson rates, capacity at p90 TTFA <= 500 ms and >= 99% viable), throughput mode, and CFG
 retention for Dia and Chatterbox. DIR/family_gpu_bench.json is rewritten after each section.
 GPU (~8 min): `make gpu-wheels`, then on the GPU machine, carrying `.whl`:
-    VOXRAY_COMMIT=$(git rev-parse --short HEAD) OUT=DIR bash loadtest/family_gpu_run.sh
+    VOXRAY_COMMIT=$(git rev-parse --short HEAD) BENCH=family_gpu_bench OUT=$OUT bash loadtest/gpu_run.sh
 CPU smoke: `.venv/bin/python -m loadtest.family_gpu_bench --device cpu --small --out /tmp/fgb`
 """
 
@@ -23,7 +23,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from contextlib import ExitStack, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,7 +41,7 @@ from loadtest.family_sections import (
     streaming_section,
     throughput_section,
 )
-from loadtest.family_shapes import ENTRY_NAMES, FamilyEntry, entry_named, patched, published_shapes
+from loadtest.family_shapes import ENTRY_NAMES, FamilyEntry, entry_named, patched_all, presets_on, published_shapes
 from loadtest.gpu_bench import run_environment
 
 SECTIONS: tuple[tuple[str, float, Callable], ...] = (  # name, end as a share of the entry's time, body
@@ -99,15 +99,9 @@ class FamilyRun:
 
 
 def build_on_device(run: FamilyRun) -> None:
-    """The adapter and codec, their random weights made on the device (seconds at 1-2B; a CPU init of a
-    1.7B model in float32 takes a minute), falling back to a CPU build where a preset's init refuses it."""
+    """The adapter and codec; on a GPU their random weights are made there (`family_shapes.presets_on`)."""
     config, entry = run.model_config(), registry.get_entry(run.entry.model)
-    place = torch.device(run.args.device) if run.is_cuda else nullcontext()
-    try:
-        with place:
-            run.adapter, run.codec = entry.build_lm(config), entry.build_codec(config, run.args.device)
-    except Exception as err:  # e.g. a CPU generator in a preset's init under the device context
-        run.say(f"  built on the device failed ({err!r:.200}); building on the CPU")
+    with patched_all(presets_on(run.args.device)) if run.is_cuda else nullcontext():
         run.adapter, run.codec = entry.build_lm(config), entry.build_codec(config, run.args.device)
 
 
@@ -157,22 +151,25 @@ def release_memory(run: FamilyRun) -> None:
         torch.cuda.empty_cache()
 
 
+def run_sections(run: FamilyRun, save: Callable[[], None]) -> None:
+    for name, end_share, body in SECTIONS:
+        run.report[name] = run_section(run, name, end_share, body)
+        save()
+        run.say(f"{run.entry.key} {name}: {json.dumps(brief(run.report[name]), default=str)[:300]}")
+
+
 def run_entry(args: argparse.Namespace, entry: FamilyEntry, report: dict, save: Callable[[], None]) -> None:
     """Build `entry` at its published sizes (the tiny preset with --small), then its sections into `report`."""
     report |= {"model": entry.model, "sizes": "tiny preset (--small)" if args.small else entry.sizes}
     run = FamilyRun(args, entry, report)
     try:
-        with nullcontext() if args.small else published_shapes(entry), ExitStack() as builds:
+        with nullcontext() if args.small else published_shapes(entry):
             build_on_device(run)
             report["build_s"], report["weights"] = round(run.elapsed_s(), 1), weights_gb(run)
             run.args = family_args(args, run)
             run.say(f"{entry.key}: built in {report['build_s']} s, {report['weights']}")
-            for module, name, value in cached_builds(run):
-                builds.enter_context(patched(module, name, value))
-            for name, end_share, body in SECTIONS:
-                report[name] = run_section(run, name, end_share, body)
-                save()
-                run.say(f"{entry.key} {name}: {json.dumps(brief(report[name]), default=str)[:300]}")
+            with patched_all(cached_builds(run)):
+                run_sections(run, save)
     except Exception as err:  # the build failed: the next family runs
         report["error"] = repr(err)[:1500]
         report["trace"] = traceback.format_exc()[-3000:]

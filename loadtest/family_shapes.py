@@ -14,19 +14,24 @@ below from their published config.json files.
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
+import torch
 from transformers import CsmConfig, DacConfig, DiaConfig, MimiConfig, Qwen2Config, Qwen3Config, XcodecConfig
 
+import core.checkpoints as checkpoints
 import detok_stage.codecs.dac_codec as dac_codec
+import detok_stage.codecs.hf_codec as hf_codec
 import detok_stage.codecs.mimi_codec as mimi_codec
 import detok_stage.codecs.qwen3_tts_codec as qwen3_tts_codec
 import detok_stage.codecs.s3gen_codec as s3gen_codec
 import detok_stage.codecs.xcodec_codec as xcodec_codec
+import llm_stage.models.chatterbox as chatterbox
 import llm_stage.models.chatterbox_t3 as chatterbox_t3
 import llm_stage.models.cosyvoice2_lm as cosyvoice2_lm
 import llm_stage.models.csm as csm
@@ -197,7 +202,41 @@ def patched(module: ModuleType, name: str, value: Any) -> Iterator[None]:
 @contextmanager
 def published_shapes(entry: FamilyEntry) -> Iterator[None]:
     """`entry.model`'s preset at the published sizes, for this block only."""
+    with patched_all(entry.patches()):
+        yield
+
+
+# --- random weights made on the device: seconds at 1-2B where a float32 CPU init takes about a minute --------
+
+PRESET_USERS = (csm, dia, qwen3_tts, cosyvoice2_lm, parallel_heads, mimi_codec, hf_codec, qwen3_tts_codec)
+
+
+def made_on(device: str, build: Callable[[], Any]) -> Any:
+    """`build()` with its modules created on `device`; on the CPU where a preset's init refuses that."""
+    try:
+        with torch.device(device):
+            return build()
+    except (RuntimeError, TypeError) as err:  # e.g. a CPU generator used under the device context
+        print(f"  preset {getattr(build, '__name__', build)} not built on {device} ({err!r:.160}): on the CPU")
+        return build()
+
+
+def presets_on(device: str) -> list[tuple[ModuleType, str, Any]]:
+    """Patches that make every family's preset (`load_or_preset`'s `preset`, chatterbox's `tiny_t3`) on `device`;
+    only the module construction moves, so tensors the adapters make later stay where their code puts them."""
+
+    def load_or_preset(directory, *, load, preset, seed, **kwargs):
+        return checkpoints.load_or_preset(
+            directory, load=load, preset=lambda: made_on(device, preset), seed=seed, **kwargs
+        )
+
+    patches = [(module, "load_or_preset", load_or_preset) for module in PRESET_USERS]
+    return [*patches, (chatterbox, "tiny_t3", functools.partial(made_on, device, chatterbox.tiny_t3))]
+
+
+@contextmanager
+def patched_all(patches: list[tuple[ModuleType, str, Any]]) -> Iterator[None]:
     with ExitStack() as stack:
-        for module, name, value in entry.patches():
+        for module, name, value in patches:
             stack.enter_context(patched(module, name, value))
         yield

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 import llm_stage.models.chatterbox_t3 as chatterbox_t3
 import llm_stage.models.csm as csm
@@ -79,3 +80,26 @@ def test_never_stopping_restores_the_adapters_own_stop_rule():
     with never_stopping(adapter):
         assert adapter.is_stop(None, eos) is False
     assert "is_stop" not in vars(adapter)  # the class's rule again
+
+
+def test_presets_made_on_a_device_go_through_every_preset_caller(monkeypatch):
+    """On a GPU the presets are built under the device (`presets_on`): each caller's arguments pass through
+    (`field=` included), so the same seeded preset comes out; here on the CPU, compared with a plain build."""
+    from core.config import ModelConfig
+    from llm_stage.registry import get_entry
+    from loadtest import family_shapes
+
+    built_on = []
+    made_on = family_shapes.made_on
+    monkeypatch.setattr(
+        family_shapes, "made_on", lambda device, build: built_on.append(device) or made_on(device, build)
+    )
+    config = ModelConfig(name="dia-tiny")
+    entry = get_entry("dia-tiny")
+    with family_shapes.patched_all(family_shapes.presets_on("cpu")):
+        made = entry.build_lm(config), entry.build_codec(config, "cpu")
+    assert built_on == ["cpu", "cpu"]  # Dia's LM and its DAC
+    plain = entry.build_lm(config), entry.build_codec(config, "cpu")
+    for ours, theirs in zip((made[0].model, made[1].model), (plain[0].model, plain[1].model), strict=True):
+        for (name, a), (_, b) in zip(ours.state_dict().items(), theirs.state_dict().items(), strict=True):
+            assert torch.equal(a, b), name
