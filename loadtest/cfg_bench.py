@@ -36,7 +36,7 @@ def run_once(adapter: LMAdapter, args: argparse.Namespace, scale: float | None) 
     """N concurrent requests to completion; audio tokens = emitted frames x codebooks."""
     rows = 2 * args.concurrency  # room for the twins; the unguided run simply leaves half unused
     engine = LLMEngine(
-        adapter, CacheConfig(num_slots=rows, max_seq_len=args.max_tokens + 64),
+        adapter, CacheConfig(num_slots=rows, max_seq_len=args.max_tokens + args.prompt_room),
         SchedulerConfig(max_batch_size=rows, prefill_token_budget=4096), seed=0,
     )  # fmt: skip
     sampling = {"temperature": 0.9, "top_k": 50, "max_tokens": args.max_tokens, "guidance_scale": scale}
@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=200)
     parser.add_argument("--guidance-scale", type=float, default=3.0)
+    parser.add_argument("--prompt-room", type=int, default=64, help="KV positions per row beyond max_tokens")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0 = torch's default")
     parser.add_argument("--repeats", type=int, default=2, help="alternating runs per mode; the best is kept")

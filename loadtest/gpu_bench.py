@@ -175,15 +175,21 @@ def triton_version() -> str | None:
         return None
 
 
-def env_section(run: BenchRun) -> dict:
-    args = run.args
-    shapes = "orpheus-tiny" if args.small else f"orpheus 3B shapes, {args.layers} layers, random weights"
+def run_environment(device: str) -> dict:
+    """Versions, commit, date and device of a GPU bench run (this bench's and `loadtest.family_gpu_bench`'s)."""
     return {
         "torch": torch.__version__, "transformers": transformers.__version__, "triton": triton_version(),
         "python": platform.python_version(), "commit": git_commit(), "argv": sys.argv,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name() if run.is_cuda else args.device,
-        "model": str(args.checkpoint) if args.checkpoint else shapes,
+        "device": torch.cuda.get_device_name() if device.startswith("cuda") else device,
+    }  # fmt: skip
+
+
+def env_section(run: BenchRun) -> dict:
+    args = run.args
+    shapes = "orpheus-tiny" if args.small else f"orpheus 3B shapes, {args.layers} layers, random weights"
+    return {
+        **run_environment(args.device), "model": str(args.checkpoint) if args.checkpoint else shapes,
         "has_cuda_graphs_switch": "cuda_graphs" in SchedulerConfig.model_fields,
     }  # fmt: skip
 

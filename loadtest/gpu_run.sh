@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # loadtest.gpu_bench (after loadtest.gpu_check with GPU_CHECK=1) on the GPU machine, run from the repo root with `.whl` carried there (`make gpu-wheels`):
 # installs the wheels its Python lacks (pydantic and its dependencies, snac) into $SITE, then runs the
-# benchmark into $OUT (gpu_bench.json, rewritten after each section, and gpu_bench.log). Arguments go to
-# loadtest.gpu_bench. $PYTHON defaults to python3; a dry run here:
+# benchmark into $OUT ($BENCH.json, rewritten after each section, and $BENCH.log). Arguments go to
+# loadtest.$BENCH: BENCH=gpu_bench (default, Orpheus 3B) or BENCH=family_gpu_bench (every other family at its
+# published size, issue 38). $PYTHON defaults to python3; dry runs here:
 #   OUT=/tmp/gb PYTHON=.venv/bin/python bash loadtest/gpu_run.sh --device cpu --small
+#   BENCH=family_gpu_bench OUT=/tmp/fgb PYTHON=.venv/bin/python bash loadtest/gpu_run.sh --device cpu --small
 set -euo pipefail
 PYTHON="${PYTHON:-python3}"
+BENCH="${BENCH:-gpu_bench}"
+case "$BENCH" in gpu_bench|family_gpu_bench) ;; *) echo "BENCH must be gpu_bench or family_gpu_bench" >&2; exit 2;; esac
 SITE="${SITE:-/tmp/site}"
 : "${OUT:?set OUT to the results folder}"
 mkdir -p "$OUT"
@@ -25,4 +29,4 @@ if [ "${GPU_CHECK:-0}" = 1 ]; then  # first the parity check (eager / graphs / a
         && echo "gpu_check: every mode gave eager's tokens" || echo "gpu_check FAILED (rc $?): see gpu_check.log"
     tail -c 1200 "$OUT/gpu_check.log"
 fi
-"$PYTHON" -m loadtest.gpu_bench --out "$OUT" "$@" 2>&1 | tee "$OUT/gpu_bench.log"
+"$PYTHON" -m "loadtest.$BENCH" --out "$OUT" "$@" 2>&1 | tee "$OUT/$BENCH.log"

@@ -138,3 +138,32 @@ def test_multi_codebook_logits_merge_per_codebook():
     merged, _ = merge_guidance(logits, None, guided_rows(3.0), GuidanceFormula.LINEAR)
     torch.testing.assert_close(merged[0], uncond + 3.0 * (cond - uncond))
     assert merged.shape == (2, 4, 5)
+
+
+def per_row_dia_top_k(cond: torch.Tensor, guided: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
+    """The merge as it was, one row at a time: cond kept on each row's guided top-k (k 0: guided as is)."""
+    out = guided.clone()
+    for b, k in enumerate(top_ks):
+        if k:
+            top = guided[b].topk(min(k, guided.shape[-1]), dim=-1).indices
+            out[b] = torch.full_like(cond[b], float("-inf")).scatter(-1, top, cond[b].gather(-1, top))
+    return out
+
+
+def test_dia_merge_in_one_batch_equals_the_merge_row_by_row():
+    """The device-side merge (one top-k at the largest k, ranks masked per row) gives the per-row merge's
+    logits for mixed top_k (0, small, above the vocab) on [G, K, V] and [G, V] logits."""
+    generator = torch.Generator().manual_seed(4)
+    top_ks = [0, 3, 45, 7, 200]
+    for shape in ((5, 9, 64), (5, 64)):
+        cond, uncond = torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
+        rows = []
+        for k in top_ks:
+            params = SamplingParams(guidance_scale=3.0, top_k=k)
+            guided = Request(f"g{k}", [1], params)
+            guided.twin = Request(f"g{k}#uncond", [1], params, is_twin=True)
+            rows += [guided, guided.twin]
+        logits = torch.stack([t for pair in zip(cond, uncond, strict=True) for t in pair])
+        merged, _ = merge_guidance(logits, None, rows, GuidanceFormula.DIA)
+        expected = per_row_dia_top_k(cond, cond + 3.0 * (cond - uncond), top_ks)
+        assert torch.equal(merged, expected)

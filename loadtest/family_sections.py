@@ -1,0 +1,244 @@
+"""The measurements `loadtest.family_gpu_bench` takes of one family entry, each a function of a `FamilyRun`.
+
+Decode step ms (eager vs CUDA graphs) per batch rows, the detokenizer's cost per second of audio per batch,
+the in-process pipeline (c=1 TTFA, one stream's x-real-time, Poisson rates and the capacity at the SLO),
+throughput mode, CFG retention (seed 004's measure: the same batch with and without guidance) and, on a
+GPU, the check that graphs give eager's tokens. They reuse the Orpheus GPU bench's pieces
+(`loadtest.gpu_bench`: step engines and timing; `loadtest.gpu_bench_pipeline`: rates and their summary).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from cluster.batch import BatchItem, run_batch
+from cluster.pipeline import InProcessPipeline
+from core.config import CacheConfig, SchedulerConfig
+from llm_stage.engine import LLMEngine
+from llm_stage.models.base import LMAdapter
+from loadtest.cfg_bench import run_once
+from loadtest.gpu_bench import StepCase, generate_until, step_engine, timed_ms, timed_steps
+from loadtest.gpu_bench_pipeline import TEXTS, drain, lone_ttfa_s, pipeline_config, play_rate, rate_summary
+from loadtest.metrics import highest_rate_meeting
+
+if TYPE_CHECKING:
+    from loadtest.family_gpu_bench import FamilyRun
+
+SLO_P90_TTFA_S, SLO_VIABLE_PCT = 0.5, 99.0  # DESIGN §1: capacity at SLO on a GPU
+STEP_WARM_TOKENS = 8  # decoded before the timed steps
+STEP_MAX_SEQ_LEN = 512  # prompt + warm-up + timed steps fit
+
+
+@contextmanager
+def never_stopping(adapter: LMAdapter) -> Iterator[LMAdapter]:
+    """`adapter` whose streams run to `max_tokens` (random weights stop at random): equal work per mode."""
+    adapter.is_stop = lambda req, token: False  # type: ignore[method-assign]
+    try:
+        yield adapter
+    finally:
+        del adapter.is_stop  # the class's rule again
+
+
+def rows_per_stream(run: FamilyRun) -> int:
+    return 2 if run.entry.guided else 1
+
+
+# --- decode step per rows, eager vs graphs ------------------------------------------------------------------
+
+
+def step_case(run: FamilyRun, case: StepCase) -> dict:
+    """Steady steps of `case.rows` batch rows (guided families: rows / 2 streams, each with its twin)."""
+    streams = max(1, case.rows // rows_per_stream(run))
+    rows = streams * rows_per_stream(run)  # one guided stream takes 2 rows even where 1 was asked
+    max_tokens = STEP_WARM_TOKENS + 40
+    with never_stopping(run.adapter) as adapter:
+        engine = step_engine(adapter, StepCase(case.mode, rows, case.max_seq_len))
+        try:
+            sampling = {"max_tokens": max_tokens}
+            for i in range(streams):
+                engine.add_request(f"s{i}", TEXTS[i % len(TEXTS)], None, {**sampling, "seed": i})
+            generate_until(engine, STEP_WARM_TOKENS)
+            step_ms, rows = timed_steps(run, engine)
+        finally:
+            engine.close()
+    return {"step_ms": round(step_ms, 3), "rows_per_step": round(rows, 1), "streams": streams}
+
+
+def step_ms_section(run: FamilyRun) -> dict:
+    args, results = run.args, []
+    cases = [StepCase(mode, rows, STEP_MAX_SEQ_LEN) for rows in args.rows for mode in ("graphs", "eager")]
+    for case in cases:
+        if case.mode == "eager" and case.rows not in args.eager_rows:
+            continue
+        row = {"mode": case.mode, "rows": case.rows}
+        if run.time_left_s() < 1:
+            results.append({**row, "skipped": "out of time"})
+            continue
+        try:
+            row |= step_case(run, case)
+        except Exception as err:  # an OOM or a capture failure ends this case, not the section
+            row["error"] = repr(err)[:400]
+        results.append(row)
+        run.say(f"  {run.entry.key} step {case.mode} rows={case.rows}: {row.get('step_ms', row)}")
+    real_time_ms = run.frame_s / run.steps_per_frame * 1e3
+    return {"results": results, "real_time_step_ms": round(real_time_ms, 2), "max_seq_len": STEP_MAX_SEQ_LEN}
+
+
+# --- detokenizer cost per second of audio -------------------------------------------------------------------
+
+
+def detok_section(run: FamilyRun) -> dict:
+    """`codec.decode` of windows of `--detok-window-s` of audio, per batch: ms, and ms per second of audio."""
+    codec, out = run.codec, {}
+    frames = max(1, round(run.args.detok_window_s / run.frame_s))
+    for batch in run.args.detok_batches:
+        if run.time_left_s() < 0.5:
+            out[str(batch)] = {"skipped": "out of time"}
+            continue
+        codes = torch.randint(0, codec.codebook_size, (batch, frames, codec.codes_per_frame))
+        ms = timed_ms(run, lambda c=codes: codec.decode(c), repeats=run.args.detok_repeats)
+        audio_s = batch * frames * run.frame_s
+        per_audio_s = round(ms / audio_s, 3)
+        out[str(batch)] = {"ms": round(ms, 2), "ms_per_audio_s": per_audio_s, "x_rt": round(audio_s / ms * 1e3, 1)}
+    return {"window_frames": frames, "by_batch": out}
+
+
+# --- the in-process pipeline: c=1, one stream, rates, throughput ----------------------------------------------
+
+
+def one_stream_x_rt(pipe: InProcessPipeline, max_tokens: int, limit_s: float) -> dict:
+    """One request alone from submit to its final chunk: audio seconds per wall second."""
+    start, audio_s, finished = time.monotonic(), 0.0, False
+    pipe.submit("one", TEXTS[0], None, {"max_tokens": max_tokens, "seed": 3})
+    while pipe.has_work and not finished and time.monotonic() - start < limit_s:
+        for chunk in pipe.step():
+            audio_s += chunk.duration_s
+            finished = finished or chunk.is_final
+    wall_s = time.monotonic() - start
+    if not finished:
+        pipe.cancel("one")
+    drain(pipe)
+    return {"audio_s": round(audio_s, 2), "wall_s": round(wall_s, 2), "x_rt": round(audio_s / wall_s, 2),
+            "finished": finished}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RatePoint:
+    rate_rps: float
+    figures: dict
+
+
+def meets_slo(point: RatePoint) -> bool:
+    p90, viable = point.figures.get("p90_ttfa_s"), point.figures.get("viable_pct")
+    return p90 is not None and viable is not None and p90 <= SLO_P90_TTFA_S and viable >= SLO_VIABLE_PCT
+
+
+def rates_at(run: FamilyRun, pipe: InProcessPipeline) -> dict:
+    args, rates, points = run.args, {}, []
+    for index, rate in enumerate(args.rates):
+        cap_s = min(args.rate_cap_s, run.time_left_s() / (len(args.rates) - index))
+        if cap_s < 2:
+            rates[f"{rate:g}"] = {"skipped": "out of time"}
+            continue
+        figures = rate_summary(*play_rate(pipe, rate, args, cap_s), cap_s)
+        rates[f"{rate:g}"] = figures
+        points.append(RatePoint(rate, figures))
+        run.say(f"  {run.entry.key} rate {rate:g}/s: p90 {figures['p90_ttfa_s']} s, viable {figures['viable_pct']}%")
+    return {"rates": rates, "capacity_at_slo_rps": highest_rate_meeting(points, meets_slo)}
+
+
+def streaming_section(run: FamilyRun) -> dict:
+    """c=1 TTFA (first is cold), one stream's x-RT, then the Poisson rates on one streaming pipeline."""
+    args = run.args
+    pipe = InProcessPipeline(pipeline_config(run, "streaming"))
+    try:
+        c1 = [lone_ttfa_s(pipe, f"c1-{i}", TEXTS[i % len(TEXTS)], args.max_tokens) for i in range(args.c1_repeats)]
+        one = one_stream_x_rt(pipe, args.max_tokens, limit_s=max(5.0, run.time_left_s() / 3))
+        out = {"c1_ttfa_s": c1, "one_stream": one, "max_tokens": args.max_tokens, "slo": {
+            "p90_ttfa_s": SLO_P90_TTFA_S, "viable_pct": SLO_VIABLE_PCT}}  # fmt: skip
+        out |= rates_at(run, pipe)
+    finally:
+        pipe.close()
+    warm = [t for t in c1[1:] if t is not None]
+    out["c1_warm_ttfa_s"] = round(statistics.median(warm), 4) if warm else None
+    return out
+
+
+def throughput_section(run: FamilyRun) -> dict:
+    count = run.args.throughput_requests
+    items = [BatchItem(f"t{i}", f"Throughput mode sentence number {i}.", None) for i in range(count)]
+    with tempfile.TemporaryDirectory() as wav_dir:
+        done = run_batch(pipeline_config(run, "throughput"), items, Path(wav_dir), {"max_tokens": run.args.max_tokens})
+    return {"requests": count, "audio_s": round(done.audio_s, 1), "wall_s": round(done.wall_s, 1),
+            "x_real_time": round(done.x_real_time, 1)}  # fmt: skip
+
+
+# --- CFG retention (Dia, Chatterbox) ---------------------------------------------------------------------------
+
+
+def cfg_point(run: FamilyRun, streams: int, scale: float) -> dict:
+    """Seed 004's measure at `streams`: the same streams with and without guidance, audio tokens/s each."""
+    ns = argparse.Namespace(concurrency=streams, max_tokens=run.args.cfg_tokens, device=run.args.device,
+                            prompt_room=run.args.prompt_room)  # fmt: skip
+    with never_stopping(run.adapter) as adapter:
+        plain, guided = run_once(adapter, ns, None), run_once(adapter, ns, scale)
+    codebooks = run.adapter.num_codebooks
+    out = {}
+    for name, result in (("no_cfg", plain), ("cfg", guided)):
+        audio_s = result["audio_tokens"] / codebooks * run.frame_s
+        out[name] = {"tokens_per_s": round(result["tokens_per_s"], 1), "x_rt": round(audio_s / result["seconds"], 2)}
+    out["retention"] = round(guided["tokens_per_s"] / plain["tokens_per_s"], 3) if plain["tokens_per_s"] else None
+    return out
+
+
+def cfg_section(run: FamilyRun) -> dict:
+    if not run.entry.guided:
+        return {"skipped": "no CFG in this family"}
+    scale = run.adapter.default_sampling.guidance_scale or 3.0
+    out: dict = {"guidance_scale": scale, "max_tokens": run.args.cfg_tokens, "by_streams": {}}
+    for streams in run.args.cfg_streams:
+        if run.time_left_s() < 1:
+            out["by_streams"][str(streams)] = {"skipped": "out of time"}
+            continue
+        out["by_streams"][str(streams)] = cfg_point(run, streams, scale)
+        run.say(f"  {run.entry.key} cfg {streams} streams: retention {out['by_streams'][str(streams)]['retention']}")
+    return out
+
+
+# --- on a GPU: graphs give eager's tokens ---------------------------------------------------------------------
+
+
+def tokens_of(adapter: LMAdapter, graphs: bool, sampling: dict, streams: int) -> dict[str, list]:
+    rows = streams * 2  # room for CFG twins
+    scheduler = SchedulerConfig(max_batch_size=rows, prefill_token_budget=4096, cuda_graphs=graphs)
+    engine = LLMEngine(adapter, CacheConfig(num_slots=rows, max_seq_len=256), scheduler)
+    try:
+        for i in range(streams):
+            engine.add_request(f"p{i}", TEXTS[i % len(TEXTS)], None, {**sampling, "seed": 50 + i})
+        return engine.run_to_completion()
+    finally:
+        engine.close()
+
+
+def parity_section(run: FamilyRun) -> dict:
+    """Greedy and seeded: CUDA graphs (the served default on CUDA) give eager's tokens, CFG pairs included."""
+    if not run.is_cuda:
+        return {"skipped": "n/a (cpu: graphs fall back to eager)"}
+    out = {}
+    with never_stopping(run.adapter) as adapter:
+        for name, sampling in (("greedy", {"temperature": 0.0}), ("seeded", {})):
+            sampling = {**sampling, "max_tokens": run.args.parity_tokens}
+            eager = tokens_of(adapter, False, sampling, run.args.parity_streams)
+            out[name] = tokens_of(adapter, True, sampling, run.args.parity_streams) == eager
+    out["ok"] = all(out.values())
+    return out
