@@ -71,6 +71,13 @@ def test_triton_kernels_in_the_interpreter():
     cases = json.loads(done.stdout.strip().splitlines()[-1])
     fused = ("rope_float32", "rope_bfloat16", "rope_engine", "add_norm_float32", "add_norm_bfloat16")
     rope = {name: cases.pop(name) for name in fused}
+    paged, rope_paged, engine_paged = cases.pop("paged"), cases.pop("rope_paged"), cases.pop("rope_engine_paged")
+    for name, case in paged.items():  # through a shuffled block table: SDPA over the same tokens, only they loaded
+        assert case["max_abs_err"] < 1e-5 and case["torch_paged_err"] < 1e-5, (name, case)
+        assert case["keys_loaded"] == case["values_loaded"] == case["cached_elements"], name
+    assert paged["paged_bs16_short_256"]["keys_loaded"] == paged["paged_bs16_long_4096"]["keys_loaded"]
+    assert rope_paged == {"queries_equal": True, "keys_equal": True, "values_equal": True, "keys_written": 14}
+    assert engine_paged == {"same_tokens": True, "tokens": 21}
     for name, case in cases.items():
         assert case["max_abs_err"] < 1e-5, name
         assert case["keys_loaded"] == case["values_loaded"] == case["cached_elements"], name
