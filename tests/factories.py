@@ -102,11 +102,13 @@ def fake_request(req_id: str, prompt_len: int, max_tokens: int = 50, twin_prompt
     return req
 
 
-def fake_scheduler(num_slots: int = 4, max_batch_size: int = 4, budget: int = 64, max_seq_len: int = 256) -> Scheduler:
-    """A scheduler whose only stop id is EOS_FAKE."""
+def fake_scheduler(
+    num_slots: int = 4, max_batch_size: int = 4, budget: int = 64, max_seq_len: int = 256, cache: dict | None = None
+) -> Scheduler:
+    """A scheduler whose only stop id is EOS_FAKE; `cache`: more CacheConfig fields (the paged layout)."""
     return Scheduler(
         SchedulerConfig(max_batch_size=max_batch_size, prefill_token_budget=budget),
-        CacheConfig(num_slots=num_slots, max_seq_len=max_seq_len), [EOS_FAKE],
+        CacheConfig(num_slots=num_slots, max_seq_len=max_seq_len, **(cache or {})), [EOS_FAKE],
     )  # fmt: skip
 
 

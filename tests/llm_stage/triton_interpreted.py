@@ -1,9 +1,11 @@
 """Runs our Triton kernels in Triton's interpreter (CPU tensors) and prints JSON: for
 `llm_stage.attention`, per case the max abs difference from SDPA over each row's own tokens and
 the K / V elements the kernel loaded against the tokens cached; for `llm_stage.rope_cache`,
-whether the fused rotation + cache write gives the torch ops' bits (fp32 and bf16), and whether
-an engine's greedy tokens are the same with it. Run with TRITON_INTERPRET=1 in the environment
-(Triton reads it at import): `test_decode_attention.py` starts it in a subprocess.
+whether the fused rotation + cache write gives the torch ops' bits (fp32 and bf16; through a block
+table too), and whether an engine's greedy tokens are the same with it; the decode kernel over a
+paged cache (block pools + a shuffled block table) against SDPA over the same tokens, loads
+counted. Run with TRITON_INTERPRET=1 in the environment (Triton reads it at import):
+`test_decode_attention.py` starts it in a subprocess.
 """
 
 from __future__ import annotations
@@ -169,15 +171,13 @@ def rope_case(dtype: torch.dtype, seed: int = 0) -> dict:
     }
 
 
-def fused_engine_tokens(paged: bool = False) -> dict:
-    """Greedy and seeded tokens of the orpheus-tiny engine with and without the fused kernels
-    (`paged`: both on the paged cache, blocks of 4 tokens)."""
+def fused_engine_tokens() -> dict:
+    """Greedy and seeded tokens of the orpheus-tiny engine with and without the fused kernels."""
     from tests.factories import orpheus_engine
 
     runs = {}
-    cache = {"layout": "paged", "block_size": 4} if paged else {}
     for fused in (False, True):
-        engine = orpheus_engine(num_slots=4, prefill_token_budget=64, cache=cache)
+        engine = orpheus_engine(num_slots=4, prefill_token_budget=64)
         backbone = engine.adapter.backbone
         backbone.fuse_rope_cache = backbone.fuse_add_norm = fused
         engine.add_request("greedy", "fused or not", None, {"temperature": 0.0, "max_tokens": 21})
@@ -221,7 +221,6 @@ def main() -> None:
     out["rope_float32"] = rope_case(torch.float32)
     out["rope_bfloat16"] = rope_case(torch.bfloat16)
     out["rope_engine"] = fused_engine_tokens()
-    out["rope_engine_paged"] = fused_engine_tokens(paged=True)
     out["rope_paged"] = rope_paged_case()
     paged_cases = {  # rows, max_len, block size, splits: the same rows at 256 and 4096
         "paged_bs16_short_256": (4, 256, 16, 4),
