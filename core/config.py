@@ -40,10 +40,40 @@ class ModelConfig(_Strict):
 
 
 class CacheConfig(_Strict):
-    """KV cache of the LLM stage: allocated once, `num_slots` sequences of `max_seq_len` tokens."""
+    """KV cache of the LLM stage, allocated once. `slot`: `num_slots` rows of `max_seq_len` tokens
+    each. `paged`: a pool of `num_blocks` blocks of `block_size` tokens shared by the `num_slots`
+    sequences through a block table; a sequence holds blocks for the positions it can reach (prompt +
+    max_tokens), so `max_seq_len` bounds one sequence, not the memory."""
 
     num_slots: int = Field(32, ge=1, le=4096, description="Concurrent sequences the KV cache holds.")
     max_seq_len: int = Field(2048, ge=16, le=131072, description="Tokens per sequence (prompt + output).")
+    layout: Literal["slot", "paged"] = Field(
+        "slot",
+        description="slot: num_slots x max_seq_len preallocated; paged: a block pool of num_blocks x block_size "
+        "tokens, each sequence reserving the blocks its prompt + max_tokens need at admission.",
+    )
+    block_size: int = Field(16, ge=1, le=4096, description="Paged layout: tokens per KV block.")
+    num_blocks: int | None = Field(
+        None,
+        ge=1,
+        description="Paged layout: KV blocks in the pool (the KV budget: blocks x block_size x the model's bytes "
+        "per token); None = as many as num_slots full-length sequences need (the slot layout's memory).",
+    )
+
+    @property
+    def max_blocks_per_slot(self) -> int:
+        return -(-self.max_seq_len // self.block_size)
+
+    @property
+    def total_blocks(self) -> int:
+        """The paged pool's blocks (without the scratch block)."""
+        return self.num_blocks if self.num_blocks is not None else self.num_slots * self.max_blocks_per_slot
+
+    @model_validator(mode="after")
+    def _pool_holds_a_sequence(self) -> CacheConfig:
+        if self.layout == "paged" and self.total_blocks < self.max_blocks_per_slot:
+            raise ValueError("cache.num_blocks must hold one max_seq_len sequence (max_seq_len / block_size blocks)")
+        return self
 
 
 class SchedulerConfig(_Strict):

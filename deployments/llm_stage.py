@@ -82,6 +82,7 @@ MOVE_OUT_POLL_S = 0.2
 # leaves the queue, and at least this often (the pace figures change without an event)
 HOLD_RECHECK_S = 0.25
 DETOK_LISTING_S = 5.0  # longest wait for the detok handle's router to list the detok replicas
+TYPICAL_PROMPT_TOKENS = 64  # a new stream's prompt, for the paged cache's KV cap (`kv_streams`)
 
 logger = logging.getLogger("ray.serve.voxray")
 
@@ -343,13 +344,20 @@ class LLMStage:
         return await self.kv_moves.receive(job.resume.kv)
 
     # ---- replica API ----------------------------------------------------------------------
+    def kv_streams(self, rows_per_stream: int) -> int:
+        """Streams the KV cache holds at once (a CFG twin holds a slot and blocks too): by slots and,
+        paged, by free blocks, a new stream counted at the family's default max_tokens + a prompt."""
+        engine = self.side.engine
+        positions = engine.adapter.default_sampling.max_tokens + TYPICAL_PROMPT_TOKENS
+        return engine.scheduler.kv_streams(rows_per_stream, positions)
+
     def load(self) -> ReplicaLoad:
         admission = self.config.admission
         first_tokens = self.schedule.chunk_size(0) + self.schedule.right_context_frames
         timer, rows_per_stream = self.side.engine.timer, self.rows_per_stream
         real_time_rows = timer.measured_real_time_rows() or 0.0
         full = admission.max_streams_per_replica + admission.max_queued_per_replica
-        kv_streams = self.side.engine.scheduler.slots.num_slots // rows_per_stream  # a CFG twin holds a slot
+        kv_streams = self.kv_streams(rows_per_stream)
         detok = summarize_detok(detok_loads(self.config.app_name))
         num_streams = len(self.streams)
         return ReplicaLoad(
@@ -417,6 +425,8 @@ class LLMStage:
             "text_waits": self.side.num_text_waits,  # times a stream had run out of text when more came
             "kv_slots_used": engine.scheduler.slots.num_used,
             "kv_slots_total": engine.scheduler.slots.num_slots,
+            "kv_blocks_used": engine.scheduler.blocks.num_used if engine.scheduler.blocks else 0,  # paged layout
+            "kv_blocks_total": engine.scheduler.blocks.num_blocks if engine.scheduler.blocks else 0,
             "decode_calls": self.num_decode_calls,  # one per engine step that cut chunks
             "audio_refs": self.num_audio_refs,  # chunks forwarded by reference (their audio never came here)
             "detok_retries": self.num_detok_retries,  # decode calls resent after losing a detok replica

@@ -30,6 +30,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from llm_stage.kv_cache import gather_pages
+
 try:
     import triton
     import triton.language as tl
@@ -49,17 +51,20 @@ if triton is not None:
 
     @triton.jit
     def _decode_partials(
-        q_ptr, k_ptr, v_ptr, slots_ptr, lens_ptr, out_ptr, lse_ptr,
+        q_ptr, k_ptr, v_ptr, slots_ptr, lens_ptr, table_ptr, out_ptr, lse_ptr,
         scale,
         stride_qb, stride_qh,
         stride_ks, stride_kh, stride_kl,
         stride_vs, stride_vh, stride_vl,
         stride_ob, stride_oh, stride_os,
-        stride_lb, stride_lh,
+        stride_lb, stride_lh, stride_t,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr, WRITE_LSE: tl.constexpr, PRECISION: tl.constexpr,
+        PAGE: tl.constexpr,
     ):  # fmt: skip
-        """One (row, KV head, split): softmax-weighted V over the split's tokens for the GQA group."""
+        """One (row, KV head, split): softmax-weighted V over the split's tokens for the GQA group.
+        PAGE = 0: k/v are slot rows ([S, H, L, D], row `slot`); PAGE > 0: block pools ([N, H, PAGE, D])
+        and position p of the row lives in block table[slot, p // PAGE] at offset p % PAGE."""
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -75,8 +80,9 @@ if triton is not None:
         heads = kv_head * GROUP + group
         head_mask = (group < GROUP)[:, None] & (dims < HEAD_DIM)[None, :]
         q = tl.load(q_ptr + row * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=head_mask, other=0.0)
-        k_row = k_ptr + slot * stride_ks + kv_head * stride_kh
-        v_row = v_ptr + slot * stride_vs + kv_head * stride_vh
+        k_head = k_ptr + kv_head * stride_kh
+        v_head = v_ptr + kv_head * stride_vh
+        table_row = table_ptr + slot * stride_t
 
         best = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         total = tl.zeros([GROUP_PAD], tl.float32)
@@ -85,14 +91,22 @@ if triton is not None:
             positions = block_start + offsets
             valid = positions < end
             kv_mask = valid[:, None] & (dims < HEAD_DIM)[None, :]
-            k = tl.load(k_row + positions[:, None] * stride_kl + dims[None, :], mask=kv_mask, other=0.0)
+            if PAGE > 0:  # each position's block from the slot's row of the block table
+                cells = tl.load(table_row + positions // PAGE, mask=valid, other=0).to(tl.int64)
+                offsets_in = positions % PAGE
+            else:
+                cells = tl.zeros([BLOCK], tl.int64) + slot
+                offsets_in = positions
+            k_ptrs = k_head + cells[:, None] * stride_ks + offsets_in[:, None] * stride_kl + dims[None, :]
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             scores = tl.where(valid[None, :], scores, float("-inf"))
             new_best = tl.maximum(best, tl.max(scores, 1))
             rescale = tl.exp(best - new_best)
             weights = tl.exp(scores - new_best[:, None])
             total = total * rescale + tl.sum(weights, 1)
-            v = tl.load(v_row + positions[:, None] * stride_vl + dims[None, :], mask=kv_mask, other=0.0)
+            v_ptrs = v_head + cells[:, None] * stride_vs + offsets_in[:, None] * stride_vl + dims[None, :]
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
             acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=PRECISION)
             best = new_best
 
@@ -160,12 +174,16 @@ def decode_attention_triton(
     seq_lens: torch.Tensor,
     scale: float,
     splits: int | None = None,
+    table: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [B, Hq, D]; k/v_layer [S, Hkv, L, D] (one layer of the slot cache, last dim contiguous);
-    slots [B] cache rows; seq_lens [B] int32 tokens to attend per row (>= 1) -> [B, Hq, D].
+    """q [B, Hq, D]; k/v_layer [S, Hkv, L, D] (one layer of the slot cache, last dim contiguous), or
+    with a block `table` [S, M] (int32) one layer's block pools [N, Hkv, block_size, D]; slots [B]
+    cache rows; seq_lens [B] int32 tokens to attend per row (>= 1) -> [B, Hq, D].
     Under TRITON_INTERPRET=1 (set before triton is imported) the kernels run on CPU tensors: tests."""
     rows, heads, dim = q.shape
-    kv_heads, max_len = k_layer.shape[1], k_layer.shape[2]
+    kv_heads = k_layer.shape[1]
+    page = 0 if table is None else k_layer.shape[2]
+    max_len = k_layer.shape[2] if table is None else table.shape[1] * page
     group = heads // kv_heads
     if splits is None:
         sm_count = _sm_count(q.device.index or 0) if q.is_cuda else 4
@@ -179,14 +197,15 @@ def decode_attention_triton(
         part = torch.empty(rows, heads, splits, dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(rows, heads, splits, dtype=torch.float32, device=q.device)
         part_strides, lse_strides = part.stride()[:3], lse.stride()[:2]
+    table_arg = slots if table is None else table  # (unread without a table)
     _decode_partials[(rows, kv_heads, splits)](
-        q, k_layer, v_layer, slots, seq_lens, part, lse, scale,
+        q, k_layer, v_layer, slots, seq_lens, table_arg, part, lse, scale,
         q.stride(0), q.stride(1),
         k_layer.stride(0), k_layer.stride(1), k_layer.stride(2),
         v_layer.stride(0), v_layer.stride(1), v_layer.stride(2),
-        *part_strides, *lse_strides,
+        *part_strides, *lse_strides, 0 if table is None else table.stride(0),
         GROUP=group, GROUP_PAD=next_pow2(group, 16), HEAD_DIM=dim, BLOCK_D=block_d, BLOCK=BLOCK_N,
-        NUM_SPLITS=splits, WRITE_LSE=splits > 1, PRECISION=precision,
+        NUM_SPLITS=splits, WRITE_LSE=splits > 1, PRECISION=precision, PAGE=page,
     )  # fmt: skip
     if splits > 1:
         _merge_splits[(rows, heads)](
@@ -204,13 +223,18 @@ def decode_attention_sdpa(
     seq_lens: torch.Tensor,
     scale: float,
     length: int | None = None,
+    table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The same as `decode_attention_triton` with torch ops: SDPA over the first `length` positions
-    of each row (default: the longest row, read on the host), masked to each row's own length."""
+    of each row (default: the longest row, read on the host), masked to each row's own length; with
+    a block `table`, those positions' blocks gathered first (`gather_pages`)."""
     if length is None:
         length = int(seq_lens.max())
-    keys = k_layer[:, :, :length].index_select(0, slots)  # [B, Hkv, L, D]
-    values = v_layer[:, :, :length].index_select(0, slots)
+    if table is None:
+        keys = k_layer[:, :, :length].index_select(0, slots)  # [B, Hkv, L, D]
+        values = v_layer[:, :, :length].index_select(0, slots)
+    else:
+        keys, values = gather_pages(k_layer, table, slots, length), gather_pages(v_layer, table, slots, length)
     mask = torch.arange(length, device=q.device).view(1, 1, 1, -1) < seq_lens.view(-1, 1, 1, 1)
     out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.squeeze(2)
@@ -227,12 +251,15 @@ def decode_attention(
     slots: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    table: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One decode token per row attending to its own cached tokens: [B, Hq, D] (see the module doc)."""
+    """One decode token per row attending to its own cached tokens: [B, Hq, D] (see the module doc).
+    `table`: the paged cache's block table (k/v_layer are then block pools)."""
     if q.is_cuda and triton is not None:
-        return decode_attention_triton(q, k_layer, v_layer, slots, seq_lens, scale)
-    length = k_layer.shape[2] if _capturing(q.device) else None  # no host read inside a capture
-    return decode_attention_sdpa(q, k_layer, v_layer, slots, seq_lens, scale, length)
+        return decode_attention_triton(q, k_layer, v_layer, slots, seq_lens, scale, table=table)
+    whole_row = k_layer.shape[2] if table is None else table.shape[1] * k_layer.shape[2]
+    length = whole_row if _capturing(q.device) else None  # no host read inside a capture
+    return decode_attention_sdpa(q, k_layer, v_layer, slots, seq_lens, scale, length, table)
 
 
 def attention_parity(device: str | torch.device = "cuda", seed: int = 0) -> dict:

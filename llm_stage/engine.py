@@ -84,7 +84,7 @@ class LLMEngine:
             scheduler, cache, adapter.eos_token_ids, self.policy, adapter.is_stop, adapter.record_token
         )
         graph_sizes = decode_graph_sizes(scheduler, adapter.backbone.lm_head_weight.device)
-        self.runner = ModelRunner(adapter, cache.num_slots, cache.max_seq_len, graph_sizes)
+        self.runner = ModelRunner(adapter, cache, graph_sizes, self.scheduler.blocks)
         self._forward_thread = ThreadPoolExecutor(1, "llm-forward") if scheduler.async_steps else None
         self._next_plan: StepPlan | None = None  # async: planned while the previous forward ran
         self._prepared_rows: dict[tuple[int, int], SamplingRow] = {}
@@ -191,6 +191,7 @@ class LLMEngine:
         req = Request(req_id, list(prompt_ids), sampling, text_feed=text_feed)
         if uncond_prompt is not None:
             req.twin = Request(f"{req_id}#uncond", list(uncond_prompt), sampling, req.arrival_s, is_twin=True)
+        self.scheduler.check_reservable(req)
         self._seeds[req_id] = sampling.seed if sampling.seed is not None else self._seed_source.getrandbits(63)
         self._frames[req_id] = self.adapter.new_frame_builder()
         if resume is not None:
@@ -206,6 +207,7 @@ class LLMEngine:
             return False
         if not self.scheduler.add_decoding(req):
             return False
+        self.runner.sync_blocks()  # (paged) the rows' blocks, where `put_rows` writes
         put_rows(cache, req.unit, kv)
         return True
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llm_stage.kv_cache import SlotKVCache
+from llm_stage.kv_cache import KVCache
 from llm_stage.request import Request
 
 
@@ -45,23 +45,21 @@ class KVSnapshot:
         return cls(tuple(named[f"keys.{i}"] for i in rows), tuple(named[f"values.{i}"] for i in rows))
 
 
-def take_rows(cache: SlotKVCache, unit: list[Request]) -> KVSnapshot:
-    """Copies of the unit's cached positions (each row's `num_cached`), on the CPU."""
-    keys = tuple(cache.keys[:, row.slot, :, : row.num_cached].to("cpu", copy=True) for row in unit)
-    values = tuple(cache.values[:, row.slot, :, : row.num_cached].to("cpu", copy=True) for row in unit)
-    return KVSnapshot(keys, values)
+def take_rows(cache: KVCache, unit: list[Request]) -> KVSnapshot:
+    """Copies of the unit's cached positions (each row's `num_cached`), on the CPU. The snapshot is
+    the same whichever layout either engine's cache has (a slot row or a row's blocks, in order)."""
+    rows = [cache.take_row(row.slot, row.num_cached) for row in unit]
+    return KVSnapshot(tuple(k for k, _ in rows), tuple(v for _, v in rows))
 
 
-def put_rows(cache: SlotKVCache, unit: list[Request], snapshot: KVSnapshot) -> None:
+def put_rows(cache: KVCache, unit: list[Request], snapshot: KVSnapshot) -> None:
     """Write the snapshot into the unit's (freshly allocated) slots and mark those positions cached."""
     for row, keys, values in zip(unit, snapshot.keys, snapshot.values, strict=True):
-        length = keys.shape[2]
-        cache.keys[:, row.slot, :, :length] = keys.to(cache.keys.device, cache.keys.dtype)
-        cache.values[:, row.slot, :, :length] = values.to(cache.values.device, cache.values.dtype)
-        row.num_cached = length
+        cache.put_row(row.slot, keys, values)
+        row.num_cached = keys.shape[2]
 
 
-def fits(snapshot: KVSnapshot, unit: list[Request], cache: SlotKVCache) -> bool:
+def fits(snapshot: KVSnapshot, unit: list[Request], cache: KVCache) -> bool:
     """Whether the snapshot matches the unit: one row each, every row's known tokens but the last."""
     layout = (cache.keys.shape[0], cache.keys.shape[2], cache.keys.shape[4])  # layers, kv_heads, head_dim
     if len(snapshot.keys) != len(unit) or any((k.shape[0], k.shape[1], k.shape[3]) != layout for k in snapshot.keys):

@@ -33,13 +33,14 @@ if triton_available():
 
     @triton.jit
     def _rope_and_cache(
-        qkv_ptr, cos_ptr, sin_ptr, slots_ptr, positions_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+        qkv_ptr, cos_ptr, sin_ptr, slots_ptr, positions_ptr, table_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
         stride_qkv, stride_cos, stride_q_token, stride_q_head,
-        stride_ks, stride_kh, stride_kl, stride_vs, stride_vh, stride_vl,
+        stride_ks, stride_kh, stride_kl, stride_vs, stride_vh, stride_vl, stride_t,
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
-        ROUND: tl.constexpr,
+        ROUND: tl.constexpr, PAGE: tl.constexpr,
     ):  # fmt: skip
-        """Program (token, head): heads [0, Hq) queries, [Hq, Hq + Hkv) keys, then values."""
+        """Program (token, head): heads [0, Hq) queries, [Hq, Hq + Hkv) keys, then values. PAGE > 0:
+        the cache is block pools and (slot, position) goes to (table[slot, position // PAGE], position % PAGE)."""
         token = tl.program_id(0)
         head = tl.program_id(1)
         offsets = tl.arange(0, BLOCK)
@@ -68,6 +69,9 @@ if triton_available():
         else:
             slot = tl.load(slots_ptr + token).to(tl.int64)
             position = tl.load(positions_ptr + token).to(tl.int64)
+            if PAGE > 0:
+                slot = tl.load(table_ptr + slot * stride_t + position // PAGE).to(tl.int64)
+                position = position % PAGE
             if head < NUM_HEADS + NUM_KV_HEADS:
                 kv_head = head - NUM_HEADS
                 out = k_cache_ptr + slot * stride_ks + kv_head * stride_kh + position * stride_kl
@@ -88,21 +92,23 @@ def rope_and_cache(
     v_layer: torch.Tensor,
     num_heads: int,
     num_kv_heads: int,
+    table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """qkv [N, (Hq + 2 Hkv) * D] (one row per token, last dim contiguous); cos / sin [N, D]; slots /
-    positions [N] where each token's K and V go in `k_layer` / `v_layer` ([S, Hkv, L, D]).
+    positions [N] where each token's K and V go in `k_layer` / `v_layer` ([S, Hkv, L, D]; with a
+    block `table` [S, M], block pools [N, Hkv, block_size, D]).
     Returns the rotated queries [N, Hq, D]; writes the rotated keys and the values into the cache."""
     tokens, dim = qkv.shape[0], k_layer.shape[-1]
     queries = torch.empty(tokens, num_heads, dim, dtype=qkv.dtype, device=qkv.device)
     cos, sin = cos.to(qkv.dtype), sin.to(qkv.dtype)  # (as transformers' rotary embedding casts them)
     half = dim // 2
     _rope_and_cache[(tokens, num_heads + 2 * num_kv_heads)](
-        qkv, cos, sin, slots, positions, queries, k_layer, v_layer,
+        qkv, cos, sin, slots, positions, slots if table is None else table, queries, k_layer, v_layer,
         qkv.stride(0), cos.stride(0), queries.stride(0), queries.stride(1),
         k_layer.stride(0), k_layer.stride(1), k_layer.stride(2),
-        v_layer.stride(0), v_layer.stride(1), v_layer.stride(2),
+        v_layer.stride(0), v_layer.stride(1), v_layer.stride(2), 0 if table is None else table.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, BLOCK=next_pow2(half, 16),
-        ROUND=ROUND_CODES.get(qkv.dtype, 0),
+        ROUND=ROUND_CODES.get(qkv.dtype, 0), PAGE=0 if table is None else k_layer.shape[2],
     )  # fmt: skip
     return queries
 

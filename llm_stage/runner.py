@@ -22,10 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
+from core.config import CacheConfig
 from core.graphs import graphs_available
 from core.transfer import to_device
 from llm_stage.decode_graphs import DecodeGraphs, PaddingRow
-from llm_stage.kv_cache import SlotKVCache
+from llm_stage.kv_blocks import BlockAllocator
+from llm_stage.kv_cache import PagedKVCache, make_cache
 from llm_stage.models.base import LMAdapter
 from llm_stage.models.llama import BatchInputs
 from llm_stage.request import Request
@@ -50,16 +52,20 @@ class PreparedStep:
 
 class ModelRunner:
     def __init__(
-        self, adapter: LMAdapter, num_slots: int, max_seq_len: int, graph_batch_sizes: Sequence[int] = ()
+        self,
+        adapter: LMAdapter,
+        cache: CacheConfig,
+        graph_batch_sizes: Sequence[int] = (),
+        blocks: BlockAllocator | None = None,
     ) -> None:
         self.adapter = adapter
         self.backbone = backbone = adapter.backbone
         weight = backbone.lm_head_weight
         self.device = weight.device
-        self.cache = SlotKVCache(
-            backbone.num_layers, num_slots, backbone.num_kv_heads, max_seq_len, backbone.head_dim,
-            weight.dtype, weight.device,
-        )  # fmt: skip
+        self.cache = make_cache(
+            cache, backbone.num_layers, backbone.num_kv_heads, backbone.head_dim, weight.dtype, weight.device
+        )
+        self.blocks = blocks  # the paged layout: the scheduler's block accounting, mirrored into the table
         self.graphs = self._decode_graphs(graph_batch_sizes) if graph_batch_sizes else None
         # prompt chunks folded into the decode forward: on CUDA (on CPU the padded prompt forward is
         # cheaper than attending over each token's prefix row by row)
@@ -81,7 +87,15 @@ class ModelRunner:
     def padding_row(self) -> PaddingRow:
         return PaddingRow(self.adapter.token_lanes(self.adapter.pad_token), self.cache.scratch_slot)
 
+    def sync_blocks(self) -> None:
+        """The block-table rows the scheduler changed (admissions, growth, releases) into the cache:
+        its host mirror now, the device table with the next forward's input copy (`_to_batch`)."""
+        if self.blocks is not None:
+            for slot, blocks in self.blocks.take_changed():
+                self.cache.assign(slot, blocks)
+
     def prepare(self, plan: StepPlan) -> PreparedStep:
+        self.sync_blocks()
         if plan.prefills and self._folds(plan):
             batch, sampling = self._one_position_rows(plan.decodes, plan.prefills)
             return PreparedStep(batch, None, None, len(plan.decodes), self._indices(sampling))
@@ -162,9 +176,17 @@ class ModelRunner:
         return self._to_batch(ids, positions, [w.req.slot for w in works], write_slots, last_index, attend_len)
 
     def _to_batch(self, ids, positions, slots, write_slots, last_index, attend_len: int | None = None) -> BatchInputs:
-        """The five index tensors built on the host and sent to the device as one non-blocking copy."""
+        """The five index tensors built on the host and sent to the device as one non-blocking copy,
+        with the block-table rows changed since the last copy (paged layout on an accelerator), which
+        land in the table before this forward's kernels read it (same stream)."""
         host = [torch.tensor(values, dtype=torch.long) for values in (ids, positions, slots, write_slots, last_index)]
+        table_rows = self.cache.take_pending() if isinstance(self.cache, PagedKVCache) else None
+        if table_rows is not None:
+            host += [t.long() for t in table_rows]
         on_device = to_device(torch.cat([t.flatten() for t in host]), self.device)
         parts = on_device.split([t.numel() for t in host])
         fields = [part.view(t.shape) for part, t in zip(parts, host, strict=True)]
+        if table_rows is not None:
+            table_slots, rows = fields.pop(5), fields.pop(5)
+            self.cache.table.index_copy_(0, table_slots, rows.to(self.cache.table.dtype))
         return BatchInputs(*fields, attend_len=attend_len)

@@ -16,7 +16,9 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from core.config import CacheConfig, SchedulerConfig
+from core.errors import InvalidArgumentError
 from core.policy import PolicyKind, SchedulingPolicy, fcfs_order
+from llm_stage.kv_blocks import BlockAllocator
 from llm_stage.kv_slots import SlotAllocator
 from llm_stage.request import FinishReason, Request, RequestStatus, Token
 
@@ -99,11 +101,25 @@ class Scheduler:
         self.policy = policy or SchedulingPolicy(PolicyKind.FCFS)
         self.max_seq_len = cache.max_seq_len
         self.slots = SlotAllocator(cache.num_slots)
+        self.blocks = (  # the paged layout's block accounting (None: each slot owns a whole row)
+            BlockAllocator(cache.total_blocks, cache.block_size, cache.max_blocks_per_slot)
+            if cache.layout == "paged"
+            else None
+        )
         self.eos_token_ids = frozenset(eos_token_ids)
         self.stop_rule = stop_rule or (lambda _req, token: token in self.eos_token_ids)
         self.record_rule = record_rule or append_output
         self.waiting: list[Request] = []
         self.running: dict[str, Request] = {}
+
+    def kv_streams(self, rows_per_stream: int, positions_per_stream: int) -> int:
+        """Streams the KV cache can hold at once: by slots, and (paged) by blocks: the running units'
+        plus what the free blocks reserve for streams of `positions_per_stream` positions a row."""
+        by_slots = self.slots.num_slots // rows_per_stream
+        if self.blocks is None:
+            return by_slots
+        per_stream = self.blocks.row_blocks(positions_per_stream) * rows_per_stream
+        return min(by_slots, len(self.running) + self.blocks.num_free // per_stream)
 
     @property
     def has_work(self) -> bool:
@@ -128,13 +144,46 @@ class Scheduler:
 
     def add_decoding(self, req: Request) -> bool:
         """Run a request whose known positions are already in the cache (a migrated stream): slots
-        for its unit now, straight to decoding; False (nothing changed) when they are not free."""
-        if req.is_twin or self.slots.num_free < len(req.unit):
+        (and blocks) for its unit now, straight to decoding; False (nothing changed) when they are not free."""
+        if req.is_twin or not self._take_kv(req):
+            return False
+        for row in req.unit:
+            row.status = RequestStatus.DECODING
+        self.running[req.req_id] = req
+        return True
+
+    def positions_reserved(self, row: Request) -> int:
+        """Positions a row's blocks are reserved for at admission: every one it can reach, prompt +
+        max_tokens (the last sampled token is never written), or the whole context when its positions
+        are not one per output token (streamed text, laid-out positions)."""
+        if row.text_feed is not None or row.positions is not None:
+            return self.max_seq_len
+        return min(self.max_seq_len, row.prompt_len + row.sampling.max_tokens)
+
+    def blocks_needed(self, req: Request) -> int:
+        """Blocks the unit reserves at admission (0 in the slot layout)."""
+        if self.blocks is None:
+            return 0
+        return sum(self.blocks.row_blocks(self.positions_reserved(row)) for row in req.unit)
+
+    def check_reservable(self, req: Request) -> None:
+        """Paged layout: a unit that needs more blocks than the whole pool would wait forever; refuse it."""
+        if self.blocks is not None and self.blocks_needed(req) > self.blocks.num_blocks:
+            raise InvalidArgumentError(
+                "sampling.max_tokens",
+                f"needs {self.blocks_needed(req)} KV blocks; the cache holds {self.blocks.num_blocks}",
+            )
+
+    def _take_kv(self, req: Request) -> bool:
+        """A slot and (paged) its reserved blocks for every row of the unit, or nothing."""
+        if self.slots.num_free < len(req.unit):
+            return False
+        if self.blocks is not None and self.blocks.num_free < self.blocks_needed(req):
             return False
         for row in req.unit:
             row.slot = self.slots.allocate()
-            row.status = RequestStatus.DECODING
-        self.running[req.req_id] = req
+            if self.blocks is not None:
+                self.blocks.reserve(row.slot, self.positions_reserved(row))
         return True
 
     def schedule(self) -> StepPlan:
@@ -192,12 +241,11 @@ class Scheduler:
         return [r for r in fcfs_order(partial) + list(self.waiting) if not r.is_waiting_for_text]
 
     def _admit(self, req: Request) -> bool:
-        """Give every row of the unit its own KV slot, or admit nothing."""
-        if self.slots.num_free < len(req.unit):
+        """Give every row of the unit its own KV slot (and its blocks), or admit nothing."""
+        if not self._take_kv(req):
             return False
         self.waiting.remove(req)
         for row in req.unit:
-            row.slot = self.slots.allocate()
             row.status = RequestStatus.PREFILLING
         self.running[req.req_id] = req
         return True
@@ -245,11 +293,18 @@ class Scheduler:
             return True
         self.record_rule(req, token)
         self.positions_laid_out(req)
-        out_of_room = any(row.num_known - 1 >= self.max_seq_len for row in req.unit)  # next input position
+        out_of_room = any(not self._has_room(row) for row in req.unit)
         if len(req.output_ids) >= req.sampling.max_tokens or out_of_room:
             self._finish(req, FinishReason.LENGTH, RequestStatus.FINISHED)
             return True
         return False
+
+    def _has_room(self, row: Request) -> bool:
+        """Whether the row's next input position fits its context (and, paged, its blocks: grown
+        here when a family laid out more positions than reserved; out of blocks ends it as LENGTH)."""
+        if row.num_known - 1 >= self.max_seq_len:
+            return False
+        return self.blocks is None or row.slot is None or self.blocks.reserve(row.slot, row.num_known)
 
     def positions_laid_out(self, req: Request) -> None:
         """A decoding request given more than one position to compute (a family's laid-out positions,
@@ -303,5 +358,7 @@ class Scheduler:
 
     def _free_slot(self, row: Request) -> None:
         if row.slot is not None:
+            if self.blocks is not None:
+                self.blocks.release(row.slot)
             self.slots.free(row.slot)
             row.slot = None

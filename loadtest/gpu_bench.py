@@ -3,7 +3,8 @@
 The engine runs the Llama-3.2-3B body with Orpheus' 156,940-token vocab in bf16 (random weights made on the
 GPU, or `--checkpoint DIR` / `--codec-dir DIR`) and the full-size SNAC 24 kHz decoder. Sections, each within
 its share of `--budget-s` and guarded (a failure is recorded and the next one runs): env, attention_check,
-decode_step_ms (eager vs CUDA graphs per rows x max_seq_len), host_syncs_per_step, snac_decode_ms,
+decode_step_ms (eager vs CUDA graphs per rows x max_seq_len, the slot KV layout vs the paged one at
+`--paged-rows`), host_syncs_per_step, snac_decode_ms,
 streaming_sweep (in-process, Poisson arrivals), throughput_mode, naive_hf_generate (transformers generate()).
 DIR/gpu_bench.json is rewritten after each section; the headline table against the targets is printed last.
 GPU (one H200, ~7 min): `make gpu-wheels`, then on the GPU machine, carrying `.whl`:
@@ -216,6 +217,16 @@ class StepCase:
     mode: str  # "graphs" | "eager"
     rows: int
     max_seq_len: int
+    layout: str = "slot"  # the KV cache's ("paged": blocks for the rows' positions, not rows x max_seq_len)
+
+
+def step_cache(case: StepCase, positions: int, block_size: int) -> CacheConfig:
+    """The case's KV cache; paged: a pool of exactly the blocks its rows reserve (`positions` each)."""
+    if case.layout == "slot":
+        return CacheConfig(num_slots=case.rows, max_seq_len=case.max_seq_len)
+    blocks = case.rows * -(-min(positions, case.max_seq_len) // block_size)
+    fields = {"layout": "paged", "block_size": block_size, "num_blocks": blocks}
+    return CacheConfig(num_slots=case.rows, max_seq_len=case.max_seq_len, **fields)
 
 
 def graph_fields(enabled: bool, sizes: tuple[int, ...] = ()) -> dict:
@@ -247,10 +258,11 @@ def filler_prompts(adapter: OrpheusAdapter, count: int, length: int) -> list[lis
     return [repeated[: length - 1] + [1000 + i] for i in range(count)]
 
 
-def step_engine(adapter: OrpheusAdapter, case: StepCase) -> LLMEngine:
+def step_engine(adapter: OrpheusAdapter, case: StepCase, positions: int = 0, block_size: int = 16) -> LLMEngine:
+    """`positions`: each row's prompt + max_tokens (what a paged cache reserves per row)."""
     graphs = graph_fields(case.mode == "graphs", (case.rows,))
     scheduler = SchedulerConfig(policy="fcfs", max_batch_size=case.rows, prefill_token_budget=8192, **graphs)
-    return LLMEngine(adapter, CacheConfig(num_slots=case.rows, max_seq_len=case.max_seq_len), scheduler)
+    return LLMEngine(adapter, step_cache(case, positions or case.max_seq_len, block_size), scheduler)
 
 
 def generate_until(engine: LLMEngine, tokens: int) -> None:
@@ -293,7 +305,7 @@ def measure_case(run: BenchRun, adapter: OrpheusAdapter, case: StepCase, generat
     decoded = generated if case.mode == "graphs" else EAGER_WARM_TOKENS  # eager prefills the rest
     prompt_len = run.args.prompt_tokens + generated - decoded
     budget = prompt_len + decoded + TIMED_BLOCKS * STEPS_PER_BLOCK + 4
-    engine = step_engine(adapter, case)
+    engine = step_engine(adapter, case, budget, run.args.block_size)
     try:
         params = adapter.default_sampling.model_copy(update={"max_tokens": budget - prompt_len})
         for i, prompt in enumerate(filler_prompts(adapter, case.rows, prompt_len)):
@@ -310,8 +322,10 @@ def measure_case(run: BenchRun, adapter: OrpheusAdapter, case: StepCase, generat
 
 
 def guarded_case(run: BenchRun, adapter: OrpheusAdapter, case: StepCase, generated: int) -> dict:
-    row = {"mode": case.mode, "rows": case.rows, "max_seq_len": case.max_seq_len}
-    kv_gb = case.rows * case.max_seq_len * kv_bytes_per_token(adapter) / 1e9
+    row = {"mode": case.mode, "rows": case.rows, "max_seq_len": case.max_seq_len, "layout": case.layout}
+    per_row = case.max_seq_len if case.layout == "slot" else min(case.max_seq_len, step_positions(run.args, generated))
+    kv_gb = case.rows * per_row * kv_bytes_per_token(adapter) / 1e9
+    row["kv_gb"] = round(kv_gb, 6)
     if kv_gb > run.args.max_kv_gb:
         return {**row, "skipped": f"kv too large ({kv_gb:.0f} GB > {run.args.max_kv_gb:g})"}
     if run.time_left_s() < 2:
@@ -322,13 +336,23 @@ def guarded_case(run: BenchRun, adapter: OrpheusAdapter, case: StepCase, generat
         row["error"] = repr(err)[:500]
     finally:
         release_memory(run)
-    run.say(f"  decode {case.mode} rows={case.rows} max_seq_len={case.max_seq_len}: {row.get('step_ms', row)}")
+    where = f"{case.mode} {case.layout} rows={case.rows} max_seq_len={case.max_seq_len}"
+    run.say(f"  decode {where}: {row.get('step_ms', row)}")
     return row
 
 
-def step_ratios(results: list[dict], lens: list[int]) -> dict[str, float]:
-    """Per rows: graphs step at the longest max_seq_len / at the shortest."""
-    ms = {(r["rows"], r["max_seq_len"]): r["step_ms"] for r in results if r["mode"] == "graphs" and "step_ms" in r}
+def step_positions(args: argparse.Namespace, generated: int) -> int:
+    """A timed graphs row's prompt + max_tokens (`measure_case`'s budget): what a paged row reserves."""
+    return args.prompt_tokens + generated + TIMED_BLOCKS * STEPS_PER_BLOCK + 4
+
+
+def step_ratios(results: list[dict], lens: list[int], layout: str = "slot") -> dict[str, float]:
+    """Per rows: graphs step at the longest max_seq_len / at the shortest, for one KV layout."""
+    ms = {
+        (r["rows"], r["max_seq_len"]): r["step_ms"]
+        for r in results
+        if r["mode"] == "graphs" and "step_ms" in r and r.get("layout", "slot") == layout
+    }
     short, long = min(lens), max(lens)
     both = sorted({rows for rows, _ in ms if (rows, short) in ms and (rows, long) in ms})
     return {str(rows): round(ms[rows, long] / ms[rows, short], 3) for rows in both}
@@ -338,7 +362,13 @@ def decode_step_section(run: BenchRun) -> dict:
     args, adapter = run.args, run.adapter()
     generated = generated_before_timing(args)
     headline_first = sorted(args.rows, key=lambda rows: rows not in HEADLINE_ROWS)  # if time runs short
-    cases = [StepCase("graphs", rows, length) for rows in headline_first for length in args.seq_lens]
+    cases = [
+        StepCase("graphs", rows, length, layout)
+        for rows in headline_first
+        for layout in ("slot", "paged")
+        if layout == "slot" or rows in args.paged_rows
+        for length in args.seq_lens
+    ]
     cases += [StepCase("eager", rows, args.eager_seq_len) for rows in args.eager_rows]
     results = []
     for case in cases:
@@ -350,6 +380,8 @@ def decode_step_section(run: BenchRun) -> dict:
         "memory_bound": f"(weights + rows x tokens_cached x kv_bytes_per_token) / {HBM_BYTES_PER_S:g} B/s",
         "results": results,
         f"ratio_{max(args.seq_lens)}_over_{min(args.seq_lens)}": step_ratios(results, args.seq_lens),
+        f"paged_ratio_{max(args.seq_lens)}_over_{min(args.seq_lens)}": step_ratios(results, args.seq_lens, "paged"),
+        "paged_block_size": args.block_size,
     }  # fmt: skip
 
 
@@ -535,9 +567,14 @@ def run_section(run: BenchRun, name: str, end_share: float, body: Callable[[Benc
     run.say(f"{name}: {json.dumps({k: v for k, v in data.items() if k != 'trace'}, default=str)[:400]}")
 
 
-def step_ms_at(report: dict, mode: str, rows: int, max_seq_len: int) -> float | None:
+def step_ms_at(report: dict, mode: str, rows: int, max_seq_len: int, layout: str = "slot") -> float | None:
     for row in report.get("decode_step_ms", {}).get("results", []):
-        if (row["mode"], row["rows"], row["max_seq_len"]) == (mode, rows, max_seq_len):
+        if (row["mode"], row["rows"], row["max_seq_len"], row.get("layout", "slot")) == (
+            mode,
+            rows,
+            max_seq_len,
+            layout,
+        ):
             return row.get("step_ms")
     return None
 
@@ -548,6 +585,8 @@ def headline_rows(report: dict, args: argparse.Namespace) -> list[tuple[str, flo
     mid = 1024 if 1024 in args.seq_lens else short
     step = report.get("decode_step_ms", {})
     ratio = step.get(f"ratio_{long}_over_{short}", {}).get("128")
+    paged_ratio = step.get(f"paged_ratio_{long}_over_{short}", {}).get("128")
+    paged_128 = step_ms_at(report, "graphs", 128, long, "paged")
     tokens = step.get("generated_before_timing", 0) + args.prompt_tokens + TIMED_BLOCKS * STEPS_PER_BLOCK // 2
     attention = report.get("attention_check", {}).get("parity_ok")
     syncs = report.get("host_syncs_per_step", {}).get("syncs_per_step")
@@ -561,6 +600,8 @@ def headline_rows(report: dict, args: argparse.Namespace) -> list[tuple[str, flo
         (f"step 128 rows {long}/{short} ratio", ratio, "<= 1.15", at_most(ratio, 1.15)),
         (f"step ms 128 rows ~{tokens} tok (len {mid})", step_128, "<= 4", at_most(step_128, 4)),
         (f"step ms 512 rows ~{tokens} tok (len {mid})", step_512, "<= 8", at_most(step_512, 8)),
+        (f"paged step 128 rows {long}/{short} ratio", paged_ratio, "<= 1.15", at_most(paged_ratio, 1.15)),
+        (f"paged step ms 128 rows (len {long})", paged_128, "-", None),
         (f"eager step ms 128 rows (len {args.eager_seq_len})", eager_128, "-", None),
         ("host syncs per step (32 rows)", syncs, "<= 1", at_most(syncs, 1)),
     ]
@@ -611,6 +652,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip", nargs="+", default=[], choices=[name for name, *_ in SECTIONS], metavar="SECTION")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 128, 256, 512], help="decode step rows")
     p.add_argument("--seq-lens", type=int, nargs="+", default=[256, 1024, 4096], help="decode step max_seq_len")
+    p.add_argument("--paged-rows", type=int, nargs="+", default=[16, 128, 512], help="rows also run paged")
+    p.add_argument("--block-size", type=int, default=16, help="paged KV block size (tokens)")
     p.add_argument("--eager-rows", type=int, nargs="+", default=[1, 128])
     p.add_argument("--eager-seq-len", type=int, default=1024)
     p.add_argument("--prompt-tokens", type=int, default=16)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -48,12 +49,16 @@ class TextLlamaAdapter(LMAdapter):
         return _NoFrames()
 
 
-def text_engine(model: LlamaForCausalLM, num_slots: int = 8, max_seq_len: int = 256, **sched) -> LLMEngine:
+def text_engine(
+    model: LlamaForCausalLM, num_slots: int = 8, max_seq_len: int = 256, cache: dict | None = None, **sched
+) -> LLMEngine:
     adapter = TextLlamaAdapter(LlamaBackbone(model))
     adapter.eos_token_ids = frozenset()
     defaults = {"max_batch_size": num_slots, "prefill_token_budget": 64}
     return LLMEngine(
-        adapter, CacheConfig(num_slots=num_slots, max_seq_len=max_seq_len), SchedulerConfig(**{**defaults, **sched})
+        adapter,
+        CacheConfig(num_slots=num_slots, max_seq_len=max_seq_len, **(cache or {})),
+        SchedulerConfig(**{**defaults, **sched}),
     )
 
 
@@ -67,10 +72,21 @@ def orpheus_adapter(seed: int = 0) -> OrpheusAdapter:
     return _ORPHEUS[seed]
 
 
-def orpheus_engine(num_slots: int = 8, max_seq_len: int = 1024, seed: int = 0, **sched) -> LLMEngine:
+PAGED_TEST_CACHE = {"layout": "paged", "block_size": 4}  # blocks of 4 tokens: a row spans many blocks
+STEP_MODES = [  # (async_steps, kv_layout): the step modes of the families' greedy parity tests
+    pytest.param(False, "slot", id="sync"),
+    pytest.param(True, "slot", id="async"),
+    pytest.param(False, "paged", id="paged"),
+]
+
+
+def orpheus_engine(
+    num_slots: int = 8, max_seq_len: int = 1024, seed: int = 0, cache: dict | None = None, **sched
+) -> LLMEngine:
+    """`cache`: more CacheConfig fields (e.g. the paged layout)."""
     defaults = {"max_batch_size": num_slots, "prefill_token_budget": 128}
     return LLMEngine(
-        orpheus_adapter(seed), CacheConfig(num_slots=num_slots, max_seq_len=max_seq_len),
+        orpheus_adapter(seed), CacheConfig(num_slots=num_slots, max_seq_len=max_seq_len, **(cache or {})),
         SchedulerConfig(**{**defaults, **sched}), seed=seed,
     )  # fmt: skip
 
@@ -86,11 +102,13 @@ def fake_request(req_id: str, prompt_len: int, max_tokens: int = 50, twin_prompt
     return req
 
 
-def fake_scheduler(num_slots: int = 4, max_batch_size: int = 4, budget: int = 64, max_seq_len: int = 256) -> Scheduler:
-    """A scheduler whose only stop id is EOS_FAKE."""
+def fake_scheduler(
+    num_slots: int = 4, max_batch_size: int = 4, budget: int = 64, max_seq_len: int = 256, cache: dict | None = None
+) -> Scheduler:
+    """A scheduler whose only stop id is EOS_FAKE; `cache`: more CacheConfig fields (the paged layout)."""
     return Scheduler(
         SchedulerConfig(max_batch_size=max_batch_size, prefill_token_budget=budget),
-        CacheConfig(num_slots=num_slots, max_seq_len=max_seq_len), [EOS_FAKE],
+        CacheConfig(num_slots=num_slots, max_seq_len=max_seq_len, **(cache or {})), [EOS_FAKE],
     )  # fmt: skip
 
 

@@ -20,7 +20,7 @@ from core.messages import Job, SamplingParams
 from detok_stage.codecs.base import CodecAdapter
 from llm_stage.cfg import GuidanceFormula
 from llm_stage.chunking import ChunkSchedule
-from llm_stage.kv_cache import SlotKVCache
+from llm_stage.kv_cache import KVCache
 from llm_stage.models.llama import BatchInputs
 from llm_stage.request import Request, Token
 from llm_stage.text_feed import TextFeed
@@ -45,7 +45,7 @@ class Backbone(Protocol):
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor: ...
 
-    def forward(self, batch: BatchInputs, cache: SlotKVCache, embeds: torch.Tensor | None = None) -> torch.Tensor: ...
+    def forward(self, batch: BatchInputs, cache: KVCache, embeds: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 class FrameBuilder(ABC):

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DiaForConditionalGeneration
 
-from llm_stage.kv_cache import SlotKVCache
+from llm_stage.kv_cache import KVCache
 from llm_stage.models.llama import BatchInputs, apply_rotary
 
 NO_TEXT = -1  # text lane of a generated decoder position
@@ -52,16 +52,16 @@ class DiaDecoderBackbone:
         self.cross_heads, self.cross_kv_heads = dec_cfg.cross_num_attention_heads, dec_cfg.cross_num_key_value_heads
         self.cross_head_dim = dec_cfg.cross_head_dim
         self.max_text_tokens = enc_cfg.max_position_embeddings
-        self._stores: weakref.WeakKeyDictionary[SlotKVCache, CrossStore] = weakref.WeakKeyDictionary()
+        self._stores: weakref.WeakKeyDictionary[KVCache, CrossStore] = weakref.WeakKeyDictionary()
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [B, T, C + 1] -> summed channel embeddings of the audio lanes [B, T, H]."""
         return self.decoder.embeddings(ids[..., : self.num_channels])
 
-    def store_for(self, cache: SlotKVCache) -> CrossStore:
+    def store_for(self, cache: KVCache) -> CrossStore:
         """The cross-attention store that lives alongside `cache` (allocated on first use)."""
         if cache not in self._stores:
-            rows, width = cache.keys.shape[1], min(self.max_text_tokens, cache.max_seq_len)
+            rows, width = cache.num_rows, min(self.max_text_tokens, cache.max_seq_len)
             shape = (self.num_layers, rows, self.cross_kv_heads, width, self.cross_head_dim)
             device, dtype = cache.keys.device, cache.keys.dtype
             self._stores[cache] = CrossStore(
@@ -73,7 +73,7 @@ class DiaDecoderBackbone:
         return self._stores[cache]
 
     @torch.inference_mode()
-    def forward(self, batch: BatchInputs, cache: SlotKVCache, embeds: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, batch: BatchInputs, cache: KVCache, embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Final-norm decoder hidden state at each row's last real position: [B, H]."""
         store = self.store_for(cache)
         text = batch.input_ids[..., -1]  # [B, T]

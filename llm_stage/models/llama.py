@@ -24,7 +24,7 @@ from torch import nn
 
 from llm_stage.add_norm import add_rms_norm, fused_add_norm_works
 from llm_stage.attention import decode_attention, triton_available
-from llm_stage.kv_cache import SlotKVCache
+from llm_stage.kv_cache import KVCache
 from llm_stage.rope_cache import fused_rope_works, rope_and_cache
 
 
@@ -140,9 +140,10 @@ class DecodeContext:
     slots: torch.Tensor  # [B]
     seq_lens: torch.Tensor  # [B] int32, on the device
 
-    def attend(self, q: torch.Tensor, cache: SlotKVCache, layer: int, scale: float) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, cache: KVCache, layer: int, scale: float) -> torch.Tensor:
         keys, values = cache.layer(layer)
-        return decode_attention(q[:, :, 0], keys, values, self.slots, self.seq_lens, scale).unsqueeze(2)
+        out = decode_attention(q[:, :, 0], keys, values, self.slots, self.seq_lens, scale, cache.table)
+        return out.unsqueeze(2)
 
 
 @dataclass(frozen=True)
@@ -161,13 +162,13 @@ class PromptContext:
         mask = key_pos.view(1, 1, 1, -1) <= batch.positions.unsqueeze(1).unsqueeze(-1)
         return cls(batch.slots, mask, length)
 
-    def attend(self, q: torch.Tensor, cache: SlotKVCache, layer: int, scale: float) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, cache: KVCache, layer: int, scale: float) -> torch.Tensor:
         keys, values = cache.read(layer, self.slots, self.length)  # [B, KV, L, D]
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, scale=scale, enable_gqa=True)
 
 
 class LlamaBackbone:
-    """Runs `LlamaModel`-compatible weights (decoder layers + final norm) on a SlotKVCache."""
+    """Runs `LlamaModel`-compatible weights (decoder layers + final norm) on a KV cache of either layout."""
 
     supports_decode_graphs = True
     state_is_slot_kv = True  # a stream's whole state here is its rows of the slot KV cache (KV migration)
@@ -222,7 +223,7 @@ class LlamaBackbone:
 
     @torch.inference_mode()
     def forward(
-        self, batch: BatchInputs, cache: SlotKVCache, embeds: torch.Tensor | None = None, length: int | None = None
+        self, batch: BatchInputs, cache: KVCache, embeds: torch.Tensor | None = None, length: int | None = None
     ) -> torch.Tensor:
         """Returns the final-norm hidden state at each row's last real token: [B, H].
 
@@ -258,6 +259,7 @@ class LlamaBackbone:
             q = rope_and_cache(
                 fused.qkv(x).view(bsz * seq, -1), cos.reshape(bsz * seq, dim), sin.reshape(bsz * seq, dim),
                 batch.write_slots.flatten(), batch.positions.flatten(), *cache.layer(index), heads, kv_heads,
+                cache.table,
             ).view(bsz, seq, heads, dim).transpose(1, 2)  # fmt: skip
             out = context.attend(q, cache, index, self.scale)
             return project(out.transpose(1, 2).reshape(bsz, seq, heads * dim), attn.o_proj.weight, attn.o_proj.bias)

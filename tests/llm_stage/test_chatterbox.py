@@ -35,7 +35,8 @@ def greedy(case: dict) -> dict:
             "max_tokens": case["num_tokens"]}  # fmt: skip
 
 
-def test_greedy_tokens_equal_the_reference_t3_loop(adapter):
+@pytest.mark.parametrize("kv_layout", ["slot", "paged"], indirect=True)
+def test_greedy_tokens_equal_the_reference_t3_loop(adapter, kv_layout):
     engine = adapter_engine(adapter, num_slots=10, prefill_token_budget=40)
     got: dict[str, list[int]] = {}
     for step in range(200):

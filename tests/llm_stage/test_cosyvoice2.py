@@ -13,7 +13,7 @@ from core.messages import SamplingParams
 from llm_stage.models.cosyvoice2 import EOS_TOKEN, STOP_TOKENS, CosyVoice2Adapter, Kind
 from llm_stage.models.cosyvoice2_lm import SPEECH_TOKEN_SIZE, SPEECH_VOCAB, CosyVoice2LM
 from llm_stage.request import FinishReason, Request
-from tests.factories import adapter_engine, cosyvoice2_adapter
+from tests.factories import STEP_MODES, adapter_engine, cosyvoice2_adapter
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
@@ -63,8 +63,8 @@ CASES = {  # req_id: (text, prompt text, prompt speech tokens, step it joins at)
 }
 
 
-@pytest.mark.parametrize("async_steps", [False, True])
-def test_greedy_tokens_equal_a_transformers_qwen2_loop(async_steps):
+@pytest.mark.parametrize(("async_steps", "kv_layout"), STEP_MODES, indirect=["kv_layout"])
+def test_greedy_tokens_equal_a_transformers_qwen2_loop(async_steps, kv_layout):
     adapter = cosyvoice2_adapter()
     engine = adapter_engine(adapter, num_slots=4, prefill_token_budget=16, async_steps=async_steps)
     got: dict[str, list[int]] = {req_id: [] for req_id in CASES}

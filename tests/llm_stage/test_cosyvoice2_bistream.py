@@ -19,7 +19,7 @@ from llm_stage.models.cosyvoice2 import CosyVoice2Adapter, Kind
 from llm_stage.models.cosyvoice2_bistream import FILL_TOKEN, BistreamFeed
 from llm_stage.request import Request
 from llm_stage.text_feed import split_whole
-from tests.factories import adapter_engine, cosyvoice2_adapter
+from tests.factories import STEP_MODES, adapter_engine, cosyvoice2_adapter
 
 GOLDEN = Path(__file__).resolve().parents[1] / "data" / "cosyvoice2_bistream_golden.json"
 
@@ -82,8 +82,8 @@ def test_text_pushed_whole_gives_the_reference_tokens(async_steps):
         assert got[case["name"]] == case["tokens"], case["name"]
 
 
-@pytest.mark.parametrize("async_steps", [False, True])
-def test_text_pushed_piece_by_piece_while_streams_run_gives_the_same_tokens(async_steps):
+@pytest.mark.parametrize(("async_steps", "kv_layout"), STEP_MODES, indirect=["kv_layout"])
+def test_text_pushed_piece_by_piece_while_streams_run_gives_the_same_tokens(async_steps, kv_layout):
     """Pieces of 1-7 characters every few steps (the streams wait for text between them), beside a
     whole-text request whose tokens stay those of the whole-text path."""
     eng = adapter_engine(adapter(), num_slots=6, max_seq_len=512, prefill_token_budget=16, async_steps=async_steps)

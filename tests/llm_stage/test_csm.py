@@ -11,6 +11,7 @@ import torch
 from core.config import CacheConfig, ModelConfig, SchedulerConfig
 from llm_stage.engine import LLMEngine
 from llm_stage.models.csm import CsmAdapter
+from tests.factories import STEP_MODES
 
 
 @functools.cache
@@ -33,8 +34,8 @@ def hf_frames(prompt: list[tuple], max_new: int) -> list[list[int]]:
     return out[0].tolist()
 
 
-@pytest.mark.parametrize("async_steps", [False, True])
-def test_greedy_parity_with_transformers_csm_generate(async_steps):
+@pytest.mark.parametrize(("async_steps", "kv_layout"), STEP_MODES, indirect=["kv_layout"])
+def test_greedy_parity_with_transformers_csm_generate(async_steps, kv_layout):
     ad = adapter()
     engine = LLMEngine(
         ad,

@@ -60,7 +60,10 @@ def test_triton_kernels_in_the_interpreter():
     rounding of SDPA over each row's tokens (one and several splits, GQA groups of 2 to 4, head dims
     64, 80, 128, a padding row), and its K and V loads are exactly the cached tokens: the same at 256
     and 4096. Rotary + cache write: the torch ops' bits in fp32 and bf16. Residual add + RMSNorm: the
-    sums' bits, the norm's bits in bf16 (fp32: rounding). With both fused, an engine's tokens."""
+    sums' bits, the norm's bits in bf16 (fp32: rounding). With both fused, an engine's tokens. The
+    paged layout: attention through a shuffled block table (blocks of 16 and 5) equals SDPA and
+    loads only the cached tokens, the same at 256 and 4096; the rotary write through it, the torch
+    write's bits."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
@@ -71,6 +74,12 @@ def test_triton_kernels_in_the_interpreter():
     cases = json.loads(done.stdout.strip().splitlines()[-1])
     fused = ("rope_float32", "rope_bfloat16", "rope_engine", "add_norm_float32", "add_norm_bfloat16")
     rope = {name: cases.pop(name) for name in fused}
+    paged, rope_paged = cases.pop("paged"), cases.pop("rope_paged")
+    for name, case in paged.items():  # through a shuffled block table: SDPA over the same tokens, only they loaded
+        assert case["max_abs_err"] < 1e-5 and case["torch_paged_err"] < 1e-5, (name, case)
+        assert case["keys_loaded"] == case["values_loaded"] == case["cached_elements"], name
+    assert paged["paged_bs16_short_256"]["keys_loaded"] == paged["paged_bs16_long_4096"]["keys_loaded"]
+    assert rope_paged == {"queries_equal": True, "keys_equal": True, "values_equal": True, "keys_written": 14}
     for name, case in cases.items():
         assert case["max_abs_err"] < 1e-5, name
         assert case["keys_loaded"] == case["values_loaded"] == case["cached_elements"], name
@@ -83,8 +92,8 @@ def test_triton_kernels_in_the_interpreter():
     assert rope["add_norm_float32"]["sums_equal"] and rope["add_norm_float32"]["normed_max_rel"] < 1e-6
 
 
-def decoding_engine(max_seq_len: int, **sched):
-    engine = orpheus_engine(num_slots=6, max_seq_len=max_seq_len, **sched)
+def decoding_engine(max_seq_len: int, layout: str = "slot", **sched):
+    engine = orpheus_engine(num_slots=6, max_seq_len=max_seq_len, cache={"layout": layout, "block_size": 16}, **sched)
     for i, text in enumerate(["one", "a second request", "three three three"]):
         engine.add_request(f"r{i}", text, None, {"max_tokens": 60, "seed": i})
     for _ in range(12):
@@ -92,29 +101,47 @@ def decoding_engine(max_seq_len: int, **sched):
     return engine
 
 
-def graph_path_flops(engine) -> tuple[int, int]:
+class GatheredKV(TorchDispatchMode):
+    """Bytes of KV the forward gathers out of the cache: `index_select` outputs of 4+ dims (a slot
+    row's narrowed positions, or a paged row's blocks; the block table's rows are 2-D)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func._opname == "index_select" and out.dim() >= 4:
+            self.num_bytes += out.numel() * out.element_size()
+        return out
+
+
+def graph_path_work(engine) -> tuple[int, int, int]:
     """FLOPs of one decode forward on the path the graphs capture (padded batch, static forward),
     counted by torch's FlopCounterMode (SDPA on its math backend, whose matmuls it counts; it has
-    no formula for the CPU flash kernel); and the tokens the rows have cached."""
+    no formula for the CPU flash kernel); the KV bytes it gathers; the tokens the rows have cached."""
     runner = engine.runner
     runner.graphs = DecodeGraphs(runner._forward, [4, 8], runner.padding_row, runner.device)
     plan = engine.scheduler.schedule()
     assert len(plan.decodes) == 3 and not plan.prefills
     batch = runner.prepare(plan).decode
-    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter, GatheredKV() as gathered:
         runner.graphs.run_static(batch)
-    return counter.get_total_flops(), sum(r.num_cached for r in plan.decodes)
+    return counter.get_total_flops(), gathered.num_bytes, sum(r.num_cached for r in plan.decodes)
 
 
-def test_decode_step_work_follows_the_cached_tokens_not_max_seq_len():
-    short, short_tokens = graph_path_flops(decoding_engine(256))
-    long, long_tokens = graph_path_flops(decoding_engine(4096))
-    assert short_tokens == long_tokens and short == long
-    engine = decoding_engine(256)  # more tokens cached: more work (the count sees attention)
-    for _ in range(7):
+@pytest.mark.parametrize("layout", ["slot", "paged"])
+def test_decode_step_work_follows_the_cached_tokens_not_max_seq_len(layout):
+    """FLOPs and gathered KV bytes the same at max_seq_len 256 and 4096 for the same rows (paged:
+    blocks of 16, a row's last block read whole), and more with more tokens cached."""
+    short, short_bytes, short_tokens = graph_path_work(decoding_engine(256, layout))
+    long, long_bytes, long_tokens = graph_path_work(decoding_engine(4096, layout))
+    assert short_tokens == long_tokens and short == long and short_bytes == long_bytes > 0
+    engine = decoding_engine(256, layout)  # more tokens cached (past a block's end): more work
+    for _ in range(17):
         engine.step()
-    more, more_tokens = graph_path_flops(engine)
-    assert more_tokens > short_tokens and more > short
+    more, more_bytes, more_tokens = graph_path_work(engine)
+    assert more_tokens > short_tokens and more > short and more_bytes > short_bytes
 
 
 class ReadBacks(TorchDispatchMode):

@@ -15,6 +15,7 @@ from core.messages import SamplingParams
 from llm_stage.engine import LLMEngine
 from llm_stage.models.dia import DiaAdapter, encode_dia_text
 from llm_stage.request import Request
+from tests.factories import STEP_MODES
 
 
 @functools.cache
@@ -48,8 +49,8 @@ CASES = {  # req_id: (text, guidance_scale, top_k, max_tokens, join step)
 }
 
 
-@pytest.mark.parametrize("async_steps", [False, True])
-def test_greedy_parity_with_transformers_dia_generate_cfg_on(async_steps):
+@pytest.mark.parametrize(("async_steps", "kv_layout"), STEP_MODES, indirect=["kv_layout"])
+def test_greedy_parity_with_transformers_dia_generate_cfg_on(async_steps, kv_layout):
     ad = adapter()
     engine = LLMEngine(
         ad,

@@ -13,6 +13,7 @@ from core.messages import SamplingParams
 from llm_stage.engine import LLMEngine
 from llm_stage.models.parallel_heads import ParallelHeadsAdapter, save_parallel_heads
 from llm_stage.request import Request
+from tests.factories import STEP_MODES
 
 
 @functools.cache
@@ -61,8 +62,8 @@ def reference_greedy(ad: ParallelHeadsAdapter, text: str, max_tokens: int, scale
     return steps
 
 
-@pytest.mark.parametrize("async_steps", [False, True])
-def test_greedy_parity_with_cfg_pairs_in_a_shared_batch(async_steps):
+@pytest.mark.parametrize(("async_steps", "kv_layout"), STEP_MODES, indirect=["kv_layout"])
+def test_greedy_parity_with_cfg_pairs_in_a_shared_batch(async_steps, kv_layout):
     eng = engine(async_steps=async_steps)
     cases = {
         "plain-short": ("hi", None, 18),

@@ -9,7 +9,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from core.messages import SamplingParams
 from llm_stage.models.orpheus import allowed_token_ids
 from llm_stage.request import Request
-from tests.factories import orpheus_adapter, orpheus_engine, text_engine, tiny_text_llama
+from tests.factories import STEP_MODES, orpheus_adapter, orpheus_engine, text_engine, tiny_text_llama
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
@@ -23,8 +23,8 @@ def hf_greedy(model, prompt: list[int], max_new: int, processors=None) -> list[i
     return out[0, len(prompt) :].tolist()
 
 
-@pytest.mark.parametrize("async_steps", [False, True])
-def test_greedy_parity_with_staggered_joins(async_steps):
+@pytest.mark.parametrize(("async_steps", "kv_layout"), STEP_MODES, indirect=["kv_layout"])
+def test_greedy_parity_with_staggered_joins(async_steps, kv_layout):
     model = tiny_text_llama()
     engine = text_engine(model, num_slots=6, prefill_token_budget=16, async_steps=async_steps)
     prompts = {f"r{i}": [1] + [3 + (7 * i + j) % 400 for j in range(5 + 9 * i)] for i in range(5)}
@@ -53,8 +53,8 @@ class OrpheusSlotMask(LogitsProcessor):
         return masked
 
 
-@pytest.mark.parametrize("async_steps", [False, True])
-def test_orpheus_greedy_parity_with_frame_slot_mask(async_steps):
+@pytest.mark.parametrize(("async_steps", "kv_layout"), STEP_MODES, indirect=["kv_layout"])
+def test_orpheus_greedy_parity_with_frame_slot_mask(async_steps, kv_layout):
     engine = orpheus_engine(num_slots=4, async_steps=async_steps)
     model_prompts = {f"o{i}": engine.adapter.format_prompt("hello world " * (i + 1), "tara") for i in range(4)}
     params = SamplingParams(temperature=0.0, max_tokens=21)

@@ -22,6 +22,7 @@ from llm_stage.engine import LLMEngine
 from llm_stage.models.qwen3_tts import NONE, PresetChatTokenizer, Qwen3TTSAdapter, tiny_qwen3_tts_config
 from llm_stage.models.qwen3_tts_talker import Qwen3TTSModel, TalkerSpec, qwen3_config
 from llm_stage.request import Request
+from tests.factories import STEP_MODES
 
 
 def widened(model: torch.nn.Module, seed: int) -> torch.nn.Module:
@@ -86,8 +87,8 @@ def transformers_frames(ad: Qwen3TTSAdapter, prompt: list[tuple], num_frames: in
     return frames
 
 
-@pytest.mark.parametrize("async_steps", [False, True])
-def test_greedy_frames_match_transformers_qwen3_and_omni_code_predictor(async_steps):
+@pytest.mark.parametrize(("async_steps", "kv_layout"), STEP_MODES, indirect=["kv_layout"])
+def test_greedy_frames_match_transformers_qwen3_and_omni_code_predictor(async_steps, kv_layout):
     ad = adapter()
     engine = LLMEngine(
         ad, CacheConfig(num_slots=4, max_seq_len=128),

@@ -19,6 +19,7 @@ from llm_stage.engine import LLMEngine
 from llm_stage.models.qwen3_tts import PresetChatTokenizer, Qwen3TTSAdapter, load_qwen3_tts
 from llm_stage.side import LLMSide
 from llm_stage.text_feed import TextFeed, last_word_start, split_last_word
+from tests.factories import STEP_MODES
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "qwen3_tts"
 CONFIG = ModelConfig(name="qwen3-tts", checkpoint_dir=DATA / "checkpoint")
@@ -80,8 +81,8 @@ def run(eng: LLMEngine, feeds: dict[str, list[tuple[int, list[int], bool]]], max
     return {"frames": frames, "waited": waited}
 
 
-@pytest.mark.parametrize("async_steps", [False, True])
-def test_text_arriving_late_gives_the_reference_streaming_frames(async_steps):
+@pytest.mark.parametrize(("async_steps", "kv_layout"), STEP_MODES, indirect=["kv_layout"])
+def test_text_arriving_late_gives_the_reference_streaming_frames(async_steps, kv_layout):
     """Every case's text in pieces: the first id opens the stream, later ids come one every 3 steps
     (slower than frames), so each stream waits for text again and again."""
     eng = engine(async_steps)

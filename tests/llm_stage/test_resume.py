@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from core.config import EngineConfig, ModelConfig
+from core.config import CacheConfig, EngineConfig, ModelConfig
 from core.errors import InvalidArgumentError
 from core.messages import Checkpoint, Job, ResumeState, TextPiece, TokenChunk
 from llm_stage.engine import LLMEngine
@@ -17,8 +17,9 @@ from llm_stage.side import LLMSide
 from llm_stage.wiring import build_llm_side
 
 
-def _side(model: str) -> LLMSide:
-    return build_llm_side(EngineConfig(model=ModelConfig(name=model)))
+def _side(model: str, layout: str = "slot") -> LLMSide:
+    cache = CacheConfig(layout=layout, block_size=4)  # (block_size: the paged layout's)
+    return build_llm_side(EngineConfig(model=ModelConfig(name=model), cache=cache))
 
 
 def _job(side: LLMSide, text: str, sampling: dict, resume: ResumeState | None = None) -> Job:
@@ -126,6 +127,27 @@ def test_kv_migration_mid_stream_gives_the_uninterrupted_chunks(model: str, samp
     target.add(_job(target, text, sampling, state), kv)
     req = target.engine.requests["r"]
     assert req.status.value == "decoding" and all(row.num_cached == row.num_known - 1 for row in req.unit)
+    assert _layout([(c, None) for c in before + _drain(target)]) == _layout(reference)
+
+
+@pytest.mark.parametrize(("source_layout", "target_layout"), [("paged", "slot"), ("slot", "paged")])
+def test_kv_moves_between_the_slot_and_the_paged_layout(source_layout: str, target_layout: str):
+    """A guided stream (its CFG twin's rows too) moves from a paged cache to a slot cache and back:
+    the uninterrupted run's chunks, and the source's blocks all free once it left."""
+    model, sampling = "parallel-heads-tiny", {"temperature": 0.9, "seed": 11, "max_tokens": 40, "guidance_scale": 2.0}
+    text = "move me to another replica"
+    reference = _run(_side(model), _job(_side(model), text, sampling))
+    source = _side(model, source_layout)
+    source.add(_job(source, text, sampling))
+    before: list[TokenChunk] = []
+    while len(before) < 2:
+        before += source.step()
+    state, kv = source.move_out("r")
+    blocks = source.engine.scheduler.blocks
+    assert kv is not None and (blocks is None or blocks.num_free == blocks.num_blocks)
+    target = _side(model, target_layout)
+    target.add(_job(target, text, sampling, state), kv)
+    assert target.engine.requests["r"].status.value == "decoding"
     assert _layout([(c, None) for c in before + _drain(target)]) == _layout(reference)
 
 

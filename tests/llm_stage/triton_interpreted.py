@@ -1,9 +1,11 @@
 """Runs our Triton kernels in Triton's interpreter (CPU tensors) and prints JSON: for
 `llm_stage.attention`, per case the max abs difference from SDPA over each row's own tokens and
 the K / V elements the kernel loaded against the tokens cached; for `llm_stage.rope_cache`,
-whether the fused rotation + cache write gives the torch ops' bits (fp32 and bf16), and whether
-an engine's greedy tokens are the same with it. Run with TRITON_INTERPRET=1 in the environment
-(Triton reads it at import): `test_decode_attention.py` starts it in a subprocess.
+whether the fused rotation + cache write gives the torch ops' bits (fp32 and bf16; through a block
+table too), and whether an engine's greedy tokens are the same with it; the decode kernel over a
+paged cache (block pools + a shuffled block table) against SDPA over the same tokens, loads
+counted. Run with TRITON_INTERPRET=1 in the environment (Triton reads it at import):
+`test_decode_attention.py` starts it in a subprocess.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import triton.runtime.interpreter as interpreter
 
 from llm_stage.add_norm import add_rms_norm, reference_add_rms_norm
 from llm_stage.attention import decode_attention_sdpa, decode_attention_triton
+from llm_stage.kv_cache import PagedKVCache
 from llm_stage.models.llama import apply_rotary
 from llm_stage.rope_cache import rope_and_cache
 
@@ -73,6 +76,75 @@ def run_case(counter: LoadCounter, rows, max_len, kv_heads, heads, dim, splits, 
         "values_loaded": counter.counts["values"],
         "cached_elements": cached,
         "lens": lens.tolist(),
+    }
+
+
+def paged(slot_rows: torch.Tensor, block_size: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slot rows [S, H, L, D] as a block pool [S * L / bs + 1, H, bs, D] (blocks shuffled, the
+    last one scratch) and its block table [S, L / bs]."""
+    slots, heads, length, dim = slot_rows.shape
+    width = length // block_size
+    table = torch.randperm(slots * width, generator=gen).view(slots, width).to(torch.int32)
+    pool = torch.randn(slots * width + 1, heads, block_size, dim, generator=gen)
+    pool[table.flatten().long()] = slot_rows.view(slots, heads, width, block_size, dim).transpose(1, 2).flatten(0, 1)
+    return pool, table
+
+
+def paged_case(counter: LoadCounter, rows, max_len, block_size, splits, seed) -> dict:
+    """The kernel over a block pool + table against SDPA over the same tokens in slot rows: GQA 3,
+    mixed lengths, a padding row; its K / V loads against the tokens cached."""
+    gen = torch.Generator().manual_seed(seed)
+    kv_heads, heads, dim, num_slots = 2, 6, 64, rows + 2
+    slots = torch.randperm(num_slots - 1, generator=gen)[:rows]
+    lens = torch.randint(1, 251, (rows,), generator=gen).to(torch.int32)
+    slots[-1], lens[-1] = num_slots - 1, 1
+    q = torch.randn(rows, heads, dim, generator=gen)
+    keys = torch.randn(num_slots, kv_heads, max_len, dim, generator=gen)
+    values = torch.randn(num_slots, kv_heads, max_len, dim, generator=gen)
+    key_pool, table = paged(keys, block_size, gen)
+    value_pool = torch.randn_like(key_pool)
+    value_pool[table.flatten().long()] = (
+        values.view(num_slots, kv_heads, -1, block_size, dim).transpose(1, 2).flatten(0, 1)
+    )
+    counter.watch(keys=key_pool, values=value_pool)
+    got = decode_attention_triton(q, key_pool, value_pool, slots, lens, dim**-0.5, splits=splits, table=table)
+    want = decode_attention_sdpa(q, keys, values, slots, lens, dim**-0.5)
+    torch_paged = decode_attention_sdpa(q, key_pool, value_pool, slots, lens, dim**-0.5, table=table)
+    return {
+        "max_abs_err": float((got - want).abs().max()),
+        "torch_paged_err": float((torch_paged - want).abs().max()),
+        "keys_loaded": counter.counts["keys"],
+        "values_loaded": counter.counts["values"],
+        "cached_elements": int(lens.sum()) * kv_heads * dim,
+    }
+
+
+def rope_paged_case(seed: int = 0) -> dict:
+    """The fused kernel writing through a block table against `PagedKVCache.write` (torch ops), fp32."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens, heads, kv_heads, dim, slots_total, max_len, block_size = 7, 6, 2, 64, 4, 32, 8
+    caches = [
+        PagedKVCache(1, slots_total, kv_heads, max_len, dim, torch.float32, "cpu", 16, block_size) for _ in range(2)
+    ]
+    blocks = torch.randperm(16, generator=gen).tolist()
+    for cache in caches:
+        for slot in range(slots_total):
+            cache.assign(slot, blocks[slot * 4 : slot * 4 + 4])
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen)
+    angles = torch.rand(tokens, dim // 2, generator=gen) * 6.0
+    cos, sin = torch.cat([angles.cos()] * 2, dim=-1), torch.cat([angles.sin()] * 2, dim=-1)
+    cells = torch.randperm(slots_total * max_len, generator=gen)[:tokens]
+    slots, positions = cells // max_len, cells % max_len
+    fused = caches[0]
+    queries = rope_and_cache(qkv, cos, sin, slots, positions, *fused.layer(0), heads, kv_heads, fused.table)
+    split = qkv.view(tokens, 1, heads + 2 * kv_heads, dim).transpose(1, 2)
+    rotated = apply_rotary(split[:, : heads + kv_heads], cos.unsqueeze(1), sin.unsqueeze(1))
+    caches[1].write(0, slots, positions, rotated[:, heads:, 0], split[:, heads + kv_heads :, 0])
+    return {
+        "queries_equal": bool(torch.equal(queries, rotated[:, :heads, 0])),
+        "keys_equal": bool(torch.equal(fused.keys, caches[1].keys)),
+        "values_equal": bool(torch.equal(fused.values, caches[1].values)),
+        "keys_written": int((fused.keys != 0).any(-1).sum()),
     }
 
 
@@ -149,6 +221,13 @@ def main() -> None:
     out["rope_float32"] = rope_case(torch.float32)
     out["rope_bfloat16"] = rope_case(torch.bfloat16)
     out["rope_engine"] = fused_engine_tokens()
+    out["rope_paged"] = rope_paged_case()
+    paged_cases = {  # rows, max_len, block size, splits: the same rows at 256 and 4096
+        "paged_bs16_short_256": (4, 256, 16, 4),
+        "paged_bs16_long_4096": (4, 4096, 16, 4),
+        "paged_bs5_one_split": (3, 300, 5, 1),
+    }
+    out["paged"] = {name: paged_case(counter, *shape, seed=1) for name, shape in paged_cases.items()}
     out["add_norm_float32"] = add_norm_case(torch.float32)
     out["add_norm_bfloat16"] = add_norm_case(torch.bfloat16)
     print(json.dumps(out))

@@ -9,7 +9,8 @@ from loadtest import gpu_bench
 
 TINY_RUN = [
     "--device", "cpu", "--small", "--budget-s", "300",
-    "--rows", "1", "2", "--seq-lens", "64", "96", "--eager-rows", "1", "--eager-seq-len", "64",
+    "--rows", "1", "2", "--seq-lens", "64", "96", "--paged-rows", "2", "--block-size", "8",
+    "--eager-rows", "1", "--eager-seq-len", "64",
     "--max-kv-gb", "0.0003",  # 2 rows x 96 tokens x 2,048 B (orpheus-tiny's KV per token) is over it
     "--snac-chunks", "1", "2",
     "--rates", "4", "--arrival-s", "1", "--rate-cap-s", "10", "--max-tokens", "28", "--batch", "4",
@@ -27,14 +28,19 @@ def test_every_section_runs_on_cpu_and_the_table_prints_last(tmp_path, capsys):
     assert report["attention_check"]["status"] in ("ran", "missing")
 
     steps = report["decode_step_ms"]["results"]
-    cases = {(r["mode"], r["rows"], r["max_seq_len"]) for r in steps}
-    assert cases == {("graphs", 1, 64), ("graphs", 1, 96), ("graphs", 2, 64), ("graphs", 2, 96), ("eager", 1, 64)}
+    cases = {(r["mode"], r["rows"], r["max_seq_len"], r["layout"]) for r in steps}
+    assert cases == {("graphs", 1, 64, "slot"), ("graphs", 1, 96, "slot"), ("graphs", 2, 64, "slot"),
+                     ("graphs", 2, 96, "slot"), ("graphs", 2, 64, "paged"), ("graphs", 2, 96, "paged"),
+                     ("eager", 1, 64, "slot")}  # fmt: skip
     too_large = [r for r in steps if "skipped" in r]
-    assert [(r["rows"], r["max_seq_len"]) for r in too_large] == [(2, 96)]
+    assert [(r["rows"], r["max_seq_len"]) for r in too_large] == [(2, 96)]  # slot; paged holds only the rows' tokens
+    paged = [r for r in steps if r["layout"] == "paged"]
+    assert paged[0]["kv_gb"] == paged[1]["kv_gb"] < too_large[0]["kv_gb"]  # the same budget at either length
     assert too_large[0]["skipped"].startswith("kv too large")
     measured = [r for r in steps if "skipped" not in r]
     assert all(r["step_ms"] > 0 and r["tokens_cached"] < 64 for r in measured)  # the same lengths fit every cache
     assert set(report["decode_step_ms"]["ratio_96_over_64"]) == {"1"}
+    assert set(report["decode_step_ms"]["paged_ratio_96_over_64"]) == {"2"}
 
     assert set(report["snac_decode_ms"]["eager_ms"]) == {"1", "2"}
     sweep = report["streaming_sweep"]
