@@ -115,6 +115,7 @@ class PredictedTTFARouter(RequestRouter):
         self.has_lost_replicas = False  # a replica died since start (then an empty set is an outage)
         self._listed: set[str] = set()  # unique ids Serve last listed as running
         self._died: set[str] = set()  # unique ids whose actor died (no move-out to ask for)
+        self.asked_to_move_out: list[str] = []  # unique ids of stopping replicas asked to move their streams out
         _register(self.app_name, self, "_BOARDS")  # the Router's early reject and deadline check read it
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
@@ -132,6 +133,7 @@ class PredictedTTFARouter(RequestRouter):
         self._listed = now
         super().update_replicas(replicas)
         if leaving:
+            self.asked_to_move_out.extend(leaving)
             threading.Thread(target=_ask_to_move_out, args=(self.app_name, leaving), daemon=True).start()
 
     def _ensure_state(self) -> None:
