@@ -21,6 +21,7 @@ from core.config import (
     http_proxy_options,
     load_serve_config,
 )
+from deployments.autoscaling import autoscaling_config
 
 IMPORT_PATH = "deployments.app:app_builder"
 # HTTP proxies on the head only: the head pod is then the one KubeRay puts behind voxray-serve-svc, and
@@ -29,18 +30,14 @@ PROXY_LOCATION = "HeadOnly"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def _stage_deployment(name: str, stage: StageDeploymentConfig, graceful_timeout_s: float) -> dict:
+def _stage_deployment(name: str, stage: StageDeploymentConfig, graceful_timeout_s: float, kind: str | None) -> dict:
     """One Serve deployment entry: replicas or autoscaling, concurrency cap, actor resources, graceful stop."""
     actor_options: dict = {"num_cpus": stage.num_cpus, "num_gpus": stage.num_gpus}
     if stage.resources:
         actor_options["resources"] = dict(stage.resources)
     entry: dict = {"name": name}
     if stage.autoscaling:
-        entry["autoscaling_config"] = {
-            "min_replicas": stage.min_replicas,
-            "max_replicas": stage.max_replicas,
-            "target_ongoing_requests": stage.target_ongoing_requests,
-        }
+        entry["autoscaling_config"] = autoscaling_config(stage.model_dump(mode="json"), kind)
     else:
         entry["num_replicas"] = stage.num_replicas
     entry["max_ongoing_requests"] = stage.max_ongoing_requests
@@ -59,9 +56,9 @@ def serve_schema_dict(config: ServeConfig) -> dict:
         "import_path": IMPORT_PATH,
         "args": config.model_dump(mode="json"),
         "deployments": [
-            _stage_deployment("Router", config.router, config.drain.serve_graceful_timeout_s),
-            _stage_deployment("LLMStage", config.llm, config.drain.serve_graceful_timeout_s),
-            _stage_deployment("DetokStage", config.detok, config.drain.serve_graceful_timeout_s),
+            _stage_deployment("Router", config.router, config.drain.serve_graceful_timeout_s, None),
+            _stage_deployment("LLMStage", config.llm, config.drain.serve_graceful_timeout_s, "llm"),
+            _stage_deployment("DetokStage", config.detok, config.drain.serve_graceful_timeout_s, "detok"),
         ],
     }
     return {

@@ -165,6 +165,39 @@ def load_engine_config(path: Path) -> EngineConfig:
     return EngineConfig.model_validate(yaml.safe_load(Path(path).read_text()) or {})
 
 
+class SLOScalingConfig(_Strict):
+    """The SLO-driven policy (`core.autoscaling`): each replica's pressure (1 = at its SLO limit)
+    against a hysteresis band, a wish held for `sustain_s`, cool-downs. Used when a stage's
+    `autoscaling_policy` is `slo`."""
+
+    ttfa_target_s: float = Field(1.0, gt=0, description="LLM: predicted TTFA of one more stream that counts as full.")
+    stream_use_target: float = Field(
+        0.85, gt=0, le=1, description="LLM: share of the streams a replica admits (KV slots, measured pace) in use "
+        "that counts as full.",
+    )  # fmt: skip
+    busy_share_target: float = Field(0.8, gt=0, description="Detok: decode busy share that counts as full.")
+    slack_target_s: float = Field(
+        0.5, gt=0, description="Detok: time to spare before the streams' playback deadlines under which it is full."
+    )
+    scale_up_pressure: float = Field(0.9, gt=0, description="Mean pressure above which one more replica is added.")
+    scale_down_pressure: float = Field(
+        0.45, gt=0, description="One replica leaves when the others' mean pressure would stay below this."
+    )
+    sustain_s: float = Field(3.0, ge=0, description="How long a wish to scale must hold before it is acted on.")
+    up_cooldown_s: float = Field(10.0, ge=0, description="No scale-up this long after any scaling.")
+    down_cooldown_s: float = Field(30.0, ge=0, description="No scale-down this long after any scaling.")
+    look_back_s: float = Field(
+        15.0, gt=10, description="Serve averages each replica's stats over this window (its look_back_period_s; "
+        "Serve wants it above the replicas' 10 s metrics push interval).",
+    )  # fmt: skip
+
+    @model_validator(mode="after")
+    def _band(self) -> SLOScalingConfig:
+        if self.scale_down_pressure >= self.scale_up_pressure:
+            raise ValueError("slo.scale_down_pressure must be below slo.scale_up_pressure (the hysteresis band)")
+        return self
+
+
 class StageDeploymentConfig(_Strict):
     """Replica count / autoscaling and resources of one Serve deployment."""
 
@@ -173,6 +206,11 @@ class StageDeploymentConfig(_Strict):
     min_replicas: int = Field(1, ge=0)
     max_replicas: int = Field(1, ge=1)
     target_ongoing_requests: float = Field(8.0, gt=0)
+    autoscaling_policy: Literal["ongoing_requests", "slo"] = Field(
+        "ongoing_requests", description="ongoing_requests: Serve's default (target_ongoing_requests); slo: the "
+        "stage's SLO signals (LLM: predicted TTFA and stream use; detok: busy share and deadline slack), `slo`.",
+    )  # fmt: skip
+    slo: SLOScalingConfig = SLOScalingConfig()
     num_cpus: float = Field(0.5, ge=0, description="Logical CPUs per replica (fractions allowed).")
     num_gpus: float = Field(0.0, ge=0, description="1 per replica on GPU clusters (one accelerator each).")
     max_ongoing_requests: int = Field(256, ge=1, description="Serve-level cap; admission is ours.")

@@ -11,6 +11,7 @@ from ray import serve
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
 from core.config import CHECK_FILES, GRACEFUL_WAIT_LOOP_S, ServeConfig, StageDeploymentConfig
+from deployments.autoscaling import autoscaling_config
 from deployments.detok_stage import DetokStage
 from deployments.kv_courier import courier_actors
 from deployments.llm_stage import LLMStage
@@ -18,8 +19,9 @@ from deployments.voices import bank_actors
 from router.ingress import Router
 
 
-def deployment_options(stage: StageDeploymentConfig, graceful_timeout_s: float) -> dict:
-    """Serve deployment options for one stage (the same mapping the Serve YAML generator uses)."""
+def deployment_options(stage: StageDeploymentConfig, graceful_timeout_s: float, kind: str | None = None) -> dict:
+    """Serve deployment options for one stage (the same mapping the Serve YAML generator uses);
+    `kind` ("llm" / "detok", None for the Router) picks the SLO autoscaling signals."""
     actor_options: dict = {"num_cpus": stage.num_cpus, "num_gpus": stage.num_gpus}
     if stage.resources:
         actor_options["resources"] = dict(stage.resources)
@@ -31,11 +33,7 @@ def deployment_options(stage: StageDeploymentConfig, graceful_timeout_s: float) 
         "health_check_period_s": stage.health_check_period_s,
     }
     if stage.autoscaling:
-        options["autoscaling_config"] = AutoscalingConfig(
-            min_replicas=stage.min_replicas,
-            max_replicas=stage.max_replicas,
-            target_ongoing_requests=stage.target_ongoing_requests,
-        )
+        options["autoscaling_config"] = AutoscalingConfig(**autoscaling_config(stage.model_dump(mode="json"), kind))
     else:
         options["num_replicas"] = stage.num_replicas
     return options
@@ -47,13 +45,13 @@ def build_app(config: ServeConfig) -> serve.Application:
     detok_router = RequestRouterConfig(
         request_router_class="router.dispatch:DetokBoard", request_routing_stats_period_s=0.5
     )  # Serve's default routing, keeping the detok replicas' reports for the LLM replicas' admission
-    detok_options = deployment_options(config.detok, graceful_s) | {"deployment_actors": bank_actors(config)}
+    detok_options = deployment_options(config.detok, graceful_s, "detok") | {"deployment_actors": bank_actors(config)}
     detok = serve.deployment(DetokStage, name="DetokStage", request_router_config=detok_router, **detok_options)
     detok = detok.bind(args)
     llm_router = RequestRouterConfig(
         request_router_class="router.dispatch:PredictedTTFARouter", request_routing_stats_period_s=0.5
     )
-    llm_options = deployment_options(config.llm, graceful_s) | {"deployment_actors": courier_actors(config)}
+    llm_options = deployment_options(config.llm, graceful_s, "llm") | {"deployment_actors": courier_actors(config)}
     llm = serve.deployment(LLMStage, name="LLMStage", request_router_config=llm_router, **llm_options)
     llm = llm.bind(args, detok)
     router = serve.deployment(Router, name="Router", **deployment_options(config.router, graceful_s))

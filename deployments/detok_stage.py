@@ -21,6 +21,7 @@ import time
 import ray
 import torch
 
+from core.autoscaling import DETOK_BUSY_SHARE, DETOK_MIN_SLACK_S, NO_DEADLINE_SLACK_S
 from core.config import CHECK_FILES, ServeConfig
 from core.messages import AudioChunk, AudioRef, TokenChunk
 from deployments.engine_loop import EngineLoop, finish_on_thread, replica_tag
@@ -29,7 +30,7 @@ from deployments.voices import DetokVoices, check_voice_encoders
 from llm_stage.faults import is_out_of_memory, release_cached_memory
 from llm_stage.registry import check_model_config
 from llm_stage.wiring import build_detok_engine
-from router.detok_load import DetokPace
+from router.detok_load import DeadlineSlack, DetokPace
 from router.replica_listener import keep_replica_listener_on_loopback
 
 # A cancelled stream's decoder state is kept this long: its LLM replica may have died, and the
@@ -48,6 +49,7 @@ class DetokStage:
         self.num_decoded_chunks = 0
         self.num_decode_calls = 0
         self.pace = DetokPace()  # measured decode steps, reported to the LLM replicas for admission
+        self.slack = DeadlineSlack()  # time its decodes left before playback deadlines, for autoscaling
         self.parked: dict[str, float] = {}  # req_id -> when its call was cancelled (decoder state kept)
         self.voices = DetokVoices(self.config, self.replica_tag)  # registered voices' tensors, fetched once
         if check_model_config(self.config.engine.model).family.lm.takes_registered_voices:
@@ -110,6 +112,7 @@ class DetokStage:
         except asyncio.CancelledError:
             await finish_on_thread(self._drop, {chunk.req_id for chunk in chunks})
             raise
+        self.slack.record([chunk.deadline_s for chunk in chunks])
         return self._publish(chunks, decoded)
 
     def _publish(self, chunks: list[TokenChunk], decoded: list[AudioChunk]) -> list[AudioRef]:
@@ -157,6 +160,11 @@ class DetokStage:
 
     def record_routing_stats(self) -> dict:
         return self.pace.load(num_queued_chunks=len(self.waiters)).to_stats()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics (`deployments.autoscaling`): busy share, deadline slack."""
+        slack_s = self.slack.min_slack_s(none_s=NO_DEADLINE_SLACK_S)
+        return {DETOK_BUSY_SHARE: self.pace.busy_share(), DETOK_MIN_SLACK_S: slack_s}
 
     async def voice_stats(self) -> dict:
         """The registered voices this replica fetched and its tensor endpoint's transfer counters."""

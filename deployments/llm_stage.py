@@ -29,6 +29,7 @@ import ray
 import torch
 from ray.exceptions import ActorUnavailableError, RayActorError
 
+from core.autoscaling import LLM_PREDICTED_TTFA_S, LLM_STREAM_USE
 from core.config import CHECK_FILES, ServeConfig
 from core.errors import InvalidArgumentError
 from core.messages import (
@@ -64,6 +65,7 @@ from router.admission import (
     first_chunk_s,
     has_room,
     predict_ttfa_s,
+    stream_limit,
 )
 from router.detok_load import step_s_at, summarize_detok
 from router.detok_pins import DetokPins
@@ -415,6 +417,12 @@ class LLMStage:
 
     def record_routing_stats(self) -> dict:
         return self.load().to_stats()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics (`deployments.autoscaling`): one more stream's predicted
+        TTFA here, and the share of the streams it admits (KV slots, measured pace) in use."""
+        load = self.load()
+        return {LLM_PREDICTED_TTFA_S: predict_ttfa_s(load), LLM_STREAM_USE: load.num_active / stream_limit(load)}
 
     def stats(self) -> dict:
         engine = self.side.engine

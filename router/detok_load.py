@@ -17,6 +17,7 @@ from core.policy import MIN_STEP_SAMPLES, StepSamples
 
 STREAM_WINDOW_S = 2.0  # a stream counts as running at the detok stage while it sent a chunk this recently
 COST_WINDOW_S = 10.0  # decode steps the cost per audio second is measured over
+SLACK_WINDOW_S = 5.0  # decoded chunks' slack before their playback deadline is kept this long
 
 
 def step_s_at(step_s_by_size: dict[int, float], size: int) -> float | None:
@@ -151,6 +152,12 @@ class DetokPace:
             self._last_seen_s = {req_id: at for req_id, at in self._last_seen_s.items() if at >= since_s}
             return len(self._last_seen_s)
 
+    def busy_share(self) -> float:
+        """Decode seconds per wall second over the last COST_WINDOW_S (1 = never idle): autoscaling."""
+        with self._lock:
+            self._measure_cost(self.clock())
+            return self._window_busy_s / COST_WINDOW_S
+
     def load(self, num_queued_chunks: int) -> DetokLoad:
         with self._lock:
             step_s_by_chunks, busy_s_per_audio_s = self.steps_by_chunks.measured(), self._busy_s_per_audio_s
@@ -161,3 +168,28 @@ class DetokPace:
             num_streams=self.num_streams(),
             reported_unix_s=time.time(),
         )
+
+
+@dataclass
+class DeadlineSlack:
+    """How much time a detok replica's decodes left before the streams' playback deadlines (a
+    chunk's `deadline_s`: when the client's buffer runs dry; startups have none), over the last
+    SLACK_WINDOW_S: its lag behind playback, for autoscaling (`core.autoscaling.detok_pressure`)."""
+
+    clock: Callable[[], float] = time.time  # deadlines are wall-clock times
+    _recent: deque = field(default_factory=deque)  # (decoded at, slack s)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def record(self, deadlines_s: list[float | None]) -> None:
+        """Chunks decoded just now, with their deadlines."""
+        now_s = self.clock()
+        with self._lock:
+            self._recent.extend((now_s, deadline_s - now_s) for deadline_s in deadlines_s if deadline_s is not None)
+
+    def min_slack_s(self, none_s: float) -> float:
+        """The least slack of the window's chunks (`none_s` when none had a deadline)."""
+        since_s = self.clock() - SLACK_WINDOW_S
+        with self._lock:
+            while self._recent and self._recent[0][0] < since_s:
+                self._recent.popleft()
+            return min((slack_s for _, slack_s in self._recent), default=none_s)

@@ -15,6 +15,7 @@ A `TextPiece` (more text for a streaming-text job) goes to the replica running t
 from __future__ import annotations
 
 import importlib
+import threading
 from collections import defaultdict, deque
 
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter  # Serve's default router
@@ -23,6 +24,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from core.messages import TextPiece
 from router.admission import ReplicaLoad, predict_ttfa_s
 from router.detok_load import DetokLoad
+from router.drain import request_move_out
 
 CHOOSING_KEEP_S = 5.0  # a ranked request not sent by then was abandoned (routing takes milliseconds)
 UNREPORTED_EVENTS_KEEP_S = 60.0  # routed / completed counts kept for a replica that never reported
@@ -111,11 +113,28 @@ class PredictedTTFARouter(RequestRouter):
         self.leaving: set[str] = set()  # unique ids of replicas handing their streams off
         self.passed_over_until: dict[str, float] = {}  # unique id -> ranked last until then (rebalanced from)
         self.has_lost_replicas = False  # a replica died since start (then an empty set is an outage)
+        self._listed: set[str] = set()  # unique ids Serve last listed as running
+        self._died: set[str] = set()  # unique ids whose actor died (no move-out to ask for)
+        self.asked_to_move_out: list[str] = []  # unique ids of stopping replicas asked to move their streams out
         _register(self.app_name, self, "_BOARDS")  # the Router's early reject and deadline check read it
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         self.has_lost_replicas = True
+        self._died.add(replica_id.unique_id)
         super().on_replica_actor_died(replica_id)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        """Serve's new set of running replicas. One that left it alive is stopping (a scale-down, a
+        redeploy): Serve would wait for its streams to end, so it is asked to move them out (KV
+        included) to the others at once (`router.drain`); every Router asks, the first one counts."""
+        self._ensure_state()
+        now = {r.replica_id.unique_id for r in replicas}
+        leaving = sorted(self._listed - now - self._died)
+        self._listed = now
+        super().update_replicas(replicas)
+        if leaving:
+            self.asked_to_move_out.extend(leaving)
+            threading.Thread(target=_ask_to_move_out, args=(self.app_name, leaving), daemon=True).start()
 
     def _ensure_state(self) -> None:
         if not hasattr(self, "_events"):
@@ -227,6 +246,15 @@ class DetokBoard(PowerOfTwoChoicesRequestRouter):
         if named is not None:
             return [[named]]
         return await super().choose_replicas(candidate_replicas, pending_request)
+
+
+def _ask_to_move_out(app_name: str, unique_ids: list[str]) -> None:
+    """Ask stopping LLM replicas to hand their streams off (a GCS call: off the router's event loop)."""
+    for unique_id in unique_ids:
+        try:
+            request_move_out(app_name, unique_id)
+        except Exception:  # the GCS is going away with the cluster: nothing left to move
+            return
 
 
 def _pinned_replica(request: PendingRequest | None, candidates: list[RunningReplica]) -> RunningReplica | None:

@@ -16,6 +16,9 @@ from tests.deployments.grpc_helpers import run_stream
 # Replicas report their metrics every second here (Ray's default: 10 s), so the gauge tests see a
 # stream's gauges move within its life. Read by Ray when the session cluster starts.
 os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
+# Replicas push their autoscaling stats every second here (Ray's default: 10 s), so the SLO
+# autoscaling test (test_zz_autoscale) sees a load ramp within seconds. Only autoscaled apps push.
+os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
 
 # VOXRAY_TEST_PORT_OFFSET lets two checkouts run their cluster tests side by side on one machine.
 _OFFSET = int(os.environ.get("VOXRAY_TEST_PORT_OFFSET", "0"))
@@ -23,7 +26,7 @@ GRPC_PORT = 19000 + _OFFSET  # each app's Router serves gRPC on a port of its ow
 APP_GRPC_PORTS = {"voxray": 0, "voxray-dp": 1, "voxray-auth": 2, "voxray-fo": 3, "voxray-docs": 4, "voxray-llm-fo": 5,
                   "voxray-lone": 6, "voxray-move": 7, "voxray-s3gen": 8, "voxray-agents": 9,
                   "voxray-voices": 10, "voxray-voices-os": 11, "voxray-rebal": 12,
-                  "voxray-bistream": 13, "voxray-oom": 14, "voxray-devlost": 15}  # fmt: skip
+                  "voxray-bistream": 13, "voxray-oom": 14, "voxray-devlost": 15, "voxray-ramp": 16}  # fmt: skip
 HTTP_PORT = 18000 + _OFFSET
 METRICS_PORT = 18080 + _OFFSET
 

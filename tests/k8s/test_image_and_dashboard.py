@@ -12,8 +12,10 @@ from tests.k8s.manifests import K8S_DIR, REPO_ROOT
 
 # Metric names as the team exports them through ray.serve.metrics; Prometheus sees them with a `ray_` prefix.
 HISTOGRAMS = ["voxray_ttfa_seconds", "voxray_chunk_underrun_seconds", "voxray_batch_size"]
-COUNTERS = ["voxray_stream_viable_total", "voxray_audio_seconds_total", "voxray_admission_rejections_total"]
-GAUGES = ["voxray_realtime_factor", "voxray_queue_depth", "voxray_active_streams", "voxray_kv_slots_used"]
+COUNTERS = ["voxray_stream_viable_total", "voxray_audio_seconds_total", "voxray_admission_rejections_total",
+            "voxray_autoscale_decisions_total"]  # fmt: skip
+GAUGES = ["voxray_realtime_factor", "voxray_queue_depth", "voxray_active_streams", "voxray_kv_slots_used",
+          "voxray_autoscale_target_replicas", "voxray_autoscale_pressure"]  # fmt: skip
 
 
 def _dockerfile() -> str:

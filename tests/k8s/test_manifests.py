@@ -129,6 +129,22 @@ def test_prod_stages_are_steered_to_their_own_gpu_group(overlay: str) -> None:
         assert group["template"]["spec"]["nodeSelector"], f"{providers[0]} has no node selector"
 
 
+def test_prod_gpu_scales_stages_on_their_slo_and_pods_with_the_ray_autoscaler() -> None:
+    """Serve's controller runs the SLO policy per stage (deployments.autoscaling); the KubeRay autoscaler
+    then adds and removes worker pods between each group's minReplicas and maxReplicas."""
+    rayservice = _rayservice("prod-gpu")
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    assert cluster["enableInTreeAutoscaling"] is True
+    groups = worker_groups(rayservice)
+    assert all(group["maxReplicas"] > group["minReplicas"] for group in groups.values())
+    by_name = {d["name"]: d for d in _serve("prod-gpu")["applications"][0]["deployments"]}
+    for name, stage in (("LLMStage", "llm"), ("DetokStage", "detok")):
+        autoscaling = by_name[name]["autoscaling_config"]
+        assert autoscaling["policy"]["policy_function"] == "deployments.autoscaling:SLOAutoscalingPolicy"
+        assert autoscaling["policy"]["policy_kwargs"]["stage"] == stage
+        assert autoscaling["upscale_delay_s"] == autoscaling["downscale_delay_s"] == 0  # the policy's cool-downs
+
+
 @pytest.mark.parametrize("overlay", PROD_OVERLAYS)
 def test_prod_models_come_read_only_from_the_pvc(overlay: str) -> None:
     config = load_serve_config(REPO_ROOT / OVERLAY_CONFIGS[overlay], check_files=False)

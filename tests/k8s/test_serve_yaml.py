@@ -63,11 +63,16 @@ def test_yaml_options_match_the_app_builder() -> None:
     app = pytest.importorskip("deployments.app", reason="the Serve app (cluster issue) is not in this tree yet")
     config = _config("deployments/configs/gpu.yaml")
     entries = serve_schema_dict(config)["applications"][0]["deployments"]
-    for entry, stage in zip(entries, (config.router, config.llm, config.detok), strict=True):
-        options = app.deployment_options(stage, config.drain.serve_graceful_timeout_s)
+    stages = ((config.router, None), (config.llm, "llm"), (config.detok, "detok"))
+    for entry, (stage, kind) in zip(entries, stages, strict=True):
+        options = app.deployment_options(stage, config.drain.serve_graceful_timeout_s, kind)
         autoscaling = options.get("autoscaling_config")
         if autoscaling is not None:
             options["autoscaling_config"] = {key: getattr(autoscaling, key) for key in entry["autoscaling_config"]}
+            policy = options["autoscaling_config"].get("policy")
+            if policy is not None:  # the SLO policy (deployments.autoscaling): Serve keeps its import path
+                public = {"policy_function", "policy_kwargs"}
+                options["autoscaling_config"]["policy"] = policy.model_dump(include=public)
         assert {"name": entry["name"], **options} == entry
 
 
@@ -77,6 +82,7 @@ def test_gpu_config_is_a_production_gpu_config() -> None:
     assert config.engine.model.device == "cuda" and config.engine.detok.device == "cuda"
     for stage in (config.llm, config.detok):
         assert stage.num_gpus == 1 and stage.autoscaling and stage.resources
+        assert stage.autoscaling_policy == "slo"  # scaled on TTFA / KV use and deadline slack (core.autoscaling)
     assert set(config.llm.resources).isdisjoint(config.detok.resources), "stages must steer to different groups"
     assert str(config.engine.model.checkpoint_dir).startswith("/models/")
     assert str(config.engine.model.codec_dir).startswith("/models/")

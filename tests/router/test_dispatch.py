@@ -124,3 +124,21 @@ def test_a_request_abandoned_while_being_routed_stops_counting():
         assert admits_anywhere(estimated_loads(APP), deadline_s=5.0)
 
     asyncio.run(run())
+
+
+def test_a_replica_serve_stops_alive_is_asked_to_move_its_streams_out():
+    """Scale-down / redeploy: Serve drops a live replica from the running set; the router asks it to
+    hand its streams off (router.drain). One whose actor died is not asked (its streams fail over)."""
+
+    async def run() -> None:
+        board, first = await _board([1000.0])
+        second = Replica(ReplicaID(unique_id="r2", deployment_id=DEPLOYMENT))
+        third = Replica(ReplicaID(unique_id="r3", deployment_id=DEPLOYMENT))
+        board.update_replicas([first, second, third])
+        assert board.asked_to_move_out == []  # replicas joining ask nothing
+        board.update_replicas([first, third])  # Serve stops r2
+        board.on_replica_actor_died(third.replica_id)  # r3 dies
+        board.update_replicas([first])
+        assert board.asked_to_move_out == ["r2"]
+
+    asyncio.run(run())
