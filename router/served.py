@@ -1,0 +1,105 @@
+"""The models one Router serves: a `RouterCore` per model (its LLM deployment, load board, admission
+and metrics), picked by the request's `model` field; the listings `ListModels` / `/v1/models` give.
+
+A single-model app has one core and answers as before. In a multi-model app an empty `model` picks the
+first listed one; a name it does not serve is INVALID_ARGUMENT / 400 naming `model` and listing the
+served ones. The Router replica's drain watch is shared by its cores (it publishes the replica's open
+streams, all models together). Built by `router.ingress.Router`; `ServedModels.from_cores` takes
+cores made elsewhere (tests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from core.config import ServeConfig
+from core.errors import InvalidArgumentError
+from llm_stage.jobs import printable_name
+from llm_stage.registry import ModelEntry
+from protos import voxray_pb2
+from router.drain import DrainWatch
+from router.streams import RouterCore
+
+
+class ServedModels:
+    """Model name -> its `RouterCore`, in the config's order (the first is the default)."""
+
+    def __init__(self, cores: dict[str, RouterCore], drain: DrainWatch) -> None:
+        if not cores:
+            raise ValueError("a Router serves at least one model")
+        self.cores, self.drain = cores, drain
+
+    @classmethod
+    def build(
+        cls, config: ServeConfig, llm_handles: dict, detok_handles: dict, replica: str
+    ) -> ServedModels:
+        """One core per served model, each on its model's view of `config` and its deployments' handles."""
+        cores: dict[str, RouterCore] = {}
+        drain = DrainWatch(config.app_name, replica, lambda: sum(core.open_streams for core in cores.values()))
+        for served in config.served_models():
+            name = served.engine.model.name
+            view = config.for_model(served).model_dump(mode="json")
+            cores[name] = RouterCore(view, llm_handles[name], detok_handles[name], drain=drain)
+        return cls(cores, drain)
+
+    @property
+    def default(self) -> RouterCore:
+        return next(iter(self.cores.values()))
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.cores)
+
+    @property
+    def open_streams(self) -> int:
+        return sum(core.open_streams for core in self.cores.values())
+
+    def core_for(self, model: str, field: str = "model") -> RouterCore:
+        """The core serving `model` ("" = the default); an unknown name is refused, naming `field`."""
+        if not model:
+            return self.default
+        core = self.cores.get(model)
+        if core is None:
+            served = ", ".join(self.names)
+            raise InvalidArgumentError(field, f"unknown model {printable_name(model)!r}; this server serves {served}")
+        return core
+
+    def voices_core(self, model: str) -> RouterCore:
+        """Where a voice registration goes: the named model, else the first that takes registered voices
+        (else the default, which refuses it naming `model`)."""
+        if model:
+            return self.core_for(model)
+        takes_voices: Callable[[RouterCore], bool] = lambda core: core.entry.family.lm.takes_registered_voices  # noqa: E731
+        return next((core for core in self.cores.values() if takes_voices(core)), self.default)
+
+    def entries(self) -> list[ModelEntry]:
+        return [core.entry for core in self.cores.values()]
+
+    def start(self) -> None:
+        """The shared drain watch, and each model's metrics holder and rebalancer."""
+        self.drain.start()
+        for core in self.cores.values():
+            core.metrics.start()
+            core.rebalancer.start()
+
+    async def stop(self) -> None:
+        for core in self.cores.values():
+            await core.rebalancer.stop()
+
+
+def models_response(entries: list[ModelEntry] | ModelEntry) -> voxray_pb2.ListModelsResponse:
+    """gRPC `ListModels`: every served model, the default first."""
+    listed = [entries] if isinstance(entries, ModelEntry) else entries
+    return voxray_pb2.ListModelsResponse(
+        models=[
+            voxray_pb2.ModelInfo(name=entry.name, description=entry.description, sample_rate_hz=entry.sample_rate_hz)
+            for entry in listed
+        ]
+    )
+
+
+def models_json(entries: list[ModelEntry]) -> dict:
+    """HTTP `/v1/models` (OpenAI's list shape), with each model's sample rate."""
+    data = [{"id": e.name, "object": "model", "owned_by": "voxray", "sample_rate_hz": e.sample_rate_hz}
+            for e in entries]  # fmt: skip
+    return {"object": "list", "data": data}
