@@ -35,9 +35,9 @@ SINGLE_MODEL_DEPLOYMENTS = frozenset({"LLMStage", "DetokStage"})
 
 def board_scope(app_name: str, deployment_name: str) -> str:
     """Where one deployment's board is kept in a process: the app's name for a single-model app's
-    `LLMStage` / `DetokStage`, `app/deployment` for a multi-model app's per-model deployments (the
-    Router holds a handle, so a board, for each of them)."""
-    return app_name if deployment_name in SINGLE_MODEL_DEPLOYMENTS else f"{app_name}/{deployment_name}"
+    `LLMStage` / `DetokStage`, `app:deployment` for a multi-model app's per-model deployments (the
+    Router holds a handle, so a board, for each of them). App names have no `:` (ServeConfig.app_name)."""
+    return app_name if deployment_name in SINGLE_MODEL_DEPLOYMENTS else f"{app_name}:{deployment_name}"
 
 
 def handle_scope(handle, app_name: str) -> str:

@@ -54,7 +54,7 @@ def test_each_request_goes_to_its_models_core_and_an_empty_model_to_the_first():
     for name in MODELS:
         core = models.core_for(name)
         assert core.entry.name == name and core.config.engine.model.name == name
-        assert core.llm_scope == f"{APP}/LLMStage-{name}"  # its own load board
+        assert core.llm_scope == f"{APP}:LLMStage-{name}"  # its own load board
     # a job is checked against the chosen model's family: CSM's speakers are "0".."9", Orpheus' are names
     assert models.core_for("csm-tiny").job(**fields(model="csm-tiny", voice="3")).voice == "3"
     with pytest.raises(InvalidArgumentError) as err:
@@ -95,8 +95,8 @@ def test_voice_registrations_go_to_a_model_that_takes_them():
 
 def test_board_scopes_keep_single_model_names_and_separate_per_model_deployments():
     assert board_scope(APP, "LLMStage") == APP and board_scope(APP, "DetokStage") == APP
-    assert board_scope(APP, "LLMStage-csm-tiny") == f"{APP}/LLMStage-csm-tiny"
-    assert handle_scope(DeploymentStandIn("DetokStage-s3gen"), APP) == f"{APP}/DetokStage-s3gen"
+    assert board_scope(APP, "LLMStage-csm-tiny") == f"{APP}:LLMStage-csm-tiny"
+    assert handle_scope(DeploymentStandIn("DetokStage-s3gen"), APP) == f"{APP}:DetokStage-s3gen"
     assert handle_scope(object(), APP) == APP  # a stand-in without a deployment: the app's board
 
 
