@@ -16,6 +16,7 @@ import pytest
 import requests
 from ray import serve
 
+from cluster.cli import main
 from core.config import AdmissionConfig, ServeConfig, StageDeploymentConfig
 from protos import voxray_pb2, voxray_pb2_grpc
 from tests.deployments.conftest import METRICS_PORT, small_config
@@ -67,10 +68,12 @@ def test_requests_are_routed_by_model_and_s3gen_models_share_a_detok_deployment(
     }  # fmt: skip
 
 
-def test_listings_and_an_unknown_model(multi):
+def test_listings_and_an_unknown_model(multi, capsys):
     with grpc.insecure_channel(multi.grpc_target) as channel:
         listed = voxray_pb2_grpc.SpeechStub(channel).ListModels(voxray_pb2.ListModelsRequest(), timeout=30)
     assert [m.name for m in listed.models] == list(NAMES)
+    assert main(["models", "--target", multi.grpc_target, "--app", multi.app_name]) == 0
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()] == list(NAMES)
     body = requests.get(multi.http_url + "/multi/v1/models", timeout=30).json()
     assert [item["id"] for item in body["data"]] == list(NAMES)
     unknown = stream(multi, "dia-tiny")
