@@ -24,10 +24,15 @@ from router.streams import RouterCore
 class ServedModels:
     """Model name -> its `RouterCore`, in the config's order (the first is the default)."""
 
-    def __init__(self, cores: dict[str, RouterCore], drain: DrainWatch) -> None:
+    def __init__(
+        self, cores: dict[str, RouterCore], drain: DrainWatch, bank_owners: dict[str, str] | None = None
+    ) -> None:
+        """`bank_owners`: model -> the model whose VoiceBank (its DetokStage's) encodes its voices: the
+        first listed model of a shared detokenizer (itself when not shared)."""
         if not cores:
             raise ValueError("a Router serves at least one model")
         self.cores, self.drain = cores, drain
+        self.bank_owners = bank_owners or {name: name for name in cores}
 
     @classmethod
     def build(
@@ -36,11 +41,14 @@ class ServedModels:
         """One core per served model, each on its model's view of `config` and its deployments' handles."""
         cores: dict[str, RouterCore] = {}
         drain = DrainWatch(config.app_name, replica, lambda: sum(core.open_streams for core in cores.values()))
+        owners: dict[str, str] = {}  # detok deployment -> its first model (whose config built its VoiceBank)
         for served in config.served_models():
             name = served.engine.model.name
             view = config.for_model(served).model_dump(mode="json")
             cores[name] = RouterCore(view, llm_handles[name], detok_handles[name], drain=drain)
-        return cls(cores, drain)
+            owners.setdefault(getattr(detok_handles[name], "deployment_name", name), name)
+        bank_owners = {name: owners[getattr(detok_handles[name], "deployment_name", name)] for name in cores}
+        return cls(cores, drain, bank_owners)
 
     @property
     def default(self) -> RouterCore:
@@ -68,9 +76,24 @@ class ServedModels:
         """Where a voice registration goes: the named model, else the first that takes registered voices
         (else the default, which refuses it naming `model`)."""
         if model:
+            self._check_bank_encodes_for(model)
             return self.core_for(model)
         takes_voices: Callable[[RouterCore], bool] = lambda core: core.entry.family.lm.takes_registered_voices  # noqa: E731
         return next((core for core in self.cores.values() if takes_voices(core)), self.default)
+
+    def _check_bank_encodes_for(self, model: str) -> None:
+        """A model sharing its detokenizer registers voices in the bank of the group's first model, which
+        encodes them for that model's LM: refused when the two LMs take different voice prompts
+        (chatterbox's T3 needs a speaker embedding CosyVoice 2's prompt lacks), naming `model`."""
+        owner = self.bank_owners.get(model, model)
+        if owner == model or model not in self.cores:
+            return
+        lm, owner_lm = self.cores[model].entry.family.lm, self.cores[owner].entry.family.lm
+        if lm.voice_lm_speaker != owner_lm.voice_lm_speaker:
+            raise InvalidArgumentError(
+                "model", f"{model} shares its detokenizer with {owner}, whose voice bank encodes voices for {owner}; "
+                f"list {model} first in the config to register voices for it"
+            )  # fmt: skip
 
     def entries(self) -> list[ModelEntry]:
         return [core.entry for core in self.cores.values()]

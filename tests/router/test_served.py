@@ -35,9 +35,9 @@ def multi_config(names: tuple[str, ...] = MODELS) -> ServeConfig:
     return ServeConfig(app_name=APP, models=[{"engine": {"model": {"name": name}}} for name in names])
 
 
-def served(names: tuple[str, ...] = MODELS) -> ServedModels:
+def served(names: tuple[str, ...] = MODELS, shared_detok: bool = False) -> ServedModels:
     llm = {name: DeploymentStandIn(f"LLMStage-{name}") for name in names}
-    detok = {name: DeploymentStandIn("DetokStage-shared") for name in names}
+    detok = {name: DeploymentStandIn("DetokStage-shared" if shared_detok else f"DetokStage-{name}") for name in names}
     return ServedModels.build(multi_config(names), llm, detok, replica="router-1")
 
 
@@ -91,6 +91,18 @@ def test_voice_registrations_go_to_a_model_that_takes_them():
     models = served(("orpheus-tiny", "cosyvoice2-tiny"))
     assert models.voices_core("").entry.name == "cosyvoice2-tiny"
     assert models.voices_core("orpheus-tiny").entry.name == "orpheus-tiny"  # it refuses, naming `model`
+    assert models.bank_owners == {"orpheus-tiny": "orpheus-tiny", "cosyvoice2-tiny": "cosyvoice2-tiny"}
+
+
+def test_a_model_whose_shared_voice_bank_encodes_for_another_lm_refuses_registrations():
+    """cosyvoice2-tiny listed first builds the shared S3Gen deployment's VoiceBank, which encodes
+    voices without the speaker embedding chatterbox's T3 needs."""
+    models = served(("cosyvoice2-tiny", "chatterbox-tiny"), shared_detok=True)  # one detok deployment for both
+    assert models.bank_owners == {"cosyvoice2-tiny": "cosyvoice2-tiny", "chatterbox-tiny": "cosyvoice2-tiny"}
+    assert models.voices_core("cosyvoice2-tiny").entry.name == "cosyvoice2-tiny"
+    with pytest.raises(InvalidArgumentError) as err:
+        models.voices_core("chatterbox-tiny")
+    assert err.value.field == "model" and "list chatterbox-tiny first" in str(err.value)
 
 
 def test_board_scopes_keep_single_model_names_and_separate_per_model_deployments():
