@@ -45,16 +45,20 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     """The ServeConfig `voxray serve` deploys: `--config` (or the default), its model replaced by
     `--model` / `--codec`; model references are resolved here, so a missing model fails before Ray starts."""
     config = load_serve_config(args.config) if args.config else ServeConfig()
+    if args.model is not None and config.models:
+        raise InvalidArgumentError("--model", f"{args.config} lists its models (models:); edit them there")
     if args.model is not None:
         kept = config.engine.model.model_dump(exclude={"name", "checkpoint_dir", "codec_dir"})
         engine = config.engine.model_copy(update={"model": model_config_for(args.model, args.codec, **kept)})
         config = ServeConfig.model_validate({**config.model_dump(), "engine": engine.model_dump()})
     from deployments.voices import check_voice_encoders  # (imports Ray: only where a command needs it)
 
-    check_engine_config(config.engine)
-    no_voices = check_voice_encoders(config)  # raises for a wrong voices.encoder_dir
-    if no_voices is not None:
-        print(f"note: {config.engine.model.name} serves without zero-shot voices: {no_voices}", file=sys.stderr)
+    for served in config.served_models():
+        view = config.for_model(served)
+        check_engine_config(view.engine)
+        no_voices = check_voice_encoders(view)  # raises for a wrong voices.encoder_dir
+        if no_voices is not None:
+            print(f"note: {view.engine.model.name} serves without zero-shot voices: {no_voices}", file=sys.stderr)
     return config
 
 
@@ -66,7 +70,8 @@ def _serve(args: argparse.Namespace) -> int:
     if not args.no_block:
         stop.listen()  # from now on: a SIGTERM while deploying drains as soon as the app is up
     endpoints = deploy(config, address=args.address)
-    print(f"VoxRay serving {config.engine.model.name} (app {endpoints.app_name!r})")
+    names = ", ".join(served.engine.model.name for served in config.served_models())
+    print(f"VoxRay serving {names} (app {endpoints.app_name!r})")
     tls = " over TLS" if config.tls.enabled else ""
     print(f"  gRPC: {endpoints.grpc_target}{tls}  (app {endpoints.app_name}; metadata application= optional)")
     print(f"  HTTP: {endpoints.http_url}/v1/audio/speech   health: {endpoints.http_url}/healthz")
@@ -206,7 +211,20 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _models(_: argparse.Namespace) -> int:
+def _models(args: argparse.Namespace) -> int:
+    """Every family the registry knows; with --config, what that config serves and on which deployments;
+    with --target, what a running server lists (gRPC ListModels)."""
+    if args.target is not None:
+        from cluster.client import list_models
+
+        for info in list_models(args.target, args.app):
+            print(f"{info.name}  ({info.sample_rate_hz} Hz): {info.description}")
+        return 0
+    if args.config is not None:
+        from deployments.model_plan import describe_plan
+
+        print("\n".join(describe_plan(load_serve_config(args.config, check_files=False))))
+        return 0
     for family in families():
         print("\n".join(describe_family(family)))
     return 0
@@ -303,6 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
     batch.set_defaults(func=_batch)
 
     models = sub.add_parser("models", help="list model families: what they load, voices, rates, cache status")
+    models.add_argument("--config", type=Path, help="list what this ServeConfig serves, and on which deployments")
+    models.add_argument("--target", help="list what a running server serves (host:port of its gRPC)")
+    models.add_argument("--app", default="voxray", help="its app name (with --target)")
     models.set_defaults(func=_models)
     add_plan_parser(sub)
     return parser

@@ -67,5 +67,14 @@ def synthesize(
     return result
 
 
+def list_models(target: str, app_name: str, timeout_s: float = 10.0) -> list[voxray_pb2.ModelInfo]:
+    """What a running server serves (gRPC `ListModels`), the default model first."""
+    with open_channel(target) as channel:
+        stub = voxray_pb2_grpc.SpeechStub(channel)
+        response = stub.ListModels(voxray_pb2.ListModelsRequest(), metadata=(("application", app_name),),
+                                   timeout=timeout_s)  # fmt: skip
+    return list(response.models)
+
+
 def result_wav(result: SynthesisResult) -> bytes:
     return wav_bytes(result.pcm16, result.sample_rate_hz)

@@ -22,6 +22,7 @@ from core.config import (
     load_serve_config,
 )
 from deployments.autoscaling import autoscaling_config
+from deployments.model_plan import plan_models
 
 IMPORT_PATH = "deployments.app:app_builder"
 # HTTP proxies on the head only: the head pod is then the one KubeRay puts behind voxray-serve-svc, and
@@ -48,18 +49,28 @@ def _stage_deployment(name: str, stage: StageDeploymentConfig, graceful_timeout_
     return entry
 
 
+def _deployments(config: ServeConfig) -> list[dict]:
+    """The Router, then each served model's LLMStage and (once per shared detokenizer) its DetokStage."""
+    graceful_s = config.drain.serve_graceful_timeout_s
+    entries, named = [_stage_deployment("Router", config.router, graceful_s, None)], {"Router"}
+    for served in plan_models(config):
+        stages = ((served.llm_deployment, served.view.llm, "llm"),
+                  (served.detok_deployment, served.view.detok, "detok"))  # fmt: skip
+        for name, stage, kind in stages:
+            if name not in named:
+                entries.append(_stage_deployment(name, stage, graceful_s, kind))
+                named.add(name)
+    return entries
+
+
 def serve_schema_dict(config: ServeConfig) -> dict:
     """The Serve multi-app config for `config` (what `ServeDeploySchema` and serveConfigV2 accept)."""
     application = {
         "name": config.app_name,
         "route_prefix": config.route_prefix,
         "import_path": IMPORT_PATH,
-        "args": config.model_dump(mode="json"),
-        "deployments": [
-            _stage_deployment("Router", config.router, config.drain.serve_graceful_timeout_s, None),
-            _stage_deployment("LLMStage", config.llm, config.drain.serve_graceful_timeout_s, "llm"),
-            _stage_deployment("DetokStage", config.detok, config.drain.serve_graceful_timeout_s, "detok"),
-        ],
+        "args": config.model_dump(mode="json", exclude=None if config.models else {"models"}),  # (one model: as before)
+        "deployments": _deployments(config),
     }
     return {
         "proxy_location": PROXY_LOCATION,
@@ -110,6 +121,7 @@ GENERATED: tuple[GeneratedFile, ...] = (
     GeneratedFile("deployments/configs/cpu.yaml", "k8s/overlays/dev-cpu/serve-config.patch.yaml", "rayservice-patch"),
     GeneratedFile("deployments/configs/gpu.yaml", "k8s/overlays/prod-gpu/serve-config.patch.yaml", "rayservice-patch"),
     GeneratedFile("deployments/configs/gpu-cosyvoice2.yaml", "deployments/serve_gpu_cosyvoice2.yaml", "serve"),
+    GeneratedFile("deployments/configs/multi-model.yaml", "deployments/serve_multi_model.yaml", "serve"),
     GeneratedFile(
         "deployments/configs/gpu-cosyvoice2.yaml",
         "k8s/overlays/prod-gpu-cosyvoice2/serve-config.patch.yaml",

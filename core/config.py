@@ -480,8 +480,22 @@ class VoicesConfig(_Strict):
         return self
 
 
+class ServedModelConfig(_Strict):
+    """One model of a multi-model app (`ServeConfig.models`): its engines and its stages' deployments.
+    Models whose detokenizer is the same (codec, weights, chunk settings) share one DetokStage
+    deployment, which takes the first such model's `detok` deployment settings."""
+
+    engine: EngineConfig = Field(description="This model's engines; `engine.model.name` is the name clients send.")
+    llm: StageDeploymentConfig = StageDeploymentConfig()
+    detok: StageDeploymentConfig = StageDeploymentConfig()
+
+
 class ServeConfig(_Strict):
-    """The whole cluster app: engines, the three deployments, admission, ports, what is exposed."""
+    """The whole cluster app: engines, the three deployments, admission, ports, what is exposed.
+
+    One model: `engine`, `llm` and `detok`. Several: `models`, a list of `ServedModelConfig`, each
+    with its own LLM deployment; `engine`, `llm` and `detok` are then left out (`served_models()`
+    gives the list either way)."""
 
     app_name: str = Field("voxray", pattern=r"^[a-z0-9][a-z0-9-]*$")
     route_prefix: str = Field("/", pattern=r"^/")
@@ -524,6 +538,12 @@ class ServeConfig(_Strict):
     migration: MigrationConfig = MigrationConfig()
     incremental: IncrementalConfig = IncrementalConfig()
     voices: VoicesConfig = VoicesConfig()
+    models: tuple[ServedModelConfig, ...] = Field(
+        (),
+        description="Several models in one app, each with its own LLM deployment (detokenizer deployments shared "
+        "where models' detokenizers are the same); requests pick one by their `model` field, empty = the first. "
+        "Empty = the one model of `engine` / `llm` / `detok`.",
+    )
 
     @field_validator("http_host", "grpc_host")
     @classmethod
@@ -532,9 +552,38 @@ class ServeConfig(_Strict):
 
     @model_validator(mode="after")
     def _streams_fit_cache(self) -> ServeConfig:
-        if self.admission.max_streams_per_replica > self.engine.cache.num_slots:
-            raise ValueError("admission.max_streams_per_replica must be <= engine.cache.num_slots")
+        for where, served in self._named_engines():
+            if self.admission.max_streams_per_replica > served.engine.cache.num_slots:
+                raise ValueError(f"admission.max_streams_per_replica must be <= {where}engine.cache.num_slots")
         return self
+
+    @model_validator(mode="after")
+    def _models_listed_once(self) -> ServeConfig:
+        """With `models`, the single-model fields stay at their defaults (one place names each model's
+        engines), and no name is listed twice (clients pick a model by name)."""
+        if not self.models:
+            return self
+        for name in ("engine", "llm", "detok"):
+            if getattr(self, name) != type(self).model_fields[name].default:
+                raise ValueError(f"{name}: give each model's {name} under models[i].{name}, not beside `models`")
+        names = [served.engine.model.name for served in self.models]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise ValueError(f"models: {', '.join(twice)} listed more than once (engine.model.name must differ)")
+        return self
+
+    def served_models(self) -> tuple[ServedModelConfig, ...]:
+        """The models this app serves, first = the default for a request naming none."""
+        return self.models or (ServedModelConfig(engine=self.engine, llm=self.llm, detok=self.detok),)
+
+    def for_model(self, served: ServedModelConfig) -> ServeConfig:
+        """This config as one model's stages see it: that model's `engine`, `llm` and `detok`, no `models`."""
+        return self.model_copy(update={"engine": served.engine, "llm": served.llm, "detok": served.detok, "models": ()})
+
+    def _named_engines(self) -> list[tuple[str, ServedModelConfig]]:
+        if not self.models:
+            return [("", ServedModelConfig(engine=self.engine))]
+        return [(f"models[{i}].", served) for i, served in enumerate(self.models)]
 
     @model_validator(mode="after")
     def _open_only_on_purpose(self) -> ServeConfig:

@@ -1,4 +1,5 @@
-"""App builder: one validated ServeConfig -> the Router, LLMStage and DetokStage deployments.
+"""App builder: one validated ServeConfig -> the Router, LLMStage and DetokStage deployments (one
+LLMStage per served model and one DetokStage per distinct detokenizer in a multi-model config).
 
 `build_app(config)` is used by `voxray serve`; `app_builder(args)` is the Serve import path
 (`deployments.app:app_builder`) that Serve YAML / KubeRay `serveConfigV2` point at. gRPC is served
@@ -15,6 +16,7 @@ from deployments.autoscaling import autoscaling_config
 from deployments.detok_stage import DetokStage
 from deployments.kv_courier import courier_actors
 from deployments.llm_stage import LLMStage
+from deployments.model_plan import ServedModel, plan_models
 from deployments.voices import bank_actors
 from router.ingress import Router
 
@@ -40,22 +42,40 @@ def deployment_options(stage: StageDeploymentConfig, graceful_timeout_s: float, 
 
 
 def build_app(config: ServeConfig) -> serve.Application:
-    args = config.model_dump(mode="json")
+    """The Router over one LLMStage deployment per served model and one DetokStage deployment per
+    distinct detokenizer (`deployments.model_plan`; a single-model config: `LLMStage`, `DetokStage`)."""
     graceful_s = config.drain.serve_graceful_timeout_s
+    detoks: dict[str, serve.Application] = {}
+    llm_handles: dict[str, serve.Application] = {}
+    detok_handles: dict[str, serve.Application] = {}
+    for served in plan_models(config):
+        if served.detok_deployment not in detoks:  # the first model of a shared detokenizer builds it
+            detoks[served.detok_deployment] = _detok_stage(served, graceful_s)
+        detok = detoks[served.detok_deployment]
+        llm_handles[served.name] = _llm_stage(served, detok, graceful_s)
+        detok_handles[served.name] = detok
+    router = serve.deployment(Router, name="Router", **deployment_options(config.router, graceful_s))
+    return router.bind(config.model_dump(mode="json"), llm_handles, detok_handles)
+
+
+def _detok_stage(served: ServedModel, graceful_s: float) -> serve.Application:
     detok_router = RequestRouterConfig(
         request_router_class="router.dispatch:DetokBoard", request_routing_stats_period_s=0.5
     )  # Serve's default routing, keeping the detok replicas' reports for the LLM replicas' admission
-    detok_options = deployment_options(config.detok, graceful_s, "detok") | {"deployment_actors": bank_actors(config)}
-    detok = serve.deployment(DetokStage, name="DetokStage", request_router_config=detok_router, **detok_options)
-    detok = detok.bind(args)
+    options = deployment_options(served.view.detok, graceful_s, "detok")
+    options |= {"deployment_actors": bank_actors(served.view)}
+    detok = serve.deployment(DetokStage, name=served.detok_deployment, request_router_config=detok_router, **options)
+    return detok.bind(served.view.model_dump(mode="json"))
+
+
+def _llm_stage(served: ServedModel, detok: serve.Application, graceful_s: float) -> serve.Application:
     llm_router = RequestRouterConfig(
         request_router_class="router.dispatch:PredictedTTFARouter", request_routing_stats_period_s=0.5
     )
-    llm_options = deployment_options(config.llm, graceful_s, "llm") | {"deployment_actors": courier_actors(config)}
-    llm = serve.deployment(LLMStage, name="LLMStage", request_router_config=llm_router, **llm_options)
-    llm = llm.bind(args, detok)
-    router = serve.deployment(Router, name="Router", **deployment_options(config.router, graceful_s))
-    return router.bind(args, llm, detok)
+    options = deployment_options(served.view.llm, graceful_s, "llm")
+    options |= {"deployment_actors": courier_actors(served.view)}
+    llm = serve.deployment(LLMStage, name=served.llm_deployment, request_router_config=llm_router, **options)
+    return llm.bind(served.view.model_dump(mode="json"), detok)
 
 
 def app_builder(args: dict) -> serve.Application:

@@ -69,7 +69,7 @@ from router.admission import (
 )
 from router.detok_load import step_s_at, summarize_detok
 from router.detok_pins import DetokPins
-from router.dispatch import detok_loads, live_detok_replicas
+from router.dispatch import detok_loads, handle_scope, live_detok_replicas
 from router.drain import announce_llm_replica, is_move_out_requested, publish_moving_out
 from router.rebalance import take_rebalance_request
 from router.replica_listener import keep_replica_listener_on_loopback
@@ -136,6 +136,7 @@ class LLMStage:
         self.side = build_llm_side(engine_cfg)
         self.schedule = self.side.schedule
         self.detok = detok_handle
+        self.detok_scope = handle_scope(detok_handle, self.config.app_name)  # its detok replicas' reports
         self.replica_tag = replica_tag()
         self.metrics = StageMetrics(with_kv=True)
         self.streams: dict[str, _Stream] = {}
@@ -225,7 +226,7 @@ class LLMStage:
         if self.detok_pins is None:
             self._send_batch(live, "", checkpoints)
             return
-        for to_replica, pinned in self.detok_pins.split(live, live_detok_replicas(self.config.app_name)).items():
+        for to_replica, pinned in self.detok_pins.split(live, live_detok_replicas(self.detok_scope)).items():
             self._send_batch(pinned, to_replica, checkpoints)
 
     def _send_batch(
@@ -360,7 +361,7 @@ class LLMStage:
         real_time_rows = timer.measured_real_time_rows() or 0.0
         full = admission.max_streams_per_replica + admission.max_queued_per_replica
         kv_streams = self.kv_streams(rows_per_stream)
-        detok = summarize_detok(detok_loads(self.config.app_name))
+        detok = summarize_detok(detok_loads(self.detok_scope))
         num_streams = len(self.streams)
         return ReplicaLoad(
             num_active=full if self.is_moving_out else num_streams,  # routers then send it nothing
@@ -578,11 +579,11 @@ class LLMStage:
         detok handle's router lists the detok replicas. Until it does, decode calls go unpinned, and
         a stream's next chunks, cut before its first came back, were placed on another replica than
         the one holding its decoder state (rebuilt there: audible drift in an app's first streams)."""
-        if self.detok_pins is None or live_detok_replicas(self.config.app_name):
+        if self.detok_pins is None or live_detok_replicas(self.detok_scope):
             return
         self.detok.record_routing_stats.remote()  # (a first call makes the handle's router list them)
         give_up_s = time.monotonic() + DETOK_LISTING_S
-        while not live_detok_replicas(self.config.app_name) and time.monotonic() < give_up_s:
+        while not live_detok_replicas(self.detok_scope) and time.monotonic() < give_up_s:
             await asyncio.sleep(0.02)
 
     async def _hold(self, stream: _Stream, start_by_s: float) -> bool:

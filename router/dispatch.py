@@ -29,30 +29,52 @@ from router.drain import request_move_out
 CHOOSING_KEEP_S = 5.0  # a ranked request not sent by then was abandoned (routing takes milliseconds)
 UNREPORTED_EVENTS_KEEP_S = 60.0  # routed / completed counts kept for a replica that never reported
 
-_BOARDS: dict[str, PredictedTTFARouter] = {}  # app name -> the LLMStage router living in this process
-_DETOK_BOARDS: dict[str, DetokBoard] = {}  # app name -> the DetokStage router living in this process
+_BOARDS: dict[str, PredictedTTFARouter] = {}  # board scope -> the LLMStage router living in this process
+_DETOK_BOARDS: dict[str, DetokBoard] = {}  # board scope -> the DetokStage router living in this process
+# Deployments named as in a single-model app: their boards are found by the app's name alone
+SINGLE_MODEL_DEPLOYMENTS = frozenset({"LLMStage", "DetokStage"})
 
 
-def _register(app_name: str, board: PredictedTTFARouter | DetokBoard, boards: str) -> None:
+def board_scope(app_name: str, deployment_name: str) -> str:
+    """Where one deployment's board is kept in a process: the app's name for a single-model app's
+    `LLMStage` / `DetokStage`, `app:deployment` for a multi-model app's per-model deployments (the
+    Router holds a handle, so a board, for each of them). App names have no `:` (ServeConfig.app_name)."""
+    return app_name if deployment_name in SINGLE_MODEL_DEPLOYMENTS else f"{app_name}:{deployment_name}"
+
+
+def handle_scope(handle, app_name: str) -> str:
+    """The board scope of the deployment `handle` calls (a stand-in without a deployment name: the app's)."""
+    deployment_name = getattr(handle, "deployment_name", None)
+    return board_scope(app_name, deployment_name) if isinstance(deployment_name, str) else app_name
+
+
+def _register(scope: str, board: PredictedTTFARouter | DetokBoard, boards: str) -> None:
     """Put `board` in the module's `boards` dict, where `estimated_loads` / `detok_loads` look.
     Through the imported module, not this function's globals (nor its classes, for isinstance):
     Serve ships the router class to the replica by value, with copies of them."""
-    getattr(importlib.import_module(type(board).__module__), boards)[app_name] = board
+    getattr(importlib.import_module(type(board).__module__), boards)[scope] = board
 
 
-def detok_loads(app_name: str) -> list[DetokLoad]:
-    """The last report of every detok replica of `app_name` this process calls ([] = none yet)."""
-    board = _DETOK_BOARDS.get(app_name)
+def _own_scope(board: RequestRouter) -> str:
+    """The scope a deployment's request router registers its board under (`board_scope`)."""
+    deployment_id = getattr(board, "_deployment_id", None)
+    name = getattr(deployment_id, "name", None)
+    return board_scope(board.app_name, name) if isinstance(name, str) else board.app_name
+
+
+def detok_loads(scope: str) -> list[DetokLoad]:
+    """The last report of every detok replica at `scope` this process calls ([] = none yet)."""
+    board = _DETOK_BOARDS.get(scope)
     if board is None:
         return []
     loads = [DetokLoad.from_stats(replica.routing_stats or {}) for replica in list(board.curr_replicas.values())]
     return [load for load in loads if load is not None]
 
 
-def live_detok_replicas(app_name: str) -> dict[str, int]:
+def live_detok_replicas(scope: str) -> dict[str, int]:
     """Unique id -> streams its last report counts (0 before one), of every detok replica of
-    `app_name` the handle in this process may call ({} = not listed yet)."""
-    board = _DETOK_BOARDS.get(app_name)
+    `scope` the handle in this process may call ({} = not listed yet)."""
+    board = _DETOK_BOARDS.get(scope)
     if board is None:
         return {}
     live = {}
@@ -62,34 +84,34 @@ def live_detok_replicas(app_name: str) -> dict[str, int]:
     return live
 
 
-def estimated_loads(app_name: str) -> list[ReplicaLoad]:
-    """Current load estimate of every LLM replica of `app_name` known to this process ([] = unknown)."""
-    router = _BOARDS.get(app_name)
+def estimated_loads(scope: str) -> list[ReplicaLoad]:
+    """Current load estimate of every LLM replica at `scope` known to this process ([] = unknown)."""
+    router = _BOARDS.get(scope)
     return router.estimated_loads() if router is not None else []
 
 
-def num_live_replicas(app_name: str) -> int | None:
-    """LLM replicas of `app_name` this process may still route to, once one of them has died
+def num_live_replicas(scope: str) -> int | None:
+    """LLM replicas at `scope` this process may still route to, once one of them has died
     (None before: at start-up Serve has not listed the replicas yet, which is not an outage).
     Serve drops a replica from this set as soon as a call to it fails with ActorDiedError."""
-    router = _BOARDS.get(app_name)
+    router = _BOARDS.get(scope)
     if router is None or not router.has_lost_replicas:
         return None
     return len(router.curr_replicas)
 
 
-def active_streams_by_replica(app_name: str) -> dict[str, int]:
-    """Streams each reporting LLM replica of `app_name` runs (by unique id), as this process estimates
+def active_streams_by_replica(scope: str) -> dict[str, int]:
+    """Streams each reporting LLM replica at `scope` runs (by unique id), as this process estimates
     them; a leaving replica is left out (it takes nothing, and its report says it is full)."""
-    router = _BOARDS.get(app_name)
+    router = _BOARDS.get(scope)
     return router.active_streams_by_replica() if router is not None else {}
 
 
-def pass_over(app_name: str, replica_tag: str, for_s: float | None = None) -> None:
+def pass_over(scope: str, replica_tag: str, for_s: float | None = None) -> None:
     """Rank the LLM replica `replica_tag` (`LLMStage#<id>`) last: from now on when it is leaving and
     hands its streams back (its own load report says so too, but only at its next stats refresh), for
     `for_s` when it handed a few streams off to rebalance (they, and new ones, land elsewhere)."""
-    router = _BOARDS.get(app_name)
+    router = _BOARDS.get(scope)
     if router is None or not replica_tag:
         return
     unique_id = replica_tag.rsplit("#", 1)[-1]
@@ -116,7 +138,7 @@ class PredictedTTFARouter(RequestRouter):
         self._listed: set[str] = set()  # unique ids Serve last listed as running
         self._died: set[str] = set()  # unique ids whose actor died (no move-out to ask for)
         self.asked_to_move_out: list[str] = []  # unique ids of stopping replicas asked to move their streams out
-        _register(self.app_name, self, "_BOARDS")  # the Router's early reject and deadline check read it
+        _register(_own_scope(self), self, "_BOARDS")  # the Router's early reject and deadline check read it
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         self.has_lost_replicas = True
@@ -236,7 +258,7 @@ class DetokBoard(PowerOfTwoChoicesRequestRouter):
 
     def initialize_state(self, **kwargs) -> None:
         super().initialize_state(**kwargs)
-        _register(self.app_name, self, "_DETOK_BOARDS")
+        _register(_own_scope(self), self, "_DETOK_BOARDS")
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None

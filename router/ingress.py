@@ -48,9 +48,10 @@ from router.jobs import (
 )
 from router.replica_listener import keep_replica_listener_on_loopback
 from router.replies import Failure, http_error, log_failure, out_of_memory_retry_s, with_request_id
+from router.served import ServedModels, models_json, models_response
 from router.sse import MEDIA_TYPE as SSE_MEDIA_TYPE
 from router.sse import audio_delta, audio_done, error_event
-from router.streams import AdmissionRejected, Draining, ReplicasUnavailable, RouterCore, SentChunk, StreamFailed
+from router.streams import AdmissionRejected, Draining, ReplicasUnavailable, SentChunk, StreamFailed, replica_name
 from router.voices import MAX_HTTP_BODY_BYTES, VoiceRegistry, voice_request_from_json, voice_request_from_proto
 from router.websocket import StreamEndpoint
 
@@ -67,11 +68,6 @@ def expose_docs(app: FastAPI) -> None:
     if app.openapi_url is None:
         app.openapi_url, app.docs_url, app.redoc_url = "/openapi.json", "/docs", "/redoc"
         app.setup()
-
-
-def models_response(entry: ModelEntry) -> voxray_pb2.ListModelsResponse:
-    info = voxray_pb2.ModelInfo(name=entry.name, description=entry.description, sample_rate_hz=entry.sample_rate_hz)
-    return voxray_pb2.ListModelsResponse(models=[info])
 
 
 def voices_response(entry: ModelEntry) -> voxray_pb2.ListVoicesResponse:
@@ -239,23 +235,34 @@ def _serve_request_id() -> str:
 class Router:
     """Serve ingress class (FastAPI routes + gRPC methods); deployed by `deployments.app`."""
 
-    async def __init__(self, config: dict, llm_handle, detok_handle) -> None:  # ready = gRPC up
+    async def __init__(self, config: dict, llm_handles: dict, detok_handles: dict) -> None:  # ready = gRPC up
+        """`llm_handles` / `detok_handles`: served model name -> its LLMStage / DetokStage deployment
+        (models sharing a detokenizer share one handle's deployment)."""
         keep_replica_listener_on_loopback()
-        self.core = RouterCore(config, llm_handle, detok_handle)
-        # zero-shot voices: the app's VoiceBank is the DetokStage's deployment actor; a detok replica names it
-        find_bank = detok_handle.voice_bank.remote if self.core.entry.family.lm.takes_registered_voices else None
-        self.voices = VoiceRegistry(self.core.entry, self.core.config.voices, find_bank)
-        self.core.drain.start()
-        self.core.metrics.start()
-        self.core.rebalancer.start()  # on this replica's event loop, like the admission checks
-        self.auth = ApiKeys(self.core.config.auth, listen_host=widest_host(self.core.config))
-        if self.core.config.http_docs:
+        self.config = ServeConfig.model_validate(config)
+        self.models = ServedModels.build(self.config, llm_handles, detok_handles, replica_name())
+        # zero-shot voices: each VoiceBank is a DetokStage's deployment actor; a detok replica names it
+        cores = self.models.cores
+        self.voices = {name: self._voice_registry(core, detok_handles[name]) for name, core in cores.items()}
+        self.models.start()  # rebalancers on this replica's event loop, like the admission checks
+        self.auth = ApiKeys(self.config.auth, listen_host=widest_host(self.config))
+        if self.config.http_docs:
             expose_docs(http_app)
-        self.grpc = SpeechServer(self.core.config, self)
+        self.grpc = SpeechServer(self.config, self)
         await self.grpc.start()  # on the replica's event loop, where the gRPC methods run
 
+    @staticmethod
+    def _voice_registry(core, detok_handle) -> VoiceRegistry:
+        find_bank = detok_handle.voice_bank.remote if core.entry.family.lm.takes_registered_voices else None
+        return VoiceRegistry(core.entry, core.config.voices, find_bank)
+
+    @property
+    def core(self):
+        """The default model's core (the only one of a single-model app)."""
+        return self.models.default
+
     async def __del__(self) -> None:  # Serve calls it when the replica shuts down
-        await self.core.rebalancer.stop()
+        await self.models.stop()
         await self.grpc.stop()
 
     # ---- gRPC -----------------------------------------------------------------------------
@@ -265,10 +272,11 @@ class Router:
             key = self.auth.check(_authorization(grpc_context))
             fields = fields_from_proto(request)
             req_id = reply_request_id(fields["req_id"])
-            job = self.core.fit_client_deadline(self.core.job(**fields), grpc_context)
-            header = streaming_wav_header(self.core.entry.sample_rate_hz) if job.output_format == "wav" else b""
+            core = self.models.core_for(fields["model"])
+            job = core.fit_client_deadline(core.job(**fields), grpc_context)
+            header = streaming_wav_header(core.entry.sample_rate_hz) if job.output_format == "wav" else b""
             with self.auth.hold_stream(key):
-                async with aclosing(self.core.run(job)) as stream:  # closed on any failure: the replica frees it
+                async with aclosing(core.run(job)) as stream:  # closed on any failure: the replica frees it
                     async for sent in stream:
                         yield _to_proto(job, sent, header if sent.seq == 0 else b"")
         except Exception as err:  # every failure gets a status, a short message and one log line
@@ -280,11 +288,12 @@ class Router:
         try:
             key = self.auth.check(_authorization(grpc_context))
             fields, first_piece = await read_config(requests)
-            job = self.core.job(**{**fields, "req_id": fields["req_id"] or req_id})
+            core = self.models.core_for(fields["model"])
+            job = core.job(**{**fields, "req_id": fields["req_id"] or req_id})
             req_id = job.req_id
-            header = streaming_wav_header(self.core.entry.sample_rate_hz) if job.output_format == "wav" else b""
+            header = streaming_wav_header(core.entry.sample_rate_hz) if job.output_format == "wav" else b""
             with self.auth.hold_stream(key):
-                async with self.core.incremental(job) as session:
+                async with core.incremental(job) as session:
                     if first_piece:
                         session.push(first_piece, field="config.text")
                     async with aclosing(stream_audio(requests, session, job.req_id, header)) as chunks:
@@ -299,15 +308,13 @@ class Router:
             parse_proto(voxray_pb2.ListModelsRequest, request)
         except Exception as err:
             _grpc_fail(grpc_context, err, reply_request_id(""))
-        return models_response(self.core.entry)
+        return models_response(self.models.entries())
 
     async def ListVoices(self, request: voxray_pb2.ListVoicesRequest | bytes, grpc_context=None):  # noqa: N802
-        entry = self.core.entry
         try:
             self.auth.check(_authorization(grpc_context))
             request = parse_proto(voxray_pb2.ListVoicesRequest, request)
-            if request.model and request.model != entry.name:
-                raise InvalidArgumentError("model", f"unknown model; this server serves {entry.name!r}")
+            entry = self.models.core_for(request.model).entry
         except Exception as err:
             _grpc_fail(grpc_context, err, reply_request_id(""))
         return voices_response(entry)
@@ -315,7 +322,8 @@ class Router:
     async def RegisterVoice(self, request: voxray_pb2.RegisterVoiceRequest | bytes, grpc_context=None):  # noqa: N802
         try:
             self.auth.check(_authorization(grpc_context))
-            registered = await self.voices.register(**voice_request_from_proto(request))
+            fields = voice_request_from_proto(request)
+            registered = await self.voices[self.models.voices_core(fields["model"]).entry.name].register(**fields)
         except Exception as err:
             _grpc_fail(grpc_context, err, reply_request_id(""))
         return voxray_pb2.RegisterVoiceResponse(
@@ -330,22 +338,21 @@ class Router:
         req_id = reply_request_id(_serve_request_id())
         try:
             self.auth.check(_http_authorization(request))
-            registered = await self.voices.register(
-                **voice_request_from_json(await _read_body(request, MAX_HTTP_BODY_BYTES))
-            )
+            fields = voice_request_from_json(await _read_body(request, MAX_HTTP_BODY_BYTES))
+            registered = await self.voices[self.models.voices_core(fields["model"]).entry.name].register(**fields)
         except Exception as err:
             return _http_fail(err, req_id)
         return JSONResponse({"object": "voice", "id": registered.pop("voice_id"), **registered})
 
     @http_app.get("/v1/voices")
     async def list_voices(self, request: Request) -> Response:
-        """The built-in voices and the registered ones."""
+        """The built-in voices and the registered ones (of `?model=`, else the default model)."""
         try:
             self.auth.check(_http_authorization(request))
-            registered = await self.voices.voice_ids()
+            entry = self.models.core_for(request.query_params.get("model", "")).entry
+            registered = await self.voices[entry.name].voice_ids()
         except Exception as err:
             return _http_fail(err, reply_request_id(_serve_request_id()))
-        entry = self.core.entry
         return JSONResponse({"object": "list", "default": entry.default_voice, "voices": list(entry.voices),
                              "registered": registered})  # fmt: skip
 
@@ -363,15 +370,17 @@ class Router:
             with self.auth.hold_stream(self.auth.check(values[0] if values else None)):
                 yield
 
-        def template(fields: dict) -> Job:
-            return self.core.job(**{**fields, "req_id": fields["req_id"] or reply_request_id("")})
+        chosen = []  # the config's model's core, picked by `template` before the session opens
 
-        header = streaming_wav_header(self.core.entry.sample_rate_hz)
-        return StreamEndpoint(authorize, template, self.core.incremental, header, _failure)
+        def template(fields: dict) -> Job:
+            chosen.append(self.models.core_for(fields["model"]))
+            return chosen[-1].job(**{**fields, "req_id": fields["req_id"] or reply_request_id("")})
+
+        return StreamEndpoint(authorize, template, lambda job: chosen[-1].incremental(job), None, _failure)
 
     @http_app.get("/healthz")
     async def healthz(self) -> dict:
-        return {"status": "ok", "model": self.core.entry.name}
+        return {"status": "ok", "model": self.core.entry.name, "models": self.models.names}
 
     @http_app.get("/v1/models")
     async def models(self, request: Request) -> Response:
@@ -379,8 +388,7 @@ class Router:
             self.auth.check(_http_authorization(request))
         except Exception as err:
             return _http_fail(err, reply_request_id(_serve_request_id()))
-        body = {"object": "list", "data": [{"id": self.core.entry.name, "object": "model"}]}
-        return JSONResponse(body)
+        return JSONResponse(models_json(self.models.entries()))
 
     @http_app.post("/v1/audio/speech")
     async def speech(self, request: Request) -> Response:
@@ -390,12 +398,13 @@ class Router:
             key = self.auth.check(_http_authorization(request))
             fields, stream_format = speech_request(await _read_body(request), request.headers.getlist("x-request-id"))
             req_id = reply_request_id(fields["req_id"] or req_id)
-            job = self.core.job(**{**fields, "req_id": fields["req_id"] or req_id})
+            core = self.models.core_for(fields["model"])
+            job = core.job(**{**fields, "req_id": fields["req_id"] or req_id})
             lease.enter_context(self.auth.hold_stream(key))
-            stream = await lease.enter_async_context(aclosing(self.core.run(job)))
+            stream = await lease.enter_async_context(aclosing(core.run(job)))
             first = await anext(stream)  # admission and validation happen before any byte is sent
             media = "audio/wav" if job.output_format == "wav" else "audio/pcm"
-            header = streaming_wav_header(self.core.entry.sample_rate_hz) if job.output_format == "wav" else b""
+            header = streaming_wav_header(core.entry.sample_rate_hz) if job.output_format == "wav" else b""
             if stream_format == "sse":
                 media, body = SSE_MEDIA_TYPE, _sse_body(job, first, stream, header, lease)
             else:

@@ -93,10 +93,12 @@ class Rebalancer:
         ask: Callable[[str, int], bool] | None = None,
         clock: Callable[[], float] = time.monotonic,
         max_streams_per_replica: int = 0,
+        scope: str | None = None,
     ) -> None:
         self.app_name, self.config = app_name, config
+        self.scope = scope or app_name  # the LLM deployment's board (`dispatch.board_scope`): one model's replicas
         self.min_busy = math.ceil(config.min_busy_share * max_streams_per_replica)
-        self.loads = loads if loads is not None else lambda: active_streams_by_replica(app_name)
+        self.loads = loads if loads is not None else lambda: active_streams_by_replica(self.scope)
         self.ask = ask if ask is not None else self._ask_through_kv
         self.clock = clock
         self.quiet_until_s = 0.0  # no plan before then (the cooldown after the last ask)
@@ -129,7 +131,7 @@ class Rebalancer:
         return plan
 
     def _ask_through_kv(self, replica: str, count: int) -> bool:
-        if not claim_rebalance(self.app_name, self.config.cooldown_s):
+        if not claim_rebalance(self.scope, self.config.cooldown_s):
             return False  # another Router asked: its move is under way
         request_rebalance(self.app_name, replica, count)
         return True

@@ -38,7 +38,7 @@ from llm_stage.registry import get_entry
 from router.admission import admits_anywhere, predict_ttfa_s, stream_limit
 from router.audio_fetch import StepAudio
 from router.deadlines import best_predicted_ttfa_s, client_deadline_s, fit_to_client_deadline
-from router.dispatch import estimated_loads, num_live_replicas, pass_over
+from router.dispatch import estimated_loads, handle_scope, num_live_replicas, pass_over
 from router.drain import DrainWatch
 from router.incremental import IncrementalSession, SegmentAudio
 from router.jobs import (
@@ -51,7 +51,7 @@ from router.rebalance import Rebalancer
 from router.resume import StreamProgress
 
 
-def _replica_name() -> str:
+def replica_name() -> str:
     """This Router replica's id (a fixed name outside a Serve replica, e.g. in unit tests)."""
     try:
         return serve.get_replica_context().replica_id.unique_id
@@ -131,15 +131,15 @@ async def first_event(stream, is_lost: Callable[[], bool], poll_s: float = HEAD_
 
 
 class OutageClock:
-    """Whether no LLM replica of `app_name` has been left to route to for `wait_s` (0: as soon as none
-    is); the clock restarts whenever one is listed again."""
+    """Whether no LLM replica at `scope` (`dispatch.board_scope`) has been left to route to for `wait_s`
+    (0: as soon as none is); the clock restarts whenever one is listed again."""
 
-    def __init__(self, app_name: str, wait_s: float, req_id: str) -> None:
-        self.app_name, self.wait_s, self.req_id = app_name, wait_s, req_id
+    def __init__(self, scope: str, wait_s: float, req_id: str) -> None:
+        self.scope, self.wait_s, self.req_id = scope, wait_s, req_id
         self.since_s: float | None = None
 
     def is_over(self) -> bool:
-        if num_live_replicas(self.app_name) != 0:
+        if num_live_replicas(self.scope) != 0:
             self.since_s = None
             return False
         now = time.monotonic()
@@ -154,19 +154,22 @@ class OutageClock:
 class RouterCore:
     """Transport-independent part of the router: validation, dispatch, ordered streaming."""
 
-    def __init__(self, config: dict, llm_handle, detok_handle) -> None:
+    def __init__(self, config: dict, llm_handle, detok_handle, drain: DrainWatch | None = None) -> None:
+        """`config`: the served model's view (`ServeConfig.for_model`); `drain`: the Router replica's
+        one watch when it serves several models (else this core's own, counting its streams)."""
         self.config = ServeConfig.model_validate(config)
         self.entry = get_entry(self.config.engine.model.name)
         self.llm = llm_handle.options(stream=True)
         self.llm_text = llm_handle  # text pieces of streaming-text requests (pinned to their replica)
+        self.llm_scope = handle_scope(llm_handle, self.config.app_name)  # this model's LLM load board
         self.detok = detok_handle  # decodes a chunk again when the replica holding its audio is lost
         self.step_audio = StepAudio()  # one fetch per engine step's audio, shared by its streams
         self.open_streams = 0
-        self.metrics = RouterMetrics()
-        self.drain = DrainWatch(self.config.app_name, _replica_name(), lambda: self.open_streams)
+        self.metrics = RouterMetrics(self.entry.name)
+        self.drain = drain or DrainWatch(self.config.app_name, replica_name(), lambda: self.open_streams)
         self.rebalancer = Rebalancer(  # started by the Router
             self.config.app_name, self.config.rebalance,
-            max_streams_per_replica=self.config.admission.max_streams_per_replica,
+            max_streams_per_replica=self.config.admission.max_streams_per_replica, scope=self.llm_scope,
         )  # fmt: skip
 
     def job(self, **fields) -> Job:
@@ -177,13 +180,13 @@ class RouterCore:
         remaining_s = client_deadline_s(grpc_context)
         if remaining_s is None:
             return job
-        return fit_to_client_deadline(job, remaining_s, best_predicted_ttfa_s(estimated_loads(self.config.app_name)))
+        return fit_to_client_deadline(job, remaining_s, best_predicted_ttfa_s(estimated_loads(self.llm_scope)))
 
     def check_capacity(self, job: Job) -> None:
         """Reject at once when no LLM replica known here would admit `job`, or queue it to start by
         its TTFA deadline (both stages' measured pace, router.admission), or when the streams this
         router has open itself fill every replica (a burst arrives before any stats refresh)."""
-        loads = estimated_loads(self.config.app_name)
+        loads = estimated_loads(self.llm_scope)
         if not loads:
             return
         capacity = sum(stream_limit(load) + load.max_queued for load in loads)
@@ -198,7 +201,7 @@ class RouterCore:
     def check_alive(self) -> None:
         """UNAVAILABLE at once when no LLM replica is left to route to (Serve would hold the request
         until it has started another: 10-20 s)."""
-        if num_live_replicas(self.config.app_name) == 0:
+        if num_live_replicas(self.llm_scope) == 0:
             raise ReplicasUnavailable(self.config.admission.unavailable_retry_after_s)
 
     def check_open(self) -> None:
@@ -323,7 +326,7 @@ class RouterCore:
         """Rank the replica that handed the stream off last: for good when it is leaving, for
         `rebalance.pass_over_s` when it rebalanced (so the stream lands on a less busy one)."""
         for_s = None if moved.is_leaving else self.config.rebalance.pass_over_s
-        pass_over(self.config.app_name, moved.llm_replica, for_s)
+        pass_over(self.llm_scope, moved.llm_replica, for_s)
 
     async def _relay(
         self,
@@ -372,7 +375,7 @@ class RouterCore:
         new stream answers UNAVAILABLE at once, and a resumed one waits up to
         `migration.replacement_wait_s` for the replacement first (its client has audio, and then a gap)."""
         wait_s = self.config.migration.replacement_wait_s if is_resumed else 0.0
-        head = await first_event(stream, OutageClock(self.config.app_name, wait_s, req_id).is_over)
+        head = await first_event(stream, OutageClock(self.llm_scope, wait_s, req_id).is_over)
         if head is None:
             raise ReplicasUnavailable(self.config.admission.unavailable_retry_after_s)
         return head

@@ -18,6 +18,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from core.errors import InvalidArgumentError
 from core.messages import Job
 from llm_stage.jobs import printable_name
+from router.audio_format import streaming_wav_header
 from router.incremental import IdleTimeout, IncrementalSession
 from router.jobs import MAX_BODY_BYTES, OPENAI_FORMATS, parse_json_object
 from router.replies import Failure, log_failure, with_request_id
@@ -150,7 +151,7 @@ class StreamEndpoint:
     authorize: Callable[[WebSocket], AbstractAsyncContextManager[None]]
     template: Callable[[dict], Job]
     open_session: Callable[[Job], AbstractAsyncContextManager[IncrementalSession]]
-    wav_header: bytes
+    wav_header: bytes | None  # None: the session's model's (a multi-model Router picks it by the config's model)
     failure_of: Callable[[Exception], tuple[Failure, Exception | None]]
 
     async def serve(self, websocket: WebSocket, fallback_req_id: str) -> None:
@@ -174,7 +175,8 @@ class StreamEndpoint:
     async def _run(self, websocket: WebSocket, session: IncrementalSession, job: Job) -> float:
         """Read input and send audio at once; the first to fail cancels the other (a client that
         left, or a bad message, ends the synthesis too)."""
-        header = self.wav_header if job.output_format == "wav" else b""
+        wav_header = self.wav_header if self.wav_header is not None else streaming_wav_header(session.sample_rate_hz)
+        header = wav_header if job.output_format == "wav" else b""
         reader = asyncio.ensure_future(read_inputs(websocket, session))
         writer = asyncio.ensure_future(send_audio(websocket, session, header))
         try:

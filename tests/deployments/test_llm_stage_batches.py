@@ -121,7 +121,7 @@ def test_a_stateful_detokenizers_streams_go_each_to_its_pinned_replica(monkeypat
     async def run() -> None:
         stage = object.__new__(LLMStage)
         stage.detok, stage.num_decode_calls, stage.detok_pins = _RecordingDetok(), 0, DetokPins()
-        stage.config = SimpleNamespace(app_name="app")
+        stage.config, stage.detok_scope = SimpleNamespace(app_name="app"), "app"  # its detok deployment's board
         stage.streams = {rid: _Stream(asyncio.Queue()) for rid in ("a", "b", "c")}
         stage.side = SimpleNamespace(engine=SimpleNamespace(timer=StepTimer()))
         for seq in range(3):

@@ -10,7 +10,10 @@ from router import metrics as router_metrics
 
 class RecordingGauge:
     def __init__(self, name: str, description: str = "", *args) -> None:
-        self.name, self.values = name, []
+        self.name, self.values, self.tags = name, [], {}
+
+    def set_default_tags(self, tags: dict[str, str]) -> None:
+        self.tags = tags
 
     def set(self, value: float) -> None:
         self.values.append(value)
@@ -19,7 +22,8 @@ class RecordingGauge:
 def test_the_realtime_factor_is_set_again_while_no_stream_finishes(monkeypatch):
     monkeypatch.setattr(router_metrics, "Gauge", RecordingGauge)
     monkeypatch.setattr(router_metrics, "GAUGE_HOLD_S", 0.01)
-    metrics = router_metrics.RouterMetrics()
+    metrics = router_metrics.RouterMetrics("orpheus-tiny")
+    assert metrics._realtime.tags == {"model": "orpheus-tiny"}  # every series is per served model
     metrics.start()
     time.sleep(0.1)
     assert metrics._realtime.values == []  # nothing to hold before a stream finished
