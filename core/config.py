@@ -412,6 +412,14 @@ class VoicesConfig(_Strict):
         return self
 
 
+class SpeechInConfig(_Strict):
+    """Audio a request carries to the LM (speech in: families that take audio, step-audio2), checked at the
+    ingress: a longer clip is refused (it costs prefill: ~12.5 LM positions per second of audio)."""
+
+    min_audio_s: float = Field(0.1, gt=0, le=10, description="Shortest input audio accepted.")
+    max_audio_s: float = Field(60.0, gt=0, le=600, description="Longest input audio accepted.")
+
+
 class ServeConfig(_Strict):
     """The whole cluster app: engines, the three deployments, admission, ports, what is exposed."""
 
@@ -456,6 +464,7 @@ class ServeConfig(_Strict):
     migration: MigrationConfig = MigrationConfig()
     incremental: IncrementalConfig = IncrementalConfig()
     voices: VoicesConfig = VoicesConfig()
+    speech_in: SpeechInConfig = SpeechInConfig()
 
     @field_validator("http_host", "grpc_host")
     @classmethod

@@ -40,6 +40,7 @@ from router.deadlines import DeadlineUnmeetable
 from router.grpc_server import GrpcAbort, SpeechServer
 from router.grpc_stream import read_config, stream_audio
 from router.jobs import (
+    MAX_AUDIO_JSON_BYTES,
     MAX_BODY_BYTES,
     fields_from_proto,
     parse_proto,
@@ -388,7 +389,8 @@ class Router:
         lease = AsyncExitStack()  # what an admitted stream holds; released by the body, or here on failure
         try:
             key = self.auth.check(_http_authorization(request))
-            fields, stream_format = speech_request(await _read_body(request), request.headers.getlist("x-request-id"))
+            body = await _read_body(request, MAX_BODY_BYTES + MAX_AUDIO_JSON_BYTES)  # speech in: base64 audio
+            fields, stream_format = speech_request(body, request.headers.getlist("x-request-id"))
             req_id = reply_request_id(fields["req_id"] or req_id)
             job = self.core.job(**{**fields, "req_id": fields["req_id"] or req_id})
             lease.enter_context(self.auth.hold_stream(key))

@@ -170,7 +170,7 @@ class RouterCore:
         )  # fmt: skip
 
     def job(self, **fields) -> Job:
-        return job_from_fields(self.entry, self.config.admission, **fields)
+        return job_from_fields(self.entry, self.config.admission, speech_in=self.config.speech_in, **fields)
 
     def fit_client_deadline(self, job: Job, grpc_context) -> Job:
         """`job` within the gRPC call's deadline, or DeadlineUnmeetable (router.deadlines)."""
