@@ -150,6 +150,17 @@ class AudioClip:
 
 
 @dataclass(frozen=True)
+class TextDelta:
+    """The answer's text a speech-in request's LM decoded since the last delta (it may lead the audio);
+    `is_final` ends the request's text. `decoded_s` is the engine's monotonic clock when it was cut."""
+
+    req_id: str
+    text: str
+    is_final: bool = False
+    decoded_s: float = 0.0
+
+
+@dataclass(frozen=True)
 class Job:
     """One validated synthesis request: built once at the ingress, handed to the engine unchanged."""
 

@@ -200,6 +200,10 @@ class LMAdapter(ABC):
         in text beside audio); none by default."""
         return []
 
+    def decode_text(self, ids: list[int]) -> str:
+        """The text of ids `text_ids` picked (families that answer in text)."""
+        return ""
+
     @abstractmethod
     def new_frame_builder(self) -> FrameBuilder: ...
 

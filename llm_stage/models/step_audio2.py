@@ -186,6 +186,9 @@ class StepAudio2Adapter(LMAdapter):
         """The ids among `tokens` that the client reads as text."""
         return [t for t in tokens if self.ids.is_text(t)]
 
+    def decode_text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)  # type: ignore[attr-defined]
+
 
 FAMILY = ModelFamily(
     name="step-audio2",
