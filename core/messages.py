@@ -358,4 +358,4 @@ class Failed:
 
 
 StreamHead = Admitted | Queued | Rejected | Invalid | Moved | Failed
-StreamEvent = Admitted | Queued | Rejected | Invalid | AudioReady | Moved | Failed
+StreamEvent = Admitted | Queued | Rejected | Invalid | AudioReady | TextDelta | Moved | Failed

@@ -50,7 +50,7 @@ from router.jobs import (
 from router.replica_listener import keep_replica_listener_on_loopback
 from router.replies import Failure, http_error, log_failure, out_of_memory_retry_s, with_request_id
 from router.sse import MEDIA_TYPE as SSE_MEDIA_TYPE
-from router.sse import audio_delta, audio_done, error_event
+from router.sse import audio_delta, audio_done, error_event, text_delta
 from router.streams import AdmissionRejected, Draining, ReplicasUnavailable, RouterCore, SentChunk, StreamFailed
 from router.voices import MAX_HTTP_BODY_BYTES, VoiceRegistry, voice_request_from_json, voice_request_from_proto
 from router.websocket import StreamEndpoint
@@ -82,6 +82,11 @@ def voices_response(entry: ModelEntry) -> voxray_pb2.ListVoicesResponse:
 
 def _to_proto(job: Job, sent: SentChunk, header: bytes) -> voxray_pb2.AudioChunk:
     audio = sent.audio
+    if audio is None:  # speech in: the answer's text, ahead of its audio (seq: the next audio chunk's)
+        return voxray_pb2.AudioChunk(
+            request_id=job.req_id, seq=sent.seq, text=sent.text, llm_replica=sent.llm_replica,
+            timings=voxray_pb2.ServerTimings(elapsed_s=sent.elapsed_s, router_sent_unix_s=time.time()),
+        )  # fmt: skip
     return voxray_pb2.AudioChunk(
         request_id=job.req_id,
         seq=sent.seq,
@@ -102,15 +107,22 @@ def _to_proto(job: Job, sent: SentChunk, header: bytes) -> voxray_pb2.AudioChunk
     )
 
 
+async def _chunks(first: SentChunk, rest: AsyncIterator[SentChunk]) -> AsyncIterator[SentChunk]:
+    yield first
+    async for sent in rest:
+        yield sent
+
+
 async def _http_body(
     first: SentChunk, rest: AsyncIterator[SentChunk], header: bytes, lease: AsyncExitStack
 ) -> AsyncIterator[bytes]:
     """The response body; `lease` (the cluster stream, the key's stream slot) is released when it
-    ends, fails or is abandoned."""
+    ends, fails or is abandoned. The raw audio body carries no text (speech in: `stream_format: sse`)."""
     try:
-        yield header + first.audio.pcm16
-        async for sent in rest:
-            yield sent.audio.pcm16
+        yield header
+        async for sent in _chunks(first, rest):
+            if sent.audio is not None:
+                yield sent.audio.pcm16
     finally:
         await lease.aclose()
 
@@ -118,14 +130,18 @@ async def _http_body(
 async def _sse_body(
     job: Job, first: SentChunk, rest: AsyncIterator[SentChunk], header: bytes, lease: AsyncExitStack
 ) -> AsyncIterator[bytes]:
-    """OpenAI's `stream_format: "sse"` body: a `speech.audio.delta` event per chunk, then
-    `speech.audio.done`; a failure once the 200 went out ends it with an `error` event."""
-    num_frames = first.audio.num_frames
+    """OpenAI's `stream_format: "sse"` body: a `speech.audio.delta` event per chunk (speech in: a
+    `speech.text.delta` per piece of the answer's text), then `speech.audio.done`; a failure once the
+    200 went out ends it with an `error` event."""
+    num_frames = 0
     try:
-        yield audio_delta(header + first.audio.pcm16)
-        async for sent in rest:
+        async for sent in _chunks(first, rest):
+            if sent.audio is None:
+                yield text_delta(sent.text)
+                continue
             num_frames += sent.audio.num_frames
-            yield audio_delta(sent.audio.pcm16)
+            yield audio_delta(header + sent.audio.pcm16)
+            header = b""
         yield audio_done(len(job.text), num_frames)
     except Exception as err:
         failure, own = _failure(err)
@@ -271,7 +287,8 @@ class Router:
             with self.auth.hold_stream(key):
                 async with aclosing(self.core.run(job)) as stream:  # closed on any failure: the replica frees it
                     async for sent in stream:
-                        yield _to_proto(job, sent, header if sent.seq == 0 else b"")
+                        first_audio = sent.seq == 0 and sent.audio is not None
+                        yield _to_proto(job, sent, header if first_audio else b"")
         except Exception as err:  # every failure gets a status, a short message and one log line
             _grpc_fail(grpc_context, err, req_id)
 

@@ -20,6 +20,10 @@ class RouterMetrics:
 
     def __init__(self) -> None:
         self.ttfa = Histogram("voxray_ttfa_seconds", "Request received -> first audio sent.", LATENCY_BUCKETS_S)
+        self.ttft = Histogram(
+            "voxray_time_to_first_text_seconds", "Speech in: request received -> the answer's first text sent.",
+            LATENCY_BUCKETS_S,
+        )
         self.viable = Counter("voxray_stream_viable", "Finished streams whose every chunk was on time.")
         self.finished = Counter("voxray_streams_finished", "Finished streams (viable or not).")
         self.underrun = Histogram(
