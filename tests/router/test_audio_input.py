@@ -116,3 +116,32 @@ def test_bad_http_audio_names_its_field(audio, field) -> None:
 
 def test_http_body_without_audio_keeps_its_limit() -> None:
     assert field_of(lambda: speech_request(http_body(input="x" * (MAX_BODY_BYTES + 10)))) == "body"
+
+
+def test_answer_text_goes_out_as_text_only_chunks_and_sse_events() -> None:
+    """The Router's replies for a speech-in job: a text-only gRPC AudioChunk, an SSE speech.text.delta
+    before the audio's, and no text in the raw audio body."""
+    import asyncio
+    from contextlib import AsyncExitStack
+
+    from core.messages import AudioChunk
+    from router.ingress import _http_body, _sse_body, _to_proto
+    from router.streams import SentChunk
+
+    job = job_from_fields(SPEECH_IN, AdmissionConfig(), **speech_request(http_body(input="Hi"))[0])
+    text = SentChunk(None, 0, None, 0.05, "llm-1", text="Hel")
+    audio = SentChunk(AudioChunk(job.req_id, 0, b"\x01\x00" * 4, 24_000, True, num_frames=1), 0, 0.1, 0.1)
+    proto = _to_proto(job, text, b"")
+    assert (proto.text, proto.audio, proto.seq, proto.llm_replica) == ("Hel", b"", 0, "llm-1")
+
+    async def rest():
+        yield audio
+
+    async def collect(body) -> list[bytes]:
+        return [part async for part in body]
+
+    sse = asyncio.run(collect(_sse_body(job, text, rest(), b"", AsyncExitStack())))
+    kinds = [json.loads(part.decode().split("data: ", 1)[1])["type"] for part in sse]
+    assert kinds == ["speech.text.delta", "speech.audio.delta", "speech.audio.done"]
+    raw = asyncio.run(collect(_http_body(text, rest(), b"HDR", AsyncExitStack())))
+    assert b"".join(raw) == b"HDR" + b"\x01\x00" * 4
