@@ -36,6 +36,7 @@ from llm_stage.models.step_audio2_encoder import (
     split_pieces,
 )
 from llm_stage.models.step_audio2_lm import (
+    PRESET_TEXT_IDS,
     SpecialIds,
     StepAudio2LM,
     is_step_audio2_config,
@@ -93,7 +94,7 @@ class StepAudio2Adapter(LMAdapter):
         """The published directory (its tokenizer gives the special ids by name) or the tiny preset."""
         model = load_step_audio2(config)
         if config.checkpoint_dir is None:
-            return cls(model, ByteTokenizer(offset=1000, bos_id=None))
+            return cls(model, ByteTokenizer(offset=PRESET_TEXT_IDS.start, bos_id=None))
         directory = resolve_model_ref(config.checkpoint_dir)
         tokenizer = HFTokenizer(directory, add_special_tokens=False)
         return cls(model, tokenizer, SpecialIds.from_vocab(tokenizer.vocab()))

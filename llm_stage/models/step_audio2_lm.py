@@ -25,6 +25,7 @@ from core.errors import InvalidArgumentError
 from llm_stage.models.step_audio2_encoder import Adaptor, AudioEncoder, EncoderShape
 
 FIELD = "model.checkpoint_dir"
+PRESET_TEXT_IDS = range(1000, 1256)  # the preset's byte tokenizer: byte b is id 1000 + b
 SPEECH_CODES = 6561  # CosyVoice 2's 25 Hz speech tokens; <audio_6561> is the interleave's audio padding
 TEXT_CONFIG_KEYS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -120,12 +121,19 @@ def build_from_config(config: dict) -> StepAudio2LM:
 
 
 def tiny_step_audio2() -> StepAudio2LM:
-    """Random weights, the LM's wider than HF's init so greedy picks are not near-ties."""
+    """Random weights, the LM's wider than HF's init so greedy picks are not near-ties; its head's rows
+    but the ids its byte tokenizer spells, the speech ids and <|EOT|> shrunk a thousandfold, so the
+    preset answers in text and speech as the real model does (not in ids nothing can spell)."""
     model = build_from_config(tiny_config())
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() > 1 and not name.startswith(("encoder.", "adapter.")):
                 p.normal_(0, 0.2)
+        ids, spoken = SpecialIds(), torch.zeros(model.text_config.vocab_size, dtype=torch.bool)
+        spoken[PRESET_TEXT_IDS.start : PRESET_TEXT_IDS.stop] = True
+        spoken[ids.first_audio : ids.first_audio + SPEECH_CODES] = True
+        spoken[ids.eot] = True
+        model.lm_head.weight[~spoken] *= 1e-3
     return model
 
 

@@ -8,30 +8,15 @@ import dataclasses
 
 import numpy as np
 import pytest
-import torch
 
 from cluster.pipeline import InProcessPipeline
 from core.config import EngineConfig, ModelConfig
 from core.messages import AudioClip
-from llm_stage.models.step_audio2 import StepAudio2Adapter
+from llm_stage.models.step_audio2_lm import PRESET_TEXT_IDS
 from llm_stage.models.tokenizers import ByteTokenizer
 from llm_stage.text_out import TextStream
 
-TEXT_IDS = range(1000, 1256)  # the preset's byte tokenizer
-
-
-def steer_to_text_and_speech(adapter: StepAudio2Adapter) -> None:
-    """Shrink every lm_head row but the byte text ids, the speech ids and <|EOT|> a thousandfold, so the
-    random tiny LM answers in text and speech (the max of thousands of random logits is positive)."""
-    ids = adapter.ids
-    keep = torch.zeros(adapter.model.text_config.vocab_size, dtype=torch.bool)
-    keep[TEXT_IDS.start : TEXT_IDS.stop] = True
-    keep[ids.first_audio : ids.first_audio + 6561] = True
-    keep[ids.eot] = True
-    with torch.no_grad():
-        weight = adapter.model.lm_head.weight
-        weight[~keep] *= 1e-3
-        weight[TEXT_IDS.start : TEXT_IDS.stop] *= 1.1  # a little more text than 256 of 6818 ids give
+TEXT_IDS = PRESET_TEXT_IDS
 
 
 def clip(seconds: float) -> AudioClip:
@@ -42,7 +27,6 @@ def clip(seconds: float) -> AudioClip:
 @pytest.fixture
 def pipeline():
     pipeline = InProcessPipeline(EngineConfig(model=ModelConfig(name="step-audio2-tiny", seed=1)))
-    steer_to_text_and_speech(pipeline.llm.engine.adapter)
     yield pipeline
     pipeline.close()
 

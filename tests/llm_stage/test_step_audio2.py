@@ -136,7 +136,8 @@ def test_greedy_tokens_equal_transformers_on_spliced_embeddings(published) -> No
     adapter = published[0]
     engine = adapter_engine(adapter, num_slots=4, max_seq_len=1024)
     for i, n in enumerate(CLIP_SAMPLES):
-        job = engine.job(f"g{i}", "Translate the speech.", sampling={"temperature": 0.0, "max_tokens": 12})
+        greedy = {"temperature": 0.0, "repetition_penalty": 1.0, "max_tokens": 12}  # the reference has no penalty
+        job = engine.job(f"g{i}", "Translate the speech.", sampling=greedy)
         engine.add_job(dataclasses.replace(job, audio=tone_clip(n, seed=i)))
     assert adapter.num_pending_clips == 3
     prompts = {rid: list(req.prompt_ids) for rid, req in engine.requests.items()}
