@@ -119,10 +119,10 @@ async def _http_body(
     """The response body; `lease` (the cluster stream, the key's stream slot) is released when it
     ends, fails or is abandoned. The raw audio body carries no text (speech in: `stream_format: sse`)."""
     try:
-        yield header
         async for sent in _chunks(first, rest):
             if sent.audio is not None:
-                yield sent.audio.pcm16
+                yield header + sent.audio.pcm16
+                header = b""
     finally:
         await lease.aclose()
 
