@@ -36,6 +36,7 @@ from llm_stage.registry import ModelEntry
 from protos import voxray_pb2
 from router.audio_format import streaming_wav_header
 from router.auth import ApiKeys, QuotaExceeded, Unauthenticated
+from router.chat import ChatReply, chat_request, chat_sse_body, chat_whole
 from router.deadlines import DeadlineUnmeetable
 from router.grpc_server import GrpcAbort, SpeechServer
 from router.grpc_stream import read_config, stream_audio
@@ -399,6 +400,33 @@ class Router:
             return _http_fail(err, reply_request_id(_serve_request_id()))
         body = {"object": "list", "data": [{"id": self.core.entry.name, "object": "model"}]}
         return JSONResponse(body)
+
+    @http_app.post("/v1/chat/completions")
+    async def chat(self, request: Request) -> Response:
+        """Speech in, OpenAI-style (`router.chat`): the answer's audio and transcript, whole or as SSE."""
+        req_id = reply_request_id(_serve_request_id())
+        lease = AsyncExitStack()
+        try:
+            key = self.auth.check(_http_authorization(request))
+            body = await _read_body(request, MAX_BODY_BYTES + MAX_AUDIO_JSON_BYTES)
+            fields, is_streamed = chat_request(body, request.headers.getlist("x-request-id"))
+            job = self.core.job(**{**fields, "req_id": fields["req_id"] or req_id})
+            lease.enter_context(self.auth.hold_stream(key))
+            stream = await lease.enter_async_context(aclosing(self.core.run(job)))
+            first = await anext(stream)  # admission and validation happen before any byte is sent
+            reply, rate = ChatReply(job, self.core.entry.name), self.core.entry.sample_rate_hz
+            if not is_streamed:
+                async with lease:
+                    return JSONResponse(await chat_whole(reply, _chunks(first, stream), rate))
+            header = streaming_wav_header(rate) if job.output_format == "wav" else b""
+            body_parts = chat_sse_body(reply, _chunks(first, stream), header, lease)
+            return StreamingResponse(body_parts, media_type=SSE_MEDIA_TYPE, background=BackgroundTask(lease.aclose))
+        except Exception as err:
+            await lease.aclose()
+            return _http_fail(err, req_id)
+        except BaseException:
+            await lease.aclose()
+            raise
 
     @http_app.post("/v1/audio/speech")
     async def speech(self, request: Request) -> Response:

@@ -5,6 +5,7 @@ its field. (The in-process checks: tests/cluster/test_speech_in_pipeline.py.)"""
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 
 import grpc
@@ -64,8 +65,36 @@ def test_a_clip_in_answers_text_then_audio_as_in_process(cluster) -> None:
         assert got.shape == want.shape and got.size > 0
         assert np.abs(got - want).max() <= MAX_PCM_STEPS
 
+        _the_openai_sdk_gets_the_same_answer(endpoint, pcm, expected)
         odd = voxray_pb2.InputAudio(data=pcm[:-1], format=voxray_pb2.INPUT_AUDIO_PCM16, sample_rate_hz=24_000)
         refused = run_stream(endpoint.grpc_target, endpoint.app_name, "", input_audio=odd)
         assert refused.code == grpc.StatusCode.INVALID_ARGUMENT and "input_audio.data" in refused.details
     finally:
         serve.delete(SPEECH_IN.app_name)
+
+
+def _the_openai_sdk_gets_the_same_answer(endpoint, pcm: bytes, expected) -> None:
+    """`openai`'s chat.completions with an input_audio part and modalities text + audio, whole and
+    streamed: the transcript and audio of the gRPC answer above (same seeded greedy request)."""
+    from openai import OpenAI
+
+    from router.audio_format import wav_bytes
+
+    client = OpenAI(base_url=f"{endpoint.http_url}{SPEECH_IN.route_prefix}/v1", api_key="unused", max_retries=0)
+    wav = base64.b64encode(wav_bytes(pcm, 24_000)).decode()
+    request = {
+        "model": "step-audio2-tiny", "modalities": ["text", "audio"], "audio": {"voice": "", "format": "pcm16"},
+        "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "Answer."}, {"type": "input_audio", "input_audio": {"data": wav, "format": "wav"}},
+        ]}],
+        "max_tokens": SAMPLING["max_tokens"], "temperature": SAMPLING["temperature"],
+    }  # fmt: skip
+    whole = client.chat.completions.create(**request).choices[0].message.audio
+    assert whole.transcript == expected.text and base64.b64decode(whole.data) == expected.pcm16
+    transcript, audio = [], []
+    for chunk in client.chat.completions.create(**request, stream=True):
+        delta = chunk.choices[0].delta.audio if chunk.choices else None  # the SDK's ChoiceDeltaAudio
+        if delta is not None:
+            transcript.append(delta.transcript or "")
+            audio.append(base64.b64decode(delta.data or ""))
+    assert "".join(transcript) == expected.text and b"".join(audio) == expected.pcm16
