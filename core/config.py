@@ -490,6 +490,14 @@ class ServedModelConfig(_Strict):
     detok: StageDeploymentConfig = StageDeploymentConfig()
 
 
+class SpeechInConfig(_Strict):
+    """Audio a request carries to the LM (speech in: families that take audio, step-audio2), checked at the
+    ingress: a longer clip is refused (it costs prefill: ~12.5 LM positions per second of audio)."""
+
+    min_audio_s: float = Field(0.1, gt=0, le=10, description="Shortest input audio accepted.")
+    max_audio_s: float = Field(60.0, gt=0, le=600, description="Longest input audio accepted.")
+
+
 class ServeConfig(_Strict):
     """The whole cluster app: engines, the three deployments, admission, ports, what is exposed.
 
@@ -544,6 +552,7 @@ class ServeConfig(_Strict):
         "where models' detokenizers are the same); requests pick one by their `model` field, empty = the first. "
         "Empty = the one model of `engine` / `llm` / `detok`.",
     )
+    speech_in: SpeechInConfig = SpeechInConfig()
 
     @field_validator("http_host", "grpc_host")
     @classmethod

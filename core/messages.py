@@ -133,6 +133,34 @@ class ContextTurn:
 
 
 @dataclass(frozen=True)
+class AudioClip:
+    """Audio a request carries to the LM (speech in): mono PCM16 little-endian at `sample_rate_hz`,
+    checked at the ingress (format, rate, duration); the LLM replica resamples and encodes it."""
+
+    pcm16: bytes
+    sample_rate_hz: int
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.pcm16) // 2
+
+    @property
+    def duration_s(self) -> float:
+        return self.num_samples / self.sample_rate_hz
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """The answer's text a speech-in request's LM decoded since the last delta (it may lead the audio);
+    `is_final` ends the request's text. `decoded_s` is the engine's monotonic clock when it was cut."""
+
+    req_id: str
+    text: str
+    is_final: bool = False
+    decoded_s: float = 0.0
+
+
+@dataclass(frozen=True)
 class Job:
     """One validated synthesis request: built once at the ingress, handed to the engine unchanged."""
 
@@ -152,6 +180,9 @@ class Job:
     # Native text streaming (`ModelFamily.streams_text`): `text` is the first piece; later pieces reach
     # the running request (`LLMEngine.push_text`), which waits for them holding its KV.
     text_streaming: bool = False
+    # Speech in (families with `ModelFamily.takes_audio`): the user's audio; `text` is then optional
+    # text beside it (an instruction), and the answer streams text beside its audio
+    audio: AudioClip | None = None
 
 
 @dataclass(frozen=True)
@@ -327,4 +358,4 @@ class Failed:
 
 
 StreamHead = Admitted | Queued | Rejected | Invalid | Moved | Failed
-StreamEvent = Admitted | Queued | Rejected | Invalid | AudioReady | Moved | Failed
+StreamEvent = Admitted | Queued | Rejected | Invalid | AudioReady | TextDelta | Moved | Failed

@@ -44,6 +44,7 @@ from core.messages import (
     Queued,
     Rejected,
     StreamEvent,
+    TextDelta,
     TextPiece,
     TokenChunk,
 )
@@ -184,6 +185,9 @@ class LLMStage:
     # ---- engine thread -------------------------------------------------------------------
     def _step(self) -> None:
         chunks = self.side.step()
+        text = [delta for delta in self.side.take_text() if delta.text]  # speech in: the answer's text
+        if text and self.event_loop is not None:  # queued before the step's chunks: text leads their audio
+            self.event_loop.call_soon_threadsafe(self._send_text, text)
         if chunks and self.event_loop is not None:
             self.event_loop.call_soon_threadsafe(self._send, chunks, self.side.take_checkpoints())
         self.metrics.batch_size.observe(self.side.engine.last_batch_size)
@@ -217,6 +221,14 @@ class LLMStage:
                 self.event_loop.call_soon_threadsafe(self._fail_stream, req_id, err)
 
     # ---- event loop: chunks out, audio refs back ------------------------------------------
+    def _send_text(self, deltas: list[TextDelta]) -> None:
+        """The answer's text to its streams, in order with their chunks (a delta waits only for the
+        audio of chunks cut before it)."""
+        for delta in deltas:
+            stream = self.streams.get(delta.req_id)
+            if stream is not None:
+                stream.queue.put_nowait(delta)
+
     def _send(self, chunks: list[TokenChunk], checkpoints: dict[tuple[str, int], Checkpoint]) -> None:
         """One decode call for one engine step's chunks; each stream queues its share in seq order
         (with the sampler checkpoint taken at the cut, for the router)."""
@@ -497,7 +509,7 @@ class LLMStage:
         finally:
             await self._close(job.req_id, stream)
 
-    async def _audio(self, stream: _Stream) -> AsyncIterator[AudioReady | Moved | Failed]:
+    async def _audio(self, stream: _Stream) -> AsyncIterator[AudioReady | TextDelta | Moved | Failed]:
         """The stream's chunks' AudioRefs in seq order, as their decode calls return."""
         while True:
             item = await stream.queue.get()
@@ -507,6 +519,9 @@ class LLMStage:
             if isinstance(item, Moved):  # handed off: the chunks cut here came first
                 yield item
                 return
+            if isinstance(item, TextDelta):
+                yield item
+                continue
             batch, index, checkpoint = item
             try:
                 ref: AudioRef = (await asyncio.shield(batch.result))[index]

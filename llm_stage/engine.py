@@ -126,6 +126,8 @@ class LLMEngine:
             uncond = self.adapter.unconditional_job_prompt(job) if guided else None
             return self.add_prompt(job.req_id, prompt, job.sampling, uncond, job.resume, kv)
         except InvalidArgumentError as err:
+            if job.req_id not in self.requests:
+                self.adapter.forget(job.req_id)  # what its prompt queued (e.g. a clip to encode)
             if err.field != "text":
                 raise
             raise InvalidArgumentError(job.text_field, err.message) from None
@@ -256,6 +258,7 @@ class LLMEngine:
         start = time.perf_counter()
         self._prepared_rows.clear()  # keyed by request identity: never carry them past a failed step
         self._prepared_table = None
+        self.adapter.prepare_step()  # e.g. the audio encoder over every clip added since the last step
         plan = self._take_plan()
         if plan.is_empty:
             return []
@@ -390,6 +393,7 @@ class LLMEngine:
         return out
 
     def _forget(self, req_id: str) -> None:
+        self.adapter.forget(req_id)
         self.requests.pop(req_id, None)
         self._seeds.pop(req_id, None)
         if self._histories is not None:

@@ -19,7 +19,7 @@ import uuid
 import pydantic
 
 from core.errors import InvalidArgumentError, from_validation_error
-from core.messages import Job, OutputFormat, SamplingParams
+from core.messages import AudioClip, Job, OutputFormat, SamplingParams
 from core.voices import is_voice_id
 from llm_stage.models.base import LMAdapter
 
@@ -53,13 +53,15 @@ def printable_name(name: str) -> str:
     return name if 0 < len(name) <= 64 and name.isascii() and name.isprintable() else ascii(name[:64])
 
 
-def check_text(adapter: type[LMAdapter] | LMAdapter, text: object, field: str) -> str:
+def check_text(adapter: type[LMAdapter] | LMAdapter, text: object, field: str, may_be_empty: bool = False) -> str:
+    if may_be_empty and text is None:
+        return ""
     if not isinstance(text, str):
         raise InvalidArgumentError(field, "must be a string")
     if len(text) > adapter.max_text_chars:
         raise InvalidArgumentError(field, f"is {len(text)} characters; the limit is {adapter.max_text_chars}")
     check_unicode(text, field)
-    if not text.strip():
+    if not text.strip() and not may_be_empty:
         raise InvalidArgumentError(field, "must not be empty")
     return text
 
@@ -148,13 +150,19 @@ def build_job(
     default_ttfa_deadline_s: float = 5.0,
     output_format: OutputFormat = "pcm16",
     text_field: str = "text",
+    audio: AudioClip | None = None,
+    audio_field: str = "input_audio",
 ) -> Job:
-    """A Job for `adapter`'s family (its class or an instance); empty fields take the defaults."""
+    """A Job for `adapter`'s family (its class or an instance); empty fields take the defaults. With
+    `audio` (speech in, checked by the ingress) the family must take audio, and the text may be empty."""
     ttfa_deadline_s = check_deadline(ttfa_deadline_s)
     req_id = check_request_id(req_id)
+    if audio is not None and not adapter.takes_audio:
+        raise InvalidArgumentError(audio_field, f"{adapter.family} takes no audio (it speaks text)")
     return Job(
         req_id=req_id or uuid.uuid4().hex,
-        text=check_text(adapter, text, text_field),
+        text=check_text(adapter, text, text_field, may_be_empty=audio is not None),
+        audio=audio,
         voice=check_voice(adapter, voice),
         sampling=check_model_options(adapter, check_sampling(sampling, adapter.default_sampling)),
         ttfa_deadline_s=ttfa_deadline_s or default_ttfa_deadline_s,

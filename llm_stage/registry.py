@@ -36,6 +36,7 @@ FAMILY_MODULES = {
     "qwen3-tts": "llm_stage.models.qwen3_tts",
     "cosyvoice2": "llm_stage.models.cosyvoice2",
     "chatterbox": "llm_stage.models.chatterbox",
+    "step-audio2": "llm_stage.models.step_audio2",
 }
 PRESET_SUFFIX = "-tiny"
 

@@ -11,7 +11,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 
-from core.messages import Checkpoint, HopTimes, Job, ResumeState, TextPiece, TokenChunk
+from core.messages import Checkpoint, HopTimes, Job, ResumeState, TextDelta, TextPiece, TokenChunk
 from core.policy import buffered_s
 from core.voices import is_voice_id
 from llm_stage.chunking import Chunker, ChunkSchedule
@@ -19,6 +19,7 @@ from llm_stage.engine import LLMEngine, StepOutput
 from llm_stage.faults import StepOutOfMemory
 from llm_stage.migration import KVSnapshot
 from llm_stage.request import Request
+from llm_stage.text_out import TextStreams
 
 BUFFER_SAFETY = 0.7  # share of the client's buffer a chunk may spend: step times jitter when streams join
 
@@ -40,6 +41,10 @@ class LLMSide:
         self.checkpoints: dict[tuple[str, int], Checkpoint] = {}  # (req_id, seq) -> taken at its cut
         self.voice_handles: dict[str, str] = {}  # req_id -> its registered voice (stamped on its chunks)
         self.num_text_waits = 0  # times a streaming-text request had run out of text when more came
+        adapter = engine.adapter
+        # the answer's text beside its audio (speech-in families), taken with `take_text`
+        speaks_text = getattr(adapter, "takes_audio", False)  # an engine stand-in's adapter may say nothing
+        self.text_out = TextStreams(adapter.decode_text, clock) if speaks_text else None
 
     def add(self, job: Job, kv: KVSnapshot | None = None) -> None:
         """Queue `job`; a resumed one continues its chunks, decoding at once from a migrated `kv`;
@@ -81,6 +86,8 @@ class LLMSide:
 
     def cancel(self, req_id: str) -> None:
         self.engine.cancel(req_id)
+        if self.text_out is not None:
+            self.text_out.drop(req_id)
         self.chunkers.pop(req_id, None)
         self.num_checkpointed.pop(req_id, None)
         self.voice_handles.pop(req_id, None)
@@ -133,8 +140,16 @@ class LLMSide:
                 self.cancel(req_id)
             raise
         chunks = [c for out in outputs for c in self._chunks(out)]
+        if self.text_out is not None:
+            text_ids = self.engine.adapter.text_ids
+            for out in outputs:
+                self.text_out.push(out.req_id, text_ids(out.new_token_ids), out.finished)
         self._update_next_chunk_steps()
         return chunks
+
+    def take_text(self) -> list[TextDelta]:
+        """The answer text the steps since the last call decoded, in order (speech-in families; else none)."""
+        return self.text_out.take() if self.text_out is not None else []
 
     def _chunks(self, out: StepOutput) -> list[TokenChunk]:
         chunker = self.chunkers.get(out.req_id)

@@ -34,6 +34,8 @@ async def read_config(requests: AsyncIterator[bytes]) -> tuple[dict, str]:
     if first.WhichOneof("input") != "config":
         raise InvalidArgumentError("config", f"the first message must be config, got {first.WhichOneof('input')}")
     fields = fields_from_proto(first.config)
+    if fields["input_audio"] is not None:
+        raise InvalidArgumentError("config.input_audio", "streamed text takes no audio; send it with Synthesize")
     return {**fields, "text": PLACEHOLDER_TEXT}, fields["text"]
 
 

@@ -36,10 +36,12 @@ from llm_stage.registry import ModelEntry
 from protos import voxray_pb2
 from router.audio_format import streaming_wav_header
 from router.auth import ApiKeys, QuotaExceeded, Unauthenticated
+from router.chat import ChatReply, chat_request, chat_sse_body, chat_whole
 from router.deadlines import DeadlineUnmeetable
 from router.grpc_server import GrpcAbort, SpeechServer
 from router.grpc_stream import read_config, stream_audio
 from router.jobs import (
+    MAX_AUDIO_JSON_BYTES,
     MAX_BODY_BYTES,
     fields_from_proto,
     parse_proto,
@@ -50,8 +52,15 @@ from router.replica_listener import keep_replica_listener_on_loopback
 from router.replies import Failure, http_error, log_failure, out_of_memory_retry_s, with_request_id
 from router.served import ServedModels, models_json, models_response
 from router.sse import MEDIA_TYPE as SSE_MEDIA_TYPE
-from router.sse import audio_delta, audio_done, error_event
-from router.streams import AdmissionRejected, Draining, ReplicasUnavailable, SentChunk, StreamFailed, replica_name
+from router.sse import audio_delta, audio_done, error_event, text_delta
+from router.streams import (
+    AdmissionRejected,
+    Draining,
+    ReplicasUnavailable,
+    SentChunk,
+    StreamFailed,
+    replica_name,
+)  # fmt: skip
 from router.voices import MAX_HTTP_BODY_BYTES, VoiceRegistry, voice_request_from_json, voice_request_from_proto
 from router.websocket import StreamEndpoint
 
@@ -77,6 +86,11 @@ def voices_response(entry: ModelEntry) -> voxray_pb2.ListVoicesResponse:
 
 def _to_proto(job: Job, sent: SentChunk, header: bytes) -> voxray_pb2.AudioChunk:
     audio = sent.audio
+    if audio is None:  # speech in: the answer's text, ahead of its audio (seq: the next audio chunk's)
+        return voxray_pb2.AudioChunk(
+            request_id=job.req_id, seq=sent.seq, text=sent.text, llm_replica=sent.llm_replica,
+            timings=voxray_pb2.ServerTimings(elapsed_s=sent.elapsed_s, router_sent_unix_s=time.time()),
+        )  # fmt: skip
     return voxray_pb2.AudioChunk(
         request_id=job.req_id,
         seq=sent.seq,
@@ -97,15 +111,22 @@ def _to_proto(job: Job, sent: SentChunk, header: bytes) -> voxray_pb2.AudioChunk
     )
 
 
+async def _chunks(first: SentChunk, rest: AsyncIterator[SentChunk]) -> AsyncIterator[SentChunk]:
+    yield first
+    async for sent in rest:
+        yield sent
+
+
 async def _http_body(
     first: SentChunk, rest: AsyncIterator[SentChunk], header: bytes, lease: AsyncExitStack
 ) -> AsyncIterator[bytes]:
     """The response body; `lease` (the cluster stream, the key's stream slot) is released when it
-    ends, fails or is abandoned."""
+    ends, fails or is abandoned. The raw audio body carries no text (speech in: `stream_format: sse`)."""
     try:
-        yield header + first.audio.pcm16
-        async for sent in rest:
-            yield sent.audio.pcm16
+        async for sent in _chunks(first, rest):
+            if sent.audio is not None:
+                yield header + sent.audio.pcm16
+                header = b""
     finally:
         await lease.aclose()
 
@@ -113,14 +134,18 @@ async def _http_body(
 async def _sse_body(
     job: Job, first: SentChunk, rest: AsyncIterator[SentChunk], header: bytes, lease: AsyncExitStack
 ) -> AsyncIterator[bytes]:
-    """OpenAI's `stream_format: "sse"` body: a `speech.audio.delta` event per chunk, then
-    `speech.audio.done`; a failure once the 200 went out ends it with an `error` event."""
-    num_frames = first.audio.num_frames
+    """OpenAI's `stream_format: "sse"` body: a `speech.audio.delta` event per chunk (speech in: a
+    `speech.text.delta` per piece of the answer's text), then `speech.audio.done`; a failure once the
+    200 went out ends it with an `error` event."""
+    num_frames = 0
     try:
-        yield audio_delta(header + first.audio.pcm16)
-        async for sent in rest:
+        async for sent in _chunks(first, rest):
+            if sent.audio is None:
+                yield text_delta(sent.text)
+                continue
             num_frames += sent.audio.num_frames
-            yield audio_delta(sent.audio.pcm16)
+            yield audio_delta(header + sent.audio.pcm16)
+            header = b""
         yield audio_done(len(job.text), num_frames)
     except Exception as err:
         failure, own = _failure(err)
@@ -278,7 +303,8 @@ class Router:
             with self.auth.hold_stream(key):
                 async with aclosing(core.run(job)) as stream:  # closed on any failure: the replica frees it
                     async for sent in stream:
-                        yield _to_proto(job, sent, header if sent.seq == 0 else b"")
+                        first_audio = sent.seq == 0 and sent.audio is not None
+                        yield _to_proto(job, sent, header if first_audio else b"")
         except Exception as err:  # every failure gets a status, a short message and one log line
             _grpc_fail(grpc_context, err, req_id)
 
@@ -390,13 +416,42 @@ class Router:
             return _http_fail(err, reply_request_id(_serve_request_id()))
         return JSONResponse(models_json(self.models.entries()))
 
+    @http_app.post("/v1/chat/completions")
+    async def chat(self, request: Request) -> Response:
+        """Speech in, OpenAI-style (`router.chat`): the answer's audio and transcript, whole or as SSE."""
+        req_id = reply_request_id(_serve_request_id())
+        lease = AsyncExitStack()
+        try:
+            key = self.auth.check(_http_authorization(request))
+            body = await _read_body(request, MAX_BODY_BYTES + MAX_AUDIO_JSON_BYTES)
+            fields, is_streamed = chat_request(body, request.headers.getlist("x-request-id"))
+            core = self.models.core_for(fields.get("model", ""))
+            job = core.job(**{**fields, "req_id": fields["req_id"] or req_id})
+            lease.enter_context(self.auth.hold_stream(key))
+            stream = await lease.enter_async_context(aclosing(core.run(job)))
+            first = await anext(stream)  # admission and validation happen before any byte is sent
+            reply, rate = ChatReply(job, core.entry.name), core.entry.sample_rate_hz
+            if not is_streamed:
+                async with lease:
+                    return JSONResponse(await chat_whole(reply, _chunks(first, stream), rate))
+            header = streaming_wav_header(rate) if job.output_format == "wav" else b""
+            body_parts = chat_sse_body(reply, _chunks(first, stream), header, lease)
+            return StreamingResponse(body_parts, media_type=SSE_MEDIA_TYPE, background=BackgroundTask(lease.aclose))
+        except Exception as err:
+            await lease.aclose()
+            return _http_fail(err, req_id)
+        except BaseException:
+            await lease.aclose()
+            raise
+
     @http_app.post("/v1/audio/speech")
     async def speech(self, request: Request) -> Response:
         req_id = reply_request_id(_serve_request_id())
         lease = AsyncExitStack()  # what an admitted stream holds; released by the body, or here on failure
         try:
             key = self.auth.check(_http_authorization(request))
-            fields, stream_format = speech_request(await _read_body(request), request.headers.getlist("x-request-id"))
+            body = await _read_body(request, MAX_BODY_BYTES + MAX_AUDIO_JSON_BYTES)  # speech in: base64 audio
+            fields, stream_format = speech_request(body, request.headers.getlist("x-request-id"))
             req_id = reply_request_id(fields["req_id"] or req_id)
             core = self.models.core_for(fields["model"])
             job = core.job(**{**fields, "req_id": fields["req_id"] or req_id})

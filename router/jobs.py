@@ -11,24 +11,32 @@ spelled it, which the ingresses map to gRPC INVALID_ARGUMENT / HTTP 400.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import uuid
 
 from google.protobuf.message import DecodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
-from core.config import AdmissionConfig
+from core.config import AdmissionConfig, SpeechInConfig
 from core.errors import InvalidArgumentError
-from core.messages import Job, OutputFormat
+from core.messages import AudioClip, Job, OutputFormat
 from llm_stage.jobs import build_job, check_name, check_request_id, printable_name
 from llm_stage.registry import ModelEntry
 from protos import voxray_pb2
+from router.audio_input import INPUT_FORMATS, InputAudio, check_input_audio
 from router.sse import STREAM_FORMATS, StreamFormat
 
 MAX_BODY_BYTES = 64 * 1024  # 4000 characters of text, each escaped as \uXXXX, fit with room to spare
+MAX_AUDIO_BYTES = 12 * 2**20  # input audio a request may carry on top (2 min of 48 kHz PCM16 and the WAV header)
+MAX_AUDIO_JSON_BYTES = MAX_AUDIO_BYTES * 4 // 3 + 4  # the same audio as base64
+PROTO_AUDIO_FORMATS: dict[int, str] = {voxray_pb2.INPUT_AUDIO_WAV: "wav", voxray_pb2.INPUT_AUDIO_PCM16: "pcm16"}
 HTTP_FIELDS = frozenset(
-    {"model", "input", "voice", "response_format", "stream", "stream_format", "speed", "sampling", "request_id"}
-)
+    {"model", "input", "voice", "response_format", "stream", "stream_format", "speed", "sampling", "request_id",
+     "input_audio"}
+)  # fmt: skip
+AUDIO_JSON_FIELDS = frozenset({"data", "format", "sample_rate_hz"})
 OPENAI_FORMATS: dict[str, OutputFormat] = {"pcm": "pcm16", "wav": "wav"}
 PROTO_FORMATS: dict[int, OutputFormat] = {voxray_pb2.AUDIO_FORMAT_PCM16: "pcm16", voxray_pb2.AUDIO_FORMAT_WAV: "wav"}
 
@@ -46,6 +54,8 @@ def job_from_fields(
     ttfa_deadline_s: float,
     req_id: str,
     text_field: str = "text",
+    input_audio: InputAudio | None = None,
+    speech_in: SpeechInConfig | None = None,
 ) -> Job:
     if model and check_name(model, "model") != entry.name:
         raise InvalidArgumentError("model", f"unknown model {model!r}; this server serves {entry.name!r}")
@@ -54,16 +64,26 @@ def job_from_fields(
     return build_job(
         entry.family.lm, text=text, voice=voice or None, sampling=sampling, req_id=req_id,
         ttfa_deadline_s=ttfa_deadline_s, default_ttfa_deadline_s=admission.default_ttfa_deadline_s,
-        output_format=output_format, text_field=text_field,
+        output_format=output_format, text_field=text_field, audio=_checked_audio(entry, input_audio, speech_in),
+        audio_field=input_audio.field if input_audio is not None else "input_audio",
     )  # fmt: skip
 
 
-def parse_proto(message_type: type[Message], request: Message | bytes) -> Message:
+def _checked_audio(entry: ModelEntry, audio: InputAudio | None, config: SpeechInConfig | None) -> AudioClip | None:
+    """The clip of a speech-in request; a family that takes no audio refuses it before it is decoded."""
+    if audio is None:
+        return None
+    if not entry.family.lm.takes_audio:
+        raise InvalidArgumentError(audio.field, f"{entry.name} takes no audio (it speaks text)")
+    return check_input_audio(audio, config or SpeechInConfig())
+
+
+def parse_proto(message_type: type[Message], request: Message | bytes, max_bytes: int = MAX_BODY_BYTES) -> Message:
     """The request message, parsed from raw bytes (the gRPC proxy forwards them unparsed) or as
     given; garbage, truncated or non-UTF-8 bytes and fields this server does not know are refused."""
     if isinstance(request, (bytes, bytearray)):
-        if len(request) > MAX_BODY_BYTES:
-            raise InvalidArgumentError("request", f"larger than {MAX_BODY_BYTES} bytes")
+        if len(request) > max_bytes:
+            raise InvalidArgumentError("request", f"larger than {max_bytes} bytes")
         try:
             request = message_type.FromString(bytes(request))
         except DecodeError:
@@ -83,7 +103,10 @@ def _check_no_unknown_fields(message: Message, field: str) -> None:
 
 def fields_from_proto(request: voxray_pb2.SynthesizeRequest | bytes) -> dict:
     """`job_from_fields` keyword arguments from a SynthesizeRequest (or its bytes)."""
-    request = parse_proto(voxray_pb2.SynthesizeRequest, request)
+    size = len(request) if isinstance(request, (bytes, bytearray)) else 0
+    request = parse_proto(voxray_pb2.SynthesizeRequest, request, MAX_BODY_BYTES + MAX_AUDIO_BYTES)
+    if size - len(request.input_audio.data) > MAX_BODY_BYTES:
+        raise InvalidArgumentError("request", f"larger than {MAX_BODY_BYTES} bytes besides input_audio")
     if request.format not in PROTO_FORMATS:
         raise InvalidArgumentError(
             "format", f"unknown value {request.format}; use AUDIO_FORMAT_PCM16 or AUDIO_FORMAT_WAV"
@@ -92,8 +115,17 @@ def fields_from_proto(request: voxray_pb2.SynthesizeRequest | bytes) -> dict:
         "text": request.text, "model": request.model, "voice": request.voice,
         "sampling": sampling_from_proto(request.sampling), "output_format": PROTO_FORMATS[request.format],
         "sample_rate_hz": request.sample_rate_hz, "ttfa_deadline_s": request.ttfa_deadline_s,
-        "req_id": request.request_id,
+        "req_id": request.request_id, "input_audio": audio_from_proto(request),
     }  # fmt: skip
+
+
+def audio_from_proto(request: voxray_pb2.SynthesizeRequest) -> InputAudio | None:
+    if not request.HasField("input_audio"):
+        return None
+    audio = request.input_audio
+    if audio.format not in PROTO_AUDIO_FORMATS:
+        raise InvalidArgumentError("input_audio.format", f"unknown value {audio.format}; use WAV or PCM16")
+    return InputAudio(audio.data, PROTO_AUDIO_FORMATS[audio.format], audio.sample_rate_hz)  # type: ignore[arg-type]
 
 
 def sampling_from_proto(options) -> dict:
@@ -110,7 +142,9 @@ def fields_from_json(body: bytes, header_req_ids: list[str] = ()) -> dict:
 def speech_request(body: bytes, header_req_ids: list[str] = ()) -> tuple[dict, StreamFormat]:
     """A `/v1/audio/speech` body: its `job_from_fields` keyword arguments and its `stream_format`
     (OpenAI's: "audio", the raw audio stream, by default; "sse", server-sent events)."""
-    obj = parse_json_object(body)
+    obj = parse_json_object(body, MAX_BODY_BYTES + MAX_AUDIO_JSON_BYTES)
+    if "input_audio" not in obj and len(body) > MAX_BODY_BYTES:
+        raise InvalidArgumentError("body", f"larger than {MAX_BODY_BYTES} bytes")
     unknown = set(obj) - HTTP_FIELDS
     if unknown:
         raise InvalidArgumentError(printable_name(sorted(unknown)[0]), "unknown field")
@@ -132,8 +166,33 @@ def speech_request(body: bytes, header_req_ids: list[str] = ()) -> tuple[dict, S
         "text": obj.get("input"), "model": _optional_str(obj, "model"), "voice": _optional_str(obj, "voice"),
         "sampling": sampling, "output_format": OPENAI_FORMATS[fmt], "sample_rate_hz": 0, "ttfa_deadline_s": 0.0,
         "req_id": http_request_id(obj.get("request_id"), header_req_ids), "text_field": "input",
+        "input_audio": audio_from_json(obj.get("input_audio")),
     }  # fmt: skip
     return fields, stream_format
+
+
+def audio_from_json(value: object, field: str = "input_audio") -> InputAudio | None:
+    """`{"data": base64, "format": "wav" | "pcm16", "sample_rate_hz": int}` (the rate: PCM16 only)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidArgumentError(field, "must be an object with data, format and (PCM16) sample_rate_hz")
+    unknown = set(value) - AUDIO_JSON_FIELDS
+    if unknown:
+        raise InvalidArgumentError(f"{field}.{printable_name(sorted(unknown)[0])}", "unknown field")
+    fmt, rate = value.get("format", "wav"), value.get("sample_rate_hz", 0)
+    if fmt not in INPUT_FORMATS:
+        raise InvalidArgumentError(f"{field}.format", f"must be one of: {', '.join(INPUT_FORMATS)}")
+    if isinstance(rate, bool) or not isinstance(rate, int):
+        raise InvalidArgumentError(f"{field}.sample_rate_hz", "must be an integer")
+    data = value.get("data")
+    if not isinstance(data, str):
+        raise InvalidArgumentError(f"{field}.data", "must be a base64 string")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidArgumentError(f"{field}.data", "is not valid base64") from None
+    return InputAudio(raw, fmt, rate, field)
 
 
 def parse_json_object(body: bytes, max_bytes: int = MAX_BODY_BYTES) -> dict:

@@ -26,6 +26,10 @@ class RouterMetrics:
         self.ttfa = Histogram(
             "voxray_ttfa_seconds", "Request received -> first audio sent.", LATENCY_BUCKETS_S, tag_keys=tags
         )
+        self.ttft = Histogram(
+            "voxray_time_to_first_text_seconds", "Speech in: request received -> the answer's first text sent.",
+            LATENCY_BUCKETS_S, tag_keys=tags,
+        )  # fmt: skip
         self.viable = Counter("voxray_stream_viable", "Finished streams whose every chunk was on time.", tags)
         self.finished = Counter("voxray_streams_finished", "Finished streams (viable or not).", tags)
         self.underrun = Histogram(
@@ -40,7 +44,7 @@ class RouterMetrics:
         self.rejections = Counter("voxray_admission_rejections", "Requests answered RESOURCE_EXHAUSTED / 429.", tags)
         self.moves = Counter("voxray_stream_moves", "Streams handed to another LLM replica with their KV.", tags)
         self.resumes = Counter("voxray_stream_resumes", "Streams moved to another LLM replica after theirs died.", tags)
-        for series in (self.ttfa, self.viable, self.finished, self.underrun, self.audio, self._realtime,
+        for series in (self.ttfa, self.ttft, self.viable, self.finished, self.underrun, self.audio, self._realtime,
                        self.rejections, self.moves, self.resumes):  # fmt: skip
             series.set_default_tags({MODEL_TAG: model})
 

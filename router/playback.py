@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 class PlaybackTracker:
     start_s: float  # request received
     first_audio_s: float | None = None
+    first_text_s: float | None = None  # speech in: request received -> its answer's first text sent (s)
     audio_sent_s: float = 0.0
     underruns_s: list[float] = field(default_factory=list)
 

@@ -26,6 +26,11 @@ def audio_delta(audio: bytes) -> bytes:
     return event({"type": "speech.audio.delta", "audio": base64.b64encode(audio).decode("ascii")})
 
 
+def text_delta(text: str) -> bytes:
+    """Speech in: a piece of the answer's text, sent as it is decoded (ahead of its audio)."""
+    return event({"type": "speech.text.delta", "text": text})
+
+
 def audio_done(num_input_chars: int, num_audio_frames: int) -> bytes:
     """The closing event; `usage` counts the input characters and the audio frames generated."""
     usage = {"input_tokens": num_input_chars, "output_tokens": num_audio_frames}

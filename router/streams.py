@@ -32,6 +32,7 @@ from core.messages import (
     Rejected,
     ResumeState,
     StreamHead,
+    TextDelta,
     TextPiece,
 )
 from llm_stage.registry import get_entry
@@ -103,12 +104,16 @@ class StreamFailed(Exception):
 
 @dataclass
 class SentChunk:
-    audio: AudioChunk
+    """One chunk of audio to the client, or (speech in) the answer's text decoded since the last one:
+    `audio` None and `text` set, sent as soon as the LLM replica has it."""
+
+    audio: AudioChunk | None
     seq: int
     ttfa_s: float | None
     elapsed_s: float
     llm_replica: str = ""
     frames: tuple[tuple[int, ...], ...] = ()  # the codec frames the audio covers
+    text: str = ""
 
 
 async def first_event(stream, is_lost: Callable[[], bool], poll_s: float = HEAD_POLL_S):
@@ -173,7 +178,7 @@ class RouterCore:
         )  # fmt: skip
 
     def job(self, **fields) -> Job:
-        return job_from_fields(self.entry, self.config.admission, **fields)
+        return job_from_fields(self.entry, self.config.admission, speech_in=self.config.speech_in, **fields)
 
     def fit_client_deadline(self, job: Job, grpc_context) -> Job:
         """`job` within the gRPC call's deadline, or DeadlineUnmeetable (router.deadlines)."""
@@ -250,7 +255,8 @@ class RouterCore:
     async def segment_audio(self, job: Job) -> AsyncIterator[SegmentAudio]:
         """One segment of an incremental stream, as its session wants it: audio and frames."""
         async for sent in self._dispatch(job, record=False):
-            yield SegmentAudio(sent.audio, sent.frames)
+            if sent.audio is not None:  # text-only chunks come from speech-in jobs, never segments
+                yield SegmentAudio(sent.audio, sent.frames)
 
     async def text_stream_audio(self, job: Job, route: TextRoute) -> AsyncIterator[SegmentAudio]:
         """A streaming-text request's audio; `route` points at the LLM replica running it (where its
@@ -263,7 +269,8 @@ class RouterCore:
             try:  # a resumed request starts like a new stream: its client may have run dry meanwhile
                 resumed = dataclasses.replace(job, resume=resume, buffered_audio_s=None) if resume else job
                 async for sent in self._relay(resumed, tracker, progress, route.point_at, record=False):
-                    yield SegmentAudio(sent.audio, sent.frames)
+                    if sent.audio is not None:
+                        yield SegmentAudio(sent.audio, sent.frames)
                 return
             except (RayActorError, ActorUnavailableError) as err:
                 if not self.entry.family.lm.resumes_streamed_text:
@@ -349,6 +356,9 @@ class RouterCore:
                     raise StreamFailed(event.message)
                 if isinstance(event, Moved):
                     raise StreamMoved(event)
+                if isinstance(event, TextDelta):
+                    yield self._text_sent(event, tracker, progress.next_seq, llm_replica, record)
+                    continue
                 audio = await self._fetch(event)
                 now = time.monotonic()
                 underrun = tracker.on_chunk(now, audio.duration_s)
@@ -368,6 +378,16 @@ class RouterCore:
         finally:
             if not finished:
                 stream.cancel()
+
+    def _text_sent(
+        self, delta: TextDelta, tracker: PlaybackTracker, next_seq: int, llm_replica: str, record: bool
+    ) -> SentChunk:
+        """A text-only SentChunk; the stream's first one is its time to first text."""
+        elapsed_s = time.monotonic() - tracker.start_s
+        if record and tracker.first_text_s is None:
+            tracker.first_text_s = elapsed_s
+            self.metrics.ttft.observe(elapsed_s)
+        return SentChunk(None, next_seq, tracker.ttfa_s, elapsed_s, llm_replica, text=delta.text)
 
     async def _head(self, stream, req_id: str, is_resumed: bool) -> StreamHead:
         """The stream's head event. With no LLM replica left to route it to (Serve drops a dead replica

@@ -78,6 +78,7 @@ class LMAdapter(ABC):
     # so the text replayed in the order it came gives them the same ids (not a family that lays
     # text positions out between its sampled tokens as they come: CosyVoice 2's bistream)
     resumes_streamed_text: bool = False
+    takes_audio: bool = False  # speech in: a Job may carry `audio` (`Job.audio`), encoded in `prepare_step`
 
     def __init__(self, backbone: Backbone) -> None:
         self.backbone = backbone
@@ -184,6 +185,24 @@ class LMAdapter(ABC):
         rows = [r for r in reqs for _ in range(num_codebooks)]
         ids = draw(logits.flatten(0, 1), flat_cand, rows, list(range(num_codebooks)) * num_rows)
         return [tuple(ids[b * num_codebooks : (b + 1) * num_codebooks]) for b in range(num_rows)]
+
+    def prepare_step(self) -> None:
+        """Called by the engine before each step: batched preprocessing of the requests added since the
+        last one (speech in: one encoder forward over their audio) before their prefill reads it."""
+        return None
+
+    def forget(self, req_id: str) -> None:
+        """A request ended (finished, cancelled, shed): drop what the adapter keeps for it."""
+        return None
+
+    def text_ids(self, tokens: list[int]) -> list[int]:
+        """The ids among a step's output `tokens` that the client reads as text (families that answer
+        in text beside audio); none by default."""
+        return []
+
+    def decode_text(self, ids: list[int]) -> str:
+        """The text of ids `text_ids` picked (families that answer in text)."""
+        return ""
 
     @abstractmethod
     def new_frame_builder(self) -> FrameBuilder: ...

@@ -22,6 +22,10 @@ class ByteTokenizer:
         ids = [self.offset + b for b in text.encode("utf-8")]
         return ids if self.bos_id is None else [self.bos_id, *ids]
 
+    def decode(self, ids: list[int]) -> str:
+        """The text of byte ids (others skipped; an incomplete UTF-8 sequence is replaced)."""
+        return bytes(i - self.offset for i in ids if 0 <= i - self.offset < 256).decode("utf-8", errors="replace")
+
 
 class HFTokenizer:
     """A tokenizer loaded from a local checkpoint directory; never touches the hub.
@@ -43,6 +47,13 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok(text, add_special_tokens=self.add_special_tokens).input_ids)
+
+    def vocab(self) -> dict[str, int]:
+        """Every token (added ones included) -> its id."""
+        return dict(self._tok.get_vocab())
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
 
 
 class SpaceMarkedTokenizer:

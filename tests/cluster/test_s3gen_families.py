@@ -168,7 +168,7 @@ def test_models_lists_both_families(capsys):
     out = capsys.readouterr().out
     assert "\ncosyvoice2  (and cosyvoice2-tiny" in out and "\nchatterbox  (and chatterbox-tiny" in out
     assert "voices: none built in; zero-shot voices from a reference clip" in out and "voices: default" in out
-    assert out.count("24000 Hz; 25.00 codec frames/s") == 2
+    assert out.count("24000 Hz; 25.00 codec frames/s") == 3  # and step-audio2's
 
 
 def test_served_names_and_family_declarations():

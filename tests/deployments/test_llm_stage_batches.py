@@ -266,3 +266,19 @@ def test_only_new_streams_measure_start_times():
     stage._count_chunk(new)
     assert stage.start_times.first_chunk_s() == pytest.approx(0.25, abs=0.05)
     assert stage.start_times.ttfa_s() == pytest.approx(1.0, abs=0.05)
+
+
+def test_speech_in_text_reaches_live_streams_in_order_with_their_chunks():
+    """A step's text deltas go to their streams' queues (a stream gone gets none) and `_audio` yields
+    them as they come, without waiting for audio."""
+    from core.messages import Failed, TextDelta
+
+    async def run() -> list:
+        stage = object.__new__(LLMStage)
+        stage.streams = {"a": _Stream(asyncio.Queue())}
+        stage._send_text([TextDelta("a", "Hel"), TextDelta("gone", "x"), TextDelta("a", "lo")])
+        stage.streams["a"].queue.put_nowait(RuntimeError("engine stopped"))  # ends the stream after the text
+        return [event async for event in stage._audio(stage.streams["a"])]
+
+    events = asyncio.run(run())
+    assert [e.text for e in events[:2]] == ["Hel", "lo"] and isinstance(events[2], Failed)

@@ -1,0 +1,209 @@
+"""Step-Audio 2 mini LM side: speech in (audio encoder -> embeddings at the audio placeholders of a
+Qwen2.5 prompt), interleaved text and 25 Hz speech tokens out (the S3Gen flow detokenizer decodes them).
+
+The prompt is the published chat: `<|BOT|>system\\n{system}<|EOT|><|BOT|>human\\n{text}` then per
+25 s piece of the user's audio `<audio_start>` + one `<audio_patch>` per embedding + `<audio_end>`,
+then `<|EOT|><|BOT|>assistant\\n<tts_start>` (answer in speech). A position is (id, clip handle,
+row): text and markers carry handle -1; a placeholder names the rows of its clip's embeddings, which
+`embed` writes over the placeholder's own. Clips are turned into log-mels when a job arrives and
+encoded in one batched forward for every clip that arrived since the last step (`prepare_step`),
+the LLM replica's preprocess; their rows are kept until the request ends (a re-prefill reads
+them again). Output: text ids go to the client as text, `<audio_N>` to the detokenizer as code N,
+`<|EOT|>` stops. Weights and ids: `llm_stage.models.step_audio2_lm`.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from core.checkpoints import resolve_model_ref
+from core.config import ModelConfig
+from core.errors import InvalidArgumentError
+from core.messages import AudioClip, Job, SamplingParams
+from detok_stage.codecs.s3gen_codec import S3GenCodec
+from detok_stage.voice.features import resample
+from llm_stage.models.base import FrameBuilder, LMAdapter, ModelFamily
+from llm_stage.models.cosyvoice2 import S3GEN_SCHEDULE
+from llm_stage.models.llama import LlamaBackbone
+from llm_stage.models.step_audio2_encoder import (
+    SAMPLE_RATE_HZ,
+    encode_pieces,
+    num_placeholders,
+    piece_log_mel,
+    split_pieces,
+)
+from llm_stage.models.step_audio2_lm import (
+    PRESET_TEXT_IDS,
+    SpecialIds,
+    StepAudio2LM,
+    is_step_audio2_config,
+    load_step_audio2,
+)
+from llm_stage.models.tokenizers import ByteTokenizer, HFTokenizer, TextTokenizer
+from llm_stage.request import Request, Token
+
+SYSTEM_PROMPT = "You are a helpful assistant."  # the published examples' system turn
+NO_CLIP = -1
+
+
+class SpeechFrameBuilder(FrameBuilder):
+    """Speech ids become one-code frames; text and control ids make none."""
+
+    def __init__(self, ids: SpecialIds) -> None:
+        self.ids = ids
+
+    def push(self, token_id: Token) -> list[list[int]]:
+        code = self.ids.speech_code(int(token_id))  # type: ignore[arg-type]
+        return [] if code is None else [[code]]
+
+
+def clip_wave_16k(clip: AudioClip) -> torch.Tensor:
+    """The clip's PCM16 as float samples [N] in [-1, 1] at 16 kHz (resampled when sent at another rate)."""
+    wave = torch.from_numpy(np.frombuffer(clip.pcm16, dtype="<i2").astype(np.float32) / 32768.0)
+    return resample(wave, clip.sample_rate_hz, SAMPLE_RATE_HZ)
+
+
+class StepAudio2Adapter(LMAdapter):
+    family = "step-audio2"
+    takes_audio = True
+    no_voices_note = "none; speech in (takes audio), answers in text + speech in the detokenizer's voice"
+    input_width = 3  # (id, clip handle, row in the clip's embeddings)
+    max_text_chars = 4000
+    # the published examples' sampling (temperature 0.7, top_p 0.9, repetition_penalty 1.05)
+    default_sampling = SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1.05, max_tokens=4096)
+
+    def __init__(self, model: StepAudio2LM, tokenizer: TextTokenizer, ids: SpecialIds = SpecialIds()) -> None:
+        shim = SimpleNamespace(config=model.text_config, model=model.model, lm_head=model.lm_head)
+        backbone = LlamaBackbone(shim)  # type: ignore[arg-type]
+        # a placeholder's rows are read by `embed` on the host's say-so: no decode graphs, no folded prompts
+        backbone.supports_decode_graphs = False
+        super().__init__(backbone)
+        self.model, self.tokenizer, self.ids = model, tokenizer, ids
+        self.pad_token = (0, NO_CLIP, 0)
+        self.eos_token_ids = frozenset({ids.eot})
+        self._rows: dict[int, torch.Tensor] = {}  # clip handle -> embeddings [n, H]
+        self._pending: list[tuple[int, torch.Tensor]] = []  # (handle, log-mel) to encode next step
+        self._clips_of: dict[str, list[int]] = {}  # req_id -> its clip handles
+        self._next_handle = 0
+
+    @classmethod
+    def build(cls, config: ModelConfig) -> StepAudio2Adapter:
+        """The published directory (its tokenizer gives the special ids by name) or the tiny preset."""
+        model = load_step_audio2(config)
+        if config.checkpoint_dir is None:
+            return cls(model, ByteTokenizer(offset=PRESET_TEXT_IDS.start, bos_id=None))
+        directory = resolve_model_ref(config.checkpoint_dir)
+        tokenizer = HFTokenizer(directory, add_special_tokens=False)
+        return cls(model, tokenizer, SpecialIds.from_vocab(tokenizer.vocab()))
+
+    # prompts
+
+    def format_prompt(self, text: str, voice: str | None) -> list[Token]:
+        return self.chat_prompt(text, [], "")
+
+    def job_prompt(self, job: Job) -> list[Token]:
+        pieces = [] if job.audio is None else self.queue_clip(job.req_id, clip_wave_16k(job.audio))
+        return self.chat_prompt(job.text, pieces, job.req_id)
+
+    def chat_prompt(self, text: str, pieces: list[tuple[int, int]], req_id: str) -> list[Token]:
+        """The published chat for one user turn (text, then each audio piece as (handle, rows)), the
+        assistant's turn opened in speech."""
+        if not text and not pieces:
+            raise InvalidArgumentError("text", "has no tokens and no audio came with it")
+        ids = self.ids
+        body = [ids.bot, *self.tokenizer.encode(f"system\n{SYSTEM_PROMPT}"), ids.eot, ids.bot]
+        body += self.tokenizer.encode("human\n") + (self.tokenizer.encode(text) if text else [])
+        prompt: list[Token] = [(i, NO_CLIP, 0) for i in body]
+        for handle, rows in pieces:
+            prompt.append((ids.audio_start, NO_CLIP, 0))
+            prompt += [(ids.audio_patch, handle, row) for row in range(rows)]
+            prompt.append((ids.audio_end, NO_CLIP, 0))
+        tail = [ids.eot, ids.bot, *self.tokenizer.encode("assistant\n"), ids.tts_start]
+        return prompt + [(i, NO_CLIP, 0) for i in tail]
+
+    def queue_clip(self, req_id: str, wave_16k: torch.Tensor) -> list[tuple[int, int]]:
+        """Log-mels of the clip's 25 s pieces, queued for the next step's batched encode: (handle, rows) each."""
+        pieces = []
+        for piece in split_pieces(wave_16k):
+            mel = piece_log_mel(piece, self.model.encoder_shape.n_mels)
+            handle, self._next_handle = self._next_handle, self._next_handle + 1
+            self._pending.append((handle, mel))
+            self._clips_of.setdefault(req_id, []).append(handle)
+            pieces.append((handle, num_placeholders(mel.shape[1], self.model.encoder_shape)))
+        return pieces
+
+    def prepare_step(self) -> None:
+        """Encode every clip queued since the last step in one forward (before the step's prefill reads them)."""
+        if not self._pending:
+            return
+        handles, mels = zip(*self._pending, strict=True)
+        self._pending = []
+        encoded = encode_pieces(self.model.encoder, self.model.adapter, list(mels))
+        self._rows.update(zip(handles, encoded, strict=True))
+
+    def forget(self, req_id: str) -> None:
+        handles = set(self._clips_of.pop(req_id, []))
+        self._pending = [(h, mel) for h, mel in self._pending if h not in handles]
+        for handle in handles:
+            self._rows.pop(handle, None)
+
+    @property
+    def num_pending_clips(self) -> int:
+        return len(self._pending)
+
+    # the forward
+
+    def token_lanes(self, token: Token) -> list[int]:
+        return [token, NO_CLIP, 0] if isinstance(token, int) else list(token)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [B, T, 3] -> [B, T, H]: token embeddings, audio placeholders replaced by their clip's rows."""
+        token, handle, row = ids.unbind(-1)
+        out = self.backbone.embed(token)
+        if not self._rows:
+            return out
+        is_audio = handle != NO_CLIP
+        if not bool(is_audio.any()):
+            return out
+        for clip in handle[is_audio].unique().tolist():
+            where = handle == clip
+            out[where] = self._rows[clip].to(out.dtype)[row[where]]
+        return out
+
+    def is_stop(self, req: Request, token: Token) -> bool:
+        return token == self.ids.eot
+
+    def history_ids(self, tokens: list[Token], codebook: int) -> list[int]:
+        """Every id of prompt + output (placeholders count as `<audio_patch>`, as published)."""
+        return [t if isinstance(t, int) else t[0] for t in tokens]
+
+    def new_frame_builder(self) -> SpeechFrameBuilder:
+        return SpeechFrameBuilder(self.ids)
+
+    def text_ids(self, tokens: list[int]) -> list[int]:
+        """The ids among `tokens` that the client reads as text."""
+        return [t for t in tokens if self.ids.is_text(t)]
+
+    def decode_text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)  # type: ignore[attr-defined]
+
+
+FAMILY = ModelFamily(
+    name="step-audio2",
+    description="Step-Audio 2 mini: speech in (Whisper-style encoder + adapter into a Qwen2.5-7B LM), text and "
+    "25 Hz CosyVoice 2 speech tokens out (1 text : 4 speech), decoded by the S3Gen flow detokenizer",
+    preset_description="Step-Audio 2 layout: the published 158720-token vocabulary and id ranges, a tiny random Qwen2 "
+    "LM and audio encoder + tiny random S3Gen flow detokenizer",
+    lm=StepAudio2Adapter,
+    codec=S3GenCodec,
+    sample_rate_hz=24000,
+    frame_rate_hz=25.0,
+    # repo_id stays unset until the published token2wav/ detokenizer (its flow decoder is a DiT, not
+    # CosyVoice 2's U-Net) loads: a stepfun-ai/Step-Audio-2-mini directory serves its LM with `--codec` a
+    # CosyVoice2-0.5B directory meanwhile
+    is_checkpoint=is_step_audio2_config,
+    chunk_schedule=S3GEN_SCHEDULE,
+)

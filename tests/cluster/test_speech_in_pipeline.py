@@ -1,0 +1,64 @@
+"""Speech in through the in-process pipeline: a clip in, the answer's text streamed as it is decoded and
+its speech tokens decoded to audio by the S3Gen detokenizer; the text deltas hold back a character cut
+mid UTF-8 sequence."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from cluster.pipeline import InProcessPipeline
+from core.config import EngineConfig, ModelConfig
+from core.messages import AudioClip
+from llm_stage.models.step_audio2_lm import PRESET_TEXT_IDS
+from llm_stage.models.tokenizers import ByteTokenizer
+from llm_stage.text_out import TextStream
+
+TEXT_IDS = PRESET_TEXT_IDS
+
+
+def clip(seconds: float) -> AudioClip:
+    t = np.arange(int(seconds * 16_000)) / 16_000
+    return AudioClip((0.3 * np.sin(2 * np.pi * 200 * t) * 32767).astype("<i2").tobytes(), 16_000)
+
+
+@pytest.fixture
+def pipeline():
+    pipeline = InProcessPipeline(EngineConfig(model=ModelConfig(name="step-audio2-tiny", seed=1)))
+    yield pipeline
+    pipeline.close()
+
+
+def test_a_clip_in_gives_text_as_decoded_and_audio(pipeline) -> None:
+    engine, adapter = pipeline.llm.engine, pipeline.llm.engine.adapter
+    job = dataclasses.replace(engine.job("s2s", "Answer.", sampling={"temperature": 0.0, "max_tokens": 80}),
+                              audio=clip(1.2))  # fmt: skip
+    tokens: list[int] = []
+    original_step = engine.step
+
+    def recording_step():
+        outs = original_step()
+        tokens.extend(t for o in outs if o.req_id == "s2s" for t in o.new_token_ids)
+        return outs
+
+    engine.step = recording_step  # record the ids the engine drew, to check the answer against
+    answer = pipeline.answer(job)
+    text_ids = [t for t in tokens if t in TEXT_IDS]
+    speech = [t for t in tokens if adapter.ids.speech_code(t) is not None]
+    assert len(tokens) == 80 and text_ids and len(speech) > 50
+    assert answer.text == ByteTokenizer(offset=1000, bos_id=None).decode(text_ids)
+    assert answer.first_text_s is not None and answer.first_audio_s is not None
+    assert answer.first_text_s < answer.first_audio_s  # text leaves as decoded; audio waits for a chunk
+    samples_per_token = 24_000 // 25
+    assert len(answer.pcm16) // 2 == len(speech) * samples_per_token
+
+
+def test_text_held_back_mid_character() -> None:
+    tokenizer = ByteTokenizer(offset=1000, bos_id=None)
+    stream = TextStream(tokenizer.decode)
+    ids = tokenizer.encode("né😀!")
+    deltas = [stream.push([i], is_final=False) for i in ids]
+    assert "".join(deltas) == "né😀!" and all("\ufffd" not in d for d in deltas)
+    assert deltas[1] == "" and deltas[2] == "é"  # the second byte of é completes it

@@ -1,0 +1,100 @@
+"""Speech in through the Serve cluster: a gRPC Synthesize carrying a clip (`input_audio`) on
+step-audio2-tiny answers with the answer's text as text-only chunks ahead of its audio, and text and
+audio equal the in-process pipeline's for the same seeded request; a clip the ingress refuses names
+its field. (The in-process checks: tests/cluster/test_speech_in_pipeline.py.)"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+
+import grpc
+import numpy as np
+import pytest
+from ray import serve
+
+from cluster.pipeline import InProcessPipeline
+from core.config import AdmissionConfig, StageDeploymentConfig
+from core.messages import AudioClip
+from protos import voxray_pb2
+from tests.deployments.conftest import small_config
+from tests.deployments.grpc_helpers import run_stream
+
+pytestmark = pytest.mark.slow
+SPEECH_IN = small_config(
+    app_name="voxray-speech-in", route_prefix="/speech-in", llm=StageDeploymentConfig(num_cpus=0.25),
+    detok=StageDeploymentConfig(num_cpus=0.25), router=StageDeploymentConfig(num_cpus=0.25),
+    admission=AdmissionConfig(max_streams_per_replica=2, default_ttfa_deadline_s=120.0),
+)  # fmt: skip
+SPEECH_IN = SPEECH_IN.model_copy(update={"engine": SPEECH_IN.engine.model_copy(
+    update={"model": SPEECH_IN.engine.model.model_copy(update={"name": "step-audio2-tiny"})})})  # fmt: skip
+MAX_PCM_STEPS = 8  # S3Gen in another batch composition: float noise through the NSF phase, PCM16 rounding
+SAMPLING = {"temperature": 0.0, "max_tokens": 60}
+
+
+def tone_pcm16(seconds: float, rate: int) -> bytes:
+    t = np.arange(int(seconds * rate)) / rate
+    return (0.3 * np.sin(2 * np.pi * 220 * t) * 32767).astype("<i2").tobytes()
+
+
+def test_a_clip_in_answers_text_then_audio_as_in_process(cluster) -> None:
+    from cluster.server import deploy_app
+
+    endpoint = deploy_app(SPEECH_IN)
+    try:
+        pcm = tone_pcm16(1.5, 24_000)
+        audio = voxray_pb2.InputAudio(data=pcm, format=voxray_pb2.INPUT_AUDIO_PCM16, sample_rate_hz=24_000)
+        outcome = run_stream(endpoint.grpc_target, endpoint.app_name, "Answer.", input_audio=audio,
+                             request_id="s2s-1", sampling=SAMPLING)  # fmt: skip
+        assert outcome.code == grpc.StatusCode.OK, outcome.details
+        text_chunks = [c for c in outcome.chunks if c.text]
+        assert text_chunks and all(not c.audio for c in text_chunks)
+        first_audio = next(i for i, c in enumerate(outcome.chunks) if c.audio)
+        assert outcome.chunks.index(text_chunks[0]) < first_audio  # text leads the audio
+
+        pipeline = InProcessPipeline(SPEECH_IN.engine)
+        try:
+            engine = pipeline.llm.engine
+            job = dataclasses.replace(engine.job("s2s-1", "Answer.", sampling=SAMPLING), audio=AudioClip(pcm, 24_000))
+            expected = pipeline.answer(job)
+        finally:
+            pipeline.close()
+        assert "".join(c.text for c in text_chunks) == expected.text
+        got = np.frombuffer(outcome.pcm16, dtype="<i2").astype(np.int32)
+        want = np.frombuffer(expected.pcm16, dtype="<i2").astype(np.int32)
+        assert got.shape == want.shape and got.size > 0
+        assert np.abs(got - want).max() <= MAX_PCM_STEPS
+
+        _the_openai_sdk_gets_the_same_answer(endpoint, pcm, expected)
+        odd = voxray_pb2.InputAudio(data=pcm[:-1], format=voxray_pb2.INPUT_AUDIO_PCM16, sample_rate_hz=24_000)
+        refused = run_stream(endpoint.grpc_target, endpoint.app_name, "", input_audio=odd)
+        assert refused.code == grpc.StatusCode.INVALID_ARGUMENT and "input_audio.data" in refused.details
+    finally:
+        serve.delete(SPEECH_IN.app_name)
+
+
+def _the_openai_sdk_gets_the_same_answer(endpoint, pcm: bytes, expected) -> None:
+    """`openai`'s chat.completions with an input_audio part and modalities text + audio, whole and
+    streamed: the transcript and audio of the gRPC answer above (same seeded greedy request)."""
+    from openai import OpenAI
+
+    from router.audio_format import wav_bytes
+
+    client = OpenAI(base_url=f"{endpoint.http_url}{SPEECH_IN.route_prefix}/v1", api_key="unused", max_retries=0)
+    wav = base64.b64encode(wav_bytes(pcm, 24_000)).decode()
+    request = {
+        "model": "step-audio2-tiny", "modalities": ["text", "audio"], "audio": {"voice": "", "format": "pcm16"},
+        "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "Answer."}, {"type": "input_audio", "input_audio": {"data": wav, "format": "wav"}},
+        ]}],
+        "max_tokens": SAMPLING["max_tokens"], "temperature": SAMPLING["temperature"],
+    }  # fmt: skip
+    whole = client.chat.completions.create(**request).choices[0].message.audio
+    assert whole.transcript == expected.text and base64.b64decode(whole.data) == expected.pcm16
+    transcript, audio = [], []
+    for chunk in client.chat.completions.create(**request, stream=True):
+        delta = chunk.choices[0].delta.audio if chunk.choices else None  # the SDK's ChoiceDeltaAudio
+        if delta is not None:
+            transcript.append(delta.transcript or "")
+            audio.append(base64.b64decode(delta.data or ""))
+    assert "".join(transcript) == expected.text and b"".join(audio) == expected.pcm16

@@ -1,0 +1,82 @@
+"""OpenAI-style chat completions for speech in: the body maps onto a Job (a user turn of text and
+input_audio, modalities text + audio) or names the field it refuses; the streamed reply is
+`chat.completion.chunk` events (role, transcript deltas, audio deltas, stop, [DONE])."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from contextlib import AsyncExitStack
+
+import numpy as np
+import pytest
+
+from core.config import AdmissionConfig
+from core.errors import InvalidArgumentError
+from core.messages import AudioChunk
+from llm_stage.registry import get_entry
+from router.chat import ChatReply, chat_request, chat_sse_body, chat_whole
+from router.jobs import job_from_fields
+from router.streams import SentChunk
+
+ENTRY = get_entry("step-audio2-tiny")
+PCM = (0.3 * np.sin(np.arange(16_000) / 5) * 32767).astype("<i2").tobytes()
+AUDIO_PART = {"type": "input_audio", "input_audio": {"data": base64.b64encode(PCM).decode(), "format": "pcm16",
+                                                      "sample_rate_hz": 16_000}}  # fmt: skip
+
+
+def body(**overrides) -> bytes:
+    fields = {"model": "step-audio2-tiny", "modalities": ["text", "audio"], "audio": {"format": "wav"},
+              "messages": [{"role": "user", "content": [{"type": "text", "text": "Reply."}, AUDIO_PART]}]}  # fmt: skip
+    return json.dumps({**fields, **overrides}).encode()
+
+
+def test_a_user_turn_of_text_and_audio_becomes_a_speech_in_job() -> None:
+    fields, is_streamed = chat_request(body(stream=True, max_completion_tokens=33, temperature=0.0))
+    job = job_from_fields(ENTRY, AdmissionConfig(), **fields)
+    assert is_streamed and job.text == "Reply." and job.audio.pcm16 == PCM and job.output_format == "wav"
+    assert (job.sampling.max_tokens, job.sampling.temperature) == (33, 0.0)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"modalities": ["text"]}, "modalities"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "system", "content": "Be brief."}]}, "messages[0]"),
+        ({"messages": [{"role": "user", "content": [AUDIO_PART, AUDIO_PART]}]}, "messages[0].content[1]"),
+        ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "%"}}]}]},
+         "messages[0].content[0].input_audio.data"),
+        ({"audio": {"format": "mp3"}}, "audio.format"),
+        ({"tools": []}, "tools"),
+    ],
+)  # fmt: skip
+def test_refusals_name_the_field(overrides, field) -> None:
+    with pytest.raises(InvalidArgumentError) as err:
+        job_from_fields(ENTRY, AdmissionConfig(), **chat_request(body(**overrides))[0])
+    assert err.value.field == field
+
+
+def test_the_streamed_and_whole_replies() -> None:
+    job = job_from_fields(ENTRY, AdmissionConfig(), **chat_request(body())[0])
+    sent = [SentChunk(None, 0, None, 0.01, text="Hel"), SentChunk(None, 0, None, 0.02, text="lo"),
+            SentChunk(AudioChunk(job.req_id, 0, b"\x02\x00" * 3, 24_000, True), 0, 0.1, 0.1)]  # fmt: skip
+
+    async def chunks():
+        for s in sent:
+            yield s
+
+    async def collect() -> list[bytes]:
+        return [p async for p in chat_sse_body(ChatReply(job, "step-audio2-tiny"), chunks(), b"RIFF", AsyncExitStack())]
+
+    parts = asyncio.run(collect())
+    assert parts[-1] == b"data: [DONE]\n\n"
+    events = [json.loads(p.decode()[len("data: ") :]) for p in parts[:-1]]
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert deltas[0] == {"role": "assistant"} and events[-1]["choices"][0]["finish_reason"] == "stop"
+    assert [d["audio"].get("transcript") for d in deltas[1:3]] == ["Hel", "lo"]
+    assert base64.b64decode(deltas[3]["audio"]["data"]) == b"RIFF" + b"\x02\x00" * 3
+    whole = asyncio.run(chat_whole(ChatReply(job, "step-audio2-tiny"), chunks(), 24_000))
+    message = whole["choices"][0]["message"]
+    assert message["audio"]["transcript"] == "Hello" and base64.b64decode(message["audio"]["data"])[:4] == b"RIFF"
