@@ -152,6 +152,12 @@ class EngineConfig(_Strict):
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     detok: DetokConfig = DetokConfig()
+    warm_up: bool = Field(
+        True,
+        description="Serve replicas: before serving, run each engine once at its largest shapes (every batch row, "
+        "the longest prompt; every chunk of a detokenizer batch at the longest window), so memory reaches its "
+        "high water at start, not under traffic.",
+    )
 
     @model_validator(mode="after")
     def _batch_fits_cache(self) -> EngineConfig:

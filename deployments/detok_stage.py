@@ -16,6 +16,7 @@ send their chunks to another one.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import ray
@@ -27,11 +28,14 @@ from core.messages import AudioChunk, AudioRef, TokenChunk
 from deployments.engine_loop import EngineLoop, finish_on_thread, replica_tag
 from deployments.metrics import StageMetrics
 from deployments.voices import DetokVoices, check_voice_encoders
+from detok_stage.warm_up import warm_up
 from llm_stage.faults import is_out_of_memory, release_cached_memory
 from llm_stage.registry import check_model_config
 from llm_stage.wiring import build_detok_engine
 from router.detok_load import DeadlineSlack, DetokPace
 from router.replica_listener import keep_replica_listener_on_loopback
+
+logger = logging.getLogger("ray.serve.voxray")
 
 # A cancelled stream's decoder state is kept this long: its LLM replica may have died, and the
 # stream resumes on another within seconds (a client's cancel just frees it later).
@@ -55,10 +59,26 @@ class DetokStage:
         if check_model_config(self.config.engine.model).family.lm.takes_registered_voices:
             check_voice_encoders(self.config)  # raises for a wrong voices.encoder_dir
             self.voices.join_soon()
+        self.warm_up_s: float | None = None  # the start-up warm-up's time (None: off or out of memory)
         self.loop = EngineLoop(
-            self._step, lambda: self.engine.has_work, self._fail_all, "detok-engine", on_idle=self._publish_gauges
-        )
+            self._step, lambda: self.engine.has_work, self._fail_all, "detok-engine", on_idle=self._publish_gauges,
+            on_start=self._warm_up,
+        )  # fmt: skip
         self.loop.start()
+
+    def _warm_up(self) -> None:
+        """(Engine thread, before serving) one batch of the longest windows the LLM side cuts
+        (`detok_stage.warm_up`), unless `engine.warm_up` is off; out of memory is logged, not fatal."""
+        if not self.config.engine.warm_up:
+            return
+        window = check_model_config(self.config.engine.model).chunk_schedule(self.config.engine).longest_window()
+        try:
+            self.warm_up_s = warm_up(self.engine, window).seconds
+        except Exception as err:
+            if not is_out_of_memory(err):
+                raise
+            release_cached_memory()
+            logger.warning("detokenizer warm-up ran out of memory (%s): lower detok.max_batch_chunks", err)
 
     def _step(self) -> None:
         started_s = time.perf_counter()
@@ -181,6 +201,7 @@ class DetokStage:
             "engine_pending": self.engine.has_work,
             "decoded_chunks": self.num_decoded_chunks,
             "decode_calls": self.num_decode_calls,
+            "warm_up_s": self.warm_up_s,  # the start-up warm-up of one batch of the longest windows
             "at_s": time.time(),  # wall clock of this reading
         }
 

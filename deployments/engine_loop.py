@@ -94,7 +94,10 @@ class EngineLoop:
         on_idle: Callable[[], None] | None = None,
         idle_report_s: float = IDLE_REPORT_S,
         on_device_lost: Callable[[str], None] = end_process,
+        on_start: Callable[[], None] | None = None,
     ) -> None:
+        """`on_start` runs first on the loop's thread (a warm-up: allocators keep per-thread arenas,
+        so it must run where the steps will); `start` returns once it has."""
         self._lock = threading.Lock()
         self._callers = 0  # callers inside or waiting for `exclusive()`
         self._callers_lock = threading.Lock()
@@ -110,10 +113,17 @@ class EngineLoop:
         self.step_time_ema_s = 0.0
         self._on_device_lost = on_device_lost
         self.device_error: str | None = None  # set once a step lost the device: the replica is unhealthy
+        self._on_start = on_start
+        self._started = threading.Event()
+        self._start_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
+        """Start stepping, once `on_start` ran (its error is raised here: the replica does not start)."""
         self._thread.start()
+        self._started.wait()
+        if self._start_error is not None:
+            raise self._start_error
 
     def stop(self) -> None:
         self._stopped.set()
@@ -142,6 +152,15 @@ class EngineLoop:
                 self._callers -= 1
 
     def _run(self) -> None:
+        try:
+            if self._on_start is not None:
+                with self._lock:
+                    self._on_start()
+        except BaseException as err:
+            self._start_error = err
+            return
+        finally:
+            self._started.set()
         while not self._stopped.is_set():
             self._let_callers_in()
             with self._lock:

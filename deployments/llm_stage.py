@@ -56,6 +56,7 @@ from deployments.voices import LLMVoices
 from llm_stage.faults import StepOutOfMemory, is_out_of_memory, release_cached_memory
 from llm_stage.migration import KVSnapshot
 from llm_stage.registry import check_model_config
+from llm_stage.warm_up import warm_up
 from llm_stage.wiring import build_llm_side, size_for_streams
 from router.admission import (
     STARTUP_CHUNKS,
@@ -157,15 +158,33 @@ class LLMStage:
         self.is_moving_out = False  # set once asked to hand every stream to the other replicas
         self.kv_moves = KVMoves(self.config, self.replica_tag)  # KV of streams moved out and in
         self.num_out_of_memory = 0  # streams failed because the accelerator ran out of memory
+        self.warm_up_s: float | None = None  # the start-up warm-up's time (None: off or out of memory)
         self.loop = EngineLoop(
             self._step, lambda: self.side.engine.has_work, self._on_step_error, "llm-engine",
-            on_idle=self._publish_gauges,
+            on_idle=self._publish_gauges, on_start=self._warm_up,
         )  # fmt: skip
         self.loop.start()
         threading.Thread(target=self._watch_move_out, name="llm-move-out", daemon=True).start()
         if self.detok_pins is not None:
             threading.Thread(target=self._list_detok_replicas, name="llm-detok-list", daemon=True).start()
         threading.Thread(target=self._warm_up_kv_moves, name="llm-kv-courier", daemon=True).start()
+
+    def _warm_up(self) -> None:
+        """(Engine thread, before serving) the engine at its largest shapes (`llm_stage.warm_up`),
+        unless `engine.warm_up` is off. Out of memory there is logged with what to lower, and the
+        replica serves: a step that does not fit sheds what made it bigger (`llm_stage.faults`)."""
+        if not self.config.engine.warm_up:
+            return
+        try:
+            self.warm_up_s = warm_up(self.side.engine).seconds
+        except Exception as err:
+            if not is_out_of_memory(err):
+                raise
+            release_cached_memory()
+            logger.warning(
+                "LLM warm-up at the largest shapes ran out of memory (%s): streams beyond what fits will be "
+                "shed; lower scheduler.max_batch_size or admission.max_streams_per_replica", err,
+            )  # fmt: skip
 
     def _warm_up_kv_moves(self) -> None:
         try:
@@ -452,6 +471,7 @@ class LLMStage:
             "audio_refs": self.num_audio_refs,  # chunks forwarded by reference (their audio never came here)
             "detok_retries": self.num_detok_retries,  # decode calls resent after losing a detok replica
             "out_of_memory": self.num_out_of_memory,  # streams failed because the accelerator ran out of memory
+            "warm_up_s": self.warm_up_s,  # the start-up warm-up at the largest shapes (None: off or out of memory)
             # streams placed on each detok replica so far (a stateful detokenizer's are pinned)
             "detok_streams_placed": dict(self.detok_pins.placed) if self.detok_pins is not None else {},
             "moved_out": self.num_moved_out,  # streams handed to other replicas (move-out)

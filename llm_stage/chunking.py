@@ -55,6 +55,13 @@ class ChunkSchedule:
             return self.chunk_frames
         return max(1, min(self.chunk_frames, self.first_chunk_frames << seq))
 
+    def longest_window(self) -> tuple[int, int, int]:
+        """(left context, kept frames, right context) of the longest window this schedule cuts (what a
+        detokenizer warms up on); a whole-stream left context (a stateful detokenizer's history) is
+        capped at two chunks: such a codec keeps each stream's state and decodes only new frames."""
+        keep = max(self.first_chunk_frames, self.chunk_frames)
+        return min(self.left_context_frames, 2 * keep), keep, self.right_context_frames
+
     @property
     def decode_factor(self) -> float:
         """Steady-state frames decoded per frame emitted."""

@@ -102,6 +102,14 @@ def test_llm_replica_reports_the_detok_stages_measured_pace(cluster):
     assert any(load["detok_real_time_streams"] > 0 for load in loads), loads
 
 
+def test_both_stages_warmed_up_at_their_largest_shapes_before_serving(cluster):
+    """Each replica ran its engine once at its largest shapes before it took a request
+    (`engine.warm_up`): its memory's high water is reached at start, not under traffic."""
+    app = cluster["tight"].app_name
+    for stage in ("LLMStage", "DetokStage"):
+        assert serve.get_deployment_handle(stage, app).stats.remote().result()["warm_up_s"] > 0
+
+
 def _idle_since(app: str) -> float | None:
     """Wall-clock time at which both stages reported no state for any request (None if they hold some)."""
     llm = serve.get_deployment_handle("LLMStage", app).stats.remote().result()

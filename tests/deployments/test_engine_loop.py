@@ -176,3 +176,34 @@ def test_an_out_of_memory_step_fails_its_requests_and_the_loop_steps_on():
     loop.stop()
     assert errors == [oom] and lost == [] and steps[0] > 3
     loop.check_health()
+
+
+def test_on_start_runs_on_the_loop_thread_before_any_step_and_start_waits_for_it():
+    seen: list[tuple[str, str]] = []
+
+    def warm() -> None:
+        time.sleep(0.05)
+        seen.append(("start", threading.current_thread().name))
+
+    loop = EngineLoop(lambda: seen.append(("step", threading.current_thread().name)), lambda: True,
+                      lambda err: None, "test-engine", on_start=warm)  # fmt: skip
+    loop.start()
+    try:
+        assert seen and seen[0] == ("start", "test-engine")  # done when start returned, on the engine's thread
+        time.sleep(0.02)
+        assert {name for _, name in seen} == {"test-engine"} and seen[1][0] == "step"
+    finally:
+        loop.stop()
+
+
+def test_a_failed_on_start_fails_start_and_no_step_runs():
+    steps = []
+
+    def fail() -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    loop = EngineLoop(lambda: steps.append(1), lambda: True, lambda err: None, "test-engine", on_start=fail)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        loop.start()
+    time.sleep(0.02)
+    assert not steps
