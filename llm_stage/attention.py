@@ -19,13 +19,14 @@ flash-attn's own package needs a build per torch / CUDA pair. Triton comes with 
 torch, so this kernel runs wherever torch runs on CUDA and is what the GPU figures measure. On
 CPU, or CUDA without Triton, `decode_attention` runs SDPA over the batch's longest row (masked per
 row; while a CUDA graph is being captured, over the whole row, the only static length).
-`attention_parity` checks the kernel against SDPA (for `loadtest.gpu_bench`).
+`attention_parity` checks the kernel against SDPA, on slot rows and paged (for `loadtest.gpu_bench`).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -262,25 +263,59 @@ def decode_attention(
     return decode_attention_sdpa(q, k_layer, v_layer, slots, seq_lens, scale, length, table)
 
 
-def attention_parity(device: str | torch.device = "cuda", seed: int = 0) -> dict:
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def as_pages(
+    layers: tuple[torch.Tensor, ...], block_size: int, gen: torch.Generator
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Slot rows [S, H, L, D] (keys, values; L a multiple of `block_size`) as a paged layer: for each
+    a block pool [S * L / bs + 1, H, bs, D] holding its rows in shuffled blocks (the last one
+    scratch, random), and the one block table [S, L / bs] (int32) that finds them, on their device."""
+    slots, heads, length, dim = layers[0].shape
+    width = length // block_size
+    device, dtype = layers[0].device, layers[0].dtype
+    table = torch.randperm(slots * width, generator=gen).view(slots, width).to(device, torch.int32)
+    pools = []
+    for rows in layers:
+        pool = torch.randn(slots * width + 1, heads, block_size, dim, generator=gen).to(device, dtype)
+        pool[table.flatten().long()] = rows.view(slots, heads, width, block_size, dim).transpose(1, 2).flatten(0, 1)
+        pools.append(pool)
+    return pools, table
+
+
+PARITY_CASES = ((1, 4096, torch.bfloat16), (37, 1024, torch.bfloat16), (128, 512, torch.float32))
+SMALL_PARITY_CASES = ((1, 256, torch.float32), (5, 128, torch.float32))  # (the interpreter has no bf16 dot)
+PARITY_BLOCK_SIZE = 16  # the paged layout's default block
+
+
+def attention_parity(device: str | torch.device = "cuda", seed: int = 0, small: bool = False) -> dict:
     """The decode kernel against SDPA over the same tokens at mixed lengths (padding rows, GQA),
-    at Orpheus 3B's head shapes in the cache's dtype; {"ok": bool, per case the max abs error}."""
+    at Orpheus 3B's head shapes in the cache's dtype, on slot rows and through a paged layer's
+    shuffled block table (`paged/` cases: the same tokens); {"ok": bool, per case the max abs
+    error}. `small`: fewer rows and heads, for Triton's interpreter on a CPU."""
     device = torch.device(device)
-    if device.type != "cuda" or triton is None:
+    if triton is None or not (device.type == "cuda" or _interpreted()):
         return {"ok": True, "skipped": "the Triton kernel runs on CUDA only"}
     gen = torch.Generator(device="cpu").manual_seed(seed)
     cases = {}
-    for rows, max_len, dtype in ((1, 4096, torch.bfloat16), (37, 1024, torch.bfloat16), (128, 512, torch.float32)):
-        slots_total, kv_heads, heads, dim = rows + 3, 8, 24, 128
+    kv_heads, heads, dim = (2, 6, 64) if small else (8, 24, 128)
+    for rows, max_len, dtype in SMALL_PARITY_CASES if small else PARITY_CASES:
+        slots_total = rows + 3
         shape = (slots_total, kv_heads, max_len, dim)
         k = torch.randn(shape, generator=gen).to(device, dtype)
         v = torch.randn(shape, generator=gen).to(device, dtype)
         q = torch.randn(rows, heads, dim, generator=gen).to(device, dtype)
         slots = torch.randperm(slots_total, generator=gen)[:rows].to(device)
         lens = torch.randint(1, max_len + 1, (rows,), generator=gen).to(device, torch.int32)
-        got = decode_attention_triton(q, k, v, slots, lens, dim**-0.5).float()
         want = decode_attention_sdpa(q.float(), k.float(), v.float(), slots, lens, dim**-0.5).float()
-        cases[f"{rows}x{max_len}/{str(dtype)[6:]}"] = float((got - want).abs().max())
+        got = decode_attention_triton(q, k, v, slots, lens, dim**-0.5).float()
+        name = f"{rows}x{max_len}/{str(dtype)[6:]}"
+        cases[name] = float((got - want).abs().max())
+        (k_pool, v_pool), table = as_pages((k, v), PARITY_BLOCK_SIZE, gen)
+        paged = decode_attention_triton(q, k_pool, v_pool, slots, lens, dim**-0.5, table=table).float()
+        cases[f"paged/{name}"] = float((paged - want).abs().max())
     tolerance = {"bfloat16": 2e-2, "float32": 1e-4}
-    ok = all(err <= tolerance[name.split("/")[1]] for name, err in cases.items())
+    ok = all(err <= tolerance[name.split("/")[-1]] for name, err in cases.items())
     return {"ok": ok, "max_abs_err": cases}

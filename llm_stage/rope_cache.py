@@ -20,11 +20,13 @@ per-head q/k norms; elsewhere the torch ops run.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
 from llm_stage.attention import next_pow2, triton_available
 from llm_stage.kernel_check import passes_on_gpu
+from llm_stage.kv_cache import PagedKVCache
 from llm_stage.rounding import ROUND_CODES, rounded
 
 if triton_available():
@@ -122,11 +124,12 @@ def fused_rope_works(device_index: int) -> bool:
 
 def rope_parity(device: str | torch.device = "cuda", seed: int = 0, small: bool = False) -> dict:
     """The fused kernel against the torch ops at Orpheus 3B's head shapes in bf16 (and fp32):
-    {"ok": bool, per dtype whether queries, keys and values are the same bits}."""
+    {"ok": bool, per dtype whether queries, keys and values are the same bits; `paged`: the same
+    through a paged cache's block table}. On a CPU only under Triton's interpreter."""
     from llm_stage.models.llama import apply_rotary
 
     device = torch.device(device)
-    if device.type != "cuda" or not triton_available():
+    if not triton_available() or not (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
         return {"ok": True, "skipped": "the Triton kernel runs on CUDA only"}
     gen = torch.Generator().manual_seed(seed)
     tokens, heads, kv_heads, dim, slots_total, max_len = (9, 4, 2, 64, 4, 16) if small else (300, 24, 8, 128, 40, 512)
@@ -148,6 +151,44 @@ def rope_parity(device: str | torch.device = "cuda", seed: int = 0, small: bool 
             "keys_max_abs": float((caches[0].float() - caches[2].float()).abs().max()),
             "values_equal": bool(torch.equal(caches[1], caches[3])),
         }
+    out["paged"] = paged_rope_parity(device, gen, small)
     bf16 = out["bfloat16"]
     ok = bf16["queries_max_abs"] == 0 and bf16["keys_max_abs"] == 0 and bf16["values_equal"]
-    return {"ok": ok and out["float32"]["queries_max_abs"] < 1e-5 and out["float32"]["values_equal"], **out}
+    ok = ok and out["float32"]["queries_max_abs"] < 1e-5 and out["float32"]["values_equal"]
+    return {"ok": ok and all(out["paged"].values()), **out}
+
+
+def paged_rope_parity(device: torch.device, gen: torch.Generator, small: bool) -> dict[str, bool]:
+    """The kernel writing through a paged cache's block table (bf16, blocks of 16 assigned in
+    shuffled order) against the torch ops' `PagedKVCache.write`: the same bits everywhere."""
+    from llm_stage.models.llama import apply_rotary
+
+    tokens, heads, kv_heads, dim, slots_total, max_len = (9, 4, 2, 64, 4, 64) if small else (300, 24, 8, 128, 40, 512)
+    block_size, dtype = 16, torch.bfloat16
+    blocks_per_slot = max_len // block_size
+    num_blocks = slots_total * blocks_per_slot
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    caches = []
+    for _ in range(2):
+        cache = PagedKVCache(1, slots_total, kv_heads, max_len, dim, dtype, device, num_blocks, block_size)
+        for slot in range(slots_total):
+            cache.assign(slot, order[slot * blocks_per_slot : (slot + 1) * blocks_per_slot])
+        pending = cache.take_pending()
+        if pending is not None:  # (on CUDA the runner copies changed table rows in each step's one copy)
+            cache.table.index_copy_(0, pending[0].to(device), pending[1].to(device))
+        caches.append(cache)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(device, dtype)
+    angles = torch.rand(tokens, dim // 2, generator=gen).to(device) * 100.0
+    cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(dtype) for f in (torch.cos, torch.sin))
+    cells = torch.randperm(slots_total * max_len, generator=gen)[:tokens].to(device)
+    slots, positions = cells // max_len, cells % max_len
+    fused, reference = caches
+    queries = rope_and_cache(qkv, cos, sin, slots, positions, *fused.layer(0), heads, kv_heads, fused.table)
+    split = qkv.view(tokens, 1, heads + 2 * kv_heads, dim).transpose(1, 2)
+    rotated = apply_rotary(split[:, : heads + kv_heads], cos.unsqueeze(1), sin.unsqueeze(1))
+    reference.write(0, slots, positions, rotated[:, heads:, 0], split[:, heads + kv_heads :, 0])
+    return {
+        "queries_equal": bool(torch.equal(queries, rotated[:, :heads, 0])),
+        "keys_equal": bool(torch.equal(fused.keys, reference.keys)),
+        "values_equal": bool(torch.equal(fused.values, reference.values)),
+    }

@@ -63,7 +63,8 @@ def test_triton_kernels_in_the_interpreter():
     sums' bits, the norm's bits in bf16 (fp32: rounding). With both fused, an engine's tokens. The
     paged layout: attention through a shuffled block table (blocks of 16 and 5) equals SDPA and
     loads only the cached tokens, the same at 256 and 4096; the rotary write through it, the torch
-    write's bits."""
+    write's bits. And the GPU run's parity checks (`attention_parity`, `rope_parity`, slot and paged)
+    pass at small fp32 shapes."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
@@ -74,6 +75,10 @@ def test_triton_kernels_in_the_interpreter():
     cases = json.loads(done.stdout.strip().splitlines()[-1])
     fused = ("rope_float32", "rope_bfloat16", "rope_engine", "add_norm_float32", "add_norm_bfloat16")
     rope = {name: cases.pop(name) for name in fused}
+    gpu_checks = cases.pop("gpu_checks")  # what a GPU run checks before the kernels serve, slot and paged
+    assert gpu_checks["attention"]["ok"] and gpu_checks["rope"]["ok"], gpu_checks
+    assert {name.startswith("paged/") for name in gpu_checks["attention"]["max_abs_err"]} == {True, False}
+    assert gpu_checks["rope"]["paged"] == {"queries_equal": True, "keys_equal": True, "values_equal": True}
     paged, rope_paged = cases.pop("paged"), cases.pop("rope_paged")
     for name, case in paged.items():  # through a shuffled block table: SDPA over the same tokens, only they loaded
         assert case["max_abs_err"] < 1e-5 and case["torch_paged_err"] < 1e-5, (name, case)

@@ -4,7 +4,8 @@ the K / V elements the kernel loaded against the tokens cached; for `llm_stage.r
 whether the fused rotation + cache write gives the torch ops' bits (fp32 and bf16; through a block
 table too), and whether an engine's greedy tokens are the same with it; the decode kernel over a
 paged cache (block pools + a shuffled block table) against SDPA over the same tokens, loads
-counted. Run with TRITON_INTERPRET=1 in the environment (Triton reads it at import):
+counted; the parity checks a GPU run makes (`attention_parity`, `rope_parity`) at small shapes.
+Run with TRITON_INTERPRET=1 in the environment (Triton reads it at import):
 `test_decode_attention.py` starts it in a subprocess.
 """
 
@@ -18,10 +19,10 @@ import torch
 import triton.runtime.interpreter as interpreter
 
 from llm_stage.add_norm import add_rms_norm, reference_add_rms_norm
-from llm_stage.attention import decode_attention_sdpa, decode_attention_triton
+from llm_stage.attention import attention_parity, decode_attention_sdpa, decode_attention_triton
 from llm_stage.kv_cache import PagedKVCache
 from llm_stage.models.llama import apply_rotary
-from llm_stage.rope_cache import rope_and_cache
+from llm_stage.rope_cache import rope_and_cache, rope_parity
 
 
 def _index_scalars_as_numpy_2_wants() -> None:
@@ -228,6 +229,8 @@ def main() -> None:
         "paged_bs5_one_split": (3, 300, 5, 1),
     }
     out["paged"] = {name: paged_case(counter, *shape, seed=1) for name, shape in paged_cases.items()}
+    # the GPU run's own checks (loadtest.gpu_bench, kernel_check), slot and paged, at small fp32 shapes here
+    out["gpu_checks"] = {"attention": attention_parity("cpu", small=True), "rope": rope_parity("cpu", small=True)}
     out["add_norm_float32"] = add_norm_case(torch.float32)
     out["add_norm_bfloat16"] = add_norm_case(torch.bfloat16)
     print(json.dumps(out))
