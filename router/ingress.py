@@ -61,6 +61,7 @@ from router.streams import (
     StreamFailed,
     replica_name,
 )  # fmt: skip
+from router.transcriptions import job_fields, read_transcription_form, transcription_response
 from router.voices import MAX_HTTP_BODY_BYTES, VoiceRegistry, voice_request_from_json, voice_request_from_proto
 from router.websocket import StreamEndpoint
 
@@ -443,6 +444,26 @@ class Router:
         except BaseException:
             await lease.aclose()
             raise
+
+    @http_app.post("/v1/audio/transcriptions")
+    async def transcriptions(self, request: Request) -> Response:
+        """Understanding alone, OpenAI-style (`router.transcriptions`): an uploaded clip's transcript, from a
+        text-only speech-in stream (no detokenizer work)."""
+        req_id = reply_request_id(_serve_request_id())
+        try:
+            key = self.auth.check(_http_authorization(request))
+            form = await read_transcription_form(request)
+            core = self.models.core_for(form.model)
+            fields = job_fields(form, core.entry, request.headers.getlist("x-request-id"))
+            job = core.job(**{**fields, "req_id": fields["req_id"] or req_id})
+            req_id = job.req_id
+            with self.auth.hold_stream(key):
+                async with aclosing(core.run(job)) as stream:
+                    text = "".join([sent.text async for sent in stream])
+        except Exception as err:
+            return _http_fail(err, req_id)
+        headers = {"X-Request-Id": job.req_id} if job.req_id != _serve_request_id() else {}
+        return transcription_response(form, job, text, headers)
 
     @http_app.post("/v1/audio/speech")
     async def speech(self, request: Request) -> Response:
