@@ -61,7 +61,7 @@ from router.streams import (
     StreamFailed,
     replica_name,
 )  # fmt: skip
-from router.transcriptions import job_fields, read_transcription_form, transcription_response
+from router.transcriptions import job_fields, read_transcription_form, transcription_response, with_text_bound
 from router.voices import MAX_HTTP_BODY_BYTES, VoiceRegistry, voice_request_from_json, voice_request_from_proto
 from router.websocket import StreamEndpoint
 
@@ -455,7 +455,7 @@ class Router:
             form = await read_transcription_form(request)
             core = self.models.core_for(form.model)
             fields = job_fields(form, core.entry, request.headers.getlist("x-request-id"))
-            job = core.job(**{**fields, "req_id": fields["req_id"] or req_id})
+            job = with_text_bound(core.job(**{**fields, "req_id": fields["req_id"] or req_id}))
             req_id = job.req_id
             with self.auth.hold_stream(key):
                 async with aclosing(core.run(job)) as stream:

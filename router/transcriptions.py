@@ -7,8 +7,9 @@ checks its fields (`transcription_form`: `file`, `model`, `prompt`, `response_fo
 keyword arguments: the file decoded by the audio-input checks (`router.audio_input`, errors name
 `file`), a text-only speech-in job (`Job.text_only`) whose system turn is the family's transcription
 instruction (`LMAdapter.transcription_system`: Step-Audio 2's published ASR prompt), `prompt` as the
-user's text beside the audio, greedy unless `temperature` says otherwise. `transcription_response`
-answers. The Router's `/v1/audio/transcriptions` route uses them.
+user's text beside the audio, greedy unless `temperature` says otherwise, its text bounded by
+`with_text_bound` (Whisper's 448 tokens per 30 s window: a model that never ends its answer stops
+there). `transcription_response` answers. The Router's `/v1/audio/transcriptions` route uses them.
 
 Approximate in `verbose_json`, as nothing better is known: `segments` is one segment spanning the whole
 clip (the model gives no timestamps), and `language` is the one asked for (`unknown` when none was:
@@ -19,6 +20,7 @@ reported: token ids, log-probabilities, the no-speech probability, word timestam
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import zlib
@@ -43,6 +45,8 @@ FORM_FIELDS = frozenset({"file", "model", "prompt", "response_format", "language
 RESPONSE_FORMATS = ("json", "text", "verbose_json")
 LANGUAGE_NAMES = {"en": "english", "zh": "chinese"}  # verbose_json names languages as OpenAI does
 ISO_639_1 = re.compile(r"[a-z]{2}")
+TOKENS_PER_WINDOW = 448  # Whisper's decoder bound on the text of one 30 s window
+WINDOW_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -155,6 +159,15 @@ def job_fields(form: TranscriptionForm, entry: ModelEntry, header_req_ids: list[
         "input_audio": InputAudio(form.audio, "wav", 0, field="file", is_file=True),
         "text_only": True, "system": lm.transcription_system(form.language),
     }  # fmt: skip
+
+
+def with_text_bound(job: Job) -> Job:
+    """`job` with at most TOKENS_PER_WINDOW tokens per started WINDOW_S of its audio (the family's own
+    `max_tokens` when lower)."""
+    duration_s = job.audio.duration_s if job.audio is not None else 0.0
+    bound = TOKENS_PER_WINDOW * max(1, math.ceil(duration_s / WINDOW_S))
+    sampling = job.sampling.model_copy(update={"max_tokens": min(job.sampling.max_tokens, bound)})
+    return dataclasses.replace(job, sampling=sampling)
 
 
 def transcription_body(form: TranscriptionForm, job: Job, text: str) -> dict | str:

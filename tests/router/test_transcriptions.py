@@ -28,6 +28,7 @@ from router.transcriptions import (
     read_transcription_form,
     transcription_body,
     transcription_response,
+    with_text_bound,
 )
 
 ENTRY = get_entry("step-audio2-tiny")
@@ -79,6 +80,13 @@ def test_an_upload_becomes_a_text_only_transcription_job() -> None:
     assert job.sampling.temperature == 0.2 and job.req_id == "asr-1" and form.response_format == "json"
     _, plain = transcription_job(upload())  # the defaults: greedy, the English instruction, no text beside
     assert plain.sampling.temperature == 0.0 and plain.system == TRANSCRIPTION_SYSTEM["en"] and plain.text == ""
+
+
+def test_the_text_is_bounded_per_30_s_of_audio() -> None:
+    _, short = transcription_job(upload())
+    _, long = transcription_job(upload(file=("clip.wav", wav_file(seconds=31.0), "audio/wav")))
+    assert short.sampling.max_tokens == 4096 and with_text_bound(short).sampling.max_tokens == 448
+    assert with_text_bound(long).sampling.max_tokens == 896
 
 
 @pytest.mark.parametrize(
