@@ -112,8 +112,10 @@ def _to_proto(job: Job, sent: SentChunk, header: bytes) -> voxray_pb2.AudioChunk
     )
 
 
-async def _chunks(first: SentChunk, rest: AsyncIterator[SentChunk]) -> AsyncIterator[SentChunk]:
-    yield first
+async def _chunks(first: SentChunk | None, rest: AsyncIterator[SentChunk]) -> AsyncIterator[SentChunk]:
+    """`first` (None: the stream ended before any chunk, as a text-only answer with no text does), then `rest`."""
+    if first is not None:
+        yield first
     async for sent in rest:
         yield sent
 
@@ -430,7 +432,7 @@ class Router:
             job = core.job(**{**fields, "req_id": fields["req_id"] or req_id})
             lease.enter_context(self.auth.hold_stream(key))
             stream = await lease.enter_async_context(aclosing(core.run(job)))
-            first = await anext(stream)  # admission and validation happen before any byte is sent
+            first = await anext(stream, None)  # admission and validation happen before any byte is sent
             reply, rate = ChatReply(job, core.entry.name), core.entry.sample_rate_hz
             if not is_streamed:
                 async with lease:

@@ -59,6 +59,7 @@ def test_a_clip_in_answers_text_then_audio_as_in_process(cluster) -> None:
             job = dataclasses.replace(engine.job("s2s-1", "Answer.", sampling=SAMPLING), audio=AudioClip(pcm, 24_000))
             expected = pipeline.answer(job)
             transcript = pipeline.answer(transcription_job(engine.adapter, pcm)).text
+            text_only = pipeline.answer(dataclasses.replace(job, req_id="chat-text", text_only=True))
         finally:
             pipeline.close()
         assert "".join(c.text for c in text_chunks) == expected.text
@@ -69,6 +70,8 @@ def test_a_clip_in_answers_text_then_audio_as_in_process(cluster) -> None:
 
         _the_openai_sdk_gets_the_same_answer(endpoint, pcm, expected)
         _the_openai_sdk_transcribes(endpoint, pcm, transcript)
+        assert text_only.text and not text_only.pcm16
+        _the_openai_sdk_gets_a_text_only_answer(endpoint, pcm, text_only.text)
         odd = voxray_pb2.InputAudio(data=pcm[:-1], format=voxray_pb2.INPUT_AUDIO_PCM16, sample_rate_hz=24_000)
         refused = run_stream(endpoint.grpc_target, endpoint.app_name, "", input_audio=odd)
         assert refused.code == grpc.StatusCode.INVALID_ARGUMENT and "input_audio.data" in refused.details
@@ -106,6 +109,27 @@ def _the_openai_sdk_transcribes(endpoint, pcm: bytes, transcript: str) -> None:
         with pytest.raises(BadRequestError) as err:
             client.audio.transcriptions.create(**{**upload, **bad})
         assert err.value.status_code == 400 and err.value.body["param"] == param
+
+
+def _the_openai_sdk_gets_a_text_only_answer(endpoint, pcm: bytes, text: str) -> None:
+    """Chat completions without `modalities` (OpenAI's default, text): `message.content` whole and
+    `delta.content` streamed, the in-process text-only answer, no audio."""
+    from openai import OpenAI
+
+    from router.audio_format import wav_bytes
+
+    client = OpenAI(base_url=f"{endpoint.http_url}{SPEECH_IN.route_prefix}/v1", api_key="unused", max_retries=0)
+    wav = base64.b64encode(wav_bytes(pcm, 24_000)).decode()
+    request = {
+        "model": "step-audio2-tiny", "max_tokens": SAMPLING["max_tokens"], "temperature": SAMPLING["temperature"],
+        "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "Answer."}, {"type": "input_audio", "input_audio": {"data": wav, "format": "wav"}},
+        ]}],
+    }  # fmt: skip
+    message = client.chat.completions.create(**request).choices[0].message
+    assert message.content == text and message.audio is None
+    streamed = client.chat.completions.create(**request, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == text
 
 
 def _the_openai_sdk_gets_the_same_answer(endpoint, pcm: bytes, expected) -> None:

@@ -107,3 +107,22 @@ def test_a_text_only_answer_streams_and_answers_as_content() -> None:
     assert deltas[1:3] == [{"content": "Hel"}, {"content": "lo"}] and deltas[-1] == {}
     message = asyncio.run(chat_whole(ChatReply(job, "step-audio2-tiny"), chunks(), 24_000))["choices"][0]["message"]
     assert message == {"role": "assistant", "content": "Hello"}
+
+
+def test_a_text_only_answer_with_no_text_is_an_empty_content() -> None:
+    """The model may end a text-only answer at once (`<|EOT|>` first): the stream has no chunk at all,
+    and the reply is an empty `content` (the route's first read gives None, not StopAsyncIteration)."""
+    from router.ingress import _chunks
+
+    job = job_from_fields(ENTRY, AdmissionConfig(), **chat_request(body(modalities=["text"], audio=None))[0])
+
+    async def nothing():
+        return
+        yield
+
+    async def whole() -> dict:
+        stream = nothing()
+        first = await anext(stream, None)
+        return await chat_whole(ChatReply(job, "step-audio2-tiny"), _chunks(first, stream), 24_000)
+
+    assert asyncio.run(whole())["choices"][0]["message"] == {"role": "assistant", "content": ""}
