@@ -183,6 +183,12 @@ class Job:
     # Speech in (families with `ModelFamily.takes_audio`): the user's audio; `text` is then optional
     # text beside it (an instruction), and the answer streams text beside its audio
     audio: AudioClip | None = None
+    # Speech in, a text-only answer (`LMAdapter.answers_text_only`): the LM never starts speech, no chunk
+    # goes to a detokenizer, and the stream ends with its final TextDelta
+    text_only: bool = False
+    # Speech in: the system turn of the family's prompt ("" = the family's default), e.g. the
+    # transcription instruction `router.transcriptions` puts there
+    system: str = ""
 
 
 @dataclass(frozen=True)

@@ -120,11 +120,16 @@ class _Stream:
     pending: list[_Batch] = field(default_factory=list)  # a batch per chunk queued, not yet yielded
     is_done: bool = False
     is_held: bool = False  # queued in the replica, not in the engine yet (`_hold`)
+    is_text_only: bool = False  # speech in, a text-only answer: its final TextDelta ends it (no chunks)
     num_chunks: int = 0  # chunks sent
+    has_text: bool = False  # some of its answer's text was sent
 
     @property
     def is_starting(self) -> bool:
-        """Running, and fewer than STARTUP_CHUNKS chunks sent (router.admission)."""
+        """Running, and fewer than STARTUP_CHUNKS chunks sent (router.admission); a text-only answer,
+        which sends no chunk, until its first text was sent (its prefill is behind it then)."""
+        if self.is_text_only:
+            return not self.is_held and not self.has_text
         return not self.is_held and self.num_chunks < STARTUP_CHUNKS
 
 
@@ -204,7 +209,8 @@ class LLMStage:
     # ---- engine thread -------------------------------------------------------------------
     def _step(self) -> None:
         chunks = self.side.step()
-        text = [delta for delta in self.side.take_text() if delta.text]  # speech in: the answer's text
+        # speech in: the answer's text (a final delta, even empty, ends a text-only stream)
+        text = [delta for delta in self.side.take_text() if delta.text or delta.is_final]
         if text and self.event_loop is not None:  # queued before the step's chunks: text leads their audio
             self.event_loop.call_soon_threadsafe(self._send_text, text)
         if chunks and self.event_loop is not None:
@@ -506,7 +512,7 @@ class LLMStage:
         kv = await self._fetch_kv(job)
         if self.detok_pins is not None and job.resume is not None:  # its decoder state stays where it is
             self.detok_pins.decoded_on(job.req_id, job.resume.detok_replica)
-        stream = _Stream(asyncio.Queue(), is_new=job.resume is None)
+        stream = _Stream(asyncio.Queue(), is_new=job.resume is None, is_text_only=job.text_only)
         self.streams[job.req_id] = stream
         try:
             try:
@@ -541,6 +547,12 @@ class LLMStage:
                 return
             if isinstance(item, TextDelta):
                 yield item
+                if stream.is_text_only and item.text and not stream.has_text:
+                    stream.has_text = True
+                    self._wake_held()  # one start less
+                if item.is_final and stream.is_text_only:  # a text-only answer ends with its text
+                    stream.is_done = True
+                    return
                 continue
             batch, index, checkpoint = item
             try:

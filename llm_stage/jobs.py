@@ -152,13 +152,20 @@ def build_job(
     text_field: str = "text",
     audio: AudioClip | None = None,
     audio_field: str = "input_audio",
+    text_only: bool = False,
+    system: str = "",
 ) -> Job:
     """A Job for `adapter`'s family (its class or an instance); empty fields take the defaults. With
-    `audio` (speech in, checked by the ingress) the family must take audio, and the text may be empty."""
+    `audio` (speech in, checked by the ingress) the family must take audio, and the text may be empty;
+    `text_only` (an answer without speech, refused naming `modalities`) and `system` need a family
+    that `answers_text_only`."""
     ttfa_deadline_s = check_deadline(ttfa_deadline_s)
     req_id = check_request_id(req_id)
     if audio is not None and not adapter.takes_audio:
         raise InvalidArgumentError(audio_field, f"{adapter.family} takes no audio (it speaks text)")
+    if (text_only or system) and not adapter.answers_text_only:
+        field = "modalities" if text_only else "system"
+        raise InvalidArgumentError(field, f"{adapter.family} answers only in speech")
     return Job(
         req_id=req_id or uuid.uuid4().hex,
         text=check_text(adapter, text, text_field, may_be_empty=audio is not None),
@@ -168,4 +175,6 @@ def build_job(
         ttfa_deadline_s=ttfa_deadline_s or default_ttfa_deadline_s,
         output_format=output_format,
         text_field=text_field,
+        text_only=text_only,
+        system=check_text(adapter, system, "system", may_be_empty=True),
     )

@@ -55,6 +55,8 @@ class LLMSide:
         if job.buffered_audio_s is not None:
             self._continue_playback(job.req_id, job.buffered_audio_s)
         resume = job.resume
+        if job.text_only:  # no speech: no chunker, no chunk (not even a final one) for the detokenizer
+            return
         if resume is None:
             self.chunkers[job.req_id] = Chunker(job.req_id, self.schedule)
             self.num_checkpointed[job.req_id] = 0

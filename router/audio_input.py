@@ -31,11 +31,13 @@ class InputAudio:
     format: InputFormat
     sample_rate_hz: int  # 0 = the WAV file's own
     field: str = "input_audio"
+    is_file: bool = False  # an uploaded file (multipart `file`): errors name `field` itself, not `field.data`
 
 
 def check_input_audio(audio: InputAudio, config: SpeechInConfig) -> AudioClip:
     """The clip as mono PCM16 at its own rate, or an InvalidArgumentError naming the field."""
-    data_field, rate_field = f"{audio.field}.data", f"{audio.field}.sample_rate_hz"
+    data_field = audio.field if audio.is_file else f"{audio.field}.data"
+    rate_field = f"{audio.field}.sample_rate_hz"
     if audio.format == "wav":
         clip = decode_clip(audio.data, data_field, 0.0, float("inf"))
         if audio.sample_rate_hz not in (0, clip.sample_rate_hz):

@@ -1,12 +1,14 @@
 """OpenAI-style `POST /v1/chat/completions` for speech in: a user turn of text and `input_audio`
 parts in, the answer's audio and its transcript out (`modalities: ["text", "audio"]`), whole
 (JSON) or streamed as `chat.completion.chunk` SSE deltas (`delta.audio.transcript` as the text is
-decoded, `delta.audio.data` per audio chunk, then `[DONE]`).
+decoded, `delta.audio.data` per audio chunk, then `[DONE]`); with `modalities: ["text"]` (OpenAI's
+default when absent) a text-only answer (`Job.text_only`: no speech, no detokenizer work), its text as
+`message.content` / `delta.content`.
 
 `chat_request` maps the body onto `job_from_fields` keyword arguments (checked as every request
 is; errors name the field as the client spelled it, e.g. `messages[0].content[1].input_audio.data`).
 Served today: one user turn (multi-turn context and system prompts are refused, not ignored),
-modalities text + audio. The Router's `/v1/chat/completions` route uses it.
+modalities text + audio or text. The Router's `/v1/chat/completions` route uses it.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ CHAT_FIELDS = frozenset(
 SAMPLING_FIELDS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "temperature": "temperature",
                    "top_p": "top_p", "seed": "seed"}  # fmt: skip
 CHAT_AUDIO_FORMATS = {"pcm16": "pcm16", "wav": "wav"}
+MODALITIES = (["text", "audio"], ["text"])
 
 
 def chat_request(body: bytes, header_req_ids: list[str] = ()) -> tuple[dict, bool]:
@@ -41,8 +44,12 @@ def chat_request(body: bytes, header_req_ids: list[str] = ()) -> tuple[dict, boo
     unknown = set(obj) - CHAT_FIELDS
     if unknown:
         raise InvalidArgumentError(printable_name(sorted(unknown)[0]), "unknown field")
-    if obj.get("modalities") != ["text", "audio"]:
-        raise InvalidArgumentError("modalities", 'only ["text", "audio"] is served (the answer is spoken)')
+    modalities = obj.get("modalities", ["text"])
+    if modalities not in MODALITIES:
+        raise InvalidArgumentError("modalities", 'must be ["text", "audio"] (a spoken answer) or ["text"]')
+    text_only = modalities == ["text"]
+    if text_only and obj.get("audio") is not None:
+        raise InvalidArgumentError("audio", 'is for spoken answers: modalities ["text", "audio"]')
     stream = obj.get("stream", False)
     if not isinstance(stream, bool):
         raise InvalidArgumentError("stream", "must be true or false")
@@ -52,7 +59,7 @@ def chat_request(body: bytes, header_req_ids: list[str] = ()) -> tuple[dict, boo
         "text": text, "model": _str(obj, "model"), "voice": voice, "sampling": chat_sampling(obj),
         "output_format": output_format, "sample_rate_hz": 0, "ttfa_deadline_s": 0.0,
         "req_id": http_request_id(obj.get("request_id"), header_req_ids), "text_field": "messages",
-        "input_audio": audio,
+        "input_audio": audio, "text_only": text_only,
     }  # fmt: skip
     return fields, stream
 
@@ -122,14 +129,19 @@ class ChatReply:
         return event(body)
 
     def delta(self, sent: SentChunk) -> dict:
+        if self.job.text_only:
+            return {"content": sent.text}
         if sent.audio is None:
             return {"audio": {"id": self.audio_id, "transcript": sent.text}}
         return {"audio": {"id": self.audio_id, "data": base64.b64encode(sent.audio.pcm16).decode("ascii")}}
 
     def whole(self, audio: bytes, transcript: str) -> dict:
-        message = {"role": "assistant", "content": None,
-                   "audio": {"id": self.audio_id, "data": base64.b64encode(audio).decode("ascii"),
-                             "transcript": transcript, "expires_at": self.created + 3600}}  # fmt: skip
+        """The whole answer: its text as `content` (text only), else its audio and transcript."""
+        message: dict = {"role": "assistant", "content": transcript}
+        if not self.job.text_only:
+            message = {"role": "assistant", "content": None,
+                       "audio": {"id": self.audio_id, "data": base64.b64encode(audio).decode("ascii"),
+                                 "transcript": transcript, "expires_at": self.created + 3600}}  # fmt: skip
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
                 "choices": [{"index": 0, "message": message, "finish_reason": "stop"}]}  # fmt: skip
 

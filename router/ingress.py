@@ -61,6 +61,7 @@ from router.streams import (
     StreamFailed,
     replica_name,
 )  # fmt: skip
+from router.transcriptions import job_fields, read_transcription_form, transcription_response, with_text_bound
 from router.voices import MAX_HTTP_BODY_BYTES, VoiceRegistry, voice_request_from_json, voice_request_from_proto
 from router.websocket import StreamEndpoint
 
@@ -111,8 +112,10 @@ def _to_proto(job: Job, sent: SentChunk, header: bytes) -> voxray_pb2.AudioChunk
     )
 
 
-async def _chunks(first: SentChunk, rest: AsyncIterator[SentChunk]) -> AsyncIterator[SentChunk]:
-    yield first
+async def _chunks(first: SentChunk | None, rest: AsyncIterator[SentChunk]) -> AsyncIterator[SentChunk]:
+    """`first` (None: the stream ended before any chunk, as a text-only answer with no text does), then `rest`."""
+    if first is not None:
+        yield first
     async for sent in rest:
         yield sent
 
@@ -429,7 +432,7 @@ class Router:
             job = core.job(**{**fields, "req_id": fields["req_id"] or req_id})
             lease.enter_context(self.auth.hold_stream(key))
             stream = await lease.enter_async_context(aclosing(core.run(job)))
-            first = await anext(stream)  # admission and validation happen before any byte is sent
+            first = await anext(stream, None)  # admission and validation happen before any byte is sent
             reply, rate = ChatReply(job, core.entry.name), core.entry.sample_rate_hz
             if not is_streamed:
                 async with lease:
@@ -443,6 +446,26 @@ class Router:
         except BaseException:
             await lease.aclose()
             raise
+
+    @http_app.post("/v1/audio/transcriptions")
+    async def transcriptions(self, request: Request) -> Response:
+        """Understanding alone, OpenAI-style (`router.transcriptions`): an uploaded clip's transcript, from a
+        text-only speech-in stream (no detokenizer work)."""
+        req_id = reply_request_id(_serve_request_id())
+        try:
+            key = self.auth.check(_http_authorization(request))
+            form = await read_transcription_form(request)
+            core = self.models.core_for(form.model)
+            fields = job_fields(form, core.entry, request.headers.getlist("x-request-id"))
+            job = with_text_bound(core.job(**{**fields, "req_id": fields["req_id"] or req_id}))
+            req_id = job.req_id
+            with self.auth.hold_stream(key):
+                async with aclosing(core.run(job)) as stream:
+                    text = "".join([sent.text async for sent in stream])
+        except Exception as err:
+            return _http_fail(err, req_id)
+        headers = {"X-Request-Id": job.req_id} if job.req_id != _serve_request_id() else {}
+        return transcription_response(form, job, text, headers)
 
     @http_app.post("/v1/audio/speech")
     async def speech(self, request: Request) -> Response:

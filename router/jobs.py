@@ -56,6 +56,8 @@ def job_from_fields(
     text_field: str = "text",
     input_audio: InputAudio | None = None,
     speech_in: SpeechInConfig | None = None,
+    text_only: bool = False,
+    system: str = "",
 ) -> Job:
     if model and check_name(model, "model") != entry.name:
         raise InvalidArgumentError("model", f"unknown model {model!r}; this server serves {entry.name!r}")
@@ -65,7 +67,8 @@ def job_from_fields(
         entry.family.lm, text=text, voice=voice or None, sampling=sampling, req_id=req_id,
         ttfa_deadline_s=ttfa_deadline_s, default_ttfa_deadline_s=admission.default_ttfa_deadline_s,
         output_format=output_format, text_field=text_field, audio=_checked_audio(entry, input_audio, speech_in),
-        audio_field=input_audio.field if input_audio is not None else "input_audio",
+        audio_field=input_audio.field if input_audio is not None else "input_audio", text_only=text_only,
+        system=system,
     )  # fmt: skip
 
 

@@ -357,7 +357,15 @@ class RouterCore:
                 if isinstance(event, Moved):
                     raise StreamMoved(event)
                 if isinstance(event, TextDelta):
-                    yield self._text_sent(event, tracker, progress.next_seq, llm_replica, record)
+                    if event.text:
+                        # a text-only answer keeps no checkpoints: once text left, a lost replica ends it
+                        progress.is_resumable = progress.is_resumable and not job.text_only
+                        yield self._text_sent(event, tracker, progress.next_seq, llm_replica, record)
+                    if event.is_final and job.text_only:  # a text-only answer ends with its text
+                        finished = True
+                        if record:
+                            self._record_text_finished()
+                        return
                     continue
                 audio = await self._fetch(event)
                 now = time.monotonic()
@@ -412,6 +420,12 @@ class RouterCore:
             return (await ref.handle)[ref.index]
         except Exception as err:
             raise StreamFailed(f"audio of chunk {event.ref.seq} lost: {type(err).__name__}") from err
+
+    def _record_text_finished(self) -> None:
+        """A text-only answer finished: counted as a finished stream, and a viable one (it had no audio to
+        play late); no TTFA, audio seconds or real-time factor (time to first text is recorded as sent)."""
+        self.metrics.finished.inc()
+        self.metrics.viable.inc()
 
     def _record_finished(self, tracker: PlaybackTracker | TextPacedPlayback, now_s: float) -> None:
         metrics = self.metrics

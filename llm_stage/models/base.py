@@ -79,6 +79,9 @@ class LMAdapter(ABC):
     # text positions out between its sampled tokens as they come: CosyVoice 2's bistream)
     resumes_streamed_text: bool = False
     takes_audio: bool = False  # speech in: a Job may carry `audio` (`Job.audio`), encoded in `prepare_step`
+    # speech in: a Job may ask for a text-only answer (`Job.text_only`: no speech ids drawn, no chunks) and
+    # set its system turn (`Job.system`); `transcription_system` gives a transcription's
+    answers_text_only: bool = False
 
     def __init__(self, backbone: Backbone) -> None:
         self.backbone = backbone
@@ -95,6 +98,14 @@ class LMAdapter(ABC):
     def unconditional_prompt(self, text: str, voice: str | None) -> list[Token]:
         """The prompt of a guided request's hidden twin (override with `guidance`)."""
         raise InvalidArgumentError("sampling.guidance_scale", f"{self.family} has no classifier-free guidance")
+
+    @classmethod
+    def transcription_system(cls, language: str | None) -> str:
+        """The system turn that asks a speech-in family to transcribe the clip (`language`: ISO-639-1, or
+        None); a family or language it has no instruction for is refused, naming the field."""
+        if language is None:
+            raise InvalidArgumentError("model", f"{cls.family} does not transcribe (it takes no audio)")
+        raise InvalidArgumentError("language", f"{cls.family} has no transcription instruction for {language!r}")
 
     def job_prompt(self, job: Job) -> list[Token]:
         """The prompt of a validated job; override to condition on per-request fields of `job.sampling`."""

@@ -3,7 +3,9 @@ Qwen2.5 prompt), interleaved text and 25 Hz speech tokens out (the S3Gen flow de
 
 The prompt is the published chat: `<|BOT|>system\\n{system}<|EOT|><|BOT|>human\\n{text}` then per
 25 s piece of the user's audio `<audio_start>` + one `<audio_patch>` per embedding + `<audio_end>`,
-then `<|EOT|><|BOT|>assistant\\n<tts_start>` (answer in speech). A position is (id, clip handle,
+then `<|EOT|><|BOT|>assistant\\n<tts_start>` (answer in speech), or without `<tts_start>` for a
+text-only answer (`Job.text_only`, as the published ASR example: its draws are then held to text ids
+and `<|EOT|>`, so no speech id and no chunk is ever made). A position is (id, clip handle,
 row): text and markers carry handle -1; a placeholder names the rows of its clip's embeddings, which
 `embed` writes over the placeholder's own. Clips are turned into log-mels when a job arrives and
 encoded in one batched forward for every clip that arrived since the last step (`prepare_step`),
@@ -46,6 +48,8 @@ from llm_stage.models.tokenizers import ByteTokenizer, HFTokenizer, TextTokenize
 from llm_stage.request import Request, Token
 
 SYSTEM_PROMPT = "You are a helpful assistant."  # the published examples' system turn
+# the published ASR examples' system turn, by language (examples.py: Chinese, its English in a comment)
+TRANSCRIPTION_SYSTEM = {"en": "Please record the audio content you hear.", "zh": "请记录下你所听到的语音内容。"}
 NO_CLIP = -1
 
 
@@ -69,6 +73,7 @@ def clip_wave_16k(clip: AudioClip) -> torch.Tensor:
 class StepAudio2Adapter(LMAdapter):
     family = "step-audio2"
     takes_audio = True
+    answers_text_only = True
     no_voices_note = "none; speech in (takes audio), answers in text + speech in the detokenizer's voice"
     input_width = 3  # (id, clip handle, row in the clip's embeddings)
     max_text_chars = 4000
@@ -88,6 +93,7 @@ class StepAudio2Adapter(LMAdapter):
         self._pending: list[tuple[int, torch.Tensor]] = []  # (handle, log-mel) to encode next step
         self._clips_of: dict[str, list[int]] = {}  # req_id -> its clip handles
         self._next_handle = 0
+        self._text_only: set[str] = set()  # req_ids answering in text alone (`constrain` masks speech)
 
     @classmethod
     def build(cls, config: ModelConfig) -> StepAudio2Adapter:
@@ -104,24 +110,36 @@ class StepAudio2Adapter(LMAdapter):
     def format_prompt(self, text: str, voice: str | None) -> list[Token]:
         return self.chat_prompt(text, [], "")
 
+    @classmethod
+    def transcription_system(cls, language: str | None) -> str:
+        """The published ASR instruction (English unless `language` is "zh"); other languages are refused."""
+        if language is not None and language not in TRANSCRIPTION_SYSTEM:
+            served = ", ".join(TRANSCRIPTION_SYSTEM)
+            raise InvalidArgumentError("language", f"{language!r} is not served; Step-Audio 2 transcribes {served}")
+        return TRANSCRIPTION_SYSTEM[language or "en"]
+
     def job_prompt(self, job: Job) -> list[Token]:
         pieces = [] if job.audio is None else self.queue_clip(job.req_id, clip_wave_16k(job.audio))
-        return self.chat_prompt(job.text, pieces, job.req_id)
+        if job.text_only:
+            self._text_only.add(job.req_id)
+        return self.chat_prompt(job.text, pieces, job.req_id, job.system or SYSTEM_PROMPT, speaks=not job.text_only)
 
-    def chat_prompt(self, text: str, pieces: list[tuple[int, int]], req_id: str) -> list[Token]:
+    def chat_prompt(
+        self, text: str, pieces: list[tuple[int, int]], req_id: str, system: str = SYSTEM_PROMPT, speaks: bool = True
+    ) -> list[Token]:
         """The published chat for one user turn (text, then each audio piece as (handle, rows)), the
-        assistant's turn opened in speech."""
+        assistant's turn opened in speech (`<tts_start>`) or, `speaks` False, in text."""
         if not text and not pieces:
             raise InvalidArgumentError("text", "has no tokens and no audio came with it")
         ids = self.ids
-        body = [ids.bot, *self.tokenizer.encode(f"system\n{SYSTEM_PROMPT}"), ids.eot, ids.bot]
+        body = [ids.bot, *self.tokenizer.encode(f"system\n{system}"), ids.eot, ids.bot]
         body += self.tokenizer.encode("human\n") + (self.tokenizer.encode(text) if text else [])
         prompt: list[Token] = [(i, NO_CLIP, 0) for i in body]
         for handle, rows in pieces:
             prompt.append((ids.audio_start, NO_CLIP, 0))
             prompt += [(ids.audio_patch, handle, row) for row in range(rows)]
             prompt.append((ids.audio_end, NO_CLIP, 0))
-        tail = [ids.eot, ids.bot, *self.tokenizer.encode("assistant\n"), ids.tts_start]
+        tail = [ids.eot, ids.bot, *self.tokenizer.encode("assistant\n"), *([ids.tts_start] if speaks else [])]
         return prompt + [(i, NO_CLIP, 0) for i in tail]
 
     def queue_clip(self, req_id: str, wave_16k: torch.Tensor) -> list[tuple[int, int]]:
@@ -145,6 +163,7 @@ class StepAudio2Adapter(LMAdapter):
         self._rows.update(zip(handles, encoded, strict=True))
 
     def forget(self, req_id: str) -> None:
+        self._text_only.discard(req_id)
         handles = set(self._clips_of.pop(req_id, []))
         self._pending = [(h, mel) for h, mel in self._pending if h not in handles]
         for handle in handles:
@@ -172,6 +191,16 @@ class StepAudio2Adapter(LMAdapter):
             where = handle == clip
             out[where] = self._rows[clip].to(out.dtype)[row[where]]
         return out
+
+    def constrain(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """logits [B, vocab]: a text-only answer's rows may draw only text ids and `<|EOT|>` (no
+        `<tts_start>`, no speech id, no audio framing, no `<|BOT|>`)."""
+        rows = [i for i, req in enumerate(reqs) if req.req_id in self._text_only]
+        if rows:
+            index = torch.tensor(rows, device=logits.device)
+            logits[index, self.ids.audio_start :] = float("-inf")
+            logits[index, self.ids.bot] = float("-inf")
+        return logits
 
     def is_stop(self, req: Request, token: Token) -> bool:
         return token == self.ids.eot

@@ -56,6 +56,7 @@ CLUSTER_WHEELS: dict[str, str] = {
     # Serve's HTTP proxy and our ingress (FastAPI app, WebSocket endpoint)
     "fastapi": "Serve's ingress, router.ingress", "starlette": "fastapi, router.websocket",
     "annotated-doc": "fastapi", "anyio": "starlette (also through httpx there; version unknown)",
+    "python-multipart": "router.transcriptions (Starlette's multipart/form-data parser)",
     "uvicorn": "Serve's HTTP proxy", "h11": "uvicorn", "httptools": "uvicorn's fast HTTP parser",
     "uvloop": "uvicorn's event loop", "websockets": "uvicorn's WebSocket protocol, `voxray say --incremental`",
     # Serve's controller / replicas and Ray's agents (dashboard.optional_deps: without one, Ray runs minimal)

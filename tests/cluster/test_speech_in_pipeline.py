@@ -12,6 +12,7 @@ import pytest
 from cluster.pipeline import InProcessPipeline
 from core.config import EngineConfig, ModelConfig
 from core.messages import AudioClip
+from llm_stage.jobs import build_job
 from llm_stage.models.step_audio2_lm import PRESET_TEXT_IDS
 from llm_stage.models.tokenizers import ByteTokenizer
 from llm_stage.text_out import TextStream
@@ -62,3 +63,38 @@ def test_text_held_back_mid_character() -> None:
     deltas = [stream.push([i], is_final=False) for i in ids]
     assert "".join(deltas) == "né😀!" and all("\ufffd" not in d for d in deltas)
     assert deltas[1] == "" and deltas[2] == "é"  # the second byte of é completes it
+
+
+def test_a_text_only_answer_never_speaks_and_sends_no_chunk(pipeline) -> None:
+    """`Job.text_only`: the prompt opens the assistant's turn without `<tts_start>`, every id drawn is
+    text or `<|EOT|>`, the stream ends with its text, and the detokenizer gets no chunk (not even an
+    empty final one); the same seeded request answering in speech does draw speech ids."""
+    engine, adapter = pipeline.llm.engine, pipeline.llm.engine.adapter
+    sampling = {"temperature": 0.0, "max_tokens": 80}
+    job = build_job(adapter, text="", req_id="asr", sampling=sampling, audio=clip(1.2), text_only=True,
+                    system=adapter.transcription_system("en"))  # fmt: skip
+    tokens: list[int] = []
+    original_step = engine.step
+
+    def recording_step():
+        outs = original_step()
+        tokens.extend(t for o in outs for t in o.new_token_ids)
+        return outs
+
+    engine.step = recording_step
+    pipeline.llm.add(job)
+    prompt_ids = [t[0] for t in engine.requests["asr"].prompt_ids]
+    audio = []
+    while pipeline.has_work:
+        audio += pipeline.step()
+    assert adapter.ids.tts_start not in prompt_ids
+    assert audio == [] and pipeline.detok.num_decoded_frames == 0
+    assert tokens and all(adapter.ids.is_text(t) or t == adapter.ids.eot for t in tokens)
+    deltas = [d for d in pipeline.text if d.req_id == "asr"]
+    assert deltas[-1].is_final and "".join(d.text for d in deltas)
+    assert "".join(d.text for d in deltas) == adapter.decode_text(adapter.text_ids(tokens))
+
+    tokens.clear()
+    spoken = dataclasses.replace(job, req_id="s2s-same", text_only=False)
+    answer = pipeline.answer(spoken)
+    assert any(adapter.ids.speech_code(t) is not None for t in tokens) and answer.pcm16

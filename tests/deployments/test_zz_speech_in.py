@@ -1,7 +1,8 @@
 """Speech in through the Serve cluster: a gRPC Synthesize carrying a clip (`input_audio`) on
 step-audio2-tiny answers with the answer's text as text-only chunks ahead of its audio, and text and
 audio equal the in-process pipeline's for the same seeded request; a clip the ingress refuses names
-its field. (The in-process checks: tests/cluster/test_speech_in_pipeline.py.)"""
+its field. The same app transcribes (`POST /v1/audio/transcriptions` with the `openai` SDK): a text-only
+stream whose text equals the in-process one. (The in-process checks: tests/cluster/test_speech_in_pipeline.py.)"""
 
 from __future__ import annotations
 
@@ -57,6 +58,8 @@ def test_a_clip_in_answers_text_then_audio_as_in_process(cluster) -> None:
             engine = pipeline.llm.engine
             job = dataclasses.replace(engine.job("s2s-1", "Answer.", sampling=SAMPLING), audio=AudioClip(pcm, 24_000))
             expected = pipeline.answer(job)
+            transcript = pipeline.answer(transcription_job(engine.adapter, pcm)).text
+            text_only = pipeline.answer(dataclasses.replace(job, req_id="chat-text", text_only=True))
         finally:
             pipeline.close()
         assert "".join(c.text for c in text_chunks) == expected.text
@@ -66,11 +69,67 @@ def test_a_clip_in_answers_text_then_audio_as_in_process(cluster) -> None:
         assert np.abs(got - want).max() <= MAX_PCM_STEPS
 
         _the_openai_sdk_gets_the_same_answer(endpoint, pcm, expected)
+        _the_openai_sdk_transcribes(endpoint, pcm, transcript)
+        assert text_only.text and not text_only.pcm16
+        _the_openai_sdk_gets_a_text_only_answer(endpoint, pcm, text_only.text)
         odd = voxray_pb2.InputAudio(data=pcm[:-1], format=voxray_pb2.INPUT_AUDIO_PCM16, sample_rate_hz=24_000)
         refused = run_stream(endpoint.grpc_target, endpoint.app_name, "", input_audio=odd)
         assert refused.code == grpc.StatusCode.INVALID_ARGUMENT and "input_audio.data" in refused.details
     finally:
         serve.delete(SPEECH_IN.app_name)
+
+
+def transcription_job(adapter, pcm: bytes):
+    """What the transcriptions route makes of the clip sent as a WAV with `language: zh`, greedy."""
+    from llm_stage.jobs import build_job
+    from router.transcriptions import with_text_bound
+
+    job = build_job(adapter, text="", req_id="asr-1", sampling={"temperature": 0.0}, audio=AudioClip(pcm, 24_000),
+                    text_only=True, system=adapter.transcription_system("zh"))  # fmt: skip
+    return with_text_bound(job)
+
+
+def _the_openai_sdk_transcribes(endpoint, pcm: bytes, transcript: str) -> None:
+    """`openai`'s audio.transcriptions.create uploads the clip as a WAV: json, text and verbose_json
+    give the in-process text-only answer; a file that is not audio answers 400 naming `file`, an
+    unknown model 400 naming `model`."""
+    from openai import BadRequestError, OpenAI
+
+    from router.audio_format import wav_bytes
+
+    client = OpenAI(base_url=f"{endpoint.http_url}{SPEECH_IN.route_prefix}/v1", api_key="unused", max_retries=0)
+    upload = {"model": "step-audio2-tiny", "file": ("clip.wav", wav_bytes(pcm, 24_000), "audio/wav"), "language": "zh"}
+    assert transcript and client.audio.transcriptions.create(**upload).text == transcript
+    assert client.audio.transcriptions.create(**upload, response_format="text") == transcript
+    verbose = client.audio.transcriptions.create(**upload, response_format="verbose_json")
+    assert verbose.text == transcript and verbose.duration == 1.5 and verbose.language == "chinese"
+    assert verbose.segments[0].end == 1.5
+    not_audio = ("clip.wav", b"not audio at all", "audio/wav")
+    for bad, param in [({"file": not_audio}, "file"), ({"model": "nope"}, "model")]:
+        with pytest.raises(BadRequestError) as err:
+            client.audio.transcriptions.create(**{**upload, **bad})
+        assert err.value.status_code == 400 and err.value.body["param"] == param
+
+
+def _the_openai_sdk_gets_a_text_only_answer(endpoint, pcm: bytes, text: str) -> None:
+    """Chat completions without `modalities` (OpenAI's default, text): `message.content` whole and
+    `delta.content` streamed, the in-process text-only answer, no audio."""
+    from openai import OpenAI
+
+    from router.audio_format import wav_bytes
+
+    client = OpenAI(base_url=f"{endpoint.http_url}{SPEECH_IN.route_prefix}/v1", api_key="unused", max_retries=0)
+    wav = base64.b64encode(wav_bytes(pcm, 24_000)).decode()
+    request = {
+        "model": "step-audio2-tiny", "max_tokens": SAMPLING["max_tokens"], "temperature": SAMPLING["temperature"],
+        "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "Answer."}, {"type": "input_audio", "input_audio": {"data": wav, "format": "wav"}},
+        ]}],
+    }  # fmt: skip
+    message = client.chat.completions.create(**request).choices[0].message
+    assert message.content == text and message.audio is None
+    streamed = client.chat.completions.create(**request, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == text
 
 
 def _the_openai_sdk_gets_the_same_answer(endpoint, pcm: bytes, expected) -> None:

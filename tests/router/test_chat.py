@@ -42,7 +42,8 @@ def test_a_user_turn_of_text_and_audio_becomes_a_speech_in_job() -> None:
 @pytest.mark.parametrize(
     ("overrides", "field"),
     [
-        ({"modalities": ["text"]}, "modalities"),
+        ({"modalities": ["audio"]}, "modalities"),
+        ({"modalities": ["text"]}, "audio"),  # a text-only answer has no audio settings
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "system", "content": "Be brief."}]}, "messages[0]"),
         ({"messages": [{"role": "user", "content": [AUDIO_PART, AUDIO_PART]}]}, "messages[0].content[1]"),
@@ -80,3 +81,48 @@ def test_the_streamed_and_whole_replies() -> None:
     whole = asyncio.run(chat_whole(ChatReply(job, "step-audio2-tiny"), chunks(), 24_000))
     message = whole["choices"][0]["message"]
     assert message["audio"]["transcript"] == "Hello" and base64.b64decode(message["audio"]["data"])[:4] == b"RIFF"
+
+
+def test_a_text_only_answer_streams_and_answers_as_content() -> None:
+    """`modalities: ["text"]` (also OpenAI's default when left out): a text-only job, its text as
+    `delta.content` pieces and `message.content`, no audio in either."""
+    fields, _ = chat_request(body(modalities=["text"], audio=None))
+    job = job_from_fields(ENTRY, AdmissionConfig(), **fields)
+    default, _ = chat_request(json.dumps({k: v for k, v in json.loads(body(audio=None)).items()
+                                          if k != "modalities"}).encode())  # fmt: skip
+    assert job.text_only and job_from_fields(ENTRY, AdmissionConfig(), **default).text_only
+    spoken = job_from_fields(ENTRY, AdmissionConfig(), **chat_request(body())[0])
+    assert not spoken.text_only
+    sent = [SentChunk(None, 0, None, 0.01, text="Hel"), SentChunk(None, 0, None, 0.02, text="lo")]
+
+    async def chunks():
+        for s in sent:
+            yield s
+
+    async def collect() -> list[bytes]:
+        return [p async for p in chat_sse_body(ChatReply(job, "step-audio2-tiny"), chunks(), b"", AsyncExitStack())]
+
+    events = [json.loads(p.decode()[len("data: ") :]) for p in asyncio.run(collect())[:-1]]
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert deltas[1:3] == [{"content": "Hel"}, {"content": "lo"}] and deltas[-1] == {}
+    message = asyncio.run(chat_whole(ChatReply(job, "step-audio2-tiny"), chunks(), 24_000))["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": "Hello"}
+
+
+def test_a_text_only_answer_with_no_text_is_an_empty_content() -> None:
+    """The model may end a text-only answer at once (`<|EOT|>` first): the stream has no chunk at all,
+    and the reply is an empty `content` (the route's first read gives None, not StopAsyncIteration)."""
+    from router.ingress import _chunks
+
+    job = job_from_fields(ENTRY, AdmissionConfig(), **chat_request(body(modalities=["text"], audio=None))[0])
+
+    async def nothing():
+        return
+        yield
+
+    async def whole() -> dict:
+        stream = nothing()
+        first = await anext(stream, None)
+        return await chat_whole(ChatReply(job, "step-audio2-tiny"), _chunks(first, stream), 24_000)
+
+    assert asyncio.run(whole())["choices"][0]["message"] == {"role": "assistant", "content": ""}
