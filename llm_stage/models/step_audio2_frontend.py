@@ -19,7 +19,7 @@ from llm_stage.models.stream_resample import StreamResampler
 
 N_FFT, HOP = 400, 160
 EDGE = N_FFT // 2  # the STFT's centring: reflect-padded on the left, zeros on the right (past the 479)
-GROUP_FRAMES = 8  # frames per STFT call (80 ms): how far the front end may lag the audio it was given
+GROUP_FRAMES = 64  # frames per STFT call (640 ms): how far the front end may lag the audio it was given
 GROUP_SAMPLES = (GROUP_FRAMES - 1) * HOP + N_FFT
 
 
@@ -80,7 +80,7 @@ class StreamedLogMel:
 
 class MicFrontEnd:
     """A turn's audio, PCM16 at `sample_rate_hz`, pushed in pieces -> `AudioFeatures` (one log-mel per 25 s
-    piece) at `finish`. Everything before the turn's last 80 ms is done by then."""
+    piece) at `finish`. Everything but the turn's last 640 ms of frames (and 0.5 s of resampling) is done by then."""
 
     def __init__(self, sample_rate_hz: int, n_mels: int = 128) -> None:
         self.n_mels = n_mels

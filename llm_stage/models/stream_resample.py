@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from detok_stage.voice.features import _sinc_kernels
 
-GROUP_OUTPUT_SAMPLES = 320  # output samples per conv call (20 ms at 16 kHz): the latency a piece adds
+GROUP_OUTPUT_SAMPLES = 8000  # output samples per conv call (0.5 s at 16 kHz): how far the output may lag
 
 
 class StreamResampler:
