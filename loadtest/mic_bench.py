@@ -27,9 +27,8 @@ PIECE_S = 0.02  # a microphone client's usual piece
 
 def speech_like_pcm16(seconds: float, rate: int) -> bytes:
     t = np.arange(round(seconds * rate)) / rate
-    wave = 0.2 * np.sin(2 * np.pi * 180 * t) * (1 + np.sin(2 * np.pi * 3 * t)) + 0.01 * np.random.default_rng(0).normal(
-        size=t.size
-    )
+    noise = 0.01 * np.random.default_rng(0).normal(size=t.size)
+    wave = 0.2 * np.sin(2 * np.pi * 180 * t) * (1 + np.sin(2 * np.pi * 3 * t)) + noise  # a tone at a syllable rate
     return np.clip(wave * 32767, -32768, 32767).astype("<i2").tobytes()
 
 
