@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from core.errors import InvalidArgumentError, from_validation_error
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 
@@ -133,6 +134,17 @@ class ContextTurn:
 
 
 @dataclass(frozen=True)
+class AudioFeatures:
+    """The front end's output for a speech-in clip, computed where its audio arrived (streamed microphone
+    input: piece by piece in the Router, so the LM replica only encodes): one float32 array
+    [n_mels, frames] per encoder piece. `front_end` names what made them; an adapter with another front
+    end ignores them and computes its own from `Job.audio`."""
+
+    front_end: str
+    mels: tuple[np.ndarray, ...]
+
+
+@dataclass(frozen=True)
 class AudioClip:
     """Audio a request carries to the LM (speech in): mono PCM16 little-endian at `sample_rate_hz`,
     checked at the ingress (format, rate, duration); the LLM replica resamples and encodes it."""
@@ -189,6 +201,8 @@ class Job:
     # Speech in: the system turn of the family's prompt ("" = the family's default), e.g. the
     # transcription instruction `router.transcriptions` puts there
     system: str = ""
+    # Streamed microphone input: `audio`'s front-end features, computed as it arrived (`AudioFeatures`)
+    audio_features: AudioFeatures | None = None
 
 
 @dataclass(frozen=True)

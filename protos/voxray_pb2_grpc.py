@@ -44,6 +44,11 @@ class SpeechStub:
                 request_serializer=protos_dot_voxray__pb2.SynthesizeStreamRequest.SerializeToString,
                 response_deserializer=protos_dot_voxray__pb2.AudioChunk.FromString,
                 _registered_method=True)
+        self.Converse = channel.stream_stream(
+                '/voxray.Speech/Converse',
+                request_serializer=protos_dot_voxray__pb2.ConverseRequest.SerializeToString,
+                response_deserializer=protos_dot_voxray__pb2.AudioChunk.FromString,
+                _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/voxray.Speech/ListModels',
                 request_serializer=protos_dot_voxray__pb2.ListModelsRequest.SerializeToString,
@@ -81,6 +86,18 @@ class SpeechServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Converse(self, request_iterator, context):
+        """Speech in from a microphone (models that take audio, e.g. step-audio2): the first message is
+        `config` (a SynthesizeRequest whose input_audio states PCM16 and its sample_rate_hz; its data, if
+        any, is the first piece; its text, if any, an instruction beside the audio), then `audio` pieces,
+        then `end_of_turn` (or the client's half-close). The audio is resampled and turned into the
+        encoder's features as it arrives. Answers as Synthesize does: text-only chunks carrying the
+        answer's text, audio chunks, the last one final. One turn per call.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListModels(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -112,6 +129,11 @@ def add_SpeechServicer_to_server(servicer, server):
             'SynthesizeStream': grpc.stream_stream_rpc_method_handler(
                     servicer.SynthesizeStream,
                     request_deserializer=protos_dot_voxray__pb2.SynthesizeStreamRequest.FromString,
+                    response_serializer=protos_dot_voxray__pb2.AudioChunk.SerializeToString,
+            ),
+            'Converse': grpc.stream_stream_rpc_method_handler(
+                    servicer.Converse,
+                    request_deserializer=protos_dot_voxray__pb2.ConverseRequest.FromString,
                     response_serializer=protos_dot_voxray__pb2.AudioChunk.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
@@ -183,6 +205,33 @@ class Speech:
             target,
             '/voxray.Speech/SynthesizeStream',
             protos_dot_voxray__pb2.SynthesizeStreamRequest.SerializeToString,
+            protos_dot_voxray__pb2.AudioChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Converse(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/voxray.Speech/Converse',
+            protos_dot_voxray__pb2.ConverseRequest.SerializeToString,
             protos_dot_voxray__pb2.AudioChunk.FromString,
             options,
             channel_credentials,

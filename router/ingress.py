@@ -38,8 +38,11 @@ from router.audio_format import streaming_wav_header
 from router.auth import ApiKeys, QuotaExceeded, Unauthenticated
 from router.chat import ChatReply, chat_request, chat_sse_body, chat_whole
 from router.deadlines import DeadlineUnmeetable
+from router.grpc_converse import open_turn, read_turn
+from router.grpc_converse import read_config as read_converse_config
 from router.grpc_server import GrpcAbort, SpeechServer
 from router.grpc_stream import read_config, stream_audio
+from router.incremental import IdleTimeout
 from router.jobs import (
     MAX_AUDIO_JSON_BYTES,
     MAX_BODY_BYTES,
@@ -48,6 +51,8 @@ from router.jobs import (
     reply_request_id,
     speech_request,
 )
+from router.mic_turn import turn_job
+from router.mic_websocket import MicEndpoint
 from router.replica_listener import keep_replica_listener_on_loopback
 from router.replies import Failure, http_error, log_failure, out_of_memory_retry_s, with_request_id
 from router.served import ServedModels, models_json, models_response
@@ -331,6 +336,27 @@ class Router:
         except Exception as err:
             _grpc_fail(grpc_context, err, req_id)
 
+    async def Converse(self, requests: AsyncIterator[bytes], grpc_context=None):  # noqa: N802
+        """Streamed microphone audio in, the answer's text and audio out (`router.grpc_converse`)."""
+        req_id = reply_request_id("")
+        try:
+            key = self.auth.check(_authorization(grpc_context))
+            fields, rate, first_piece = await read_converse_config(requests)
+            fields["req_id"] = req_id = reply_request_id(fields["req_id"])
+            core = self.models.core_for(fields["model"])
+            with self.auth.hold_stream(key):
+                turn = open_turn(core.entry, core.config.speech_in, rate, first_piece)
+                await read_turn(requests, turn, core.config.incremental.idle_timeout_s)
+                job = core.fit_client_deadline(turn_job(core.job, fields, turn), grpc_context)
+                header = streaming_wav_header(core.entry.sample_rate_hz) if job.output_format == "wav" else b""
+                async with aclosing(core.run(job)) as stream:
+                    async for sent in stream:
+                        yield _to_proto(job, sent, header if sent.seq == 0 and sent.audio is not None else b"")
+        except IdleTimeout as err:
+            _abort(grpc_context, grpc.StatusCode.DEADLINE_EXCEEDED, with_request_id(str(err), req_id), req_id=req_id)
+        except Exception as err:
+            _grpc_fail(grpc_context, err, req_id)
+
     async def ListModels(self, request: voxray_pb2.ListModelsRequest | bytes, grpc_context=None):  # noqa: N802
         try:
             self.auth.check(_authorization(grpc_context))
@@ -390,14 +416,22 @@ class Router:
         """Incremental text in, audio out (`router.websocket` documents the messages)."""
         await self._stream_endpoint().serve(websocket, reply_request_id(""))
 
+    @http_app.websocket("/v1/audio/converse")
+    async def converse_stream(self, websocket: WebSocket) -> None:
+        """Streamed microphone audio in, text and audio out (`router.mic_websocket` documents the messages)."""
+        endpoint = MicEndpoint(self._ws_authorize, self.models.core_for, _failure)
+        await endpoint.serve(websocket, reply_request_id(""))
+
+    @asynccontextmanager
+    async def _ws_authorize(self, websocket: WebSocket):
+        values = websocket.headers.getlist("authorization")
+        if len(values) > 1:
+            raise Unauthenticated("authorization: given more than once")
+        with self.auth.hold_stream(self.auth.check(values[0] if values else None)):
+            yield
+
     def _stream_endpoint(self) -> StreamEndpoint:
-        @asynccontextmanager
-        async def authorize(websocket: WebSocket):
-            values = websocket.headers.getlist("authorization")
-            if len(values) > 1:
-                raise Unauthenticated("authorization: given more than once")
-            with self.auth.hold_stream(self.auth.check(values[0] if values else None)):
-                yield
+        authorize = self._ws_authorize
 
         chosen = []  # the config's model's core, picked by `template` before the session opens
 

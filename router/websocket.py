@@ -37,6 +37,7 @@ CLOSE_CODES = {
     grpc.StatusCode.UNAVAILABLE: CLOSE_TRY_LATER,
     grpc.StatusCode.DEADLINE_EXCEEDED: CLOSE_IDLE,
 }
+FailureOf = Callable[[Exception], tuple[Failure, Exception | None]]  # the Router's reply for an exception
 PLACEHOLDER_TEXT = "-"  # the config's template Job carries no text; each segment brings its own
 
 
@@ -152,7 +153,7 @@ class StreamEndpoint:
     template: Callable[[dict], Job]
     open_session: Callable[[Job], AbstractAsyncContextManager[IncrementalSession]]
     wav_header: bytes | None  # None: the session's model's (a multi-model Router picks it by the config's model)
-    failure_of: Callable[[Exception], tuple[Failure, Exception | None]]
+    failure_of: FailureOf
 
     async def serve(self, websocket: WebSocket, fallback_req_id: str) -> None:
         await websocket.accept()
@@ -170,7 +171,7 @@ class StreamEndpoint:
         except WebSocketDisconnect:
             return  # the client left: the session's stream was cancelled on the way out
         except Exception as err:
-            await self._fail(websocket, err, req_id)
+            await send_failure(websocket, err, req_id, self.failure_of)
 
     async def _run(self, websocket: WebSocket, session: IncrementalSession, job: Job) -> float:
         """Read input and send audio at once; the first to fail cancels the other (a client that
@@ -189,22 +190,24 @@ class StreamEndpoint:
                 task.cancel()
             await asyncio.gather(reader, writer, return_exceptions=True)
 
-    async def _fail(self, websocket: WebSocket, err: Exception, req_id: str) -> None:
-        if isinstance(err, BinaryMessage):
-            failure = Failure(grpc.StatusCode.INVALID_ARGUMENT, "binary messages are not accepted; send JSON text")
-            close_code = CLOSE_UNSUPPORTED
-        elif isinstance(err, IdleTimeout):
-            failure, close_code = Failure(grpc.StatusCode.DEADLINE_EXCEEDED, str(err)), CLOSE_IDLE
-        else:
-            failure, own = self.failure_of(err)
-            log_failure(failure, req_id, "WebSocket", own)
-            close_code = CLOSE_CODES.get(failure.code, CLOSE_INTERNAL)
-        body = {
-            "type": "error", "code": failure.code.name, "param": failure.param,
-            "message": with_request_id(failure.message, req_id), "request_id": req_id,
-        }  # fmt: skip
-        if failure.retry_after_s is not None:
-            body["retry_after_s"] = failure.retry_after_s
-        with suppress(Exception):  # the client may be gone already
-            await websocket.send_text(json.dumps(body))
-            await websocket.close(close_code)
+
+async def send_failure(websocket: WebSocket, err: Exception, req_id: str, failure_of: FailureOf) -> None:
+    """The error message (code, field, message, request id, retry hint) and the close code for `err`."""
+    if isinstance(err, BinaryMessage):
+        failure = Failure(grpc.StatusCode.INVALID_ARGUMENT, "binary messages are not accepted; send JSON text")
+        close_code = CLOSE_UNSUPPORTED
+    elif isinstance(err, IdleTimeout):
+        failure, close_code = Failure(grpc.StatusCode.DEADLINE_EXCEEDED, str(err)), CLOSE_IDLE
+    else:
+        failure, own = failure_of(err)
+        log_failure(failure, req_id, "WebSocket", own)
+        close_code = CLOSE_CODES.get(failure.code, CLOSE_INTERNAL)
+    body = {
+        "type": "error", "code": failure.code.name, "param": failure.param,
+        "message": with_request_id(failure.message, req_id), "request_id": req_id,
+    }  # fmt: skip
+    if failure.retry_after_s is not None:
+        body["retry_after_s"] = failure.retry_after_s
+    with suppress(Exception):  # the client may be gone already
+        await websocket.send_text(json.dumps(body))
+        await websocket.close(close_code)

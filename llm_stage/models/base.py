@@ -16,7 +16,7 @@ import torch
 
 from core.config import ModelConfig
 from core.errors import InvalidArgumentError
-from core.messages import Job, SamplingParams
+from core.messages import AudioFeatures, Job, SamplingParams
 from detok_stage.codecs.base import CodecAdapter
 from llm_stage.cfg import GuidanceFormula
 from llm_stage.chunking import ChunkSchedule
@@ -55,6 +55,15 @@ class FrameBuilder(ABC):
     def push(self, token_id: Token) -> list[list[int]]: ...
 
 
+class AudioFrontEnd(Protocol):
+    """A speech-in family's front end on audio that arrives in pieces (streamed microphone input):
+    PCM16 pushed as it comes, the features its encoder reads at `finish` (`Job.audio_features`)."""
+
+    def push_pcm16(self, pcm16: bytes) -> None: ...
+
+    def finish(self) -> AudioFeatures: ...
+
+
 class LMAdapter(ABC):
     """One model family's LM side. Subclasses set the class attributes and `backbone`."""
 
@@ -85,6 +94,12 @@ class LMAdapter(ABC):
 
     def __init__(self, backbone: Backbone) -> None:
         self.backbone = backbone
+
+    @classmethod
+    def audio_front_end(cls, sample_rate_hz: int) -> AudioFrontEnd | None:
+        """A front end for a turn streamed at `sample_rate_hz` (None: the family takes no streamed audio).
+        The Router runs it as the audio arrives, without the model's weights."""
+        return None
 
     @classmethod
     def build(cls, config: ModelConfig) -> LMAdapter:

@@ -7,9 +7,10 @@ then `<|EOT|><|BOT|>assistant\\n<tts_start>` (answer in speech), or without `<tt
 text-only answer (`Job.text_only`, as the published ASR example: its draws are then held to text ids
 and `<|EOT|>`, so no speech id and no chunk is ever made). A position is (id, clip handle,
 row): text and markers carry handle -1; a placeholder names the rows of its clip's embeddings, which
-`embed` writes over the placeholder's own. Clips are turned into log-mels when a job arrives and
-encoded in one batched forward for every clip that arrived since the last step (`prepare_step`),
-the LLM replica's preprocess; their rows are kept until the request ends (a re-prefill reads
+`embed` writes over the placeholder's own. Clips are turned into log-mels when a job arrives (a
+streamed turn's come with it, computed as its audio arrived: `step_audio2_frontend`) and encoded in
+one batched forward for every clip that arrived since the last step (`prepare_step`), the LLM
+replica's preprocess; their rows are kept until the request ends (a re-prefill reads
 them again). Output: text ids go to the client as text, `<audio_N>` to the detokenizer as code N,
 `<|EOT|>` stops. Weights and ids: `llm_stage.models.step_audio2_lm`.
 """
@@ -32,11 +33,13 @@ from llm_stage.models.cosyvoice2 import S3GEN_SCHEDULE
 from llm_stage.models.llama import LlamaBackbone
 from llm_stage.models.step_audio2_encoder import (
     SAMPLE_RATE_HZ,
+    EncoderShape,
     encode_pieces,
     num_placeholders,
     piece_log_mel,
     split_pieces,
 )
+from llm_stage.models.step_audio2_frontend import MicFrontEnd, front_end_name, whole_clip_features
 from llm_stage.models.step_audio2_lm import (
     PRESET_TEXT_IDS,
     SpecialIds,
@@ -64,10 +67,14 @@ class SpeechFrameBuilder(FrameBuilder):
         return [] if code is None else [[code]]
 
 
+def clip_wave(clip: AudioClip) -> torch.Tensor:
+    """The clip's PCM16 as float samples [N] in [-1, 1] at its own rate."""
+    return torch.from_numpy(np.frombuffer(clip.pcm16, dtype="<i2").astype(np.float32) / 32768.0)
+
+
 def clip_wave_16k(clip: AudioClip) -> torch.Tensor:
-    """The clip's PCM16 as float samples [N] in [-1, 1] at 16 kHz (resampled when sent at another rate)."""
-    wave = torch.from_numpy(np.frombuffer(clip.pcm16, dtype="<i2").astype(np.float32) / 32768.0)
-    return resample(wave, clip.sample_rate_hz, SAMPLE_RATE_HZ)
+    """The clip's float samples at 16 kHz (resampled when sent at another rate)."""
+    return resample(clip_wave(clip), clip.sample_rate_hz, SAMPLE_RATE_HZ)
 
 
 class StepAudio2Adapter(LMAdapter):
@@ -96,6 +103,11 @@ class StepAudio2Adapter(LMAdapter):
         self._text_only: set[str] = set()  # req_ids answering in text alone (`constrain` masks speech)
 
     @classmethod
+    def audio_front_end(cls, sample_rate_hz: int) -> MicFrontEnd:
+        """The published front end (128 mel bins); a checkpoint with other bins recomputes from the clip."""
+        return MicFrontEnd(sample_rate_hz, EncoderShape().n_mels)
+
+    @classmethod
     def build(cls, config: ModelConfig) -> StepAudio2Adapter:
         """The published directory (its tokenizer gives the special ids by name) or the tiny preset."""
         model = load_step_audio2(config)
@@ -119,10 +131,20 @@ class StepAudio2Adapter(LMAdapter):
         return TRANSCRIPTION_SYSTEM[language or "en"]
 
     def job_prompt(self, job: Job) -> list[Token]:
-        pieces = [] if job.audio is None else self.queue_clip(job.req_id, clip_wave_16k(job.audio))
+        pieces = [] if job.audio is None else self.queue_mels(job.req_id, self.clip_mels(job))
         if job.text_only:
             self._text_only.add(job.req_id)
         return self.chat_prompt(job.text, pieces, job.req_id, job.system or SYSTEM_PROMPT, speaks=not job.text_only)
+
+    def clip_mels(self, job: Job) -> list[torch.Tensor]:
+        """The log-mel of each 25 s piece of the job's audio: the features computed as it arrived
+        (streamed microphone input) when they are this front end's, else the same front end run on
+        the whole clip now (bit-equal either way)."""
+        n_mels = self.model.encoder_shape.n_mels
+        features = job.audio_features
+        if features is None or features.front_end != front_end_name(n_mels):
+            features = whole_clip_features(clip_wave(job.audio), job.audio.sample_rate_hz, n_mels)
+        return [torch.from_numpy(mel) for mel in features.mels]
 
     def chat_prompt(
         self, text: str, pieces: list[tuple[int, int]], req_id: str, system: str = SYSTEM_PROMPT, speaks: bool = True
@@ -143,10 +165,14 @@ class StepAudio2Adapter(LMAdapter):
         return prompt + [(i, NO_CLIP, 0) for i in tail]
 
     def queue_clip(self, req_id: str, wave_16k: torch.Tensor) -> list[tuple[int, int]]:
-        """Log-mels of the clip's 25 s pieces, queued for the next step's batched encode: (handle, rows) each."""
+        """The 16 kHz clip's 25 s pieces through the published front end (`piece_log_mel`), queued."""
+        n_mels = self.model.encoder_shape.n_mels
+        return self.queue_mels(req_id, [piece_log_mel(piece, n_mels) for piece in split_pieces(wave_16k)])
+
+    def queue_mels(self, req_id: str, mels: list[torch.Tensor]) -> list[tuple[int, int]]:
+        """Log-mels of a clip's 25 s pieces, queued for the next step's batched encode: (handle, rows) each."""
         pieces = []
-        for piece in split_pieces(wave_16k):
-            mel = piece_log_mel(piece, self.model.encoder_shape.n_mels)
+        for mel in mels:
             handle, self._next_handle = self._next_handle, self._next_handle + 1
             self._pending.append((handle, mel))
             self._clips_of.setdefault(req_id, []).append(handle)

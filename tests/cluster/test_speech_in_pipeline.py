@@ -13,6 +13,7 @@ from cluster.pipeline import InProcessPipeline
 from core.config import EngineConfig, ModelConfig
 from core.messages import AudioClip
 from llm_stage.jobs import build_job
+from llm_stage.models.step_audio2_frontend import front_end_name
 from llm_stage.models.step_audio2_lm import PRESET_TEXT_IDS
 from llm_stage.models.tokenizers import ByteTokenizer
 from llm_stage.text_out import TextStream
@@ -98,3 +99,22 @@ def test_a_text_only_answer_never_speaks_and_sends_no_chunk(pipeline) -> None:
     spoken = dataclasses.replace(job, req_id="s2s-same", text_only=False)
     answer = pipeline.answer(spoken)
     assert any(adapter.ids.speech_code(t) is not None for t in tokens) and answer.pcm16
+def test_a_turn_streamed_in_pieces_answers_as_the_clip_sent_whole(pipeline) -> None:
+    """Microphone input: the family's front end run on 20 ms pieces as they come (`audio_front_end`), the
+    Job carrying its features, gives the same greedy text and audio as the clip whose features the LLM
+    replica computes itself (the features are bit-equal, so the encoder reads the same input)."""
+    engine = pipeline.llm.engine
+    t = np.arange(int(1.1 * 24_000)) / 24_000
+    pcm = (0.3 * np.sin(2 * np.pi * 170 * t) * 32767).astype("<i2").tobytes()
+    front_end = type(engine.adapter).audio_front_end(24_000)
+    for start in range(0, len(pcm), 960):  # 20 ms of 24 kHz PCM16 a piece
+        front_end.push_pcm16(pcm[start : start + 960])
+    streamed_features = front_end.finish()
+    assert streamed_features.front_end == front_end_name(engine.adapter.model.encoder_shape.n_mels)  # it is used
+    answers = []
+    for req_id, features in (("whole", None), ("streamed", streamed_features)):
+        job = engine.job(req_id, "Answer.", sampling={"temperature": 0.0, "max_tokens": 60})
+        answers.append(pipeline.answer(dataclasses.replace(job, audio=AudioClip(pcm, 24_000), audio_features=features)))
+    whole, streamed = answers
+    assert whole.text and whole.pcm16
+    assert streamed.text == whole.text and streamed.pcm16 == whole.pcm16

@@ -1,8 +1,10 @@
 """Speech in through the Serve cluster: a gRPC Synthesize carrying a clip (`input_audio`) on
 step-audio2-tiny answers with the answer's text as text-only chunks ahead of its audio, and text and
-audio equal the in-process pipeline's for the same seeded request; a clip the ingress refuses names
-its field. The same app transcribes (`POST /v1/audio/transcriptions` with the `openai` SDK): a text-only
-stream whose text equals the in-process one. (The in-process checks: tests/cluster/test_speech_in_pipeline.py.)"""
+audio equal the in-process pipeline's for the same seeded request; the same clip streamed as
+microphone audio over gRPC `Converse` and the WebSocket `/v1/audio/converse` answers the same; a clip
+the ingress refuses names its field. The same app transcribes (`POST /v1/audio/transcriptions` with the
+`openai` SDK): a text-only stream whose text equals the in-process one. (The in-process checks:
+tests/cluster/test_speech_in_pipeline.py.)"""
 
 from __future__ import annotations
 
@@ -72,6 +74,7 @@ def test_a_clip_in_answers_text_then_audio_as_in_process(cluster) -> None:
         _the_openai_sdk_transcribes(endpoint, pcm, transcript)
         assert text_only.text and not text_only.pcm16
         _the_openai_sdk_gets_a_text_only_answer(endpoint, pcm, text_only.text)
+        _a_streamed_turn_answers_as_the_clip_sent_whole(endpoint, pcm, expected)
         odd = voxray_pb2.InputAudio(data=pcm[:-1], format=voxray_pb2.INPUT_AUDIO_PCM16, sample_rate_hz=24_000)
         refused = run_stream(endpoint.grpc_target, endpoint.app_name, "", input_audio=odd)
         assert refused.code == grpc.StatusCode.INVALID_ARGUMENT and "input_audio.data" in refused.details
@@ -157,3 +160,81 @@ def _the_openai_sdk_gets_the_same_answer(endpoint, pcm: bytes, expected) -> None
             transcript.append(delta.transcript or "")
             audio.append(base64.b64decode(delta.data or ""))
     assert "".join(transcript) == expected.text and b"".join(audio) == expected.pcm16
+
+
+PIECE_BYTES = 960  # 20 ms of 24 kHz PCM16, a microphone client's usual piece
+
+
+def _a_streamed_turn_answers_as_the_clip_sent_whole(endpoint, pcm: bytes, expected) -> None:
+    """The clip as 20 ms pieces over gRPC Converse and over the WebSocket, greedy: the same text, and
+    audio within the cluster's PCM tolerance of the in-process answer (the Router's front end gives the
+    LLM replica features bit-equal to the ones it computes for the clip sent whole, so the LM's tokens
+    are the same; only S3Gen's batch composition can move the PCM). A bad rate is refused by name."""
+    chunks = _converse(endpoint, pcm, 24_000, "mic-grpc")
+    assert "".join(c.text for c in chunks) == expected.text
+    _assert_same_audio(b"".join(c.audio for c in chunks), expected.pcm16)
+    assert chunks[-1].final and any(c.text for c in chunks[: next(i for i, c in enumerate(chunks) if c.audio)])
+
+    texts, audio, code = _converse_websocket(endpoint, pcm, 24_000, "mic-ws")
+    assert code == 1000 and "".join(texts) == expected.text
+    _assert_same_audio(audio, expected.pcm16)
+
+    with pytest.raises(grpc.RpcError) as refused:
+        _converse(endpoint, pcm, 8_000, "mic-bad-rate")
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "config.input_audio.sample_rate_hz" in refused.value.details()
+
+
+def _assert_same_audio(got_pcm: bytes, want_pcm: bytes) -> None:
+    got = np.frombuffer(got_pcm, dtype="<i2").astype(np.int32)
+    want = np.frombuffer(want_pcm, dtype="<i2").astype(np.int32)
+    assert got.shape == want.shape and got.size > 0
+    assert np.abs(got - want).max() <= MAX_PCM_STEPS
+
+
+def _converse(endpoint, pcm: bytes, rate: int, request_id: str) -> list:
+    """One turn over gRPC Converse: the config, the pieces, end_of_turn; every chunk of the answer."""
+    from protos import voxray_pb2_grpc
+
+    def requests():
+        audio = voxray_pb2.InputAudio(format=voxray_pb2.INPUT_AUDIO_PCM16, sample_rate_hz=rate)
+        yield voxray_pb2.ConverseRequest(config=voxray_pb2.SynthesizeRequest(
+            text="Answer.", request_id=request_id, sampling=voxray_pb2.SamplingOptions(**SAMPLING),
+            input_audio=audio))  # fmt: skip
+        for start in range(0, len(pcm), PIECE_BYTES):
+            yield voxray_pb2.ConverseRequest(audio=pcm[start : start + PIECE_BYTES])
+        yield voxray_pb2.ConverseRequest(end_of_turn=True)
+
+    with grpc.insecure_channel(endpoint.grpc_target) as channel:
+        stub = voxray_pb2_grpc.SpeechStub(channel)
+        return list(stub.Converse(requests(), metadata=(("application", endpoint.app_name),), timeout=240))
+
+
+def _converse_websocket(endpoint, pcm: bytes, rate: int, request_id: str) -> tuple[list[str], bytes, int]:
+    """One turn over the WebSocket: its text messages, its audio bytes and the close code."""
+    import json
+
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    url = endpoint.http_url.replace("http://", "ws://", 1) + SPEECH_IN.route_prefix + "/v1/audio/converse"
+    texts, audio = [], bytearray()
+    with connect(url, open_timeout=60) as ws:
+        ws.send(json.dumps({"text": "Answer.", "sampling": SAMPLING, "request_id": request_id,
+                            "input_audio": {"format": "pcm16", "sample_rate_hz": rate}}))  # fmt: skip
+        assert json.loads(ws.recv(timeout=60)) == {"type": "ready", "request_id": request_id, "sample_rate_hz": 24000}
+        for start in range(0, len(pcm), PIECE_BYTES):
+            ws.send(pcm[start : start + PIECE_BYTES])
+        ws.send(json.dumps({"end_of_turn": True}))
+        try:
+            while True:
+                message = ws.recv(timeout=120)
+                if isinstance(message, bytes):
+                    audio += message
+                    continue
+                event = json.loads(message)
+                assert event["type"] in ("text", "audio", "done"), event
+                if event["type"] == "text":
+                    texts.append(event["text"])
+        except ConnectionClosed as closed:
+            return texts, bytes(audio), closed.rcvd.code if closed.rcvd else -1

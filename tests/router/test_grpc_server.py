@@ -47,6 +47,11 @@ class StandInRouter:
             yield voxray_pb2.AudioChunk(request_id="r-1", seq=seq, audio=request)
             seq += 1
 
+    async def Converse(self, requests, grpc_context):  # noqa: N802
+        async for request in requests:  # the pieces' sizes, once the turn ends
+            self.requests.append(request)
+        yield voxray_pb2.AudioChunk(request_id="r-1", text=",".join(str(len(r)) for r in self.requests))
+
     async def ListModels(self, request: bytes, grpc_context):  # noqa: N802
         return voxray_pb2.ListModelsResponse(models=[voxray_pb2.ModelInfo(name="orpheus-tiny")])
 
@@ -116,6 +121,16 @@ def test_bidi_messages_reach_the_router_raw_and_in_order_while_chunks_stream_bac
         chunks = list(call(iter([b"one", b"\xff two", b"three"]), timeout=10))
     assert router.requests == [b"one", b"\xff two", b"three"]
     assert [c.audio for c in chunks] == router.requests and [c.seq for c in chunks] == [0, 1, 2]
+
+
+def test_converse_is_served_bidi_raw(config):
+    router = StandInRouter()
+    with serving([config], router), grpc.insecure_channel(f"127.0.0.1:{config.grpc_port}") as channel:
+        call = channel.stream_stream(
+            "/voxray.Speech/Converse", request_serializer=None, response_deserializer=voxray_pb2.AudioChunk.FromString
+        )
+        chunks = list(call(iter([b"cfg", b"\x01\x02" * 8, b"end"]), timeout=10))
+    assert router.requests == [b"cfg", b"\x01\x02" * 8, b"end"] and [c.text for c in chunks] == ["3,16,3"]
 
 
 def test_router_status_details_and_trailers_reach_the_client_natively(config):
