@@ -62,7 +62,8 @@ def chat_request(body: bytes, header_req_ids: list[str] = ()) -> tuple[dict, boo
         "text": chat.text, "model": _str(obj, "model"), "voice": voice, "sampling": chat_sampling(obj),
         "output_format": output_format, "sample_rate_hz": 0, "ttfa_deadline_s": 0.0,
         "req_id": http_request_id(obj.get("request_id"), header_req_ids), "text_field": "messages",
-        "input_audio": chat.audio, "text_only": text_only, "system": chat.system, "history": chat.history,
+        "input_audio": chat.audio, "text_only": text_only, "system": chat.system,
+        "system_field": "messages[0].content", "history": chat.history,
     }  # fmt: skip
     return fields, stream
 

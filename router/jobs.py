@@ -71,6 +71,7 @@ def job_from_fields(
     speech_in: SpeechInConfig | None = None,
     text_only: bool = False,
     system: str = "",
+    system_field: str = "system",
     history: tuple[WireTurn, ...] = (),
 ) -> Job:
     if model and check_name(model, "model") != entry.name:
@@ -82,7 +83,8 @@ def job_from_fields(
         ttfa_deadline_s=ttfa_deadline_s, default_ttfa_deadline_s=admission.default_ttfa_deadline_s,
         output_format=output_format, text_field=text_field, audio=_checked_audio(entry, input_audio, speech_in),
         audio_field=input_audio.field if input_audio is not None else "input_audio", text_only=text_only,
-        system=system, history=tuple(_checked_turn(entry, turn, speech_in) for turn in history),
+        system=system, system_field=system_field,
+        history=tuple(_checked_turn(entry, turn, speech_in) for turn in history),
     )  # fmt: skip
 
 

@@ -101,6 +101,7 @@ BAD_AUDIO = {"type": "input_audio", "input_audio": {"data": base64.b64encode(b"\
         ([user(TEXT), assistant(""), user(TEXT)], "messages[1].content"),
         ([user(TEXT), assistant([AUDIO_PART]), user(TEXT)], "messages[1].content[0]"),
         ([{"role": "system", "content": [AUDIO_PART]}, user(TEXT)], "messages[0].content[0]"),
+        ([{"role": "system", "content": "Be\u0007 brief."}, user(TEXT)], "messages[0].content"),
         ([user(TEXT, BAD_AUDIO), assistant("Hi."), user(TEXT)], "messages[0].content[1].input_audio.data"),
         ([user(), assistant("Hi."), user(TEXT)], "messages[0].content"),  # neither text nor audio
         ([user(TEXT), assistant("Hi."), user(TEXT, AUDIO_PART, AUDIO_PART)], "messages[2].content[2]"),
