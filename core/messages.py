@@ -173,6 +173,16 @@ class TextDelta:
 
 
 @dataclass(frozen=True)
+class ChatTurn:
+    """An earlier turn of a speech-in conversation (`Job.history`), checked at the ingress: the user's
+    text and clip, or the assistant's answer as text (its transcript when it was spoken)."""
+
+    role: Literal["user", "assistant"]
+    text: str
+    audio: AudioClip | None = None  # user turns only
+
+
+@dataclass(frozen=True)
 class Job:
     """One validated synthesis request: built once at the ingress, handed to the engine unchanged."""
 
@@ -203,6 +213,9 @@ class Job:
     system: str = ""
     # Streamed microphone input: `audio`'s front-end features, computed as it arrived (`AudioFeatures`)
     audio_features: AudioFeatures | None = None
+    # Speech in, multi-turn chat (`LMAdapter.takes_chat_history`): the conversation's earlier turns, oldest
+    # first; `text` / `audio` are its last user turn. The adapter renders them in the family's prompt format
+    history: tuple[ChatTurn, ...] = ()
 
 
 @dataclass(frozen=True)

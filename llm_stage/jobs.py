@@ -19,7 +19,7 @@ import uuid
 import pydantic
 
 from core.errors import InvalidArgumentError, from_validation_error
-from core.messages import AudioClip, Job, OutputFormat, SamplingParams
+from core.messages import AudioClip, ChatTurn, Job, OutputFormat, SamplingParams
 from core.voices import is_voice_id
 from llm_stage.models.base import LMAdapter
 
@@ -154,18 +154,24 @@ def build_job(
     audio_field: str = "input_audio",
     text_only: bool = False,
     system: str = "",
+    system_field: str = "system",
+    history: tuple[ChatTurn, ...] = (),
 ) -> Job:
     """A Job for `adapter`'s family (its class or an instance); empty fields take the defaults. With
     `audio` (speech in, checked by the ingress) the family must take audio, and the text may be empty;
     `text_only` (an answer without speech, refused naming `modalities`) and `system` need a family
-    that `answers_text_only`."""
+    that `answers_text_only` (`system_field`: how the client names it); `history` (earlier turns,
+    checked by the ingress that names their fields) one that `takes_chat_history`, refused naming
+    `messages`."""
     ttfa_deadline_s = check_deadline(ttfa_deadline_s)
     req_id = check_request_id(req_id)
     if audio is not None and not adapter.takes_audio:
         raise InvalidArgumentError(audio_field, f"{adapter.family} takes no audio (it speaks text)")
     if (text_only or system) and not adapter.answers_text_only:
-        field = "modalities" if text_only else "system"
+        field = "modalities" if text_only else system_field
         raise InvalidArgumentError(field, f"{adapter.family} answers only in speech")
+    if history and not adapter.takes_chat_history:
+        raise InvalidArgumentError("messages", f"{adapter.family} takes one turn; it keeps no conversation")
     return Job(
         req_id=req_id or uuid.uuid4().hex,
         text=check_text(adapter, text, text_field, may_be_empty=audio is not None),
@@ -176,5 +182,6 @@ def build_job(
         output_format=output_format,
         text_field=text_field,
         text_only=text_only,
-        system=check_text(adapter, system, "system", may_be_empty=True),
+        system=check_text(adapter, system, system_field, may_be_empty=True),
+        history=history,
     )

@@ -6,9 +6,11 @@ default when absent) a text-only answer (`Job.text_only`: no speech, no detokeni
 `message.content` / `delta.content`.
 
 `chat_request` maps the body onto `job_from_fields` keyword arguments (checked as every request
-is; errors name the field as the client spelled it, e.g. `messages[0].content[1].input_audio.data`).
-Served today: one user turn (multi-turn context and system prompts are refused, not ignored),
-modalities text + audio or text. The Router's `/v1/chat/completions` route uses it.
+is; errors name the field as the client spelled it, e.g. `messages[2].content[1].input_audio.data`).
+Multi-turn: a system message, earlier user turns (text, clips) and assistant turns (their text; an
+assistant's `audio.id` is refused: no answers are kept server-side) become `Job.system` and
+`Job.history` (`router.chat_turns`); the conversation must fit the LM's cache, else the LLM replica
+refuses it naming `messages`. The Router's `/v1/chat/completions` route uses it.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from core.errors import InvalidArgumentError
 from core.messages import Job
 from llm_stage.jobs import printable_name
 from router.audio_format import wav_bytes
-from router.jobs import MAX_AUDIO_JSON_BYTES, MAX_BODY_BYTES, audio_from_json, http_request_id, parse_json_object
+from router.chat_turns import conversation
+from router.jobs import MAX_AUDIO_JSON_BYTES, MAX_BODY_BYTES, http_request_id, parse_json_object
 from router.sse import event
 from router.streams import SentChunk
 
@@ -53,40 +56,16 @@ def chat_request(body: bytes, header_req_ids: list[str] = ()) -> tuple[dict, boo
     stream = obj.get("stream", False)
     if not isinstance(stream, bool):
         raise InvalidArgumentError("stream", "must be true or false")
-    text, audio = user_turn(obj.get("messages"))
+    chat = conversation(obj.get("messages"))
     voice, output_format = answer_audio(obj.get("audio"))
     fields = {
-        "text": text, "model": _str(obj, "model"), "voice": voice, "sampling": chat_sampling(obj),
+        "text": chat.text, "model": _str(obj, "model"), "voice": voice, "sampling": chat_sampling(obj),
         "output_format": output_format, "sample_rate_hz": 0, "ttfa_deadline_s": 0.0,
         "req_id": http_request_id(obj.get("request_id"), header_req_ids), "text_field": "messages",
-        "input_audio": audio, "text_only": text_only,
+        "input_audio": chat.audio, "text_only": text_only, "system": chat.system,
+        "system_field": "messages[0].content", "history": chat.history,
     }  # fmt: skip
     return fields, stream
-
-
-def user_turn(messages: object):
-    """The one user message: its text parts joined, its `input_audio` part (at most one)."""
-    if not isinstance(messages, list) or len(messages) != 1:
-        raise InvalidArgumentError("messages", "must hold exactly one user message (multi-turn is not served yet)")
-    message = messages[0]
-    if not isinstance(message, dict) or message.get("role") != "user" or set(message) - {"role", "content"}:
-        raise InvalidArgumentError("messages[0]", "must be {role: user, content}")
-    content = message.get("content")
-    if isinstance(content, str):
-        return content, None
-    if not isinstance(content, list):
-        raise InvalidArgumentError("messages[0].content", "must be a string or a list of parts")
-    texts, audio = [], None
-    for i, part in enumerate(content):
-        field = f"messages[0].content[{i}]"
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "text" and isinstance(part.get("text"), str) and set(part) == {"type", "text"}:
-            texts.append(part["text"])
-        elif kind == "input_audio" and set(part) == {"type", "input_audio"} and audio is None:
-            audio = audio_from_json(part["input_audio"], f"{field}.input_audio")
-        else:
-            raise InvalidArgumentError(field, "must be a text part or one input_audio part")
-    return "".join(texts), audio
 
 
 def answer_audio(value: object) -> tuple[str, str]:

@@ -15,14 +15,16 @@ import base64
 import binascii
 import json
 import uuid
+from dataclasses import dataclass
+from typing import Literal
 
 from google.protobuf.message import DecodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
 from core.config import AdmissionConfig, SpeechInConfig
 from core.errors import InvalidArgumentError
-from core.messages import AudioClip, Job, OutputFormat
-from llm_stage.jobs import build_job, check_name, check_request_id, printable_name
+from core.messages import AudioClip, ChatTurn, Job, OutputFormat
+from llm_stage.jobs import build_job, check_name, check_request_id, check_text, printable_name
 from llm_stage.registry import ModelEntry
 from protos import voxray_pb2
 from router.audio_input import INPUT_FORMATS, InputAudio, check_input_audio
@@ -39,6 +41,17 @@ HTTP_FIELDS = frozenset(
 AUDIO_JSON_FIELDS = frozenset({"data", "format", "sample_rate_hz"})
 OPENAI_FORMATS: dict[str, OutputFormat] = {"pcm": "pcm16", "wav": "wav"}
 PROTO_FORMATS: dict[int, OutputFormat] = {voxray_pb2.AUDIO_FORMAT_PCM16: "pcm16", voxray_pb2.AUDIO_FORMAT_WAV: "wav"}
+
+
+@dataclass(frozen=True)
+class WireTurn:
+    """An earlier turn of a chat as the client sent it (`router.chat_turns`), before checking;
+    `field` is how the client names its content (e.g. `messages[2].content`)."""
+
+    role: Literal["user", "assistant"]
+    text: str
+    field: str
+    audio: InputAudio | None = None
 
 
 def job_from_fields(
@@ -58,6 +71,8 @@ def job_from_fields(
     speech_in: SpeechInConfig | None = None,
     text_only: bool = False,
     system: str = "",
+    system_field: str = "system",
+    history: tuple[WireTurn, ...] = (),
 ) -> Job:
     if model and check_name(model, "model") != entry.name:
         raise InvalidArgumentError("model", f"unknown model {model!r}; this server serves {entry.name!r}")
@@ -68,8 +83,17 @@ def job_from_fields(
         ttfa_deadline_s=ttfa_deadline_s, default_ttfa_deadline_s=admission.default_ttfa_deadline_s,
         output_format=output_format, text_field=text_field, audio=_checked_audio(entry, input_audio, speech_in),
         audio_field=input_audio.field if input_audio is not None else "input_audio", text_only=text_only,
-        system=system,
+        system=system, system_field=system_field,
+        history=tuple(_checked_turn(entry, turn, speech_in) for turn in history),
     )  # fmt: skip
+
+
+def _checked_turn(entry: ModelEntry, turn: WireTurn, config: SpeechInConfig | None) -> ChatTurn:
+    """An earlier turn checked as a last one is: its clip (a family that takes audio), its text (may be
+    empty beside a clip); errors name the turn's own fields."""
+    audio = _checked_audio(entry, turn.audio, config)
+    text = check_text(entry.family.lm, turn.text, turn.field, may_be_empty=audio is not None)
+    return ChatTurn(turn.role, text, audio)
 
 
 def _checked_audio(entry: ModelEntry, audio: InputAudio | None, config: SpeechInConfig | None) -> AudioClip | None:

@@ -91,6 +91,7 @@ class LMAdapter(ABC):
     # speech in: a Job may ask for a text-only answer (`Job.text_only`: no speech ids drawn, no chunks) and
     # set its system turn (`Job.system`); `transcription_system` gives a transcription's
     answers_text_only: bool = False
+    takes_chat_history: bool = False  # speech in: a Job may carry a conversation's earlier turns (`Job.history`)
 
     def __init__(self, backbone: Backbone) -> None:
         self.backbone = backbone

@@ -1,10 +1,11 @@
 """Step-Audio 2 mini LM side: speech in (audio encoder -> embeddings at the audio placeholders of a
 Qwen2.5 prompt), interleaved text and 25 Hz speech tokens out (the S3Gen flow detokenizer decodes them).
 
-The prompt is the published chat: `<|BOT|>system\\n{system}<|EOT|><|BOT|>human\\n{text}` then per
-25 s piece of the user's audio `<audio_start>` + one `<audio_patch>` per embedding + `<audio_end>`,
-then `<|EOT|><|BOT|>assistant\\n<tts_start>` (answer in speech), or without `<tts_start>` for a
-text-only answer (`Job.text_only`, as the published ASR example: its draws are then held to text ids
+The prompt is the published chat: `<|BOT|>system\\n{system}<|EOT|>`, a conversation's earlier turns
+(`Job.history`: user turns as the last one, assistant turns as text answers), then
+`<|BOT|>human\\n{text}` and per 25 s piece of the user's audio `<audio_start>` + one `<audio_patch>` per
+embedding + `<audio_end>`, then `<|EOT|><|BOT|>assistant\\n<tts_start>` (answer in speech), or without
+`<tts_start>` for a text-only answer (`Job.text_only`, as the published ASR example: its draws are then held to text ids
 and `<|EOT|>`, so no speech id and no chunk is ever made). A position is (id, clip handle,
 row): text and markers carry handle -1; a placeholder names the rows of its clip's embeddings, which
 `embed` writes over the placeholder's own. Clips are turned into log-mels when a job arrives (a
@@ -25,7 +26,7 @@ import torch
 from core.checkpoints import resolve_model_ref
 from core.config import ModelConfig
 from core.errors import InvalidArgumentError
-from core.messages import AudioClip, Job, SamplingParams
+from core.messages import AudioClip, ChatTurn, Job, SamplingParams
 from detok_stage.codecs.s3gen_codec import S3GenCodec
 from detok_stage.voice.features import resample
 from llm_stage.models.base import FrameBuilder, LMAdapter, ModelFamily
@@ -81,6 +82,7 @@ class StepAudio2Adapter(LMAdapter):
     family = "step-audio2"
     takes_audio = True
     answers_text_only = True
+    takes_chat_history = True
     no_voices_note = "none; speech in (takes audio), answers in text + speech in the detokenizer's voice"
     input_width = 3  # (id, clip handle, row in the clip's embeddings)
     max_text_chars = 4000
@@ -131,10 +133,13 @@ class StepAudio2Adapter(LMAdapter):
         return TRANSCRIPTION_SYSTEM[language or "en"]
 
     def job_prompt(self, job: Job) -> list[Token]:
-        pieces = [] if job.audio is None else self.queue_mels(job.req_id, self.clip_mels(job))
+        """The job's conversation in the published chat; its clips (earlier turns' first) queued to encode."""
         if job.text_only:
             self._text_only.add(job.req_id)
-        return self.chat_prompt(job.text, pieces, job.req_id, job.system or SYSTEM_PROMPT, speaks=not job.text_only)
+        earlier = [token for turn in job.history for token in self.earlier_turn(job.req_id, turn)]
+        pieces = [] if job.audio is None else self.queue_mels(job.req_id, self.clip_mels(job))
+        system = job.system or SYSTEM_PROMPT
+        return self.chat_prompt(job.text, pieces, job.req_id, system, speaks=not job.text_only, earlier=earlier)
 
     def clip_mels(self, job: Job) -> list[torch.Tensor]:
         """The log-mel of each 25 s piece of the job's audio: the features computed as it arrived
@@ -143,26 +148,55 @@ class StepAudio2Adapter(LMAdapter):
         n_mels = self.model.encoder_shape.n_mels
         features = job.audio_features
         if features is None or features.front_end != front_end_name(n_mels):
-            features = whole_clip_features(clip_wave(job.audio), job.audio.sample_rate_hz, n_mels)
+            return self.whole_clip_mels(job.audio)
         return [torch.from_numpy(mel) for mel in features.mels]
 
+    def whole_clip_mels(self, clip: AudioClip) -> list[torch.Tensor]:
+        """The log-mel of each 25 s piece of a whole clip, through the front end a streamed turn uses."""
+        features = whole_clip_features(clip_wave(clip), clip.sample_rate_hz, self.model.encoder_shape.n_mels)
+        return [torch.from_numpy(mel) for mel in features.mels]
+
+    def earlier_turn(self, req_id: str, turn: ChatTurn) -> list[Token]:
+        """An earlier turn as published: a user's text and clip (queued, encoded like the last turn's), or
+        the assistant's answer as its text turn `<|BOT|>assistant\n{text}<|EOT|>`. The published history of
+        a spoken answer is `<tts_start>` and every id the model drew (text and speech interleaved); a
+        client gives back only the transcript, so it becomes the text answer the model itself writes."""
+        if turn.role == "user":
+            pieces = [] if turn.audio is None else self.queue_mels(req_id, self.whole_clip_mels(turn.audio))
+            return self.user_turn(turn.text, pieces)
+        body = [self.ids.bot, *self.tokenizer.encode("assistant\n"), *self.tokenizer.encode(turn.text), self.ids.eot]
+        return [(i, NO_CLIP, 0) for i in body]
+
     def chat_prompt(
-        self, text: str, pieces: list[tuple[int, int]], req_id: str, system: str = SYSTEM_PROMPT, speaks: bool = True
+        self,
+        text: str,
+        pieces: list[tuple[int, int]],
+        req_id: str,
+        system: str = SYSTEM_PROMPT,
+        speaks: bool = True,
+        earlier: list[Token] = (),
     ) -> list[Token]:
-        """The published chat for one user turn (text, then each audio piece as (handle, rows)), the
-        assistant's turn opened in speech (`<tts_start>`) or, `speaks` False, in text."""
+        """The published chat: the system turn, the `earlier` turns' tokens, the last user turn (text, then
+        each audio piece as (handle, rows)), the assistant's turn opened in speech (`<tts_start>`) or,
+        `speaks` False, in text."""
         if not text and not pieces:
             raise InvalidArgumentError("text", "has no tokens and no audio came with it")
         ids = self.ids
-        body = [ids.bot, *self.tokenizer.encode(f"system\n{system}"), ids.eot, ids.bot]
-        body += self.tokenizer.encode("human\n") + (self.tokenizer.encode(text) if text else [])
-        prompt: list[Token] = [(i, NO_CLIP, 0) for i in body]
+        head = [ids.bot, *self.tokenizer.encode(f"system\n{system}"), ids.eot]
+        tail = [ids.bot, *self.tokenizer.encode("assistant\n"), *([ids.tts_start] if speaks else [])]
+        user = self.user_turn(text, pieces)
+        return [(i, NO_CLIP, 0) for i in head] + list(earlier) + user + [(i, NO_CLIP, 0) for i in tail]
+
+    def user_turn(self, text: str, pieces: list[tuple[int, int]]) -> list[Token]:
+        """`<|BOT|>human\n{text}`, each audio piece as `<audio_start>` + its placeholders + `<audio_end>`, `<|EOT|>`."""
+        ids = self.ids
+        body = [ids.bot, *self.tokenizer.encode("human\n"), *(self.tokenizer.encode(text) if text else [])]
+        turn: list[Token] = [(i, NO_CLIP, 0) for i in body]
         for handle, rows in pieces:
-            prompt.append((ids.audio_start, NO_CLIP, 0))
-            prompt += [(ids.audio_patch, handle, row) for row in range(rows)]
-            prompt.append((ids.audio_end, NO_CLIP, 0))
-        tail = [ids.eot, ids.bot, *self.tokenizer.encode("assistant\n"), *([ids.tts_start] if speaks else [])]
-        return prompt + [(i, NO_CLIP, 0) for i in tail]
+            turn.append((ids.audio_start, NO_CLIP, 0))
+            turn += [(ids.audio_patch, handle, row) for row in range(rows)]
+            turn.append((ids.audio_end, NO_CLIP, 0))
+        return turn + [(ids.eot, NO_CLIP, 0)]
 
     def queue_clip(self, req_id: str, wave_16k: torch.Tensor) -> list[tuple[int, int]]:
         """The 16 kHz clip's 25 s pieces through the published front end (`piece_log_mel`), queued."""

@@ -8,11 +8,13 @@ import dataclasses
 
 import numpy as np
 import pytest
+import torch
 
 from cluster.pipeline import InProcessPipeline
 from core.config import EngineConfig, ModelConfig
-from core.messages import AudioClip
+from core.messages import AudioClip, ChatTurn
 from llm_stage.jobs import build_job
+from llm_stage.models.step_audio2_encoder import encode_pieces
 from llm_stage.models.step_audio2_frontend import front_end_name
 from llm_stage.models.step_audio2_lm import PRESET_TEXT_IDS
 from llm_stage.models.tokenizers import ByteTokenizer
@@ -21,9 +23,9 @@ from llm_stage.text_out import TextStream
 TEXT_IDS = PRESET_TEXT_IDS
 
 
-def clip(seconds: float) -> AudioClip:
-    t = np.arange(int(seconds * 16_000)) / 16_000
-    return AudioClip((0.3 * np.sin(2 * np.pi * 200 * t) * 32767).astype("<i2").tobytes(), 16_000)
+def clip(seconds: float, pitch_hz: float = 200.0, rate_hz: int = 16_000) -> AudioClip:
+    t = np.arange(int(seconds * rate_hz)) / rate_hz
+    return AudioClip((0.3 * np.sin(2 * np.pi * pitch_hz * t) * 32767).astype("<i2").tobytes(), rate_hz)
 
 
 @pytest.fixture
@@ -118,3 +120,65 @@ def test_a_turn_streamed_in_pieces_answers_as_the_clip_sent_whole(pipeline) -> N
     whole, streamed = answers
     assert whole.text and whole.pcm16
     assert streamed.text == whole.text and streamed.pcm16 == whole.pcm16
+
+
+def conversation_job(adapter, req_id: str, with_history: bool):
+    """The last user turn (a question and a 24 kHz clip), after an earlier turn with its own clip and the
+    assistant's answer as text when `with_history`; greedy."""
+    earlier = (ChatTurn("user", "What is this?", clip(1.2)), ChatTurn("assistant", "A low tone."))
+    history = earlier if with_history else ()
+    return build_job(adapter, text="And this one?", req_id=req_id, audio=clip(0.8, 330.0, 24_000), history=history,
+                     sampling={"temperature": 0.0, "max_tokens": 80})  # fmt: skip
+
+
+def run_to_end(pipeline, req_id: str) -> tuple[bytes, str]:
+    audio = []
+    while pipeline.has_work:
+        audio += [c.pcm16 for c in pipeline.step() if c.req_id == req_id]
+    text = "".join(d.text for d in pipeline.text if d.req_id == req_id)
+    pipeline.text = [d for d in pipeline.text if d.req_id != req_id]
+    return b"".join(audio), text
+
+
+def test_a_two_turn_conversation_with_two_clips_answers(pipeline) -> None:
+    """Multi-turn (`Job.history`): the earlier turn's clip and the last turn's are both encoded in the
+    step that prefills the request, each equal to its clip encoded alone, and their embeddings sit at
+    their own placeholders of the prompt; the greedy answer has text and audio, the same again."""
+    engine, adapter = pipeline.llm.engine, pipeline.llm.engine.adapter
+    job = conversation_job(adapter, "two", with_history=True)
+    pipeline.llm.add(job)
+    prompt = engine.requests["two"].prompt_ids
+    handles = adapter._clips_of["two"]
+    pipeline.step()  # the step's preprocess encodes both clips, then it prefills
+    ids = torch.tensor([prompt])  # [1, T, 3]
+    with torch.no_grad():
+        embedded = adapter.embed(ids)[0]  # [T, H]
+        for handle, audio in zip(handles, (job.history[0].audio, job.audio), strict=True):
+            alone = encode_pieces(adapter.model.encoder, adapter.model.adapter, adapter.whole_clip_mels(audio))[0]
+            torch.testing.assert_close(adapter._rows[handle], alone, atol=2e-5, rtol=1e-4)
+            where = ids[0, :, 1] == handle
+            assert int(where.sum()) == alone.shape[0]
+            torch.testing.assert_close(embedded[where], alone.to(embedded.dtype), atol=2e-5, rtol=1e-4)
+    assert len(handles) == 2
+    audio, text = run_to_end(pipeline, "two")
+    assert audio and text
+    pipeline.llm.add(dataclasses.replace(job, req_id="two-again"))
+    assert run_to_end(pipeline, "two-again") == (audio, text)
+
+
+def test_the_same_last_turn_with_and_without_history_gets_another_prompt(pipeline) -> None:
+    """The history's tokens come between the system turn and the last turn; without it the prompt is
+    the single-turn one."""
+    engine, adapter = pipeline.llm.engine, pipeline.llm.engine.adapter
+    prompts = {}
+    for req_id, with_history in (("with", True), ("without", False)):
+        pipeline.llm.add(conversation_job(adapter, req_id, with_history))
+        prompts[req_id] = [t[0] for t in engine.requests[req_id].prompt_ids]
+        pipeline.cancel(req_id)
+    with_history, without = prompts["with"], prompts["without"]
+    earlier = with_history[: len(with_history) - len(without)]
+    assert with_history != without and len(with_history) > len(without)
+    system_end = without.index(adapter.ids.eot) + 1
+    assert with_history[:system_end] == without[:system_end]  # the same system turn, then the earlier turns
+    assert with_history[system_end + len(earlier) :] == without[system_end:]  # the same last turn
+    assert earlier.count(adapter.ids.bot) == 2  # an earlier user turn and the assistant's

@@ -18,7 +18,7 @@ from ray import serve
 
 from cluster.pipeline import InProcessPipeline
 from core.config import AdmissionConfig, StageDeploymentConfig
-from core.messages import AudioClip
+from core.messages import AudioClip, ChatTurn
 from protos import voxray_pb2
 from tests.deployments.conftest import small_config
 from tests.deployments.grpc_helpers import run_stream
@@ -62,6 +62,7 @@ def test_a_clip_in_answers_text_then_audio_as_in_process(cluster) -> None:
             expected = pipeline.answer(job)
             transcript = pipeline.answer(transcription_job(engine.adapter, pcm)).text
             text_only = pipeline.answer(dataclasses.replace(job, req_id="chat-text", text_only=True))
+            conversation = pipeline.answer(conversation_job(engine.adapter, pcm))
         finally:
             pipeline.close()
         assert "".join(c.text for c in text_chunks) == expected.text
@@ -74,6 +75,7 @@ def test_a_clip_in_answers_text_then_audio_as_in_process(cluster) -> None:
         _the_openai_sdk_transcribes(endpoint, pcm, transcript)
         assert text_only.text and not text_only.pcm16
         _the_openai_sdk_gets_a_text_only_answer(endpoint, pcm, text_only.text)
+        _the_openai_sdk_holds_a_conversation(endpoint, pcm, conversation.text)
         _a_streamed_turn_answers_as_the_clip_sent_whole(endpoint, pcm, expected)
         odd = voxray_pb2.InputAudio(data=pcm[:-1], format=voxray_pb2.INPUT_AUDIO_PCM16, sample_rate_hz=24_000)
         refused = run_stream(endpoint.grpc_target, endpoint.app_name, "", input_audio=odd)
@@ -133,6 +135,45 @@ def _the_openai_sdk_gets_a_text_only_answer(endpoint, pcm: bytes, text: str) -> 
     assert message.content == text and message.audio is None
     streamed = client.chat.completions.create(**request, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == text
+
+
+EARLIER_PCM = (0.3 * np.sin(2 * np.pi * 330 * np.arange(24_000) / 24_000) * 32767).astype("<i2").tobytes()
+
+
+def conversation_job(adapter, pcm: bytes):
+    """A 2-turn text-only conversation, greedy: an earlier user turn with its own clip, the assistant's
+    answer as text, then the clip with "Answer."; what the chat route makes of the SDK's call below."""
+    from llm_stage.jobs import build_job
+
+    history = (ChatTurn("user", "What is this?", AudioClip(EARLIER_PCM, 24_000)), ChatTurn("assistant", "A tone."))
+    return build_job(adapter, text="Answer.", req_id="chat-turns", sampling=SAMPLING, audio=AudioClip(pcm, 24_000),
+                     text_only=True, history=history)  # fmt: skip
+
+
+def conversation_messages(pcm: bytes) -> list[dict]:
+    from router.audio_format import wav_bytes
+
+    def user(text: str, clip: bytes) -> dict:
+        audio = {"data": base64.b64encode(wav_bytes(clip, 24_000)).decode(), "format": "wav"}
+        parts = [{"type": "text", "text": text}, {"type": "input_audio", "input_audio": audio}]
+        return {"role": "user", "content": parts}
+
+    return [user("What is this?", EARLIER_PCM), {"role": "assistant", "content": "A tone."}, user("Answer.", pcm)]
+
+
+def _the_openai_sdk_holds_a_conversation(endpoint, pcm: bytes, text: str) -> None:
+    """Chat completions with a 2-turn `messages` (two clips): the in-process answer to the same
+    conversation; the assistant turn handed back as `audio: {id}` answers 400 naming the field."""
+    from openai import BadRequestError, OpenAI
+
+    client = OpenAI(base_url=f"{endpoint.http_url}{SPEECH_IN.route_prefix}/v1", api_key="unused", max_retries=0)
+    request = {"model": "step-audio2-tiny", "max_tokens": SAMPLING["max_tokens"],
+               "temperature": SAMPLING["temperature"], "messages": conversation_messages(pcm)}  # fmt: skip
+    assert client.chat.completions.create(**request).choices[0].message.content == text
+    by_id = [request["messages"][0], {"role": "assistant", "audio": {"id": "audio_1"}}, request["messages"][2]]
+    with pytest.raises(BadRequestError) as err:
+        client.chat.completions.create(**{**request, "messages": by_id})
+    assert err.value.status_code == 400 and err.value.body["param"] == "messages[1].audio.id"
 
 
 def _the_openai_sdk_gets_the_same_answer(endpoint, pcm: bytes, expected) -> None:

@@ -16,7 +16,8 @@ from torch import nn
 from transformers import AutoTokenizer, Qwen2ForCausalLM
 
 from core.config import ModelConfig
-from core.messages import AudioClip
+from core.errors import InvalidArgumentError
+from core.messages import AudioClip, ChatTurn
 from llm_stage.models.step_audio2 import StepAudio2Adapter, clip_wave_16k
 from llm_stage.models.step_audio2_encoder import num_placeholders, piece_log_mel
 from llm_stage.models.step_audio2_lm import StepAudio2LM
@@ -67,6 +68,49 @@ def test_prompt_is_the_published_chat_tokenized_whole(published) -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     assert prompt == tokenizer(chat, add_special_tokens=False).input_ids
     engine.cancel("p")
+
+
+def test_a_conversation_is_the_published_multi_turn_chat(published) -> None:
+    """System, a user turn (text + clip), the assistant's answer (text), the last user turn (text + clip):
+    the published chat string with each clip's placeholders, tokenized whole; each clip's placeholders
+    name its own handle and rows 0..n-1 (both clips queued for the next step's encode)."""
+    adapter, _, directory = published
+    engine = adapter_engine(adapter, num_slots=2, max_seq_len=1024)
+    first, last = tone_clip(CLIP_SAMPLES[0], seed=0), tone_clip(CLIP_SAMPLES[2], seed=2)
+    history = (ChatTurn("user", "What is this?", first), ChatTurn("assistant", "It is a tone."))
+    job = dataclasses.replace(engine.job("c", "And this?"), audio=last, system="Be brief.", history=history)
+    engine.add_job(job)
+    prompt = engine.requests["c"].prompt_ids
+    patches = [num_placeholders(piece_log_mel(clip_wave_16k(clip)).shape[1]) for clip in (first, last)]
+    chat = (
+        "<|BOT|>system\nBe brief.<|EOT|>"
+        f"<|BOT|>human\nWhat is this?<audio_start>{'<audio_patch>' * patches[0]}<audio_end><|EOT|>"
+        "<|BOT|>assistant\nIt is a tone.<|EOT|>"
+        f"<|BOT|>human\nAnd this?<audio_start>{'<audio_patch>' * patches[1]}<audio_end><|EOT|>"
+        "<|BOT|>assistant\n<tts_start>"
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    assert [t[0] for t in prompt] == tokenizer(chat, add_special_tokens=False).input_ids
+    handles = adapter._clips_of["c"]
+    assert len(handles) == 2 and adapter.num_pending_clips == 2
+    for handle, num_patches in zip(handles, patches, strict=True):
+        assert [t[2] for t in prompt if t[1] == handle] == list(range(num_patches))
+    engine.cancel("c")
+    assert not adapter._clips_of and adapter.num_pending_clips == 0
+
+
+def test_a_conversation_longer_than_the_cache_is_refused_naming_messages(published) -> None:
+    adapter = published[0]
+    engine = adapter_engine(adapter, num_slots=2, max_seq_len=160)
+    clip = tone_clip(CLIP_SAMPLES[1], seed=1)  # ~3 s: 39 placeholders a clip
+    history = (ChatTurn("user", "", clip), ChatTurn("assistant", "Yes."), ChatTurn("user", "", clip))
+    job = dataclasses.replace(engine.job("long", "And?"), audio=clip, history=history, text_field="messages")
+    with pytest.raises(InvalidArgumentError) as err:
+        engine.add_job(job)
+    assert err.value.field == "messages" and "context holds 160" in err.value.message
+    assert not adapter._clips_of and adapter.num_pending_clips == 0  # its queued clips went with it
+    engine.add_job(dataclasses.replace(job, req_id="short", history=()))  # the last turn alone fits
+    engine.cancel("short")
 
 
 def independent_encode(model: StepAudio2LM, mel: torch.Tensor) -> torch.Tensor:

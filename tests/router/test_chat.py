@@ -45,7 +45,7 @@ def test_a_user_turn_of_text_and_audio_becomes_a_speech_in_job() -> None:
         ({"modalities": ["audio"]}, "modalities"),
         ({"modalities": ["text"]}, "audio"),  # a text-only answer has no audio settings
         ({"messages": []}, "messages"),
-        ({"messages": [{"role": "system", "content": "Be brief."}]}, "messages[0]"),
+        ({"messages": [{"role": "system", "content": "Be brief."}]}, "messages[0].role"),  # no user turn
         ({"messages": [{"role": "user", "content": [AUDIO_PART, AUDIO_PART]}]}, "messages[0].content[1]"),
         ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "%"}}]}]},
          "messages[0].content[0].input_audio.data"),
@@ -56,6 +56,61 @@ def test_a_user_turn_of_text_and_audio_becomes_a_speech_in_job() -> None:
 def test_refusals_name_the_field(overrides, field) -> None:
     with pytest.raises(InvalidArgumentError) as err:
         job_from_fields(ENTRY, AdmissionConfig(), **chat_request(body(**overrides))[0])
+    assert err.value.field == field
+
+
+def user(*parts) -> dict:
+    return {"role": "user", "content": list(parts)}
+
+
+def assistant(content) -> dict:
+    return {"role": "assistant", "content": content}
+
+
+TEXT = {"type": "text", "text": "And now?"}
+
+
+def test_a_conversation_becomes_system_history_and_the_last_turn() -> None:
+    """System text, earlier user turns (text and/or a clip each) and assistant turns (their text, as a
+    string or text parts) in the order given; the last user turn is the Job's own text and audio."""
+    messages = [{"role": "system", "content": "Be brief."}, user({"type": "text", "text": "Hi."}, AUDIO_PART),
+                assistant("Hello!"), user(AUDIO_PART), assistant([{"type": "text", "text": "Sure."}]),
+                user(TEXT)]  # fmt: skip
+    job = job_from_fields(ENTRY, AdmissionConfig(), **chat_request(body(messages=messages))[0])
+    assert job.system == "Be brief." and job.text == "And now?" and job.audio is None
+    assert [(t.role, t.text, t.audio is not None) for t in job.history] == [
+        ("user", "Hi.", True), ("assistant", "Hello!", False), ("user", "", True), ("assistant", "Sure.", False)
+    ]  # fmt: skip
+    assert job.history[0].audio.pcm16 == PCM and job.history[2].audio.sample_rate_hz == 16_000
+
+
+BAD_AUDIO = {"type": "input_audio", "input_audio": {"data": base64.b64encode(b"\0\0" * 8000).decode(),
+                                                    "format": "pcm16", "sample_rate_hz": 16_000}}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("messages", "field"),
+    [
+        ([user(TEXT), assistant("Hi.")], "messages[1].role"),  # the last message must be a user turn
+        ([user(TEXT), {"role": "tool", "content": "x"}, user(TEXT)], "messages[1].role"),
+        ([user(TEXT), {"role": "system", "content": "Late."}, user(TEXT)], "messages[1].role"),
+        ([user(TEXT), {"role": "assistant", "content": None, "audio": {"id": "audio_1"}}, user(TEXT)],
+         "messages[1].audio.id"),  # no answers are kept server-side: refused, not ignored
+        ([user(TEXT), {"role": "assistant", "content": "Hi.", "name": "bot"}, user(TEXT)], "messages[1].name"),
+        ([user(TEXT), assistant(None), user(TEXT)], "messages[1].content"),
+        ([user(TEXT), assistant(""), user(TEXT)], "messages[1].content"),
+        ([user(TEXT), assistant([AUDIO_PART]), user(TEXT)], "messages[1].content[0]"),
+        ([{"role": "system", "content": [AUDIO_PART]}, user(TEXT)], "messages[0].content[0]"),
+        ([{"role": "system", "content": "Be\u0007 brief."}, user(TEXT)], "messages[0].content"),
+        ([user(TEXT, BAD_AUDIO), assistant("Hi."), user(TEXT)], "messages[0].content[1].input_audio.data"),
+        ([user(), assistant("Hi."), user(TEXT)], "messages[0].content"),  # neither text nor audio
+        ([user(TEXT), assistant("Hi."), user(TEXT, AUDIO_PART, AUDIO_PART)], "messages[2].content[2]"),
+        ([user(TEXT), assistant("Hi."), "hello"], "messages[2]"),
+    ],
+)  # fmt: skip
+def test_conversation_refusals_name_the_field(messages, field) -> None:
+    with pytest.raises(InvalidArgumentError) as err:
+        job_from_fields(ENTRY, AdmissionConfig(), **chat_request(body(messages=messages))[0])
     assert err.value.field == field
 
 
@@ -126,3 +181,13 @@ def test_a_text_only_answer_with_no_text_is_an_empty_content() -> None:
         return await chat_whole(ChatReply(job, "step-audio2-tiny"), _chunks(first, stream), 24_000)
 
     assert asyncio.run(whole())["choices"][0]["message"] == {"role": "assistant", "content": ""}
+
+
+def test_a_family_that_keeps_no_conversation_refuses_history_naming_messages() -> None:
+    fields, _ = chat_request(body(model="", audio=None, modalities=["text", "audio"],
+                                  messages=[user(TEXT), assistant("Hi."), user(TEXT)]))  # fmt: skip
+    with pytest.raises(InvalidArgumentError) as err:
+        job_from_fields(get_entry("orpheus-tiny"), AdmissionConfig(), **fields)
+    assert err.value.field == "messages"
+    single, _ = chat_request(body(model="", audio=None, messages=[user(TEXT)]))
+    assert job_from_fields(get_entry("orpheus-tiny"), AdmissionConfig(), **single).history == ()
