@@ -7,6 +7,7 @@ codebooks), applies its sampling rules, decides stops, and turns steps into code
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -91,6 +92,9 @@ class LMAdapter(ABC):
     # speech in: a Job may ask for a text-only answer (`Job.text_only`: no speech ids drawn, no chunks) and
     # set its system turn (`Job.system`); `transcription_system` gives a transcription's
     answers_text_only: bool = False
+    # text characters per prompt position, to estimate a prompt before it is tokenized (admission,
+    # `estimate_prompt_positions`): a BPE tokenizer's ~4 on English
+    prompt_chars_per_position: float = 4.0
 
     def __init__(self, backbone: Backbone) -> None:
         self.backbone = backbone
@@ -121,6 +125,25 @@ class LMAdapter(ABC):
         if language is None:
             raise InvalidArgumentError("model", f"{cls.family} does not transcribe (it takes no audio)")
         raise InvalidArgumentError("language", f"{cls.family} has no transcription instruction for {language!r}")
+
+    @classmethod
+    def audio_prompt_positions(cls, duration_s: float) -> int:
+        """Prompt positions a clip of `duration_s` takes in this family's prompt (0: it takes no audio)."""
+        return 0
+
+    @classmethod
+    def estimate_prompt_positions(cls, job: Job) -> int:
+        """The prompt positions `job` will take, estimated from the Job alone (no tokenizer, no weights:
+        the Router's admission, before the job reaches a replica): its text at
+        `prompt_chars_per_position`, and its audio's positions (`audio_prompt_positions`)."""
+        text_positions = math.ceil(len(job.text) / cls.prompt_chars_per_position)
+        audio_positions = cls.audio_prompt_positions(job.audio.duration_s) if job.audio is not None else 0
+        return text_positions + audio_positions
+
+    @property
+    def pending_audio_s(self) -> float:
+        """Seconds of audio the next `prepare_step` encodes (the engine times the encoder by it)."""
+        return 0.0
 
     def job_prompt(self, job: Job) -> list[Token]:
         """The prompt of a validated job; override to condition on per-request fields of `job.sampling`."""

@@ -1,0 +1,30 @@
+"""The prompt work a request brings, estimated from its Job before it reaches a replica.
+
+Admission (`router.admission`) charges a request's prefill at the replica's measured pace
+(`llm_stage.prefill_pace`): a speech-in request's audio becomes many prompt positions (25 s of audio
+about 315 for Step-Audio 2) and its encoder runs first. The Router and the LLM replica both call
+`prompt_work` with the family's adapter class (no weights, no tokenizer needed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from core.messages import Job
+from llm_stage.models.base import LMAdapter
+
+
+@dataclass(frozen=True)
+class PromptWork:
+    """What one request asks of a replica before its first output: prompt positions to prefill, seconds
+    of audio to encode, and whether its first output is text (a text-only answer: no chunk, no detok)."""
+
+    num_positions: int = 0
+    audio_s: float = 0.0
+    text_only: bool = False
+
+
+def prompt_work(lm: type[LMAdapter], job: Job) -> PromptWork:
+    """`job`'s prompt work for a family whose LM adapter is `lm` (its positions per audio second)."""
+    audio_s = job.audio.duration_s if job.audio is not None and lm.takes_audio else 0.0
+    return PromptWork(lm.estimate_prompt_positions(job), audio_s, job.text_only)
