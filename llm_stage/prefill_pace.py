@@ -36,11 +36,13 @@ class PrefillPace:
         """Prompt positions prefilled per second beyond a decode step of `decode_step_s`, over the recent
         prefill steps (a ratio of sums: the long prompts weigh most); 0 = unknown (none recorded, or
         they all took no longer than a decode step: a prompt then costs its step, nothing more)."""
-        positions = sum(n for n, _ in self._prefills)
-        extra_s = sum(max(0.0, elapsed_s - decode_step_s) for _, elapsed_s in self._prefills)
+        prefills = tuple(self._prefills)  # one copy: the engine thread appends while a report reads
+        positions = sum(n for n, _ in prefills)
+        extra_s = sum(max(0.0, elapsed_s - decode_step_s) for _, elapsed_s in prefills)
         return positions / extra_s if extra_s > 0 else 0.0
 
     def encoder_s_per_audio_s(self) -> float:
         """The encoder's seconds per second of audio over the recent encodes; 0 = none measured."""
-        audio_s = sum(a for a, _ in self._encodes)
-        return sum(s for _, s in self._encodes) / audio_s if audio_s > 0 else 0.0
+        encodes = tuple(self._encodes)  # one copy: the engine thread appends while a report reads
+        audio_s = sum(a for a, _ in encodes)
+        return sum(s for _, s in encodes) / audio_s if audio_s > 0 else 0.0
