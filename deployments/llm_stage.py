@@ -428,6 +428,8 @@ class LLMStage:
             starting_for_s=self._starting_for_s(),
             prefill_tokens_per_s=self.side.engine.prefill_pace.tokens_per_s(timer.measured_step_s),
             encoder_s_per_audio_s=self.side.engine.prefill_pace.encoder_s_per_audio_s(),
+            front_end_s_per_audio_s=self.side.engine.prefill_pace.front_end_s_per_audio_s(),
+            prefill_token_budget=self.side.engine.scheduler.config.prefill_token_budget,
         )
 
     def _starting_for_s(self) -> tuple[float, ...]:

@@ -123,7 +123,7 @@ class LLMEngine:
         try:
             if job.text_streaming:
                 return self._add_streaming(job)
-            prompt = self.adapter.job_prompt(job)
+            prompt = self._job_prompt(job)
             guided = job.sampling.guidance_scale is not None
             uncond = self.adapter.unconditional_job_prompt(job) if guided else None
             return self.add_prompt(job.req_id, prompt, job.sampling, uncond, job.resume, kv)
@@ -278,6 +278,15 @@ class LLMEngine:
         self.timer.record_step(elapsed_s, decode_rows)
         self.prefill_pace.record_prefill(sum(w.num_tokens for w in plan.prefills), elapsed_s - encode_s)
         return outputs
+
+    def _job_prompt(self, job: Job) -> list[Token]:
+        """`job`'s prompt; a clip whose front end runs here (no features came with it) is timed per
+        second of its audio (`prefill_pace`)."""
+        start = time.perf_counter()
+        prompt = self.adapter.job_prompt(job)
+        if job.audio is not None and job.audio_features is None and self.adapter.takes_audio:
+            self.prefill_pace.record_front_end(job.audio.duration_s, time.perf_counter() - start)
+        return prompt
 
     def _prepare_step(self) -> float:
         """The adapter's batched preprocessing (e.g. the audio encoder over every clip added since the

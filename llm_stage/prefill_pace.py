@@ -1,7 +1,9 @@
 """A replica's measured prefill pace: prompt positions per second from the steps that prefilled, and
-the audio encoder's seconds per second of audio (speech in).
+the audio front end's (log-mel, when the replica computes it) and encoder's seconds per second of
+audio (speech in).
 
-The LLM engine records every step that prefilled and every encode (`LLMEngine.step`); the LLMStage
+The LLM engine records every step that prefilled, every clip's front end (`LLMEngine.add_job`) and
+every encode (`LLMEngine.step`); the LLMStage
 reports both figures in its load report (`router.admission.ReplicaLoad`), where admission charges a
 new request's prompt work (`llm_stage.prompt_work`) at them. A prefill step's own cost is what it
 took beyond a decode step (the steady step at report time), so the pace is of the positions alone.
@@ -17,10 +19,11 @@ PACE_SAMPLES_KEPT = 20  # recent prefill steps (and encodes) the figures come fr
 
 @dataclass
 class PrefillPace:
-    """Recent prefill steps (positions, seconds) and encodes (audio seconds, seconds)."""
+    """Recent prefill steps (positions, seconds), front ends and encodes (audio seconds, seconds)."""
 
     _prefills: deque = field(default_factory=lambda: deque(maxlen=PACE_SAMPLES_KEPT))
     _encodes: deque = field(default_factory=lambda: deque(maxlen=PACE_SAMPLES_KEPT))
+    _front_ends: deque = field(default_factory=lambda: deque(maxlen=PACE_SAMPLES_KEPT))
 
     def record_prefill(self, num_positions: int, elapsed_s: float) -> None:
         """A step that prefilled `num_positions` prompt positions took `elapsed_s` (its encode left out)."""
@@ -31,6 +34,11 @@ class PrefillPace:
         """The audio encoder took `elapsed_s` over `audio_s` seconds of clips (one batched forward)."""
         if audio_s > 0:
             self._encodes.append((audio_s, elapsed_s))
+
+    def record_front_end(self, audio_s: float, elapsed_s: float) -> None:
+        """The front end took `elapsed_s` over a clip of `audio_s` seconds (its log-mel, on the replica)."""
+        if audio_s > 0:
+            self._front_ends.append((audio_s, elapsed_s))
 
     def tokens_per_s(self, decode_step_s: float) -> float:
         """Prompt positions prefilled per second beyond a decode step of `decode_step_s`, over the recent
@@ -43,6 +51,15 @@ class PrefillPace:
 
     def encoder_s_per_audio_s(self) -> float:
         """The encoder's seconds per second of audio over the recent encodes; 0 = none measured."""
-        encodes = tuple(self._encodes)  # one copy: the engine thread appends while a report reads
-        audio_s = sum(a for a, _ in encodes)
-        return sum(s for _, s in encodes) / audio_s if audio_s > 0 else 0.0
+        return _per_audio_s(self._encodes)
+
+    def front_end_s_per_audio_s(self) -> float:
+        """The front end's seconds per second of audio over the recent clips; 0 = none measured."""
+        return _per_audio_s(self._front_ends)
+
+
+def _per_audio_s(samples: deque) -> float:
+    """Seconds per second of audio over (audio seconds, seconds) samples, a ratio of sums; 0 = none."""
+    taken = tuple(samples)  # one copy: the engine thread appends while a report reads
+    audio_s = sum(a for a, _ in taken)
+    return sum(s for _, s in taken) / audio_s if audio_s > 0 else 0.0

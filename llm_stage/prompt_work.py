@@ -17,14 +17,17 @@ from llm_stage.models.base import LMAdapter
 @dataclass(frozen=True)
 class PromptWork:
     """What one request asks of a replica before its first output: prompt positions to prefill, seconds
-    of audio to encode, and whether its first output is text (a text-only answer: no chunk, no detok)."""
+    of audio to encode (and of those, the seconds whose front end the replica runs: a streamed turn's
+    log-mel came with it), and whether its first output is text (a text-only answer: no chunk, no detok)."""
 
     num_positions: int = 0
     audio_s: float = 0.0
     text_only: bool = False
+    front_end_audio_s: float = 0.0
 
 
 def prompt_work(lm: type[LMAdapter], job: Job) -> PromptWork:
     """`job`'s prompt work for a family whose LM adapter is `lm` (its positions per audio second)."""
     audio_s = job.audio.duration_s if job.audio is not None and lm.takes_audio else 0.0
-    return PromptWork(lm.estimate_prompt_positions(job), audio_s, job.text_only)
+    front_end_audio_s = audio_s if job.audio_features is None else 0.0
+    return PromptWork(lm.estimate_prompt_positions(job), audio_s, job.text_only, front_end_audio_s)

@@ -73,6 +73,8 @@ class ReplicaLoad:
     # its measured prefill pace (llm_stage.prefill_pace); 0 = not measured, so nothing is charged for it
     prefill_tokens_per_s: float = 0.0  # prompt positions prefilled per second beyond a decode step
     encoder_s_per_audio_s: float = 0.0  # the audio encoder's seconds per second of audio (speech in)
+    front_end_s_per_audio_s: float = 0.0  # its audio front end's (log-mel of a whole clip, on the replica)
+    prefill_token_budget: int = 0  # prompt positions one step prefills at most (0 = unknown: a prompt, one step)
 
     def to_stats(self) -> dict:
         return asdict(self)
@@ -167,14 +169,17 @@ def _under_caps(load: ReplicaLoad, streams: int) -> int:
 
 
 def prefill_s(load: ReplicaLoad, work: PromptWork | None) -> float:
-    """A request's own prompt work (`work`; None: none known) at the replica's measured pace: its prompt
-    positions beyond the step that prefills them, and its audio through the encoder. A pace not measured
-    charges nothing (the prediction is then the step alone, as for any prompt): nothing is refused on a
-    figure no step measured."""
+    """A request's own prompt work (`work`; None: none known) at the replica's measured pace: its audio
+    through the front end (when the replica runs it) and the encoder, its prompt positions beyond the
+    steps that prefill them, and those steps past the first (every prediction counts one): a prompt
+    longer than `prefill_token_budget` is prefilled over several steps. A pace not measured charges
+    nothing (for positions: the steps alone): nothing is refused on a figure nothing measured."""
     if work is None:
         return 0.0
+    audio_s = work.front_end_audio_s * load.front_end_s_per_audio_s + work.audio_s * load.encoder_s_per_audio_s
     positions_s = work.num_positions / load.prefill_tokens_per_s if load.prefill_tokens_per_s > 0 else 0.0
-    return positions_s + work.audio_s * load.encoder_s_per_audio_s
+    more_steps = math.ceil(work.num_positions / load.prefill_token_budget) - 1 if load.prefill_token_budget else 0
+    return audio_s + positions_s + max(0, more_steps) * (load.next_step_s or load.step_s or DEFAULT_STEP_S)
 
 
 def first_chunk_s(load: ReplicaLoad, work: PromptWork | None = None) -> float:

@@ -48,10 +48,16 @@ def test_the_load_report_carries_the_prefill_pace_measured_by_a_speech_in_reques
     assert load.prefill_tokens_per_s == pytest.approx(positions / elapsed_s) and load.prefill_tokens_per_s > 0
     (audio_s, encode_s), *_ = engine.prefill_pace._encodes
     assert load.encoder_s_per_audio_s == pytest.approx(encode_s / audio_s) and audio_s == pytest.approx(4.0, abs=0.05)
+    (clip_s, front_end_s), *_ = engine.prefill_pace._front_ends  # its log-mel, computed here at its add
+    assert load.front_end_s_per_audio_s == pytest.approx(front_end_s / 4.0) and clip_s == pytest.approx(4.0)
+    budget = load.prefill_token_budget
+    assert budget == stage.config.engine.scheduler.prefill_token_budget
     # the replica's own admission charges the next clip's work at those figures (its start-by too)
     work = stage._prompt_work(dataclasses.replace(job, req_id="next", audio=clip(20.0), text_only=False))
-    own_s = work.num_positions / load.prefill_tokens_per_s + 20.0 * load.encoder_s_per_audio_s
-    assert work.audio_s == pytest.approx(20.0)
+    assert work.audio_s == work.front_end_audio_s == pytest.approx(20.0) and work.num_positions > budget
+    more_steps = -(-work.num_positions // budget) - 1  # its prompt spans that many steps past the first
+    own_s = (work.num_positions / load.prefill_tokens_per_s + 20.0 * load.encoder_s_per_audio_s
+             + 20.0 * load.front_end_s_per_audio_s + more_steps * (load.next_step_s or load.step_s))  # fmt: skip
     assert predict_ttfa_s(load, work=work) == pytest.approx(predict_ttfa_s(load) + own_s)
     assert start_to_first_output_s(load, work) == pytest.approx(first_chunk_s(load) + own_s)
 

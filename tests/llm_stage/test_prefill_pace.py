@@ -1,6 +1,6 @@
 """The engine measures its prefill pace (llm_stage.prefill_pace): every step that prefilled, by its
-positions, and every encode, by its seconds of audio; a speech-in request's estimated audio positions
-(`LMAdapter.audio_prompt_positions`) are the positions its prompt takes."""
+positions, and every clip's front end and encode, by its seconds of audio; a speech-in request's
+estimated audio positions (`LMAdapter.audio_prompt_positions`) are the positions its prompt takes."""
 
 from __future__ import annotations
 
@@ -37,6 +37,9 @@ def test_prefill_pace_counts_positions_beyond_a_decode_step_and_encodes_per_audi
     for _ in range(PACE_SAMPLES_KEPT):
         pace.record_encode(1.0, 0.02)
     assert pace.encoder_s_per_audio_s() == pytest.approx(0.02)  # the recent encodes only
+    assert pace.front_end_s_per_audio_s() == 0.0
+    pace.record_front_end(25.0, 0.01)
+    assert pace.front_end_s_per_audio_s() == pytest.approx(0.01 / 25.0)
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +61,9 @@ def test_the_engine_measures_a_speech_in_requests_prefill_and_encode(adapter):
     (audio_s, encode_s), *rest = pace._encodes  # one encode: 3 s of audio (10 ms per log-mel frame)
     assert not rest and audio_s == pytest.approx(3.0, abs=0.05) and encode_s > 0
     assert pace.encoder_s_per_audio_s() == pytest.approx(encode_s / audio_s)
+    (clip_s, front_end_s), *rest = pace._front_ends  # its log-mel, computed at its add (no features came)
+    assert not rest and clip_s == pytest.approx(3.0)
+    assert pace.front_end_s_per_audio_s() == pytest.approx(front_end_s / 3.0)
 
 
 def test_the_estimated_audio_positions_are_the_prompts(adapter):

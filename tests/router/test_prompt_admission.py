@@ -143,3 +143,25 @@ def test_the_work_travels_with_the_jobs_fields():
     assert work.text_only and work.audio_s == pytest.approx(3.0)
     assert work.num_positions == StepAudio2Adapter.estimate_prompt_positions(job)
     assert prompt_work(OrpheusAdapter, build_job(OrpheusAdapter, text="Hi.", voice="tara")).audio_s == 0.0
+
+
+def test_a_long_prompt_is_charged_the_steps_its_prefill_budget_spreads_it_over():
+    long = speech_in(25.0)  # 334 positions: two steps at a 256-position budget, one at 512
+    assert predict_ttfa_s(busy(prefill_token_budget=256), work=long) == pytest.approx(
+        predict_ttfa_s(busy(prefill_token_budget=512), work=long) + STEP_S
+    )
+    assert predict_ttfa_s(busy(prefill_token_budget=512), work=long) == pytest.approx(predict_ttfa_s(busy(), work=long))
+    assert predict_ttfa_s(busy(prefill_token_budget=256), work=TTS) == pytest.approx(predict_ttfa_s(busy(), work=TTS))
+
+
+def test_the_front_end_is_charged_only_where_the_replica_runs_it():
+    """A whole clip's log-mel is computed on the replica when it is added; a streamed turn's came with it
+    (the Router computed it as the audio arrived: `Job.audio_features`), so only its encoder is charged."""
+    from core.messages import AudioFeatures
+
+    job = build_job(StepAudio2Adapter, text="", audio=clip(10.0))
+    whole = prompt_work(StepAudio2Adapter, job)
+    streamed = prompt_work(StepAudio2Adapter, replace(job, audio_features=AudioFeatures("log-mel-128", ())))
+    assert whole.front_end_audio_s == pytest.approx(10.0) and streamed.front_end_audio_s == 0.0
+    load = busy(front_end_s_per_audio_s=0.01)
+    assert predict_ttfa_s(load, work=whole) == pytest.approx(predict_ttfa_s(load, work=streamed) + 10.0 * 0.01)
