@@ -55,6 +55,7 @@ from deployments.metrics import StageMetrics
 from deployments.voices import LLMVoices
 from llm_stage.faults import StepOutOfMemory, is_out_of_memory, release_cached_memory
 from llm_stage.migration import KVSnapshot
+from llm_stage.prompt_work import PromptWork, prompt_work
 from llm_stage.registry import check_model_config
 from llm_stage.warm_up import warm_up
 from llm_stage.wiring import build_llm_side, size_for_streams
@@ -64,9 +65,9 @@ from router.admission import (
     ReplicaLoad,
     StartTimes,
     decide,
-    first_chunk_s,
     has_room,
     predict_ttfa_s,
+    start_to_first_output_s,
     stream_limit,
 )
 from router.detok_load import step_s_at, summarize_detok
@@ -425,6 +426,10 @@ class LLMStage:
             credible_ttfa_factor=admission.credible_ttfa_factor,
             ends_in_s=self._ends_in_s(detok.first_chunk_s),
             starting_for_s=self._starting_for_s(),
+            prefill_tokens_per_s=self.side.engine.prefill_pace.tokens_per_s(timer.measured_step_s),
+            encoder_s_per_audio_s=self.side.engine.prefill_pace.encoder_s_per_audio_s(),
+            front_end_s_per_audio_s=self.side.engine.prefill_pace.front_end_s_per_audio_s(),
+            prefill_token_budget=self.side.engine.scheduler.config.prefill_token_budget,
         )
 
     def _starting_for_s(self) -> tuple[float, ...]:
@@ -500,11 +505,11 @@ class LLMStage:
         # A resumed stream, or a later segment of an incremental one, was admitted once already: it
         # queues for a slot rather than being dropped.
         admitted_before = job.resume is not None or job.segment_index > 0
-        load = self.load()
-        verdict = Admission.ADMIT if admitted_before else decide(load, job.ttfa_deadline_s)
+        load, work = self.load(), self._prompt_work(job)
+        verdict = Admission.ADMIT if admitted_before else decide(load, job.ttfa_deadline_s, work)
         if verdict is Admission.REJECT:
-            logger.debug("admission: %s rejected: predicted TTFA %.2f s vs deadline %.2f s; %s", job.req_id,
-                         predict_ttfa_s(load), job.ttfa_deadline_s, load)  # fmt: skip
+            logger.debug("admission: %s rejected: predicted TTFA %.2f s vs deadline %.2f s; %s; %s", job.req_id,
+                         predict_ttfa_s(load, work=work), job.ttfa_deadline_s, work, load)  # fmt: skip
             yield Rejected(self.config.admission.retry_after_s)
             return
         self.event_loop = asyncio.get_running_loop()
@@ -675,9 +680,14 @@ class LLMStage:
 
     def _start_by(self, job: Job) -> float:
         """When a queued job must start to make its TTFA deadline (monotonic): its first chunk takes
-        what recent streams' took (the prediction when none started lately)."""
-        load = self.load()
-        return time.monotonic() + max(0.0, job.ttfa_deadline_s - max(first_chunk_s(load), load.measured_first_chunk_s))
+        what recent streams' took, its own prompt work at the measured pace included (the prediction
+        when none started lately; a text-only answer's first text, the prediction)."""
+        first_output_s = start_to_first_output_s(self.load(), self._prompt_work(job))
+        return time.monotonic() + max(0.0, job.ttfa_deadline_s - first_output_s)
+
+    def _prompt_work(self, job: Job) -> PromptWork:
+        """The prompt work `job` brings (router.admission charges it at this replica's measured pace)."""
+        return prompt_work(type(self.side.engine.adapter), job)
 
     def _has_room(self) -> bool:
         running = len(self.streams) - len(self.held)

@@ -34,6 +34,7 @@ from llm_stage.histories import PenaltyHistories, uses_default_history
 from llm_stage.jobs import build_job
 from llm_stage.migration import KVSnapshot, fits, put_rows, take_rows
 from llm_stage.models.base import FrameBuilder, LMAdapter
+from llm_stage.prefill_pace import PrefillPace
 from llm_stage.request import FinishReason, Request, RequestStatus, Token
 from llm_stage.runner import ModelRunner
 from llm_stage.sampler import RowTable, SamplingRow, sample
@@ -79,6 +80,7 @@ class LLMEngine:
         self.adapter = adapter
         self.cache_config = cache
         self.timer = StepTimer(tokens_per_frame=adapter.tokens_per_frame)
+        self.prefill_pace = PrefillPace()  # prompt positions and audio encoded per second (admission)
         self.policy: SchedulingPolicy = make_policy(scheduler, self.timer, adapter.head_phase_period)
         self.scheduler = Scheduler(
             scheduler, cache, adapter.eos_token_ids, self.policy, adapter.is_stop, adapter.record_token
@@ -121,7 +123,7 @@ class LLMEngine:
         try:
             if job.text_streaming:
                 return self._add_streaming(job)
-            prompt = self.adapter.job_prompt(job)
+            prompt = self._job_prompt(job)
             guided = job.sampling.guidance_scale is not None
             uncond = self.adapter.unconditional_job_prompt(job) if guided else None
             return self.add_prompt(job.req_id, prompt, job.sampling, uncond, job.resume, kv)
@@ -258,7 +260,7 @@ class LLMEngine:
         start = time.perf_counter()
         self._prepared_rows.clear()  # keyed by request identity: never carry them past a failed step
         self._prepared_table = None
-        self.adapter.prepare_step()  # e.g. the audio encoder over every clip added since the last step
+        encode_s = self._prepare_step()
         plan = self._take_plan()
         if plan.is_empty:
             return []
@@ -272,8 +274,28 @@ class LLMEngine:
             raise self._shed(plan, err) from err
         outputs = self._finish(plan, sampled, self.scheduler.update if is_sync else self.scheduler.append)
         decode_rows = 0 if plan.prefills else len(plan.decodes)  # the per-size table is of decode-only steps
-        self.timer.record_step(time.perf_counter() - start, decode_rows)
+        elapsed_s = time.perf_counter() - start
+        self.timer.record_step(elapsed_s, decode_rows)
+        self.prefill_pace.record_prefill(sum(w.num_tokens for w in plan.prefills), elapsed_s - encode_s)
         return outputs
+
+    def _job_prompt(self, job: Job) -> list[Token]:
+        """`job`'s prompt; a clip whose front end runs here (no features came with it) is timed per
+        second of its audio (`prefill_pace`)."""
+        start = time.perf_counter()
+        prompt = self.adapter.job_prompt(job)
+        if job.audio is not None and job.audio_features is None and self.adapter.takes_audio:
+            self.prefill_pace.record_front_end(job.audio.duration_s, time.perf_counter() - start)
+        return prompt
+
+    def _prepare_step(self) -> float:
+        """The adapter's batched preprocessing (e.g. the audio encoder over every clip added since the
+        last step), timed per second of audio it encoded (`prefill_pace`); returns its seconds."""
+        audio_s, start = self.adapter.pending_audio_s, time.perf_counter()
+        self.adapter.prepare_step()
+        encode_s = time.perf_counter() - start
+        self.prefill_pace.record_encode(audio_s, encode_s)
+        return encode_s
 
     def _compute(self, plan: StepPlan) -> list[Token]:
         """Forward and sample `plan` (the request state is read, never changed: a failure leaves it as it was)."""

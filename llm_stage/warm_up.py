@@ -10,8 +10,8 @@ text the ingress accepts, the rest with short prompts), through their prefill at
 budget and `FULL_STEPS` decode steps with every row decoding; then they are cancelled.
 
 Nothing a later stream sees changes: the requests carry their own seeds (the engine's seed source
-is not drawn from), and the step timer and the output head's phase state are restored, so the
-first real stream meets the prior, as admission expects (`StepTimer.measured_step_s`).
+is not drawn from), and the step timer, the prefill pace and the output head's phase state are
+restored, so the first real stream meets the prior, as admission expects (`StepTimer.measured_step_s`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from core.errors import InvalidArgumentError
 from llm_stage.engine import LLMEngine
+from llm_stage.prefill_pace import PrefillPace
 from llm_stage.request import RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ def warm_up(engine: LLMEngine) -> WarmUp:
     assert not engine.requests, "warm up an engine before it serves"
     started_s = time.perf_counter()
     kept = copy.deepcopy(vars(engine.timer)), copy.deepcopy(vars(engine.policy.phases))
+    kept_pace, engine.prefill_pace = engine.prefill_pace, PrefillPace()  # cold prefills: not the pace
     max_rows = min(engine.scheduler.config.max_batch_size, engine.cache_config.num_slots)
     rows = prompt_tokens = longest = 0
     index = 0
@@ -101,6 +103,7 @@ def warm_up(engine: LLMEngine) -> WarmUp:
             engine.cancel(req_id)
         vars(engine.timer).update(kept[0])
         vars(engine.policy.phases).update(kept[1])
+        engine.prefill_pace = kept_pace
         engine.last_batch_size = 0
     report = WarmUp(index, rows, prompt_tokens, longest, steps, full_steps, time.perf_counter() - started_s)
     logger.info("LLM warm-up: %s", report)

@@ -6,7 +6,9 @@ the `ReplicaLoad` the LLM replica publishes, which carries the detok stage's mea
 (router.detok_load). How many streams a replica takes comes from both stages' measured pace
 (`stream_limit`), capped by its KV slots: a fixed count is either too cautious on a fast
 machine or too bold on a slow one. How many may start at once is limited too (`startup_wait_s`):
-a burst of streams started together underran however many the replica sustains.
+a burst of streams started together underran however many the replica sustains. A request's own
+prompt work (`llm_stage.prompt_work`: a speech-in clip's positions and encode) is charged at the
+replica's measured prefill pace (`prefill_s`); a text-only answer's first output is its first text.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+
+from llm_stage.prompt_work import PromptWork
 
 DEFAULT_STEP_S = 0.02  # prior before the first measured step
 # A stream is starting until it has sent this many chunks: before, its client holds one small
@@ -66,6 +70,11 @@ class ReplicaLoad:
     ends_in_s: tuple[float, ...] = ()
     # how long each starting stream has been starting (s at the report), longest first; () = none or unknown
     starting_for_s: tuple[float, ...] = ()
+    # its measured prefill pace (llm_stage.prefill_pace); 0 = not measured, so nothing is charged for it
+    prefill_tokens_per_s: float = 0.0  # prompt positions prefilled per second beyond a decode step
+    encoder_s_per_audio_s: float = 0.0  # the audio encoder's seconds per second of audio (speech in)
+    front_end_s_per_audio_s: float = 0.0  # its audio front end's (log-mel of a whole clip, on the replica)
+    prefill_token_budget: int = 0  # prompt positions one step prefills at most (0 = unknown: a prompt, one step)
 
     def to_stats(self) -> dict:
         return asdict(self)
@@ -159,11 +168,39 @@ def _under_caps(load: ReplicaLoad, streams: int) -> int:
     return min(load.max_streams, streams if detok is None else min(streams, detok))
 
 
-def first_chunk_s(load: ReplicaLoad) -> float:
-    """Predicted time from a stream's start to its first audio: its first chunk's tokens at the step
-    measured for the batch it joins, and that chunk's decode at the detok stage."""
+def prefill_s(load: ReplicaLoad, work: PromptWork | None) -> float:
+    """A request's own prompt work (`work`; None: none known) at the replica's measured pace: its audio
+    through the front end (when the replica runs it) and the encoder, its prompt positions beyond the
+    steps that prefill them, and those steps past the first (every prediction counts one): a prompt
+    longer than `prefill_token_budget` is prefilled over several steps. A pace not measured charges
+    nothing (for positions: the steps alone): nothing is refused on a figure nothing measured."""
+    if work is None:
+        return 0.0
+    audio_s = work.front_end_audio_s * load.front_end_s_per_audio_s + work.audio_s * load.encoder_s_per_audio_s
+    positions_s = work.num_positions / load.prefill_tokens_per_s if load.prefill_tokens_per_s > 0 else 0.0
+    more_steps = math.ceil(work.num_positions / load.prefill_token_budget) - 1 if load.prefill_token_budget else 0
+    return audio_s + positions_s + max(0, more_steps) * (load.next_step_s or load.step_s or DEFAULT_STEP_S)
+
+
+def first_chunk_s(load: ReplicaLoad, work: PromptWork | None = None) -> float:
+    """Predicted time from a stream's start to its first output: the step that prefills its prompt and
+    its own prompt work (`prefill_s`), then its first chunk's tokens at the step measured for the batch
+    it joins and that chunk's decode at the detok stage. A text-only answer's first output is its first
+    text, which the prefill's step samples: no chunk's steps, no decode."""
     step_s = load.next_step_s or load.step_s or DEFAULT_STEP_S
-    return (load.first_chunk_tokens + 1) * step_s + load.detok_first_chunk_s
+    if work is not None and work.text_only:
+        return step_s + prefill_s(load, work)
+    return (load.first_chunk_tokens + 1) * step_s + load.detok_first_chunk_s + prefill_s(load, work)
+
+
+def start_to_first_output_s(load: ReplicaLoad, work: PromptWork | None = None) -> float:
+    """What a request held in the queue takes from its start to its first output, as the replica holding
+    it reckons its start-by: the prediction (`first_chunk_s`), and no less than recent streams took to
+    their first chunk (`measured_first_chunk_s`), save for a text-only answer (those were chunks)."""
+    predicted_s = first_chunk_s(load, work)
+    if work is not None and work.text_only:
+        return predicted_s
+    return max(predicted_s, load.measured_first_chunk_s)
 
 
 def limits_startups(load: ReplicaLoad) -> bool:
@@ -217,16 +254,17 @@ def startup_wait_s(load: ReplicaLoad, extra_requests: int = 0) -> float:
     return (position // allowed + 1) * wave_s
 
 
-def predict_ttfa_s(load: ReplicaLoad, extra_requests: int = 0) -> float:
-    """Predicted time to first audio for one more request on this replica: its first chunk's
-    tokens at the step measured for the batch it joins, that chunk's decode at the detok stage,
-    and, past the stream limit, the wait for running streams to end, or past the startup limit,
-    the wait for the streams starting now (the longer). One that waits takes at least what recent
-    streams took to their first chunk (`measured_first_chunk_s`), as the replica holding it
-    reckons its start-by: queued on the prediction alone, a burst's streams were refused after
+def predict_ttfa_s(load: ReplicaLoad, extra_requests: int = 0, work: PromptWork | None = None) -> float:
+    """Predicted time to first output (audio; a text-only answer's first text) for one more request on
+    this replica: its prefill with its own prompt work `work` at the measured pace, its first chunk's
+    tokens at the step measured for the batch it joins, that chunk's decode at the detok stage
+    (`first_chunk_s`), and, past the stream limit, the wait for running streams to end, or past the
+    startup limit, the wait for the streams starting now (the longer). One that waits takes at least
+    what recent streams took to their first chunk (`start_to_first_output_s`), as the replica holding
+    it reckons its start-by: queued on the prediction alone, a burst's streams were refused after
     0.7 s of waiting (recent starts under load took longer than the steps measured alone)."""
     step_s = load.next_step_s or load.step_s or DEFAULT_STEP_S
-    generate_s = first_chunk_s(load)
+    generate_s = first_chunk_s(load, work)
     limit = stream_limit(load)
     position = load.num_active + extra_requests - limit  # >= 0: waits for a running stream to end
     slot_wait_s = 0.0
@@ -234,7 +272,7 @@ def predict_ttfa_s(load: ReplicaLoad, extra_requests: int = 0) -> float:
         slot_wait_s = _slot_wait_s(load, position, limit, step_s)
     wait_s = max(slot_wait_s, startup_wait_s(load, extra_requests))
     if wait_s > 0:  # then it starts as recent streams did: the replica holding it refuses it by that
-        generate_s = max(generate_s, load.measured_first_chunk_s)
+        generate_s = start_to_first_output_s(load, work)
     return generate_s + wait_s
 
 
@@ -255,7 +293,7 @@ def has_room(load: ReplicaLoad) -> bool:
     return load.num_active < stream_limit(load) and not starting_full
 
 
-def is_credible(load: ReplicaLoad, predicted_s: float) -> bool:
+def is_credible(load: ReplicaLoad, predicted_s: float, work: PromptWork | None = None) -> bool:
     """Whether a predicted time to first audio may refuse a request for its deadline: at most
     `credible_ttfa_factor` times what the replica's recent new streams measured (`measured_ttfa_s`,
     their queue waits included), or nothing measured to hold it to. A prediction far beyond that runs
@@ -264,40 +302,42 @@ def is_credible(load: ReplicaLoad, predicted_s: float) -> bool:
     one sent 0.3 s later met its first audio in 2.2 s. Nor may a prediction that rests on no measured
     step (the DEFAULT_STEP_S prior: the report was taken before the replica's first step): a fresh
     replica refused a lone client's second request on the prior's 0.72 s, while its first had met
-    its first audio in 0.09 s."""
+    its first audio in 0.09 s. The request's own prompt work at the measured pace (`prefill_s` of
+    `work`) is added to the bound: a long clip's prefill is no transient, and the recent streams'
+    TTFA need not have carried one."""
     if not (load.next_step_s or load.step_s):
         return False
     if load.measured_ttfa_s <= 0 or load.credible_ttfa_factor <= 0:
         return True
-    return predicted_s <= load.credible_ttfa_factor * load.measured_ttfa_s
+    return predicted_s <= load.credible_ttfa_factor * load.measured_ttfa_s + prefill_s(load, work)
 
 
-def credible_ttfa_s(load: ReplicaLoad) -> float | None:
-    """`predict_ttfa_s(load)` when credible (`is_credible`), else None (not known)."""
-    predicted_s = predict_ttfa_s(load)
-    return predicted_s if is_credible(load, predicted_s) else None
+def credible_ttfa_s(load: ReplicaLoad, work: PromptWork | None = None) -> float | None:
+    """`predict_ttfa_s` of a request bringing `work` when credible (`is_credible`), else None (not known)."""
+    predicted_s = predict_ttfa_s(load, work=work)
+    return predicted_s if is_credible(load, predicted_s, work) else None
 
 
-def decide(load: ReplicaLoad, deadline_s: float) -> Admission:
-    """Reject when the predicted first audio misses `deadline_s` (a credible prediction:
-    `is_credible`; past it the request is admitted or queued as if it met it, and the replica
-    holding it refuses it only once it could no longer start in time); otherwise admit under the
-    stream and startup limits, and queue past them while the queue has room (the prediction counts
-    the wait). An idle replica admits: only a running stream measures its steps again, so a slow
-    figure (a cold first decode, a burst of load beside it) would otherwise reject everything for
-    good."""
+def decide(load: ReplicaLoad, deadline_s: float, work: PromptWork | None = None) -> Admission:
+    """Reject when the predicted first output of a request bringing `work` (its own prompt work:
+    `predict_ttfa_s`) misses `deadline_s` (a credible prediction: `is_credible`; past it the request
+    is admitted or queued as if it met it, and the replica holding it refuses it only once it could
+    no longer start in time); otherwise admit under the stream and startup limits, and queue past
+    them while the queue has room (the prediction counts the wait). An idle replica admits: only a
+    running stream measures its steps again, so a slow figure (a cold first decode, a burst of load
+    beside it) would otherwise reject everything for good."""
     if load.num_active == 0:
         return Admission.ADMIT
     if load.predicts:
-        predicted_s = predict_ttfa_s(load)
-        if predicted_s > deadline_s and is_credible(load, predicted_s):
+        predicted_s = predict_ttfa_s(load, work=work)
+        if predicted_s > deadline_s and is_credible(load, predicted_s, work):
             return Admission.REJECT
     if has_room(load):
         return Admission.ADMIT
     return Admission.QUEUE if load.num_active - stream_limit(load) < load.max_queued else Admission.REJECT
 
 
-def admits_anywhere(loads: list[ReplicaLoad], deadline_s: float) -> bool:
-    """Whether some LLM replica would admit, or queue in time, a request with this TTFA deadline
-    (the Router's reject-at-once check over its load board; [] = unknown, so yes)."""
-    return not loads or any(decide(load, deadline_s) is not Admission.REJECT for load in loads)
+def admits_anywhere(loads: list[ReplicaLoad], deadline_s: float, work: PromptWork | None = None) -> bool:
+    """Whether some LLM replica would admit, or queue in time, a request with this TTFA deadline that
+    brings `work` (the Router's reject-at-once check over its load board; [] = unknown, so yes)."""
+    return not loads or any(decide(load, deadline_s, work) is not Admission.REJECT for load in loads)

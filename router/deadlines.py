@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from core.messages import Job
+from llm_stage.prompt_work import PromptWork
 from router.admission import ReplicaLoad, credible_ttfa_s
 
 
@@ -25,10 +26,11 @@ def client_deadline_s(grpc_context) -> float | None:
     return grpc_context.time_remaining()
 
 
-def best_predicted_ttfa_s(loads: list[ReplicaLoad]) -> float | None:
-    """The lowest predicted time to first audio over the known LLM replicas (None: none known yet, or
-    some replica's prediction is not credible, `router.admission.is_credible`: it may start sooner)."""
-    predictions = [credible_ttfa_s(load) for load in loads]
+def best_predicted_ttfa_s(loads: list[ReplicaLoad], work: PromptWork | None = None) -> float | None:
+    """The lowest predicted time to first output over the known LLM replicas for a request bringing
+    `work` (its own prompt work, `router.admission.prefill_s`) (None: none known yet, or some replica's
+    prediction is not credible, `router.admission.is_credible`: it may start sooner)."""
+    predictions = [credible_ttfa_s(load, work) for load in loads]
     known = [predicted_s for predicted_s in predictions if predicted_s is not None]
     return min(known, default=None) if len(known) == len(predictions) else None
 

@@ -35,6 +35,7 @@ from core.messages import (
     TextDelta,
     TextPiece,
 )
+from llm_stage.prompt_work import PromptWork, prompt_work
 from llm_stage.registry import get_entry
 from router.admission import admits_anywhere, predict_ttfa_s, stream_limit
 from router.audio_fetch import StepAudio
@@ -185,7 +186,13 @@ class RouterCore:
         remaining_s = client_deadline_s(grpc_context)
         if remaining_s is None:
             return job
-        return fit_to_client_deadline(job, remaining_s, best_predicted_ttfa_s(estimated_loads(self.llm_scope)))
+        predicted_s = best_predicted_ttfa_s(estimated_loads(self.llm_scope), self.prompt_work(job))
+        return fit_to_client_deadline(job, remaining_s, predicted_s)
+
+    def prompt_work(self, job: Job) -> PromptWork:
+        """The prompt work `job` brings (its prompt positions, its audio to encode: the family's figures),
+        charged at each replica's measured prefill pace (router.admission)."""
+        return prompt_work(self.entry.family.lm, job)
 
     def check_capacity(self, job: Job) -> None:
         """Reject at once when no LLM replica known here would admit `job`, or queue it to start by
@@ -195,9 +202,10 @@ class RouterCore:
         if not loads:
             return
         capacity = sum(stream_limit(load) + load.max_queued for load in loads)
-        if self.open_streams >= capacity or not admits_anywhere(loads, job.ttfa_deadline_s):
+        work = self.prompt_work(job)
+        if self.open_streams >= capacity or not admits_anywhere(loads, job.ttfa_deadline_s, work):
             self.metrics.rejections.inc()
-            predicted = [round(predict_ttfa_s(load), 2) for load in loads]  # (why: for tuning the prediction)
+            predicted = [round(predict_ttfa_s(load, work=work), 2) for load in loads]  # (why: for tuning)
             logger.debug("admission: %s rejected: %d open of %d; predicted TTFA %s s vs deadline %.2f s; limits %s",
                          job.req_id, self.open_streams, capacity, predicted, job.ttfa_deadline_s,
                          [stream_limit(load) for load in loads])  # fmt: skip

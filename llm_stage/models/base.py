@@ -7,6 +7,7 @@ codebooks), applies its sampling rules, decides stops, and turns steps into code
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -92,6 +93,9 @@ class LMAdapter(ABC):
     # set its system turn (`Job.system`); `transcription_system` gives a transcription's
     answers_text_only: bool = False
     takes_chat_history: bool = False  # speech in: a Job may carry a conversation's earlier turns (`Job.history`)
+    # text characters per prompt position, to estimate a prompt before it is tokenized (admission,
+    # `estimate_prompt_positions`): a BPE tokenizer's ~4 on English
+    prompt_chars_per_position: float = 4.0
 
     def __init__(self, backbone: Backbone) -> None:
         self.backbone = backbone
@@ -122,6 +126,26 @@ class LMAdapter(ABC):
         if language is None:
             raise InvalidArgumentError("model", f"{cls.family} does not transcribe (it takes no audio)")
         raise InvalidArgumentError("language", f"{cls.family} has no transcription instruction for {language!r}")
+
+    @classmethod
+    def audio_prompt_positions(cls, duration_s: float) -> int:
+        """Prompt positions a clip of `duration_s` takes in this family's prompt (0: it takes no audio)."""
+        return 0
+
+    @classmethod
+    def estimate_prompt_positions(cls, job: Job) -> int:
+        """The prompt positions `job` will take, estimated from the Job alone (no tokenizer, no weights:
+        the Router's admission, before the job reaches a replica): its text and its earlier turns' at
+        `prompt_chars_per_position`, and every clip's positions (`audio_prompt_positions`)."""
+        clips = [job.audio, *(turn.audio for turn in job.history)]  # a conversation prefills every turn again
+        chars = len(job.text) + sum(len(turn.text) for turn in job.history)
+        text_positions = math.ceil(chars / cls.prompt_chars_per_position)
+        return text_positions + sum(cls.audio_prompt_positions(clip.duration_s) for clip in clips if clip is not None)
+
+    @property
+    def pending_audio_s(self) -> float:
+        """Seconds of audio the next `prepare_step` encodes (the engine times the encoder by it)."""
+        return 0.0
 
     def job_prompt(self, job: Job) -> list[Token]:
         """The prompt of a validated job; override to condition on per-request fields of `job.sampling`."""

@@ -18,6 +18,7 @@ them again). Output: text ids go to the client as text, `<audio_N>` to the detok
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import numpy as np
@@ -33,8 +34,10 @@ from llm_stage.models.base import FrameBuilder, LMAdapter, ModelFamily
 from llm_stage.models.cosyvoice2 import S3GEN_SCHEDULE
 from llm_stage.models.llama import LlamaBackbone
 from llm_stage.models.step_audio2_encoder import (
+    MEL_HOP_SAMPLES,
     SAMPLE_RATE_HZ,
     EncoderShape,
+    clip_positions,
     encode_pieces,
     num_placeholders,
     piece_log_mel,
@@ -55,6 +58,9 @@ SYSTEM_PROMPT = "You are a helpful assistant."  # the published examples' system
 # the published ASR examples' system turn, by language (examples.py: Chinese, its English in a comment)
 TRANSCRIPTION_SYSTEM = {"en": "Please record the audio content you hear.", "zh": "请记录下你所听到的语音内容。"}
 NO_CLIP = -1
+# the chat's markers (<|BOT|> x3, <|EOT|> x2, <tts_start>) and role names ("system\n", "human\n",
+# "assistant\n": ~2 BPE tokens each): the prompt's positions beside its text and audio
+CHAT_MARKER_POSITIONS = 12
 
 
 class SpeechFrameBuilder(FrameBuilder):
@@ -131,6 +137,17 @@ class StepAudio2Adapter(LMAdapter):
             served = ", ".join(TRANSCRIPTION_SYSTEM)
             raise InvalidArgumentError("language", f"{language!r} is not served; Step-Audio 2 transcribes {served}")
         return TRANSCRIPTION_SYSTEM[language or "en"]
+
+    @classmethod
+    def audio_prompt_positions(cls, duration_s: float) -> int:
+        """The clip's placeholders and audio markers at the published encoder's geometry (~12.5 per second)."""
+        return clip_positions(duration_s)
+
+    @classmethod
+    def estimate_prompt_positions(cls, job: Job) -> int:
+        """The user's text and audio, the system turn and the chat's markers around them."""
+        system_positions = math.ceil(len(job.system or SYSTEM_PROMPT) / cls.prompt_chars_per_position)
+        return super().estimate_prompt_positions(job) + system_positions + CHAT_MARKER_POSITIONS
 
     def job_prompt(self, job: Job) -> list[Token]:
         """The job's conversation in the published chat; its clips (earlier turns' first) queued to encode."""
@@ -228,6 +245,11 @@ class StepAudio2Adapter(LMAdapter):
         self._pending = [(h, mel) for h, mel in self._pending if h not in handles]
         for handle in handles:
             self._rows.pop(handle, None)
+
+    @property
+    def pending_audio_s(self) -> float:
+        """Seconds of the clips queued for the next step's encode (10 ms per log-mel frame)."""
+        return sum(mel.shape[1] for _, mel in self._pending) * MEL_HOP_SAMPLES / SAMPLE_RATE_HZ
 
     @property
     def num_pending_clips(self) -> int:

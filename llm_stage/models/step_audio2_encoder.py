@@ -12,6 +12,7 @@ padding, and each piece's key mask follows its own length). Used by the step-aud
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ from detok_stage.voice.features import whisper_log_mel
 SAMPLE_RATE_HZ = 16_000
 PIECE_SAMPLES = 25 * SAMPLE_RATE_HZ  # the published loop cuts audio into 25 s pieces
 MEL_PADDING_SAMPLES = 479  # zero samples appended before the STFT, as published
+MEL_HOP_SAMPLES = 160  # one log-mel frame per 10 ms
 ADAPTER_WIDTH = 2048  # the adapter's hidden width is fixed in the published code, not in config.json
 MASKED = -1.0e10  # additive bias on masked keys (the published value)
 
@@ -64,6 +66,19 @@ def encoder_frames(mel_frames: int) -> int:
 def num_placeholders(mel_frames: int, shape: EncoderShape = EncoderShape()) -> int:
     """Audio placeholder positions (LM inputs) for one piece of `mel_frames` mel frames."""
     return (encoder_frames(mel_frames) + 2 - shape.kernel_size) // shape.adapter_stride + 1
+
+
+def mel_frames_of(num_samples: int) -> int:
+    """Log-mel frames `piece_log_mel` makes of a piece of `num_samples` 16 kHz samples."""
+    return (num_samples + MEL_PADDING_SAMPLES) // MEL_HOP_SAMPLES
+
+
+def clip_positions(duration_s: float, shape: EncoderShape = EncoderShape()) -> int:
+    """Prompt positions a clip of `duration_s` takes: per 25 s piece its placeholders and the
+    `<audio_start>` / `<audio_end>` around them (what admission charges before the replica encodes it)."""
+    samples = math.ceil(duration_s * SAMPLE_RATE_HZ - 1e-6)  # (a float duration of a whole sample count)
+    pieces = [min(PIECE_SAMPLES, samples - start) for start in range(0, samples, PIECE_SAMPLES)]
+    return sum(num_placeholders(mel_frames_of(n), shape) + 2 for n in pieces)
 
 
 class Attention(nn.Module):

@@ -138,3 +138,37 @@ def test_admission_is_per_model_a_full_model_refuses_while_the_other_admits():
         return counted["orpheus-tiny"], counted["csm-tiny"]
 
     assert asyncio.run(run()) == (1, 0)  # the refusal counts in the full model's series only
+
+
+def test_the_router_charges_a_speech_in_requests_clip_at_the_replicas_measured_pace():
+    """A long clip on a busy step-audio2 replica is refused at once (and its gRPC deadline judged) on
+    the prediction that counts its prefill; a short clip with the same deadline is let through."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from core.messages import AudioClip
+    from router.deadlines import DeadlineUnmeetable
+
+    name = "step-audio2-tiny"
+
+    async def run() -> None:
+        deployment = DeploymentID(name=f"LLMStage-{name}", app_name=APP)
+        board = PredictedTTFARouter(deployment, DeploymentHandleSource.UNKNOWN, get_curr_time_s=lambda: 1000.0)
+        board.initialize_state()
+        paced = {**report(2, 1000.0), "prefill_tokens_per_s": 400.0, "encoder_s_per_audio_s": 0.1}
+        board.update_replicas([Replica(ReplicaID(unique_id="sa-r1", deployment_id=deployment), paced)])
+        core = served((name,)).core_for(name)
+        template = core.job(**fields(model=name, ttfa_deadline_s=2.0))
+
+        def with_clip(duration_s: float):
+            return dataclasses.replace(template, audio=AudioClip(b"\x00\x01" * round(duration_s * 16_000), 16_000))
+
+        core.check_capacity(with_clip(1.0))  # ~0.3 s of prefill and encode: in time
+        with pytest.raises(AdmissionRejected):
+            core.check_capacity(with_clip(40.0))  # ~505 positions at 400 a second and a 4 s encode: not
+        client = SimpleNamespace(time_remaining=lambda: 3.0)
+        assert core.fit_client_deadline(with_clip(1.0), client).ttfa_deadline_s == 2.0
+        with pytest.raises(DeadlineUnmeetable):
+            core.fit_client_deadline(with_clip(40.0), client)
+
+    asyncio.run(run())
