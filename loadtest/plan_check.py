@@ -107,8 +107,8 @@ def predicted_rps(scenario: Scenario, config: CheckConfig, slo: Slo) -> float:
     return streams / scenario.workload.mean_audio_s(scenario.rates)
 
 
-def swept_rates(predicted: float) -> tuple[float, ...]:
-    return tuple(round(max(0.05, predicted * factor), 3) for factor in RATE_FACTORS)
+def swept_rates(predicted: float, factors: tuple[float, ...] = RATE_FACTORS) -> tuple[float, ...]:
+    return tuple(round(max(0.05, predicted * factor), 3) for factor in factors)
 
 
 def serve_config(config: CheckConfig, grpc_port: int, http_port: int):  # -> ServeConfig
@@ -136,9 +136,12 @@ def measure_rps(config: CheckConfig, rates: tuple[float, ...], slo: Slo, out: Pa
     return result.capacity_rps
 
 
-def check(config: CheckConfig, scenario: Scenario, slo: Slo, out: Path, duration_s: float) -> CheckResult:
+def check(
+    config: CheckConfig, scenario: Scenario, slo: Slo, out: Path, duration_s: float,
+    factors: tuple[float, ...] = RATE_FACTORS,
+) -> CheckResult:  # fmt: skip
     predicted = predicted_rps(scenario, config, slo)
-    rates = swept_rates(predicted)
+    rates = swept_rates(predicted, factors)
     measured = measure_rps(config, rates, slo, out, duration_s)
     return CheckResult(config.name, predicted, measured, rates)
 
@@ -158,6 +161,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ttfa-p90-s", type=float, default=1.0, help="the CPU sweep's SLO (BENCHMARKS)")
     parser.add_argument("--duration-s", type=float, default=30.0, help="seconds of arrivals per swept rate")
     parser.add_argument("--predict-only", action="store_true", help="calibrate and predict; start no cluster")
+    parser.add_argument("--rate-factors", type=float, nargs="+", default=list(RATE_FACTORS),
+                        help="swept rates, x the predicted capacity (lower ones where it over-predicts)")  # fmt: skip
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     steps = measured_step_ms()
@@ -171,7 +176,8 @@ def main(argv: list[str] | None = None) -> None:
         for config in chosen:
             print(f"{config.name}: predicted {predicted_rps(scenario, config, slo):.2f} req/s")
         return
-    results = [check(config, scenario, slo, args.out, args.duration_s) for config in chosen]
+    factors = tuple(sorted(args.rate_factors))
+    results = [check(config, scenario, slo, args.out, args.duration_s, factors) for config in chosen]
     summary = {"step_ms": steps, "results": [{**asdict(r), "error": r.error} for r in results]}
     (args.out / "plan_check.json").write_text(json.dumps(summary, indent=2, default=float))
     print("\n".join(report(results)))
