@@ -27,7 +27,10 @@ BISTREAM = small_config(
     admission=AdmissionConfig(max_streams_per_replica=4, max_queued_per_replica=4, default_ttfa_deadline_s=120.0),
 )  # fmt: skip
 WORDS = ["Hello ", "there, ", "my ", "good ", "friend."]
-SAMPLING = {"seed": 5, "max_tokens": 60}
+# 28 text ids (bytes) read 5 at a time, 15 speech ids per group: a request that may stop before its text
+# ends (60 ids = 4 groups) races the last word (sent after it stopped, that word opens a second segment);
+# 120 ids outlast the text's 6 groups, so the one request runs until the client's end, whatever the pace
+SAMPLING = {"seed": 5, "max_tokens": 120}
 MAX_PCM_STEPS = 8  # S3Gen in another batch composition: float noise through the NSF phase, PCM16 rounding
 
 
