@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from core.checkpoints import cached_snapshot, download_command
-from core.config import DetokConfig, EngineConfig, ServeConfig, load_engine_config, load_serve_config
+from core.config import AdmissionConfig, DetokConfig, EngineConfig, ServeConfig, load_engine_config, load_serve_config
 from core.errors import InvalidArgumentError
 from llm_stage.models.base import ModelFamily
 from llm_stage.registry import check_engine_config, families, model_config_for
@@ -203,7 +203,7 @@ def _plan(args: argparse.Namespace) -> int:
         model=args.model, gpu=args.gpu, streams=args.streams, ttfa_p90_s=args.ttfa_p90_s,
         min_viable_pct=args.min_viable_pct, sweep=tuple(args.sweep_streams or SWEEP_STREAMS) if args.sweep else (),
         llm_replicas=args.llm_replicas, detok_replicas=args.detok_replicas, text_chars=tuple(args.text_chars),
-        step_scale=args.step_scale, seed=args.seed, calibration=args.calibration,
+        step_scale=args.step_scale, seed=args.seed, calibration=args.calibration, max_starting=args.max_starting,
     )  # fmt: skip
     print("\n".join(plan_report(request)))
     if args.sources:
@@ -346,6 +346,12 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--text-chars", type=int, nargs="+", default=[110], help="request texts' lengths (~15 chars/s)")
     plan.add_argument("--step-scale", type=float, default=1.0, help="what-if: every LLM step x this")
     plan.add_argument("--seed", type=int, default=0)
+    plan.add_argument(
+        "--max-starting",
+        type=int,
+        default=AdmissionConfig().max_starting_per_replica,
+        help="admission.max_starting_per_replica: streams a replica starts at once (0: no limit)",
+    )
     plan.add_argument("--calibration", type=Path, default=None, help="a calibration JSON instead of --gpu/--model")
     plan.add_argument("--sources", action="store_true", help="also print where each calibration figure came from")
     plan.set_defaults(func=_plan)

@@ -472,6 +472,8 @@ class LLMStage:
         return {
             **self.load().to_stats(),
             "engine_requests": len(engine.requests),
+            # the serving loop's decode step by batch rows, medians of recent steps (what admission paces by)
+            "step_ms_by_rows": {rows: round(1e3 * s, 3) for rows, s in sorted(engine.timer.step_s_by_rows.items())},
             "waiting_for_text": engine.scheduler.num_waiting_for_text,  # streams idle for text (KV held)
             "text_waits": self.side.num_text_waits,  # times a stream had run out of text when more came
             "kv_slots_used": engine.scheduler.slots.num_used,

@@ -1,7 +1,11 @@
 """Planner vs the real cluster on this machine: predicted and measured capacity at SLO (issue 40 item 3).
 
-For each configuration: (1) calibrate the LLM step on this box now (`loadtest.step_bench.ms_per_step`,
-the CPU preset, aligned starts) into a copy of `cpu-orpheus-tiny.json`; (2) predict the capacity at SLO
+For each configuration: (1) calibrate on this box now, into a copy of `cpu-orpheus-tiny.json`: the LLM
+step alone (`loadtest.step_bench.ms_per_step`, the CPU preset, aligned starts), and from a served 1x1
+cluster at c=1 (`loadtest.host_cost`) the serving loop's cost per token over that step
+(`pipeline_step_factor`), the detok replica's cost per chunk over the table's, and the host's CPU per stream
+and per chunk with the idle background (the `host` section: every stage shares the 2 cores); none of it
+from a run at load, so nothing is fitted to the capacities it then predicts; (2) predict the capacity at SLO
 with `cluster.planner` on the sweep's own prompt mix (its frames per prompt, clamped as `loadtest.workload`
 clamps them), in req/s = streams / mean audio seconds; (3) measure it: `voxray serve` of the configuration
 as a process (`loadtest.cluster_process`) and `loadtest.sweep` at rates around the prediction; (4) the
@@ -17,11 +21,15 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
+
 from cluster.planner.calibration import CALIBRATION_DIR, parse_calibration
 from cluster.planner.predict import Scenario
 from cluster.planner.search import Slo, capacity_streams
 from cluster.planner.simulate import ClusterShape, SimOptions
 from cluster.planner.workload import ModelRates, Workload
+from core.config import AdmissionConfig
+from loadtest.host_cost import HostCost, calibration_host
 from loadtest.workload import MAX_FRAMES, MIN_FRAMES, load_prompts
 
 CPU_CALIBRATION = CALIBRATION_DIR / "cpu-orpheus-tiny.json"
@@ -32,19 +40,13 @@ CALIBRATION_ROWS = (1, 2, 4, 8, 12)
 
 @dataclass(frozen=True)
 class CheckConfig:
-    """One configuration: replicas per stage, the admission cap, and how much the 2 cores slow each engine
-    when more stage processes than cores step at once (a stated assumption, not measured: (LLM + detok
-    replicas) / cores)."""
+    """One configuration: replicas per stage and the admission cap (the 2 cores every process shares are
+    the calibration's `host` section)."""
 
     name: str
     llm_replicas: int
     detok_replicas: int
     max_streams_per_replica: int
-    cores: int = 2
-
-    @property
-    def core_share_scale(self) -> float:
-        return max(1.0, (self.llm_replicas + self.detok_replicas) / self.cores)
 
 
 CONFIGS = (
@@ -99,12 +101,63 @@ def sweep_workload() -> Workload:
     return Workload(text_chars=chars, min_frames=MIN_FRAMES, max_frames=MAX_FRAMES)
 
 
-def predicted_rps(scenario: Scenario, config: CheckConfig, slo: Slo) -> float:
-    shape = ClusterShape(config.llm_replicas, config.detok_replicas, config.max_streams_per_replica)
-    sim = SimOptions(step_scale=config.core_share_scale, detok_scale=config.core_share_scale)
+def predicted_rps(scenario: Scenario, config: CheckConfig, slo: Slo, sim: SimOptions = SimOptions()) -> float:
+    shape = ClusterShape(config.llm_replicas, config.detok_replicas, config.max_streams_per_replica,
+                         AdmissionConfig().max_starting_per_replica)  # fmt: skip
     streams = capacity_streams(scenario, shape, slo, high=8 * config.max_streams_per_replica * config.llm_replicas,
                                sim=sim)  # fmt: skip
     return streams / scenario.workload.mean_audio_s(scenario.rates)
+
+
+def serving_loop_line(step_ms_by_rows: dict[int, float]) -> tuple[float, float] | None:
+    """(ms at 0 rows, ms per row): a least-squares line through the serving loop's step by rows (each size
+    a median of its recent steps, noisy alone); None with fewer than 3 sizes measured."""
+    if len(step_ms_by_rows) < 3:
+        return None
+    rows = np.asarray(list(step_ms_by_rows), np.float64)
+    slope, intercept = np.polyfit(rows, np.asarray(list(step_ms_by_rows.values())), 1)
+    return max(0.0, float(intercept)), max(0.0, float(slope))
+
+
+def calibration_with_host(data: dict, cost: HostCost, cores: int, source: str) -> dict:
+    """A copy of `data` (its step table measured alone on this box) with what the served cluster measured
+    (`cost`): the LLM step as the serving loop measured it by rows under closed-loop load, as a line (it adds
+    per row what the engine alone does not: the policy, chunk cutting, the replica's other threads), else
+    the engine's table x the serving loop's CPU per token at one row over it; the detok table scaled to the
+    replica's CPU per chunk at c=1; and the host's CPU at c=1 as the `host` section."""
+    out = copy.deepcopy(data)
+    calib = parse_calibration(data)
+    one_row_ms = float(calib.llm_step.step_ms(np.ones(1), np.full(1, float(calib.llm_step.cache_tokens[0])))[0])
+    sources = out["sources"]
+    line = serving_loop_line(cost.loaded_step_ms_by_rows)
+    if line is not None:
+        base_ms, per_row_ms = line
+        top = max(calib.max_streams_per_replica, max(cost.loaded_step_ms_by_rows))
+        column = out["llm"]["step_ms"]["cache_tokens"]
+        ends_ms = [[round(base_ms + per_row_ms * rows, 3)] for rows in (1, top)]
+        out["llm"]["step_ms"] = {"rows": [1, top], "cache_tokens": column, "ms": ends_ms}
+        out["llm"]["pipeline_step_factor"] = 1.0
+        table = data["llm"]["step_ms"]
+        alone = ", ".join(f"{r}: {ms[0]:.2f}" for r, ms in zip(table["rows"], table["ms"], strict=True))
+        sources["llm.step_ms"] = (f"{source}: the LLM replica's serving-loop step by rows under closed-loop load "
+                                  f"(its own medians), fitted {base_ms:.2f} + {per_row_ms:.2f} ms a row; the engine "
+                                  f"alone (step_bench) {alone} ms")  # fmt: skip
+    else:
+        out["llm"]["pipeline_step_factor"] = round(max(1.0, cost.llm_ms_per_token / one_row_ms), 3)
+        sources["llm.pipeline_step_factor"] = (
+            f"{source}: the LLM replica's CPU per token at one row "
+            f"{cost.llm_ms_per_token:.2f} ms / the step alone {one_row_ms:.2f} ms"
+        )
+    table_ms = float(np.mean(calib.detok.batch_ms(np.asarray(cost.detok_windows, np.float64))))
+    detok_factor = cost.detok_ms_per_chunk / table_ms if table_ms > 0 else 1.0
+    out["detok"]["ms"] = [round(ms * detok_factor, 3) for ms in data["detok"]["ms"]]
+    out["host"] = calibration_host(cost, cores)
+    sources["detok"] = (
+        f"{data['sources'].get('detok', '')}; scaled x{detok_factor:.2f} to the detok replica's "
+        f"CPU per chunk, {cost.detok_ms_per_chunk:.1f} ms ({source})"
+    )
+    out["sources"]["host"] = f"{source}: CPU of every other process of the server and the client, c=1, two prompt sets"
+    return out
 
 
 def swept_rates(predicted: float, factors: tuple[float, ...] = RATE_FACTORS) -> tuple[float, ...]:
@@ -160,7 +213,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--configs", nargs="+", default=[c.name for c in CONFIGS], help="which of CONFIGS")
     parser.add_argument("--ttfa-p90-s", type=float, default=1.0, help="the CPU sweep's SLO (BENCHMARKS)")
     parser.add_argument("--duration-s", type=float, default=30.0, help="seconds of arrivals per swept rate")
-    parser.add_argument("--predict-only", action="store_true", help="calibrate and predict; start no cluster")
+    parser.add_argument("--predict-only", action="store_true", help="calibrate and predict; sweep no cluster")
+    parser.add_argument(
+        "--no-host",
+        action="store_true",
+        help="skip the served c=1 calibration (no Ray): every stage as if on its own core",
+    )
+    parser.add_argument("--host-requests", type=int, default=12, help="streams in each of host_cost's two sets")
+    parser.add_argument("--cores", type=int, default=2, help="the cores every process of the box shares")
     parser.add_argument("--rate-factors", type=float, nargs="+", default=list(RATE_FACTORS),
                         help="swept rates, x the predicted capacity (lower ones where it over-predicts)")  # fmt: skip
     args = parser.parse_args(argv)
@@ -168,6 +228,14 @@ def main(argv: list[str] | None = None) -> None:
     steps = measured_step_ms()
     base = json.loads(CPU_CALIBRATION.read_text())
     data = calibration_with_steps(base, steps, f"loadtest.step_bench.ms_per_step on this box, rows {CALIBRATION_ROWS}")
+    if not args.no_host:
+        from loadtest.host_cost import measure
+        from loadtest.host_cost import report as host_report
+
+        cost = measure(serve_config(CONFIGS[0], 19312, 19313), args.out / "host_cost", args.host_requests)
+        (args.out / "host_cost.json").write_text(json.dumps(asdict(cost), indent=2))
+        print(host_report(cost))
+        data = calibration_with_host(data, cost, args.cores, "loadtest.host_cost on this box")
     (args.out / "calibration.json").write_text(json.dumps(data, indent=2))
     scenario = Scenario(parse_calibration(data), ORPHEUS_TINY, sweep_workload())
     slo = Slo(args.ttfa_p90_s)

@@ -73,6 +73,17 @@ class ScheduleSpec:
 
 
 @dataclass(frozen=True)
+class HostCost:
+    """The host's CPUs when the stages share them (`cluster.planner.shared_cores`); `cores` 0: each stage
+    replica owns its device (a GPU fleet) and nothing below counts."""
+
+    cores: float = 0.0
+    background_cores: float = 0.0  # what the idle server's processes take
+    cpu_ms_per_stream: float = 0.0  # a stream's start and end beside the engines (Router, proxy, Ray, client)
+    cpu_ms_per_chunk: float = 0.0  # a chunk's trip beside the engines
+
+
+@dataclass(frozen=True)
 class Calibration:
     """One device + model: the stage costs the planner prices steps with, and where they came from."""
 
@@ -89,6 +100,7 @@ class Calibration:
     detok_to_client_s: float
     schedule: ScheduleSpec
     sources: dict[str, str]
+    host: HostCost = HostCost()
 
 
 def _interp_extrapolate(x: np.ndarray, xs: tuple, ys: tuple | np.ndarray) -> np.ndarray:
@@ -162,7 +174,18 @@ def parse_calibration(data: dict[str, Any]) -> Calibration:
         detok_to_client_s=_number(transfer, "detok_to_client_s", "transfer.", allow_zero=True),
         schedule=_schedule(_section(data, "schedule")),
         sources={str(k): str(v) for k, v in _section(data, "sources").items()},
+        host=_host(data.get("host")),
     )  # fmt: skip
+
+
+def _host(host: Any) -> HostCost:
+    """The optional `host` section (absent: stages own their devices)."""
+    if host is None:
+        return HostCost()
+    if not isinstance(host, dict):
+        raise InvalidArgumentError("host", "not an object")
+    names = ("cores", "background_cores", "cpu_ms_per_stream", "cpu_ms_per_chunk")
+    return HostCost(**{name: _number(host, name, "host.", allow_zero=True) for name in names})
 
 
 def _step_table(step: dict[str, Any], llm: dict[str, Any]) -> StepTable:

@@ -11,7 +11,15 @@ from pathlib import Path
 
 from cluster.planner.calibration import CALIBRATION_DIR, Calibration, find_calibration, load_calibration
 from cluster.planner.predict import Scenario, predict
-from cluster.planner.search import Plan, SearchOptions, Slo, real_time_rows, size_cluster, zero_load_ttfa_s
+from cluster.planner.search import (
+    DEFAULT_MAX_STARTING,
+    Plan,
+    SearchOptions,
+    Slo,
+    real_time_rows,
+    size_cluster,
+    zero_load_ttfa_s,
+)
 from cluster.planner.simulate import ClusterShape, SimOptions
 from cluster.planner.workload import ModelRates, Workload
 from core.errors import InvalidArgumentError
@@ -33,11 +41,14 @@ class PlanRequest:
     step_scale: float = 1.0
     seed: int = 0
     calibration: Path | None = None  # a calibration file instead of --gpu / --model's bundled one
+    max_starting: int = DEFAULT_MAX_STARTING  # admission.max_starting_per_replica (0: no start limit)
 
     def check(self) -> None:
         _positive("streams", self.streams)
         _positive("ttfa_p90_s", self.ttfa_p90_s)
         _positive("step_scale", self.step_scale)
+        if self.max_starting < 0:
+            raise InvalidArgumentError("max_starting", f"must be >= 0 (0: no start limit), got {self.max_starting}")
         if not 0 < self.min_viable_pct <= 100:
             raise InvalidArgumentError("min_viable_pct", f"must be in (0, 100], got {self.min_viable_pct}")
         for streams in self.sweep:
@@ -79,10 +90,12 @@ def plan_report(request: PlanRequest) -> list[str]:
     lines = header(scenario, request, slo, sim)
     loads = request.sweep or (request.streams,)
     if request.llm_replicas is not None:  # this cluster under each load: where its bottleneck moves
-        shape = ClusterShape(request.llm_replicas, request.detok_replicas, scenario.calib.max_streams_per_replica)
+        shape = ClusterShape(request.llm_replicas, request.detok_replicas, scenario.calib.max_streams_per_replica,
+                             request.max_starting)  # fmt: skip
         plans = [Plan(n, shape.llm_replicas, shape.detok_replicas, predict(scenario, n, shape, sim)) for n in loads]
     else:
-        plans = [size_cluster(scenario, n, slo, SearchOptions(sim=sim)) for n in loads]
+        options = SearchOptions(sim=sim, max_starting_per_replica=request.max_starting)
+        plans = [size_cluster(scenario, n, slo, options) for n in loads]
     return lines + table(plans, slo)
 
 
@@ -96,7 +109,8 @@ def header(scenario: Scenario, request: PlanRequest, slo: Slo, sim: SimOptions) 
         f"streams of {audio_s:.1f} s of audio on average (Poisson arrivals, rate = streams / {audio_s:.1f} s)",
         f"calibration: {source}",
         f"zero-load TTFA {zero_load_ttfa_s(scenario, sim):.3f} s; real-time rows per LLM replica "
-        f"{real_time_rows(scenario, sim)} of {calib.max_streams_per_replica} slots; 1 replica = 1 GPU"
+        f"{real_time_rows(scenario, sim)} of {calib.max_streams_per_replica} slots; "
+        f"{request.max_starting or 'any number of'} streams starting at once per replica; 1 replica = 1 GPU"
         + (f"; every LLM step x{request.step_scale:g}" if request.step_scale != 1.0 else ""),
     ]
 

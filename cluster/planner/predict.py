@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cluster.planner.calibration import Calibration
+from cluster.planner.shared_cores import CoreShare
 from cluster.planner.simulate import ClusterShape, LLMPass, Prediction, SimOptions, run_llm_stage
 from cluster.planner.workload import ChunkRule, ModelRates, Streams, Workload, make_streams
 
@@ -37,6 +38,7 @@ class LLMRun:
     streams: Streams
     llm: LLMPass
     window_s: tuple[float, float]
+    share: CoreShare | None = None  # the host's cores as the LLM pass left them (None: not shared)
 
 
 def predict(scenario: Scenario, streams_in_flight: float, shape: ClusterShape,
@@ -47,26 +49,60 @@ def predict(scenario: Scenario, streams_in_flight: float, shape: ClusterShape,
 
 
 def run_llm(scenario: Scenario, streams_in_flight: float, shape: ClusterShape, options: SimOptions) -> LLMRun:
+    """The LLM pass, `options.passes` times: each later pass holds slots and starts for the delivery times
+    the detok stage (`shape.detok_replicas`) and hops gave the pass before, and, where the stages share the
+    host's cores, steps at the speed the pass before's detok work and host work left it."""
     streams = make_streams(streams_in_flight, scenario.workload, scenario.rates, options.seed, options.min_measured)
     measured_at = streams.arrival_s[streams.is_measured]
     window_s = (float(measured_at.min()), float(measured_at.max()))
-    llm = run_llm_stage(streams, shape, scenario.calib, scenario.rates, scenario.chunk_rule(), options, window_s)
-    return LLMRun(streams, llm, window_s)
+    delivery_s, share = None, None
+    if scenario.calib.host.cores > 0:
+        horizon_s = float(streams.arrival_s[-1]) + 60.0 * float(streams.frames.max()) * scenario.rates.frame_s
+        share = CoreShare.empty(scenario.calib.host, horizon_s)
+    passes = options.passes_for(share is not None)
+    for done in range(passes):
+        llm = run_llm_stage(streams, shape, scenario.calib, scenario.rates, scenario.chunk_rule(), options, window_s,
+                            delivery_s, share)  # fmt: skip
+        if share is not None:
+            share = share.with_host_work(llm.admitted_s, llm.chunk_cut_s)
+            share.llm_busy = llm.llm_busy if llm.llm_busy is not None else np.zeros_like(share.llm_busy)
+        run = LLMRun(streams, llm, window_s, share)
+        if done + 1 < passes:
+            heard, _ = heard_s(scenario, run, shape.detok_replicas, options)
+            delivery_s = stream_delivery_s(streams.count, llm, heard)
+    return run
+
+
+def heard_s(scenario: Scenario, run: LLMRun, detok_replicas: int, options: SimOptions) -> tuple[np.ndarray, float]:
+    """When each chunk of `run` reaches its client (the detok pass and both hops), and the detok stage's load;
+    with shared cores, the detok pass's busy time is left in `run.share` for the next LLM pass."""
+    calib, llm = scenario.calib, run.llm
+    arrive_s = llm.chunk_cut_s + calib.llm_to_detok_s
+    done_s, detok_load = detok_stage(arrive_s, llm.chunk_window, llm.chunk_stream, detok_replicas, calib,
+                                     options.detok_scale, run.window_s, run.share)  # fmt: skip
+    return done_s + calib.detok_to_client_s, detok_load
+
+
+def stream_delivery_s(count: int, llm: LLMPass, heard: np.ndarray) -> np.ndarray:
+    """Per stream, the mean time its chunks took from their cut to the client (0 for one with no chunk)."""
+    lag_s = np.bincount(llm.chunk_stream, weights=heard - llm.chunk_cut_s, minlength=count)
+    return lag_s / np.maximum(np.bincount(llm.chunk_stream, minlength=count), 1)
 
 
 def finish(scenario: Scenario, run: LLMRun, detok_replicas: int, options: SimOptions) -> Prediction:
     """The detokenizer pass over `run`'s chunks with `detok_replicas`, the hops, and the playback score."""
-    calib, llm = scenario.calib, run.llm
-    arrive_s = llm.chunk_cut_s + calib.llm_to_detok_s
-    done_s, detok_load = detok_stage(arrive_s, llm.chunk_window, llm.chunk_stream, detok_replicas, calib,
-                                     options.detok_scale, run.window_s)  # fmt: skip
-    return score(run.streams, llm, done_s + calib.detok_to_client_s, scenario.rates, detok_load)
+    heard, detok_load = heard_s(scenario, run, detok_replicas, options)
+    return score(run.streams, run.llm, heard, scenario.rates, detok_load)
 
 
 def detok_stage(arrive_s: np.ndarray, windows: np.ndarray, stream: np.ndarray, replicas: int, calib: Calibration,
-                scale: float, window_s: tuple[float, float]) -> tuple[np.ndarray, float]:  # fmt: skip
+                scale: float, window_s: tuple[float, float], share: CoreShare | None = None,
+                ) -> tuple[np.ndarray, float]:  # fmt: skip
     """When each chunk's audio leaves the codec, and the detok stage's load in the window: frames decoded a
-    second over what its replicas decode a second in full batches (>= 1: it cannot keep up)."""
+    second over what its replicas decode a second in full batches (>= 1: it cannot keep up). With `share`
+    (cores shared with the LLM stage and the host), each batch lasts its cost / the share of a core it gets,
+    and the batches' busy time is written to `share.detok_busy`."""
+    sharing = share is not None and share.enabled
     if replicas == 0:  # unlimited: every chunk decoded alone at once
         return arrive_s + calib.detok.batch_ms(windows) * scale / 1e3, 0.0
     cost_ms = calib.detok.batch_ms(np.arange(int(windows.max(initial=1)) * calib.detok.max_batch_chunks + 1))
@@ -74,24 +110,36 @@ def detok_stage(arrive_s: np.ndarray, windows: np.ndarray, stream: np.ndarray, r
     order = np.lexsort((arrive_s, stream % replicas))
     bounds = np.searchsorted((stream % replicas)[order], np.arange(replicas + 1))
     done_s = np.empty_like(arrive_s)
+    batches: list[tuple[float, float]] = []
+    speed = (lambda t: float(share.speed(np.asarray([t]), "detok")[0])) if sharing else None
     for replica in range(replicas):
         mine = order[bounds[replica] : bounds[replica + 1]]
         done_s[mine] = _batch_server(arrive_s[mine].tolist(), windows[mine].tolist(), cost_s,
-                                     calib.detok.max_batch_chunks)  # fmt: skip
+                                     calib.detok.max_batch_chunks, speed, batches)  # fmt: skip
+    if sharing:
+        starts, lengths = (np.asarray(v) for v in zip(*batches, strict=True)) if batches else (np.empty(0),) * 2
+        share.detok_busy = share.busy_series(starts, lengths)
     in_window = (arrive_s >= window_s[0]) & (arrive_s < window_s[1])
     frames_per_s = float(windows[in_window].sum()) / (window_s[1] - window_s[0]) / replicas
     full_frames = min(len(cost_s) - 1, calib.detok.max_batch_chunks * int(np.median(windows)))
     return done_s, frames_per_s / (full_frames / cost_s[full_frames])
 
 
-def _batch_server(arrive_s: list[float], windows: list[int], cost_s: list[float], limit: int) -> list[float]:
-    """One detok replica: whenever free, decode every chunk arrived (oldest first, up to `limit`)."""
+def _batch_server(arrive_s: list[float], windows: list[int], cost_s: list[float], limit: int,
+                  speed=None, batches: list[tuple[float, float]] | None = None) -> list[float]:  # fmt: skip
+    """One detok replica: whenever free, decode every chunk arrived (oldest first, up to `limit`); a batch
+    lasts its cost / `speed(start)` (None: 1). Each batch's (start, length) is appended to `batches`."""
     done_s = [0.0] * len(arrive_s)
     free_s, i, n = 0.0, 0, len(arrive_s)
     while i < n:
         start_s = free_s if free_s > arrive_s[i] else arrive_s[i]
         end = min(bisect.bisect_right(arrive_s, start_s, i), i + limit)
-        free_s = start_s + cost_s[sum(windows[i:end])]
+        length_s = cost_s[sum(windows[i:end])]
+        if speed is not None:
+            length_s /= speed(start_s)
+        free_s = start_s + length_s
+        if batches is not None:
+            batches.append((start_s, length_s))
         done_s[i:end] = [free_s] * (end - i)
         i = end
     return done_s

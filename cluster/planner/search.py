@@ -16,7 +16,10 @@ import numpy as np
 
 from cluster.planner.predict import LLMRun, Scenario, finish, first_chunk_s, predict, run_llm
 from cluster.planner.simulate import ClusterShape, Prediction, SimOptions
+from core.config import AdmissionConfig
 from core.errors import InvalidArgumentError
+
+DEFAULT_MAX_STARTING = AdmissionConfig().max_starting_per_replica
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ class SearchOptions:
     max_retries: int = 3
     extra_llm_shares: tuple[float, ...] = (0.05, 0.15)  # also size detok with this share more LLM replicas
     sim: SimOptions = SimOptions()
+    max_starting_per_replica: int = DEFAULT_MAX_STARTING  # admission's start limit (0: none)
 
 
 def zero_load_ttfa_s(scenario: Scenario, options: SimOptions = SimOptions()) -> float:
@@ -75,7 +79,7 @@ def size_cluster(scenario: Scenario, streams: int, slo: Slo, options: SearchOpti
     llm_replicas = fewest_llm_replicas(scenario, streams, slo, options) - 1
     for _ in range(options.max_retries + 1):
         llm_replicas += 1
-        run = run_llm(scenario, streams, _shape(scenario, llm_replicas, 0), options.sim)
+        run = run_llm(scenario, streams, _shape(scenario, llm_replicas, 0, options), options.sim)
         plan = _fewest_detok_replicas(scenario, run, streams, llm_replicas, slo, options.sim)
         if plan is not None:
             return _with_more_llm(scenario, streams, slo, options, plan)
@@ -90,7 +94,7 @@ def _with_more_llm(scenario: Scenario, streams: int, slo: Slo, options: SearchOp
         if extra >= best.detok_replicas - 1:  # a detok replica stays: no GPU to save
             break
         llm_replicas = plan.llm_replicas + extra
-        run = run_llm(scenario, streams, _shape(scenario, llm_replicas, 0), options.sim)
+        run = run_llm(scenario, streams, _shape(scenario, llm_replicas, 0, options), options.sim)
         other = _fewest_detok_replicas(scenario, run, streams, llm_replicas, slo, options.sim)
         if other is not None and other.gpus < best.gpus:
             best = other
@@ -124,7 +128,7 @@ def fewest_llm_replicas(scenario: Scenario, streams: int, slo: Slo, options: Sea
 
 def _llm_meets(scenario: Scenario, streams: int, replicas: int, slo: Slo, options: SearchOptions) -> bool:
     part = min(replicas, options.slice_replicas)
-    prediction = predict(scenario, streams * part / replicas, _shape(scenario, part, 0), options.sim)
+    prediction = predict(scenario, streams * part / replicas, _shape(scenario, part, 0, options), options.sim)
     return prediction.meets(slo.ttfa_p90_s, slo.min_viable_pct)
 
 
@@ -169,5 +173,6 @@ def sweep(scenario: Scenario, loads: list[int], slo: Slo, options: SearchOptions
     return [size_cluster(scenario, streams, slo, options) for streams in loads]
 
 
-def _shape(scenario: Scenario, llm_replicas: int, detok_replicas: int) -> ClusterShape:
-    return ClusterShape(llm_replicas, detok_replicas, scenario.calib.max_streams_per_replica)
+def _shape(scenario: Scenario, llm_replicas: int, detok_replicas: int, options: SearchOptions) -> ClusterShape:
+    return ClusterShape(llm_replicas, detok_replicas, scenario.calib.max_streams_per_replica,
+                        options.max_starting_per_replica)  # fmt: skip

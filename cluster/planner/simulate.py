@@ -20,7 +20,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from cluster.planner.calibration import Calibration
+from cluster.planner.shared_cores import CoreShare
 from cluster.planner.workload import ChunkRule, ModelRates, Streams
+from core.config import AdmissionConfig
+from router.admission import STARTUP_CHUNKS
+
+REAL_TIME_MARGIN = AdmissionConfig().real_time_margin  # share of the real-time streams admission counts room in
 
 
 @dataclass(frozen=True)
@@ -28,6 +33,9 @@ class ClusterShape:
     llm_replicas: int
     detok_replicas: int  # 0: unlimited (every chunk decoded alone, on arrival)
     max_streams_per_replica: int
+    # admission.max_starting_per_replica: streams one replica starts at once (0: no limit). A stream is
+    # starting until its STARTUP_CHUNKS-th chunk is cut; with streams playing, fewer (`starting_allowed`)
+    max_starting_per_replica: int = 0
 
 
 @dataclass(frozen=True)
@@ -37,6 +45,13 @@ class SimOptions:
     step_scale: float = 1.0  # x every LLM step: what-if for a slower / faster device
     detok_scale: float = 1.0
     min_measured: int = 100  # the measurement window lasts until this many streams arrived in it
+    # LLM passes: the first takes each chunk's delivery as the hops and one detok step, each later one the
+    # delivery the pass before measured (a slot and a start are held until audio is delivered) and, with
+    # shared cores, the other stage's busy time; 0: 2, or 3 with shared cores (the stages' contention settles)
+    passes: int = 0
+
+    def passes_for(self, shared_cores: bool) -> int:
+        return self.passes or (3 if shared_cores else 2)
 
 
 @dataclass(frozen=True)
@@ -49,6 +64,7 @@ class LLMPass:
     admitted_s: np.ndarray  # [N], nan if never admitted
     llm_load: float  # time-average of step / real-time step (>= 1: the rows fall behind playback)
     slot_use: float  # time-average of open streams / slots
+    llm_busy: np.ndarray | None = None  # LLM processes busy per `CoreShare` bin (None: cores not shared)
 
 
 @dataclass(frozen=True)
@@ -87,15 +103,26 @@ class _Replicas:
     cache: np.ndarray
     prompt: np.ndarray
     first_cut_s: np.ndarray  # float, nan until chunk 0 is cut
+    starting_until_s: np.ndarray  # float: the stream counts as starting until then (inf until chunk 1 is cut)
+    held_until_s: np.ndarray  # float: a finished stream's slot is held until its last audio is delivered
 
     @classmethod
     def empty(cls, replicas: int, slots: int) -> _Replicas:
         def zeros() -> np.ndarray:
             return np.zeros((replicas, slots), np.int64)
 
-        first_cut = np.full((replicas, slots), np.nan)
+        def full(value: float) -> np.ndarray:
+            return np.full((replicas, slots), value)
+
         return cls(np.full((replicas, slots), -1), zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros(),
-                   first_cut)  # fmt: skip
+                   full(np.nan), full(np.inf), full(-np.inf))  # fmt: skip
+
+    def free(self, clock: np.ndarray) -> np.ndarray:
+        return (self.stream < 0) & (self.held_until_s <= clock[:, None])
+
+    def open_streams(self, clock: np.ndarray) -> np.ndarray:
+        """Per replica, the streams admission counts: generating, or finished with audio still on its way."""
+        return (~self.free(clock)).sum(axis=1)
 
 
 @dataclass
@@ -142,11 +169,30 @@ def _queues(streams: Streams, choice: np.ndarray, replicas: int) -> _Queues:
     return _Queues(ids, arrival, counts, np.zeros(replicas, np.int64))
 
 
+def starting_allowed(num_live: np.ndarray, num_starting: np.ndarray, sustained: int, limit: int) -> np.ndarray:
+    """Per replica, the streams that may be starting at once (`router.admission.starting_allowed`, vectorised;
+    a test holds the two equal): `limit` with none playing, else half the room under the `sustained`
+    streams past those playing (a starting stream weighs two), at least 1 and at most `limit`."""
+    steady = num_live - num_starting
+    room = (sustained - steady) // 2
+    return np.where(steady <= 0, limit, np.clip(room, 1, limit))
+
+
+def _start_room(state: _Replicas, shape: ClusterShape, sustained: int, clock: np.ndarray) -> np.ndarray:
+    """Per replica, how many more streams may start now under the start limit (a large number: no limit)."""
+    if shape.max_starting_per_replica <= 0:
+        return np.full(state.stream.shape[0], np.iinfo(np.int64).max // 2)
+    num_starting = ((state.stream >= 0) & (state.starting_until_s > clock[:, None])).sum(axis=1)
+    allowed = starting_allowed(state.open_streams(clock), num_starting, sustained, shape.max_starting_per_replica)
+    return allowed - num_starting
+
+
 def _admit(state: _Replicas, queues: _Queues, clock: np.ndarray, streams: Streams, tokens_per_frame: int,
-           wait_s: float, admitted_s: np.ndarray) -> np.ndarray:  # fmt: skip
-    """Fill free slots FCFS from each replica's queue; refuse heads that waited past `wait_s`.
-    Returns the slots filled [R, S] (their prompts join this step)."""
+           wait_s: float, admitted_s: np.ndarray, start_room: np.ndarray) -> np.ndarray:  # fmt: skip
+    """Fill free slots FCFS from each replica's queue while its start limit has room (`start_room`);
+    refuse heads that waited past `wait_s`. Returns the slots filled [R, S] (their prompts join this step)."""
     filled = np.zeros(state.stream.shape, bool)
+    start_room = start_room.copy()
     while True:
         head_arrival = queues.head_arrival()
         waiting = head_arrival <= clock
@@ -154,8 +200,8 @@ def _admit(state: _Replicas, queues: _Queues, clock: np.ndarray, streams: Stream
         if expired.any():
             queues.head[expired] += 1  # refused: admitted_s stays nan
             continue
-        free = state.stream < 0
-        can = waiting & free.any(axis=1)
+        free = state.free(clock)
+        can = waiting & free.any(axis=1) & (start_room > 0)
         if not can.any():
             return filled
         r = np.flatnonzero(can)
@@ -165,9 +211,11 @@ def _admit(state: _Replicas, queues: _Queues, clock: np.ndarray, streams: Stream
         state.stream[r, s], state.generated[r, s], state.seq[r, s], state.emitted[r, s] = sid, 0, 0, 0
         state.frames[r, s], state.tokens[r, s] = frames, frames * tokens_per_frame
         state.first_cut_s[r, s] = np.nan
+        state.starting_until_s[r, s] = np.inf
         state.prompt[r, s] = state.cache[r, s] = streams.prompt_tokens[sid]
         admitted_s[sid] = clock[r]
         queues.head[r] += 1
+        start_room[r] -= 1
         filled[r, s] = True
 
 
@@ -182,9 +230,10 @@ def _budget_frames(state: _Replicas, clock: np.ndarray, step_s: np.ndarray, rate
 
 
 def _cut_chunks(state: _Replicas, rule: ChunkRule, budget: np.ndarray, clock: np.ndarray,
-                tokens_per_frame: int) -> list[np.ndarray]:  # fmt: skip
+                tokens_per_frame: int, delivery_s: np.ndarray) -> list[np.ndarray]:  # fmt: skip
     """Cut every chunk whose kept frames and right context now exist (or the stream ended):
-    [stream ids, seqs, cut times, kept frames, window frames]; advances the slots' seq and emitted."""
+    [stream ids, seqs, cut times, kept frames, window frames]; advances the slots' seq and emitted. A stream
+    stops starting when its STARTUP_CHUNKS-th chunk is delivered: cut, plus its `delivery_s`."""
     frames_done = np.minimum(state.generated // tokens_per_frame, state.frames)
     parts: list[list[np.ndarray]] = [[], [], [], [], []]
     while True:
@@ -203,6 +252,10 @@ def _cut_chunks(state: _Replicas, rule: ChunkRule, budget: np.ndarray, clock: np
             part.append(value)
         first = state.seq[rows, cols] == 0
         state.first_cut_s[rows[first], cols[first]] = clock[rows[first]]
+        started = state.seq[rows, cols] == STARTUP_CHUNKS - 1
+        r_started, c_started = rows[started], cols[started]
+        state.starting_until_s[r_started, c_started] = (clock[r_started]
+                                                        + delivery_s[state.stream[r_started, c_started]])  # fmt: skip
         state.seq[rows, cols] += 1
         state.emitted[rows, cols] = end[rows, cols]
 
@@ -218,16 +271,28 @@ def _step_s(state: _Replicas, filled: np.ndarray, calib: Calibration, options: S
 
 
 def run_llm_stage(streams: Streams, shape: ClusterShape, calib: Calibration, rates: ModelRates,
-                  rule: ChunkRule, options: SimOptions, window_s: tuple[float, float]) -> LLMPass:  # fmt: skip
-    """Step every LLM replica until its streams are done; log each chunk's cut time."""
+                  rule: ChunkRule, options: SimOptions, window_s: tuple[float, float],
+                  delivery_s: np.ndarray | None = None, share: CoreShare | None = None) -> LLMPass:  # fmt: skip
+    """Step every LLM replica until its streams are done; log each chunk's cut time. `delivery_s` [N]: per
+    stream, how long its chunks take from their cut to the client (a previous pass's detok stage and hops;
+    None: the hops and one steady detokenizer step): a finished stream holds its slot, and a starting
+    stream its start, until its chunk is delivered, as admission counts them. `share`: the host's cores
+    as the pass before left them (None or disabled: each replica owns its device); each step then lasts its
+    cost / the share of a core the replica gets."""
     replicas, slots = shape.llm_replicas, shape.max_streams_per_replica
     queues = _queues(streams, route_streams(streams, replicas, rates), replicas)
     state = _Replicas.empty(replicas, slots)
     clock = np.zeros(replicas)
     admitted_s = np.full(streams.count, np.nan)
     logs: list[list[np.ndarray]] = []
+    sharing = share is not None and share.enabled
+    step_starts: list[np.ndarray] = []
+    step_lengths: list[np.ndarray] = []
     load_sum = slot_sum = 0.0
     detok_step_s = typical_detok_step_s(calib, rule, options.detok_scale)
+    if delivery_s is None:
+        delivery_s = np.full(streams.count, detok_step_s + calib.llm_to_detok_s + calib.detok_to_client_s)
+    sustained = sustained_streams(calib, rates, slots, options.step_scale)
     horizon_s = float(streams.arrival_s[-1]) + 60.0 * float(streams.frames.max()) * rates.frame_s
     while True:
         open_rows = (state.stream >= 0).sum(axis=1)
@@ -235,10 +300,16 @@ def run_llm_stage(streams: Streams, shape: ClusterShape, calib: Calibration, rat
         if not (open_rows.any() or pending.any()) or clock.min() > horizon_s:
             break
         idle = (open_rows == 0) & pending
-        clock = np.where(idle, np.maximum(clock, queues.head_arrival()), clock)
-        filled = _admit(state, queues, clock, streams, rates.tokens_per_frame, options.admission_wait_s, admitted_s)
+        clock = np.where(idle, np.maximum(clock, _next_start_s(state, queues, clock)), clock)
+        filled = _admit(state, queues, clock, streams, rates.tokens_per_frame, options.admission_wait_s, admitted_s,
+                        _start_room(state, shape, sustained, clock))  # fmt: skip
         live = state.stream >= 0
         step_s = _step_s(state, filled, calib, options)
+        if sharing:
+            step_s = step_s / share.speed(clock, "llm")
+            busy = live.any(axis=1)
+            step_starts.append(clock[busy])
+            step_lengths.append(step_s[busy])
         in_window = (clock >= window_s[0]) & (clock < window_s[1])
         load_sum += float((step_s * step_s / rates.real_time_step_s)[in_window].sum())
         slot_sum += float((step_s * live.sum(axis=1))[in_window].sum())
@@ -246,17 +317,41 @@ def run_llm_stage(streams: Streams, shape: ClusterShape, calib: Calibration, rat
         state.generated += live
         state.cache += live
         budget = _budget_frames(state, clock, step_s, rates, rule, detok_step_s)
-        cut = _cut_chunks(state, rule, budget, clock, rates.tokens_per_frame)
+        cut = _cut_chunks(state, rule, budget, clock, rates.tokens_per_frame, delivery_s)
         if len(cut[0]):
             logs.append(cut)
-        state.stream[live & (state.generated >= state.tokens)] = -1
+        done_r, done_c = np.nonzero(live & (state.generated >= state.tokens))
+        state.held_until_s[done_r, done_c] = clock[done_r] + delivery_s[state.stream[done_r, done_c]]
+        state.stream[done_r, done_c] = -1
     span_s = (window_s[1] - window_s[0]) * replicas
     stream, seq, cut_s, kept, window = (
         [np.concatenate(part) for part in zip(*logs, strict=True)] if logs else [np.empty(0)] * 5
     )
     as_int = [part.astype(np.int64) for part in (stream, seq, kept, window)]
+    busy = None
+    if sharing:
+        busy = share.busy_series(np.concatenate(step_starts), np.concatenate(step_lengths)) if step_starts else None
     return LLMPass(as_int[0], as_int[1], cut_s.astype(np.float64), as_int[2], as_int[3], admitted_s,
-                   load_sum / span_s, slot_sum / (span_s * slots))  # fmt: skip
+                   load_sum / span_s, slot_sum / (span_s * slots), busy)  # fmt: skip
+
+
+def sustained_streams(calib: Calibration, rates: ModelRates, slots: int, step_scale: float) -> int:
+    """The streams admission counts the start room under: REAL_TIME_MARGIN of the rows whose step (at the
+    table's first cache column) keeps real time, within the slots."""
+    rows = np.arange(1, slots + 1)
+    cache = np.full(slots, float(calib.llm_step.cache_tokens[0]))
+    step_s = calib.llm_step.step_ms(rows, cache) * calib.pipeline_step_factor * step_scale / 1e3
+    fits = rows[step_s <= rates.real_time_step_s]
+    real_time = int(fits[-1]) if len(fits) else 1
+    return min(slots, max(1, int(REAL_TIME_MARGIN * real_time)))
+
+
+def _next_start_s(state: _Replicas, queues: _Queues, clock: np.ndarray) -> np.ndarray:
+    """Per replica with no stream generating, when its next stream can start: its queue's head arrival, and
+    no sooner than a held slot frees when every slot is held."""
+    all_held = (~state.free(clock)).all(axis=1)
+    return np.where(all_held, np.maximum(queues.head_arrival(), state.held_until_s.min(axis=1)),
+                    queues.head_arrival())  # fmt: skip
 
 
 def typical_detok_step_s(calib: Calibration, rule: ChunkRule, detok_scale: float) -> float:

@@ -40,6 +40,15 @@ def test_a_given_cluster_is_predicted_at_each_load(capsys):
     assert light[-1] == "met" and heavy[-1] == "MISSED"
 
 
+def test_the_start_limit_is_admissions_unless_told(capsys):
+    """By default a replica starts `admission.max_starting_per_replica` streams at once, as served; 0 lifts it."""
+    given = ["--llm-replicas", "1", "--detok-replicas", "1", "--streams", "2"]
+    assert main([*CPU, *given]) == 0
+    assert "4 streams starting at once per replica" in capsys.readouterr().out
+    assert main([*CPU, *given, "--max-starting", "0"]) == 0
+    assert "any number of streams starting at once per replica" in capsys.readouterr().out
+
+
 def test_sources_lists_where_the_figures_came_from(capsys):
     assert main([*CPU, "--streams", "2", "--sources"]) == 0
     out = capsys.readouterr().out
@@ -61,6 +70,7 @@ def test_sources_lists_where_the_figures_came_from(capsys):
         (["--step-scale", "0"], "step_scale"),
         (["--sweep", "--sweep-streams", "10", "-5"], "sweep_streams"),
         (["--calibration", "/nonexistent/planner.json"], "calibration"),
+        (["--max-starting", "-1"], "max_starting"),
     ],
 )
 def test_bad_input_is_one_line_naming_the_field(capsys, flags, field):

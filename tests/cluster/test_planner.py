@@ -174,3 +174,87 @@ def test_an_slo_under_the_zero_load_ttfa_is_refused_naming_the_field():
     with pytest.raises(InvalidArgumentError) as err:
         size_cluster(small_scenario(), 4, Slo(ttfa_p90_s=0.05))
     assert err.value.field == "ttfa_p90_s"
+
+
+# admission's start limit, slots held for delivery, cores shared with the host
+
+
+@pytest.mark.parametrize("limit", [1, 2, 4])
+def test_the_start_limit_is_the_routers(limit):
+    """The planner's vectorised `starting_allowed` equals `router.admission.starting_allowed` wherever the
+    router's stream limit is the sustained streams (a replica that measured its batches)."""
+    from cluster.planner.simulate import starting_allowed
+    from router.admission import ReplicaLoad
+    from router.admission import starting_allowed as router_allowed
+
+    for sustained in (1, 3, 6, 10):
+        for live in range(0, 13):
+            for starting in range(0, live + 1):
+                load = ReplicaLoad(num_active=live, max_streams=64, max_queued=8, step_s=0.01, first_chunk_tokens=49,
+                                   avg_stream_s=3.0, real_time_streams=(sustained + 0.5) / 0.85,
+                                   measured_streams=64, num_starting=starting, startup_limit=limit)  # fmt: skip
+                ours = starting_allowed(np.asarray([live]), np.asarray([starting]), sustained, limit)[0]
+                assert ours == router_allowed(load), (sustained, live, starting)
+
+
+def test_a_start_limit_of_one_spaces_a_bursts_starts():
+    scenario = small_scenario()
+    options = SimOptions(min_measured=60, admission_wait_s=30.0)
+    free, one_at_a_time = (predict(scenario, 6, ClusterShape(1, 1, 8, limit), options) for limit in (0, 1))
+    assert one_at_a_time.p90_ttfa_s > free.p90_ttfa_s
+    assert one_at_a_time.queue_wait_p90_s > free.queue_wait_p90_s
+
+
+def test_a_slot_is_held_until_the_audio_is_delivered():
+    """One slot: the next stream starts only after the one before's audio reached its client, so a slower
+    detokenizer (later delivery; the LLM's own pace unchanged) delays the next start."""
+    data = copy.deepcopy(SMALL)
+    data["llm"]["max_streams_per_replica"] = 1
+    fast, slow = (Scenario(parse_calibration({**data, "detok": {**data["detok"], "ms": ms}}), ORPHEUS, SHORT_TEXTS)
+                  for ms in ([2.0, 20.0], [40.0, 400.0]))  # fmt: skip
+    shape = ClusterShape(1, 1, 1)
+    held = SimOptions(min_measured=40, admission_wait_s=60.0, passes=2)
+    quick, late = (predict(scenario, 0.6, shape, held) for scenario in (fast, slow))
+    assert late.queue_wait_p90_s > quick.queue_wait_p90_s + 0.05
+
+
+def test_host_section_parses_and_names_a_bad_field():
+    data = copy.deepcopy(SMALL)
+    assert parse_calibration(data).host.cores == 0  # absent: every stage owns its device
+    data["host"] = {"cores": 2, "background_cores": 0.1, "cpu_ms_per_stream": 20, "cpu_ms_per_chunk": 3}
+    host = parse_calibration(data).host
+    assert (host.cores, host.background_cores, host.cpu_ms_per_stream, host.cpu_ms_per_chunk) == (2, 0.1, 20, 3)
+    data["host"]["cpu_ms_per_chunk"] = -1
+    with pytest.raises(InvalidArgumentError) as err:
+        parse_calibration(data)
+    assert err.value.field == "host.cpu_ms_per_chunk"
+
+
+def test_the_core_share_splits_what_the_host_leaves_among_busy_processes():
+    from cluster.planner.calibration import HostCost
+    from cluster.planner.shared_cores import BIN_S, CoreShare
+
+    share = CoreShare.empty(HostCost(cores=2, background_cores=0.2), horizon_s=1.0)
+    t = np.asarray([0.5])
+    assert share.speed(t, "llm")[0] == 1.0  # alone: a whole core
+    share.detok_busy = share.busy_series(np.asarray([0.0]), np.asarray([1.0]))  # the detok replica busy throughout
+    share.llm_busy = share.busy_series(np.asarray([0.0, 0.0]), np.asarray([1.0, 1.0]))  # two LLM replicas busy
+    assert share.speed(t, "llm")[0] == pytest.approx((2 - 0.2) / 3)
+    loaded = share.with_host_work(np.full(10, 0.4), np.empty(0))  # 10 starts at 0.4 s
+    assert loaded.host_cores.sum() * BIN_S == pytest.approx(0.0)  # 0 ms a stream: nothing added
+    costly = CoreShare(HostCost(2, 0.2, cpu_ms_per_stream=50.0), share.llm_busy, share.detok_busy, share.host_cores)
+    loaded = costly.with_host_work(np.full(10, 0.4), np.empty(0))
+    assert loaded.host_cores.sum() * BIN_S == pytest.approx(0.5)  # 10 x 50 ms of CPU
+    assert loaded.speed(np.asarray([0.45]), "llm")[0] < share.speed(np.asarray([0.45]), "llm")[0]
+    assert CoreShare.empty(HostCost(), 1.0).speed(t, "llm")[0] == 1.0  # cores 0: not shared
+
+
+def test_stages_sharing_few_cores_carry_less_than_stages_on_their_own():
+    scenario = small_scenario(detok={"ms": [10.0, 100.0]})
+    own = capacity_streams(scenario, ClusterShape(1, 1, 8), Slo(0.6), high=32, sim=FAST)
+    data = copy.deepcopy(SMALL)
+    data["detok"]["ms"] = [10.0, 100.0]
+    data["host"] = {"cores": 2, "background_cores": 0.2, "cpu_ms_per_stream": 30, "cpu_ms_per_chunk": 5}
+    shared = capacity_streams(Scenario(parse_calibration(data), ORPHEUS, SHORT_TEXTS), ClusterShape(1, 1, 8), Slo(0.6),
+                              high=32, sim=FAST)  # fmt: skip
+    assert 0 < shared < own

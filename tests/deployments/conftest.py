@@ -42,10 +42,25 @@ def deployment_actor_names(app_name: str, deployment: str, name: str) -> list[st
             if a["name"].startswith(prefix) and a["name"].endswith(suffix)]  # fmt: skip
 
 
+# The one session app whose replicas run the start-up warm-up (`engine.warm_up`, checked in test_cluster); the
+# others skip it (~1-3 s a replica start here, replacements included) unless a test sets it: the warm-up's own
+# tests are tests/llm_stage/test_warm_up.py and tests/detok_stage/test_warm_up.py, and the served benches'
+# configs (chaos, soak, sweep, exposure) keep it on.
+WARMED_APP = "voxray"
+
+
 def small_config(**overrides) -> ServeConfig:
     app_name = overrides.get("app_name", "voxray")
     base = ServeConfig(app_name=app_name, grpc_port=GRPC_PORT + APP_GRPC_PORTS[app_name], http_port=HTTP_PORT)
-    return base.model_copy(update=overrides)
+    config = base.model_copy(update=overrides)
+    if app_name == WARMED_APP:
+        return config
+    cold = {"warm_up": False}
+    if "warm_up" not in config.engine.model_fields_set:
+        config = config.model_copy(update={"engine": config.engine.model_copy(update=cold)})
+    models = tuple(m if "warm_up" in m.engine.model_fields_set else m.model_copy(update={"engine": m.engine.model_copy(
+        update=cold)}) for m in config.models)  # fmt: skip
+    return config.model_copy(update={"models": models}) if models else config
 
 
 TIGHT = small_config(admission=AdmissionConfig(max_streams_per_replica=2, max_queued_per_replica=1))

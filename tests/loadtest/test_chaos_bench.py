@@ -1,7 +1,8 @@
 """loadtest/chaos_bench.py: its schedule, stream outcomes and audio comparison on hand-built records,
-and the bounded chaos run (a real `voxray serve` with 2 LLM + 2 detok replicas, ~2 minutes of Poisson
-load, an LLM kill, a drain, a detok kill): every admitted stream finishes, greedy / seeded audio
-equals an undisturbed in-process run, every fault happened."""
+and the bounded chaos run (a real `voxray serve` with 2 LLM + 2 detok replicas, 60 s of Poisson load,
+an LLM kill, a drain, a detok kill, each fault after Serve's replacement of the one before): every
+admitted stream finishes, greedy / seeded audio equals an undisturbed in-process run, every fault
+happened."""
 
 from __future__ import annotations
 
@@ -104,7 +105,7 @@ def test_the_victim_is_the_replica_most_playing_streams_use_and_waits_are_measur
 @pytest.mark.timeout(480)
 def test_bounded_chaos_run(tmp_path):
     out = tmp_path / "chaos.json"  # its own process: this one may be a driver of another test's Ray
-    run_tool("loadtest.chaos_bench", "--duration-s", "120", "--kill-every-s", "45", "--grpc-port", str(GRPC_PORT),
+    run_tool("loadtest.chaos_bench", "--duration-s", "60", "--kill-every-s", "20", "--grpc-port", str(GRPC_PORT),
              "--http-port", str(HTTP_PORT), "--out", str(out), timeout_s=450)  # fmt: skip
     report = json.loads(out.read_text())
     summary, faults = report["summary"], report["faults"]

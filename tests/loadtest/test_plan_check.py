@@ -5,21 +5,26 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from cluster.planner.calibration import parse_calibration
-from cluster.planner.predict import Scenario
+from cluster.planner.predict import Scenario, predict
 from cluster.planner.search import Slo
+from cluster.planner.simulate import ClusterShape, SimOptions
+from loadtest.host_cost import HostCost, SetCost, chunk_windows, split_host
 from loadtest.plan_check import (
     CONFIGS,
     CPU_CALIBRATION,
     ORPHEUS_TINY,
     CheckResult,
+    calibration_with_host,
     calibration_with_steps,
     predicted_rps,
+    serving_loop_line,
     sweep_workload,
     swept_rates,
 )
-from loadtest.workload import MAX_FRAMES, MIN_FRAMES, load_prompts, max_tokens_for
+from loadtest.workload import MAX_FRAMES, MIN_FRAMES, ORPHEUS_FRAME_RATE_HZ, load_prompts, max_tokens_for
 
 
 def test_the_measured_steps_replace_the_table_and_say_so():
@@ -51,5 +56,63 @@ def test_rates_bracket_the_prediction_and_the_verdict_is_25_pct():
 def test_the_prediction_for_the_default_cpu_config_is_a_positive_rate():
     calib = parse_calibration(json.loads(CPU_CALIBRATION.read_text()))
     scenario = Scenario(calib, ORPHEUS_TINY, sweep_workload())
-    one = next(c for c in CONFIGS if c.name == "cpu-1x1")
-    assert 0 < predicted_rps(scenario, one, Slo(1.0)) < 100
+    capped = next(c for c in CONFIGS if c.name == "cpu-1x1-cap4")
+    assert 0 < predicted_rps(scenario, capped, Slo(1.0), SimOptions(min_measured=40)) < 100
+
+
+def _set(name: str, streams: int, chunks: int, host_cpu_s: float) -> SetCost:
+    return SetCost(name, streams, chunks, tokens=streams * 280, wall_s=10.0, llm_cpu_s=streams * 0.6,
+                   detok_cpu_s=chunks * 0.02, host_cpu_s=host_cpu_s, ttfa_p50_s=0.2, cpu_s_by_role={},
+                   windows=(14,) * chunks)  # fmt: skip
+
+
+def test_the_host_cost_splits_into_a_start_and_a_chunk():
+    # 10 ms a stream + 2 ms a chunk: 4 chunks a stream -> 18 ms, 10 chunks a stream -> 30 ms
+    short, long = _set("short", 10, 40, 0.18), _set("long", 10, 100, 0.30)
+    assert split_host(short, long) == pytest.approx((10.0, 2.0))
+    same = _set("same", 10, 42, 0.20)
+    assert split_host(short, same) == pytest.approx((0.0, 1e3 * 0.38 / 82))  # no spread: all of it a chunk's
+
+
+def test_chunk_windows_add_the_context_each_chunk_decodes_with():
+    frame_s = 1 / ORPHEUS_FRAME_RATE_HZ
+    assert chunk_windows([4 * frame_s, 8 * frame_s, 8 * frame_s, 2 * frame_s]) == [
+        4 + 3,
+        8 + 6,
+        8 + 3 + 2,
+        2 + 3,
+    ]  # the third: 2 frames after it
+    assert chunk_windows([2 * frame_s]) == [2]
+
+
+def test_the_served_c1_costs_enter_the_calibration_with_their_sources():
+    base = calibration_with_steps(json.loads(CPU_CALIBRATION.read_text()), {1: 2.0, 4: 3.0}, "here")
+    short, long = _set("short", 10, 40, 0.18), _set("long", 10, 100, 0.30)
+    cost = HostCost(background_cores=0.1, host_ms_per_stream=10.0, host_ms_per_chunk=2.0, llm_ms_per_token=2.5,
+                    detok_ms_per_chunk=12.0, ttfa_p50_s=0.2, sets=(short, long), loaded_step_ms_by_rows={},
+                    detok_windows=(14,) * 140)  # fmt: skip
+    data = calibration_with_host(base, cost, 2, "host_cost here")
+    calib = parse_calibration(data)
+    assert calib.pipeline_step_factor == pytest.approx(1.25)  # 2.5 ms a token in the replica / 2.0 alone
+    assert float(calib.detok.batch_ms(14.0)) == pytest.approx(12.0, abs=0.01)  # the table scaled to the replica's chunk
+    assert (calib.host.cores, calib.host.cpu_ms_per_stream, calib.host.cpu_ms_per_chunk) == (2, 10.0, 2.0)
+    assert {"llm.pipeline_step_factor", "detok", "host"} <= set(data["sources"])
+    shape, options = ClusterShape(1, 1, 12, 4), SimOptions(min_measured=40)
+    shared, alone = (predict(Scenario(c, ORPHEUS_TINY, sweep_workload()), 6.0, shape, options)
+                     for c in (calib, parse_calibration(base)))  # fmt: skip
+    assert alone.p50_ttfa_s < shared.p50_ttfa_s < float("inf")  # the shared cores and the served loop cost time
+
+
+def test_the_serving_loops_step_by_rows_becomes_a_line_the_planner_steps_by():
+    steps = {1: 1.6, 2: 2.4, 4: 3.9, 6: 5.7, 8: 7.1, 10: 8.8}  # ~0.8 ms a row, noisy
+    base_ms, per_row_ms = serving_loop_line(steps)
+    assert base_ms == pytest.approx(0.83, abs=0.1) and per_row_ms == pytest.approx(0.8, abs=0.05)
+    assert serving_loop_line({1: 2.0, 4: 3.0}) is None  # too few sizes to fit
+    base = calibration_with_steps(json.loads(CPU_CALIBRATION.read_text()), {1: 2.0, 4: 3.0}, "here")
+    cost = HostCost(background_cores=0.1, host_ms_per_stream=10.0, host_ms_per_chunk=2.0, llm_ms_per_token=2.5,
+                    detok_ms_per_chunk=12.0, ttfa_p50_s=0.2, sets=(), loaded_step_ms_by_rows=steps,
+                    detok_windows=(14,) * 10)  # fmt: skip
+    calib = parse_calibration(calibration_with_host(base, cost, 2, "host_cost here"))
+    at = calib.llm_step.step_ms(np.asarray([1, 12]), np.full(2, 200.0))
+    assert at.tolist() == pytest.approx([base_ms + per_row_ms, base_ms + 12 * per_row_ms], abs=1e-3)
+    assert calib.pipeline_step_factor == 1.0 and "serving-loop step" in calib.sources["llm.step_ms"]

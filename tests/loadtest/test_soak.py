@@ -119,12 +119,12 @@ def test_processes_are_named_by_ray_title_script_or_binary():
 @pytest.mark.timeout(300)
 def test_short_soak_samples_every_process_and_writes_its_report(tmp_path):
     out = tmp_path / "soak.json"
-    printed = run_tool("loadtest.soak", "--duration-s", "40", "--sample-s", "5", "--warm-up-s", "10",
-                       "--idle-tail-s", "15", "--grpc-port", str(GRPC_PORT), "--http-port", str(HTTP_PORT),
+    printed = run_tool("loadtest.soak", "--duration-s", "20", "--sample-s", "5", "--warm-up-s", "5",
+                       "--idle-tail-s", "10", "--grpc-port", str(GRPC_PORT), "--http-port", str(HTTP_PORT),
                        "--out", str(out), timeout_s=280)  # fmt: skip
     report = json.loads(out.read_text())
     samples = report["samples"]
-    assert len(samples) >= 11 and "verdict: " + ("OK" if report["verdict"]["ok"] else "FAIL") in printed
+    assert len(samples) >= 6 and "verdict: " + ("OK" if report["verdict"]["ok"] else "FAIL") in printed
     assert out.with_suffix(".png").stat().st_size > 0
     roles = [name.split("/", 1)[1].rsplit(" [", 1)[0] for name in samples[-1]["values"] if name.startswith("rss_mb/")]
     for role in ("voxray serve", "gcs_server", "raylet", "ray::ServeController", "ray::ProxyActor",

@@ -1,0 +1,274 @@
+"""What one stream costs the box's CPUs beside the engines, measured on a real `voxray serve` (issue 40's
+planner calibration for clusters whose stages share the host's cores).
+
+Serves a configuration (`loadtest.plan_check.serve_config`, one LLM and one detok replica) as a process,
+then sends the sweep's prompts one at a time (c=1, so every figure is the cost of work, not of waiting) in
+two sets, the shortest third and the longest third of the prompts (few and many chunks a stream), and reads
+the CPU time (user + system) of every process of the server's tree and of this client before and after each
+set, plus the tree's CPU over an idle spell (Ray's daemons, Serve's controller: the background). Per set:
+
+- the LLM replica's CPU per token at one row (the engine step and its serving loop) and the detok
+  replica's per chunk;
+- the host's CPU (every other process: the Router, Serve's proxy, the controller, GCS, raylet, the client)
+  less the background over the same seconds, per stream;
+- the time to first audio, p50.
+
+Solving the two sets for (per stream, per chunk) splits the host's CPU into a start's cost and a chunk's.
+`calibration_host` turns that into the calibration's `host` section (`cluster.planner.calibration.HostCost`).
+Usage: python -m loadtest.host_cost --out bench_out/host_cost [--requests 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import grpc
+import psutil
+
+from core.config import DetokConfig
+from loadtest.cluster_process import join_cluster, leave_cluster, process_role, running_server, tree_processes
+from loadtest.sweep import SweepConfig, run_one, wait_ready
+from loadtest.workload import ORPHEUS_FRAME_RATE_HZ, load_prompts
+from protos import voxray_pb2_grpc
+
+IDLE_S = 8.0  # the background's CPU is read over this idle spell
+LOAD_LEVELS = (2, 4, 8, 12)  # closed-loop clients at once, for the serving loop's step by rows
+LEVEL_S = 10.0
+LLM_ROLE = "ray::ServeReplica:voxray:LLMStage"
+DETOK_ROLE = "ray::ServeReplica:voxray:DetokStage"
+
+
+@dataclass(frozen=True)
+class SetCost:
+    """One set of prompts sent one at a time: totals and the CPU seconds of each group of processes."""
+
+    name: str
+    streams: int
+    chunks: int
+    tokens: int
+    wall_s: float
+    llm_cpu_s: float
+    detok_cpu_s: float
+    host_cpu_s: float  # every other process of the tree and the client, the background subtracted
+    ttfa_p50_s: float
+    cpu_s_by_role: dict[str, float]  # every process group's CPU seconds over the set (client: this process)
+    windows: tuple[int, ...]  # frames the detokenizer decoded for each chunk (kept + its context)
+
+    @property
+    def chunks_per_stream(self) -> float:
+        return self.chunks / self.streams
+
+    @property
+    def host_ms_per_stream(self) -> float:
+        return 1e3 * self.host_cpu_s / self.streams
+
+
+@dataclass(frozen=True)
+class HostCost:
+    background_cores: float  # CPU seconds a second the idle server's processes take
+    host_ms_per_stream: float  # a stream's start and end beside the engines (Router, proxy, Ray, client)
+    host_ms_per_chunk: float  # each chunk's trip beside the engines
+    llm_ms_per_token: float  # the LLM replica's CPU per token at one row (engine step + serving loop)
+    detok_ms_per_chunk: float  # the detok replica's CPU per chunk decoded alone
+    ttfa_p50_s: float  # c=1, the short set's
+    sets: tuple[SetCost, ...]
+    detok_windows: tuple[int, ...]  # every chunk's window frames, both sets
+    # the LLM replica's serving-loop step (ms) by batch rows under closed-loop load, as it reports them
+    loaded_step_ms_by_rows: dict[int, float]
+
+
+def cpu_seconds_by_role(root_pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of every live process of the tree, summed by role."""
+    totals: dict[str, float] = {}
+    for proc in tree_processes(root_pid):
+        try:
+            times = proc.cpu_times()
+            role = process_role(proc, root_pid)
+        except psutil.Error:  # ended between listing and reading
+            continue
+        totals[role] = totals.get(role, 0.0) + times.user + times.system
+    return totals
+
+
+def client_cpu_s() -> float:
+    times = psutil.Process().cpu_times()
+    return times.user + times.system
+
+
+def background_cores(root_pid: int, idle_s: float = IDLE_S) -> float:
+    before, t0 = sum(cpu_seconds_by_role(root_pid).values()), time.monotonic()
+    time.sleep(idle_s)
+    return (sum(cpu_seconds_by_role(root_pid).values()) - before) / (time.monotonic() - t0)
+
+
+def run_set(name: str, texts: list[str], target: str, root_pid: int, background: float, cfg: SweepConfig) -> SetCost:
+    """Send `texts` one at a time; the CPU each group of processes spent on them."""
+    before, client_before, t0 = cpu_seconds_by_role(root_pid), client_cpu_s(), time.monotonic()
+    records = []
+    with grpc.insecure_channel(target) as channel:
+        stub = voxray_pb2_grpc.SpeechStub(channel)
+        for i, text in enumerate(texts):
+            records.append(run_one(stub, text, 1000 + i, cfg))
+    wall_s = time.monotonic() - t0
+    after, client_after = cpu_seconds_by_role(root_pid), client_cpu_s()
+    spent = {role: after.get(role, 0.0) - before.get(role, 0.0) for role in after}
+    failed = [r.error for r in records if not r.is_ok]
+    if failed:
+        raise RuntimeError(f"{name}: {len(failed)} requests failed ({failed[:3]}); the costs would be wrong")
+    spent["client"] = client_after - client_before
+    by_role = {role: round(cpu_s, 4) for role, cpu_s in sorted(spent.items(), key=lambda kv: -kv[1])}
+    llm_s, detok_s = spent.pop(LLM_ROLE, 0.0), spent.pop(DETOK_ROLE, 0.0)
+    host_s = sum(spent.values()) - background * wall_s
+    return SetCost(
+        name=name, streams=len(texts), chunks=sum(len(r.durations_s) for r in records),
+        tokens=sum(cfg.max_tokens(t) for t in texts), wall_s=wall_s, llm_cpu_s=llm_s, detok_cpu_s=detok_s,
+        host_cpu_s=host_s, ttfa_p50_s=statistics.median(r.arrivals_s[0] for r in records), cpu_s_by_role=by_role,
+        windows=tuple(w for r in records for w in chunk_windows(r.durations_s)),
+    )  # fmt: skip
+
+
+def closed_loop(target: str, clients: int, duration_s: float, cfg: SweepConfig, seed: int) -> int:
+    """`clients` threads each sending the sweep's prompts back to back for `duration_s`; streams served."""
+    prompts, served, lock = load_prompts(), [0], threading.Lock()
+    end_s = time.monotonic() + duration_s
+
+    def client(index: int) -> None:
+        rng = random.Random(f"{seed}-{index}")
+        with grpc.insecure_channel(target) as channel:
+            stub = voxray_pb2_grpc.SpeechStub(channel)
+            while time.monotonic() < end_s:
+                record = run_one(stub, rng.choice(prompts), rng.randrange(1 << 30), cfg)
+                with lock:
+                    served[0] += record.is_ok
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=duration_s + cfg.request_timeout_s + 5.0)
+    return served[0]
+
+
+def loaded_steps(server, cfg: SweepConfig, levels: tuple[int, ...] = LOAD_LEVELS,
+                 level_s: float = LEVEL_S) -> dict[int, float]:  # fmt: skip
+    """The LLM replica's serving-loop step by rows (`stats()["step_ms_by_rows"]`: medians of recent steps),
+    read after each closed-loop level; a later level's reading of a size replaces an earlier one's."""
+    from ray import serve
+
+    join_cluster(server)
+    try:
+        handle = serve.get_deployment_handle("LLMStage", cfg.app_name)
+        steps: dict[int, float] = {}
+        for level in levels:
+            closed_loop(server.grpc_target, level, level_s, cfg, seed=level)
+            reading = handle.stats.remote().result()["step_ms_by_rows"]
+            steps |= {int(rows): float(ms) for rows, ms in reading.items()}
+        return dict(sorted(steps.items()))
+    finally:
+        leave_cluster()
+
+
+def chunk_windows(durations_s: list[float], context: DetokConfig = DetokConfig()) -> list[int]:
+    """Each chunk's window frames from the audio it played: its frames, the left context before it (none
+    before the stream's start) and the right context after it (none past its end)."""
+    kept = [round(d * ORPHEUS_FRAME_RATE_HZ) for d in durations_s]
+    total, before, windows = sum(kept), 0, []
+    for frames in kept:
+        after = total - before - frames
+        windows.append(frames + min(context.left_context_frames, before) + min(context.right_context_frames, after))
+        before += frames
+    return windows
+
+
+def split_host(short: SetCost, long: SetCost) -> tuple[float, float]:
+    """(ms per stream, ms per chunk) solving the two sets' host CPU per stream = a + b x chunks per stream;
+    with too little spread in chunks, all of it per chunk."""
+    spread = long.chunks_per_stream - short.chunks_per_stream
+    per_chunk = (long.host_ms_per_stream - short.host_ms_per_stream) / spread if spread > 0.5 else 0.0
+    if spread <= 0.5 or per_chunk < 0:
+        total = short.host_cpu_s + long.host_cpu_s
+        return 0.0, 1e3 * total / (short.chunks + long.chunks)
+    per_stream = short.host_ms_per_stream - per_chunk * short.chunks_per_stream
+    if per_stream < 0:  # all of it scales with chunks
+        return 0.0, 1e3 * (short.host_cpu_s + long.host_cpu_s) / (short.chunks + long.chunks)
+    return per_stream, per_chunk
+
+
+def prompt_sets(count: int) -> tuple[list[str], list[str]]:
+    """The shortest and the longest third of the sweep's prompts, `count` of each (cycled)."""
+    prompts = sorted(load_prompts(), key=len)
+    third = max(1, len(prompts) // 3)
+    short, long = prompts[:third], prompts[-third:]
+    return [short[i % len(short)] for i in range(count)], [long[i % len(long)] for i in range(count)]
+
+
+def measure(config, scratch: Path, requests: int) -> HostCost:  # config: core.config.ServeConfig
+    cfg = SweepConfig(app_name=config.app_name, request_timeout_s=60.0)
+    short_texts, long_texts = prompt_sets(requests)
+    with running_server(config, scratch) as server:
+        wait_ready(server.grpc_target, config.app_name)
+        with grpc.insecure_channel(server.grpc_target) as channel:  # warm both paths
+            stub = voxray_pb2_grpc.SpeechStub(channel)
+            for i, text in enumerate(short_texts[:2] + long_texts[:2]):
+                run_one(stub, text, i, cfg)
+        root = server.proc.pid
+        background = background_cores(root)
+        short = run_set("short", short_texts, server.grpc_target, root, background, cfg)
+        long = run_set("long", long_texts, server.grpc_target, root, background, cfg)
+        steps = loaded_steps(server, cfg)
+    per_stream, per_chunk = split_host(short, long)
+    sets = (short, long)
+    return HostCost(
+        background_cores=background, host_ms_per_stream=per_stream, host_ms_per_chunk=per_chunk,
+        llm_ms_per_token=1e3 * sum(s.llm_cpu_s for s in sets) / sum(s.tokens for s in sets),
+        detok_ms_per_chunk=1e3 * sum(s.detok_cpu_s for s in sets) / sum(s.chunks for s in sets),
+        ttfa_p50_s=short.ttfa_p50_s, sets=sets, loaded_step_ms_by_rows=steps,
+        detok_windows=short.windows + long.windows,
+    )  # fmt: skip
+
+
+def calibration_host(cost: HostCost, cores: int) -> dict:
+    """The calibration's `host` section from a measurement (see `cluster.planner.calibration.HostCost`)."""
+    return {
+        "cores": cores, "background_cores": round(cost.background_cores, 4),
+        "cpu_ms_per_stream": round(cost.host_ms_per_stream, 3), "cpu_ms_per_chunk": round(cost.host_ms_per_chunk, 3),
+    }  # fmt: skip
+
+
+def report(cost: HostCost) -> str:
+    lines = ["| set | streams | chunks / stream | LLM ms / token | detok ms / chunk | host ms / stream | TTFA p50 s |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for s in cost.sets:
+        per_token, per_chunk = 1e3 * s.llm_cpu_s / s.tokens, 1e3 * s.detok_cpu_s / s.chunks
+        lines.append(f"| {s.name} | {s.streams} | {s.chunks_per_stream:.1f} | {per_token:.2f} | {per_chunk:.2f} | "
+                     f"{s.host_ms_per_stream:.1f} | {s.ttfa_p50_s:.3f} |")  # fmt: skip
+    steps = ", ".join(f"{rows}: {ms:.2f}" for rows, ms in cost.loaded_step_ms_by_rows.items())
+    lines.append(f"serving-loop step ms by rows under load: {steps}")
+    lines.append(f"background {cost.background_cores:.3f} cores; host {cost.host_ms_per_stream:.1f} ms a stream + "
+                 f"{cost.host_ms_per_chunk:.2f} ms a chunk")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> HostCost:
+    from loadtest.plan_check import CONFIGS, serve_config
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("bench_out/host_cost"))
+    parser.add_argument("--requests", type=int, default=12, help="streams in each of the two sets")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    cost = measure(serve_config(CONFIGS[0], 19320, 19321), args.out, args.requests)
+    (args.out / "host_cost.json").write_text(json.dumps(asdict(cost), indent=2))
+    print(report(cost))
+    return cost
+
+
+if __name__ == "__main__":
+    main()
