@@ -101,6 +101,8 @@ def test_a_text_only_answer_never_speaks_and_sends_no_chunk(pipeline) -> None:
     spoken = dataclasses.replace(job, req_id="s2s-same", text_only=False)
     answer = pipeline.answer(spoken)
     assert any(adapter.ids.speech_code(t) is not None for t in tokens) and answer.pcm16
+
+
 def test_a_turn_streamed_in_pieces_answers_as_the_clip_sent_whole(pipeline) -> None:
     """Microphone input: the family's front end run on 20 ms pieces as they come (`audio_front_end`), the
     Job carrying its features, gives the same greedy text and audio as the clip whose features the LLM
