@@ -25,10 +25,9 @@ import numpy as np
 
 from cluster.planner.calibration import CALIBRATION_DIR, parse_calibration
 from cluster.planner.predict import Scenario
-from cluster.planner.search import Slo, capacity_streams
+from cluster.planner.search import DEFAULT_MAX_STARTING, Slo, capacity_streams
 from cluster.planner.simulate import ClusterShape, SimOptions
 from cluster.planner.workload import ModelRates, Workload
-from core.config import AdmissionConfig
 from loadtest.host_cost import HostCost, calibration_host
 from loadtest.workload import MAX_FRAMES, MIN_FRAMES, load_prompts
 
@@ -103,7 +102,7 @@ def sweep_workload() -> Workload:
 
 def predicted_rps(scenario: Scenario, config: CheckConfig, slo: Slo, sim: SimOptions = SimOptions()) -> float:
     shape = ClusterShape(config.llm_replicas, config.detok_replicas, config.max_streams_per_replica,
-                         AdmissionConfig().max_starting_per_replica)  # fmt: skip
+                         DEFAULT_MAX_STARTING)  # fmt: skip
     streams = capacity_streams(scenario, shape, slo, high=8 * config.max_streams_per_replica * config.llm_replicas,
                                sim=sim)  # fmt: skip
     return streams / scenario.workload.mean_audio_s(scenario.rates)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cluster.planner import simulate
 from cluster.planner.predict import LLMRun, Scenario, finish, first_chunk_s, predict, run_llm
 from cluster.planner.simulate import ClusterShape, Prediction, SimOptions
 from core.config import AdmissionConfig
@@ -64,11 +65,8 @@ def zero_load_ttfa_s(scenario: Scenario, options: SimOptions = SimOptions()) -> 
 def real_time_rows(scenario: Scenario, options: SimOptions = SimOptions()) -> int:
     """The most rows whose step keeps real time (the LLM's throughput bound per replica), within the slots."""
     calib, rates = scenario.calib, scenario.rates
-    rows = np.arange(1, calib.max_streams_per_replica + 1)
-    cache = np.full(len(rows), float(scenario.workload.max_frames_needed(rates) * rates.tokens_per_frame) / 2)
-    step_s = calib.llm_step.step_ms(rows, cache) * calib.pipeline_step_factor * options.step_scale / 1e3
-    fits = rows[step_s <= rates.real_time_step_s]
-    return int(fits[-1]) if len(fits) else 1
+    cache = float(scenario.workload.max_frames_needed(rates) * rates.tokens_per_frame) / 2
+    return simulate.real_time_rows(calib, rates, calib.max_streams_per_replica, cache, options.step_scale)
 
 
 def size_cluster(scenario: Scenario, streams: int, slo: Slo, options: SearchOptions = SearchOptions()) -> Plan:

@@ -34,7 +34,7 @@ class ClusterShape:
     detok_replicas: int  # 0: unlimited (every chunk decoded alone, on arrival)
     max_streams_per_replica: int
     # admission.max_starting_per_replica: streams one replica starts at once (0: no limit). A stream is
-    # starting until its STARTUP_CHUNKS-th chunk is cut; with streams playing, fewer (`starting_allowed`)
+    # starting until its STARTUP_CHUNKS-th chunk is delivered; with streams playing, fewer (`starting_allowed`)
     max_starting_per_replica: int = 0
 
 
@@ -335,14 +335,18 @@ def run_llm_stage(streams: Streams, shape: ClusterShape, calib: Calibration, rat
                    load_sum / span_s, slot_sum / (span_s * slots), busy)  # fmt: skip
 
 
+def real_time_rows(calib: Calibration, rates: ModelRates, slots: int, cache_tokens: float, step_scale: float) -> int:
+    """The most rows (within `slots`, at least 1) whose step with `cache_tokens` cached keeps real time."""
+    rows = np.arange(1, slots + 1)
+    step_s = calib.llm_step.step_ms(rows, np.full(slots, cache_tokens)) * calib.pipeline_step_factor * step_scale / 1e3
+    fits = rows[step_s <= rates.real_time_step_s]
+    return int(fits[-1]) if len(fits) else 1
+
+
 def sustained_streams(calib: Calibration, rates: ModelRates, slots: int, step_scale: float) -> int:
     """The streams admission counts the start room under: REAL_TIME_MARGIN of the rows whose step (at the
     table's first cache column) keeps real time, within the slots."""
-    rows = np.arange(1, slots + 1)
-    cache = np.full(slots, float(calib.llm_step.cache_tokens[0]))
-    step_s = calib.llm_step.step_ms(rows, cache) * calib.pipeline_step_factor * step_scale / 1e3
-    fits = rows[step_s <= rates.real_time_step_s]
-    real_time = int(fits[-1]) if len(fits) else 1
+    real_time = real_time_rows(calib, rates, slots, float(calib.llm_step.cache_tokens[0]), step_scale)
     return min(slots, max(1, int(REAL_TIME_MARGIN * real_time)))
 
 
