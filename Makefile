@@ -22,8 +22,9 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
 
+# the cluster tests and the unit tests as two pytest processes side by side (tests/split_run.py)
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m tests.split_run
 
 vllm-venv:
 	bash loadtest/baselines/make_vllm_venv.sh
