@@ -21,12 +21,14 @@ from core.messages import AudioClip, ChatTurn
 from llm_stage.models.glm4_bpe import GLM4_PATTERN, GLM4Tokenizer
 from llm_stage.models.glm4_voice import (
     FAMILY,
+    GLM4_VOICE_SCHEDULE,
     SPEECH_SYSTEM,
     TEXT_SYSTEM,
     Glm4VoiceAdapter,
 )
 from llm_stage.models.glm4_voice_lm import INV_FREQ_KEY, SpecialIds, glm_config, load_published, tiny_config
 from llm_stage.registry import get_entry, model_config_for
+from llm_stage.side import LLMSide
 from tests.factories import adapter_engine
 from tests.glm4_voice_layout import bpe_ranks, glm4_voice_state, write_glm4_voice
 
@@ -175,6 +177,28 @@ def test_answers_route_text_to_the_client_speech_to_the_detokenizer_and_stop_at_
     tokens = engine.run_to_completion()["s"]
     assert all(preset.ids.is_text(t) or preset.ids.audio_code(t) is not None for t in tokens)
     assert any(preset.ids.audio_code(t) is not None for t in tokens) and IDS.user not in tokens
+
+
+def test_the_side_streams_text_deltas_and_speech_chunks_on_the_family_schedule(preset) -> None:
+    """Through `LLMSide`: the answer's text ids arrive as TextDeltas, its speech codes as chunks of 25, then
+    50, ... frames, each carrying the whole stream before it (a cold detokenizer rebuilds from frame 0)."""
+    sampling = {"temperature": 0.0, "max_tokens": 150}
+    reference = adapter_engine(preset, num_slots=2, max_seq_len=1024)
+    reference.add_request("s", "Tell me a story.", sampling=sampling)
+    tokens = reference.run_to_completion()["s"]
+    engine = adapter_engine(preset, num_slots=2, max_seq_len=1024)
+    side = LLMSide(engine, GLM4_VOICE_SCHEDULE)
+    side.add(engine.job("s", "Tell me a story.", sampling=sampling))
+    chunks, deltas = [], []
+    while engine.has_work:
+        chunks += side.step()
+        deltas += side.take_text()
+    codes = [c for c in map(IDS.audio_code, tokens) if c is not None]
+    assert len(codes) > 75 and [c.keep_end - c.keep_start for c in chunks[:2]] == [25, 50]
+    kept = [c.frames[c.keep_start - c.window_start : c.keep_end - c.window_start] for c in chunks]
+    assert [frame[0] for frames in kept for frame in frames] == codes
+    assert all(c.window_start == 0 for c in chunks) and chunks[-1].is_final
+    assert "".join(d.text for d in deltas) == preset.decode_text(preset.text_ids(tokens)) and deltas[-1].is_final
 
 
 def test_text_only_answers_draw_text_ids_and_stops_alone(preset) -> None:
