@@ -155,9 +155,10 @@ class Glm4VoiceAdapter(LMAdapter):
             earlier.append((turn.role, turn.text, next(speech) if turn.audio is not None else None))
         last = next(speech) if job.audio is not None else None
         system = job.system or (SPEECH_SYSTEM if job.audio is not None else TEXT_SYSTEM)
+        prompt = self.chat_prompt(earlier, job.text, last, system)
         if job.text_only:
             self._text_only.add(job.req_id)
-        return self.chat_prompt(earlier, job.text, last, system)
+        return prompt
 
     def clip_tokens(self, clips: list[AudioClip]) -> list[list[int]]:
         """Each clip's speech tokens (0..16383), from the speech tokenizer in one batched call."""

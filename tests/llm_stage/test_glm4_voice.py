@@ -93,6 +93,7 @@ def test_published_layout_loads_through_the_family(published) -> None:
     adapter, state, directory = published
     assert adapter.ids == IDS and FAMILY.is_checkpoint(json.loads((directory / "config.json").read_text()))
     body = adapter.model
+    assert not any(t.is_meta for t in [*body.parameters(), *body.buffers()])  # built on meta, all assigned
     torch.testing.assert_close(body.model.embed_tokens.weight, state["transformer.embedding.word_embeddings.weight"])
     torch.testing.assert_close(body.lm_head.weight, state["transformer.output_layer.weight"])
     v_rows = state["transformer.encoder.layers.1.self_attention.query_key_value.weight"][-32:]
@@ -133,8 +134,11 @@ def tiktoken_rule(ranks: dict[bytes, int], text: str) -> list[int]:
 def test_prompt_is_the_published_demo_prompt(published) -> None:
     adapter, _, directory = published
     ranks = bpe_ranks()
+    tokenizer = GLM4Tokenizer(directory)
+    for sample in ("hello  the\n\n streaming 12345 tokens's ünï 你好!!", "User:\ttext\r\n  audio"):
+        assert tokenizer.encode(sample) == tiktoken_rule(ranks, sample)
+        assert tokenizer.decode(tokenizer.encode(sample) + [IDS.user]) == sample
     text = "hello the streaming audio, text tokens"
-    assert GLM4Tokenizer(directory).encode(text) == tiktoken_rule(ranks, text)
     engine = adapter_engine(adapter, num_slots=2, max_seq_len=512)
     engine.add_request("p", text)
     opening = tiktoken_rule(ranks, "streaming_transcription\n")
