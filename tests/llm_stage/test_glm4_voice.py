@@ -29,7 +29,7 @@ from llm_stage.models.glm4_voice import (
 from llm_stage.models.glm4_voice_lm import INV_FREQ_KEY, SpecialIds, glm_config, load_published, tiny_config
 from llm_stage.registry import get_entry, model_config_for
 from llm_stage.side import LLMSide
-from tests.factories import adapter_engine
+from tests.factories import STEP_MODES, adapter_engine
 from tests.glm4_voice_layout import bpe_ranks, glm4_voice_state, write_glm4_voice
 
 IDS = SpecialIds()
@@ -101,19 +101,35 @@ def test_published_layout_loads_through_the_family(published) -> None:
     assert get_entry("glm4-voice").family is FAMILY and FAMILY.frame_rate_hz == 12.5
 
 
-def test_greedy_tokens_of_a_mixed_batch_equal_transformers_glm(published) -> None:
+@pytest.fixture(scope="module")
+def reference(published) -> dict[str, list[int]]:
+    """transformers' greedy tokens of each prompt, alone."""
     adapter, state, _ = published
-    engine = adapter_engine(adapter, num_slots=4, max_seq_len=512, prefill_token_budget=48)
-    for i, text in enumerate(PROMPTS):
-        engine.add_request(f"g{i}", text, sampling=GREEDY)
-    prompts = {rid: list(req.prompt_ids) for rid, req in engine.requests.items()}
-    assert len({len(p) for p in prompts.values()}) == len(PROMPTS)  # mixed lengths, prefilled in chunks
-    ours = engine.run_to_completion()
-    reference = transformers_glm(state)
+    model = transformers_glm(state)
     with torch.no_grad():
-        for rid, prompt in prompts.items():
-            assert ours[rid] == reference_greedy(reference, prompt, GREEDY["max_tokens"]), rid
-    assert any(IDS.audio_code(t) is not None for tokens in ours.values() for t in tokens)
+        return {
+            text: reference_greedy(model, adapter.format_prompt(text, None), GREEDY["max_tokens"]) for text in PROMPTS
+        }
+
+
+@pytest.mark.parametrize(("async_steps", "kv_layout"), STEP_MODES, indirect=["kv_layout"])
+def test_greedy_tokens_of_a_mixed_batch_equal_transformers_glm(published, reference, async_steps, kv_layout) -> None:
+    """Prompts of four lengths, prefilled in 48-token chunks, joining at steps 0, 0, 3 and 5 of one batch."""
+    adapter = published[0]
+    engine = adapter_engine(adapter, num_slots=4, max_seq_len=512, prefill_token_budget=48, async_steps=async_steps)
+    join_at = {0: (0, 1), 3: (2,), 5: (3,)}
+    ours: dict[str, list[int]] = {}
+    for step in range(200):
+        for i in join_at.get(step, ()):
+            request = engine.add_request(f"g{i}", PROMPTS[i], sampling=GREEDY)
+            assert request.prompt_ids == adapter.format_prompt(PROMPTS[i], None)
+        if step > max(join_at) and not engine.has_work:
+            break
+        for out in engine.step():
+            ours.setdefault(out.req_id, []).extend(out.new_token_ids)
+    assert len({len(adapter.format_prompt(text, None)) for text in PROMPTS}) == len(PROMPTS)
+    assert [ours[f"g{i}"] for i in range(len(PROMPTS))] == [reference[text] for text in PROMPTS]
+    assert any(IDS.audio_code(t) is not None for tokens in reference.values() for t in tokens)
 
 
 def tiktoken_rule(ranks: dict[bytes, int], text: str) -> list[int]:
