@@ -245,9 +245,9 @@ GLM4_VOICE_SCHEDULE = ChunkSchedule(
 FAMILY = ModelFamily(
     name="glm4-voice",
     description="GLM-4-Voice 9B: speech in (12.5 Hz WhisperVQ speech tokens) or text in, a ChatGLM / GLM-4-9B LM, "
-    "13 text : 26 speech tokens out, decoded by the GLM-4-Voice flow decoder at 22.05 kHz",
+    "13 text : 26 speech tokens out, for the GLM-4-Voice flow decoder (22.05 kHz; S3Gen stands in until it is wired)",
     preset_description="GLM-4-Voice layout: the published 168960-token vocabulary and id ranges, a tiny random "
-    "GLM-4 LM",
+    "GLM-4 LM + the tiny random S3Gen standing in for its decoder",
     lm=Glm4VoiceAdapter,
     codec=GLM4VoiceCodec,
     sample_rate_hz=CODEC_SAMPLE_RATE_HZ,
