@@ -21,6 +21,7 @@ from typing import Protocol
 
 import numpy as np
 import torch
+from transformers import GlmForCausalLM
 
 from core.checkpoints import resolve_model_ref
 from core.config import ModelConfig
@@ -35,6 +36,7 @@ from llm_stage.chunking import WHOLE_STREAM_FRAMES, ChunkSchedule
 from llm_stage.models.base import FrameBuilder, LMAdapter, ModelFamily
 from llm_stage.models.glm4_bpe import GLM4Tokenizer
 from llm_stage.models.glm4_voice_lm import (
+    AUDIO_CODES,
     PRESET_TEXT_IDS,
     GlmBackbone,
     SpecialIds,
@@ -103,7 +105,7 @@ class Glm4VoiceAdapter(LMAdapter):
 
     def __init__(
         self,
-        model,
+        model: GlmForCausalLM,
         tokenizer: TextTokenizer,
         ids: SpecialIds = SpecialIds(),
         speech_tokenizer: SpeechTokenizer | None = None,
@@ -196,8 +198,8 @@ class Glm4VoiceAdapter(LMAdapter):
         turn = [ids.user, *self.tokenizer.encode(f"\n{text}")]
         if speech is None:
             return turn
-        if any(not 0 <= code < 16384 for code in speech):
-            raise InvalidArgumentError("input_audio", "speech tokens must be in [0, 16384)")
+        if any(not 0 <= code < AUDIO_CODES for code in speech):
+            raise InvalidArgumentError("input_audio", f"speech tokens must be in [0, {AUDIO_CODES})")
         return turn + [ids.begin_of_audio, *(ids.first_audio + code for code in speech), ids.end_of_audio]
 
     def forget(self, req_id: str) -> None:
