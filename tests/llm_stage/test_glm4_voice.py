@@ -268,3 +268,7 @@ def test_bad_inputs_are_refused_naming_the_field(preset, published, tmp_path) ->
     with pytest.raises(InvalidArgumentError) as err:
         SpecialIds.from_vocab({"<|user|>": 151336})
     assert err.value.field == "model.checkpoint_dir" and "<|audio_0|>" in err.value.message
+    shifted = {**{name: getattr(IDS, field) for field, name in SpecialIds.NAMES.items()}, "<|audio_1|>": 152355}
+    with pytest.raises(InvalidArgumentError) as err:
+        SpecialIds.from_vocab(shifted)
+    assert err.value.field == "model.checkpoint_dir" and "<|audio_1|>" in err.value.message
