@@ -37,6 +37,7 @@ FAMILY_MODULES = {
     "cosyvoice2": "llm_stage.models.cosyvoice2",
     "chatterbox": "llm_stage.models.chatterbox",
     "step-audio2": "llm_stage.models.step_audio2",
+    "glm4-voice": "llm_stage.models.glm4_voice",
 }
 PRESET_SUFFIX = "-tiny"
 

@@ -49,7 +49,9 @@ class MicTurn:
     def __init__(self, entry: ModelEntry, config: SpeechInConfig, sample_rate_hz: int, fields: MicFields) -> None:
         front_end = entry.family.lm.audio_front_end(sample_rate_hz)
         if front_end is None:
-            raise InvalidArgumentError(fields.model, f"{entry.name} takes no audio (it speaks text)")
+            takes_clips = entry.family.lm.takes_audio  # speech in from whole clips only (GLM-4-Voice)
+            says = "whole clips (input_audio), not streamed audio" if takes_clips else "no audio (it speaks text)"
+            raise InvalidArgumentError(fields.model, f"{entry.name} takes {says}")
         self.front_end: AudioFrontEnd = front_end
         self.config, self.sample_rate_hz, self.fields = config, sample_rate_hz, fields
         self.max_bytes = 2 * int(config.max_audio_s * sample_rate_hz)

@@ -20,6 +20,7 @@ from huggingface_hub import constants
 from cluster.cli import build_parser, main, serve_config
 from core.errors import InvalidArgumentError
 from llm_stage.models.chatterbox_t3 import random_voice, tiny_t3
+from tests.glm4_voice_layout import REPO_ID as GLM4_VOICE_REPO
 from tests.published_layouts import (
     CHATTERBOX_REPO,
     COSYVOICE2_REPO,
@@ -147,7 +148,7 @@ def test_readme_real_model_commands_run_on_the_stand_ins(tmp_path, monkeypatch, 
     downloads = set(re.findall(r"hf download (\S+)\n", section))
     declared = {repo for f in families() for repo in (f.repo_id, f.codec_repo_id) if repo}
     assert downloads == declared == {ORPHEUS_REPO, SNAC_REPO, CSM_REPO, DIA_REPO, DAC_REPO, QWEN3_TTS_REPO,
-                                     COSYVOICE2_REPO, CHATTERBOX_REPO}  # fmt: skip
+                                     COSYVOICE2_REPO, CHATTERBOX_REPO, GLM4_VOICE_REPO}  # fmt: skip
     serves = re.findall(r"voxray serve (.+)\n", section)
     assert {shlex.split(line)[1] for line in serves} == {ORPHEUS_REPO, CSM_REPO, DIA_REPO, QWEN3_TTS_REPO,
                                                          COSYVOICE2_REPO, CHATTERBOX_REPO}  # fmt: skip

@@ -98,6 +98,8 @@ def test_a_turn_too_short_silent_or_empty_is_refused_at_its_end(pcm: bytes, says
 def test_a_model_that_takes_no_audio_is_refused_naming_model():
     err = refused(MicTurn, get_entry("orpheus-tiny"), SPEECH_IN, 24_000, MicFields(model="config.model"))
     assert err.field == "config.model" and "takes no audio" in str(err)
+    err = refused(MicTurn, get_entry("glm4-voice-tiny"), SPEECH_IN, 24_000, MicFields(model="config.model"))
+    assert err.field == "config.model" and "takes whole clips (input_audio), not streamed audio" in str(err)
 
 
 # ---- gRPC Converse ----------------------------------------------------------------------------
