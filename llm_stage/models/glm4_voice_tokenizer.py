@@ -87,13 +87,18 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, allowed: torch.Tensor | None, is_causal: bool) -> torch.Tensor:
         """x [B, T, D], allowed [B, 1, T, T] bool (or None) -> [B, T, D]."""
+        return self.mix(*self.heads(x), allowed, is_causal)
+
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, D] -> q, k, v [B, h, T, d]."""
         batch, length, _ = x.shape
-        q, k, v = (
-            p(x).view(batch, length, self.num_heads, -1).transpose(1, 2)
-            for p in (self.q_proj, self.k_proj, self.v_proj)
-        )
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        return tuple(p(x).view(batch, length, self.num_heads, -1).transpose(1, 2) for p in projections)
+
+    def mix(self, q, k, v, allowed: torch.Tensor | None, is_causal: bool = False) -> torch.Tensor:
+        """q [B, h, T, d] over k / v [B, h, S, d] -> [B, T, D]."""
         mixed = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, is_causal=is_causal)  # [B, h, T, d]
-        return self.out_proj(mixed.transpose(1, 2).reshape(batch, length, -1))
+        return self.out_proj(mixed.transpose(1, 2).flatten(2))
 
 
 class EncoderLayer(nn.Module):
@@ -111,6 +116,20 @@ class EncoderLayer(nn.Module):
         # a causal layer ignores the padding mask, as published: padded keys lie after every valid query
         mask = None if self.is_causal else allowed
         x = x + self.self_attn(self.self_attn_layer_norm(x), mask, self.is_causal)
+        return self._mlp(x)
+
+    def forward_cached(
+        self, x: torch.Tensor, past: tuple[torch.Tensor, torch.Tensor] | None, key_valid: torch.Tensor | None
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """x [1, T, D], one block, reading the keys / values of the blocks before it (`past`, [1, h, S, d]) and
+        its own; key_valid [S + T] bool or None (all valid) -> (x, the keys / values to this block's end)."""
+        q, k, v = self.self_attn.heads(self.self_attn_layer_norm(x))
+        if past is not None:
+            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+        x = x + self.self_attn.mix(q, k, v, None if key_valid is None else key_valid[None, None, None, :])
+        return self._mlp(x), (k, v)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
 
 
