@@ -190,12 +190,19 @@ class SpeechTokenizer(nn.Module):
         model.load_state_dict(state, assign=True)
         return model.to(device=device, dtype=dtype).eval()
 
-    def tokens(self, clips_16k: list[torch.Tensor]) -> list[torch.LongTensor]:
-        """Mono float clips [N] at 16 kHz -> per clip its token ids [ceil(N_w / 1280) per 30 s window]."""
+    def tokens(self, clips_16k: list[torch.Tensor], windows_per_forward: int = 16) -> list[torch.LongTensor]:
+        """Mono float clips [N] at 16 kHz -> per clip its token ids [ceil(N_w / 1280) per 30 s window]. The
+        30 s windows of all clips go through the encoder `windows_per_forward` at a time, longest first
+        (each window's tokens are what it gets alone, so the grouping only bounds memory and padding)."""
         for i, clip in enumerate(clips_16k):
             check_clip(clip, f"{FIELD}[{i}]" if len(clips_16k) > 1 else FIELD)
         windows = [(i, w) for i, clip in enumerate(clips_16k) for w in split_windows(clip)]
-        ids = self.window_tokens([w for _, w in windows]) if windows else []
+        order = sorted(range(len(windows)), key=lambda k: -windows[k][1].numel())
+        ids: list[torch.Tensor] = [torch.empty(0)] * len(windows)
+        for start in range(0, len(order), windows_per_forward):
+            group = order[start : start + windows_per_forward]
+            for k, window_ids in zip(group, self.window_tokens([windows[k][1] for k in group]), strict=True):
+                ids[k] = window_ids
         out: list[list[torch.Tensor]] = [[] for _ in clips_16k]
         for (clip_index, _), window_ids in zip(windows, ids, strict=True):
             out[clip_index].append(window_ids)

@@ -6,6 +6,7 @@ bad clips are refused naming `input_audio`."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 from pathlib import Path
@@ -17,7 +18,13 @@ from safetensors.torch import load_file, save_file
 from transformers import WhisperFeatureExtractor
 
 from core.errors import InvalidArgumentError
-from llm_stage.models.glm4_voice_tokenizer import SpeechTokenizer, num_tokens, split_windows, window_mel
+from llm_stage.models.glm4_voice_tokenizer import (
+    SpeechTokenizer,
+    num_tokens,
+    split_windows,
+    tiny_shape,
+    window_mel,
+)
 from tests.glm4_voice_tokenizer_layout import preprocessor_config, write_glm4_voice_tokenizer
 
 DATA = Path(__file__).parents[1] / "data"
@@ -77,6 +84,21 @@ def test_a_batch_gives_each_clip_what_it_gets_alone(tokenizer: SpeechTokenizer) 
     for clip, ids in zip(clips, together, strict=True):
         assert torch.equal(tokenizer.tokens([clip])[0], ids)
         assert 0 <= int(ids.min()) and int(ids.max()) < tokenizer.codebook_size
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [{}, {"encoder_causal_convolution": False, "quantize_causal_block_size": None, "pooling_type": "max"},
+     {"quantize_causal_encoder": True}, {"pooling_position": 1}],
+)  # fmt: skip
+def test_every_structure_batches_as_alone(changes: dict) -> None:
+    """Symmetric convs (conv2 reads zeros past a window's frames), plain causal layers, pooling mid-encoder."""
+    torch.manual_seed(4)
+    tokenizer = SpeechTokenizer(dataclasses.replace(tiny_shape(), **changes)).eval()
+    gen = torch.Generator().manual_seed(4)
+    clips = [0.1 * torch.randn(n, generator=gen) for n in (3000, 31 * 16_000, 1280 * 5 + 7)]
+    together = tokenizer.tokens(clips, windows_per_forward=2)
+    assert [torch.equal(tokenizer.tokens([c])[0], ids) for c, ids in zip(clips, together, strict=True)] == [True] * 3
 
 
 def test_a_whole_model_checkpoint_loads_the_same(layout: Path, tokenizer: SpeechTokenizer, tmp_path: Path) -> None:
