@@ -5,7 +5,8 @@ A Whisper-style encoder cut at the quantizer: per 30 s window a Whisper log-mel 
 convs (causal in the published config), the first `quantize_position` pre-LN layers under a
 block-causal mask (4 s blocks), average pooling by 4, then the nearest codebook entry. Our own module
 under the published names (`conv1.*`, `layers.N.*`, `codebook.weight`); `tokens` batches the windows
-of many clips in one forward and gives each window what it gets alone. Called by the glm4-voice family.
+of many clips (16 a forward) and gives each window what it gets alone. Called by the glm4-voice family;
+`glm4_voice_stream` runs the same weights block by block on microphone audio.
 """
 
 from __future__ import annotations
