@@ -29,7 +29,7 @@ from detok_stage.flow.glm_config import GLM4DecoderConfig, tiny_glm4_decoder_con
 from detok_stage.flow.glm_model import BlockStream, GLM4Decoder
 
 CONFIG_FILE, FLOW_FILE, HIFT_FILE = "config.yaml", "flow.pt", "hift.pt"
-MIN_BLOCK_TOKENS = 5  # the reference's token_overlap_len: a block's mel must outlast the cross-fade
+MIN_BLOCK_TOKENS = 6  # a first block of 6 tokens makes 41 mel frames: more than the 34 it holds back
 
 
 class CacheMissError(ValueError):
@@ -137,7 +137,10 @@ class GLM4VoiceCodec(CodecAdapter):
             )
         self.num_rebuilds += 1
         history = self._checked([f[0] for f in chunk.frames[: chunk.keep_start]], "frames")
-        self.model.token2wav(request.stream, history, finalize=False)  # the audio earlier chunks carried
+        if len(history) < MIN_BLOCK_TOKENS:  # as a held chunk: decoded with this one
+            request.pending = history
+        else:
+            self.model.token2wav(request.stream, history, finalize=False)  # the audio earlier chunks carried
         return request
 
     def _checked(self, tokens: list[int], field_name: str) -> list[int]:

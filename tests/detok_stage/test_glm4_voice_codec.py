@@ -125,3 +125,14 @@ def test_cache_miss_needs_the_history_from_token_zero():
     fresh = GLM4VoiceCodec(codec().model)
     with pytest.raises(CacheMissError):
         fresh.decode_stream([chunk("miss", 1, tokens, (8, 20), True, start=4)])
+
+
+def test_cache_miss_rebuilds_from_the_history():
+    """A replica that never saw the stream decodes the history as one block, its audio dropped: with
+    the reference's blocks (8, 12), the second chunk alone is the reference's second block."""
+    tokens, blocks = case("short")
+    assert blocks == [8, 12]
+    fresh = GLM4VoiceCodec(codec().model)
+    (audio,) = fresh.decode_stream([chunk("cold", 1, tokens, (8, 20), True)])
+    assert fresh.num_rebuilds == 1
+    assert_audio(audio, "short_block1_wave")
