@@ -29,6 +29,9 @@ from detok_stage.flow.glm_config import GLM4DecoderConfig, tiny_glm4_decoder_con
 from detok_stage.flow.glm_model import BlockStream, GLM4Decoder
 
 CONFIG_FILE, FLOW_FILE, HIFT_FILE = "config.yaml", "flow.pt", "hift.pt"
+# web_demo.py's blocks: 25 tokens (2 s) first, then 50, 100, 150, 200, 200, ...; the family's chunk
+# schedule decides ours (each chunk's kept tokens are one block)
+DEMO_BLOCK_TOKENS = (25, 50, 100, 150, 200)
 MIN_BLOCK_TOKENS = 6  # a first block of 6 tokens makes 41 mel frames: more than the 34 it holds back
 
 
