@@ -27,10 +27,7 @@ from core.checkpoints import resolve_model_ref
 from core.config import ModelConfig
 from core.errors import InvalidArgumentError
 from core.messages import AudioClip, Job, SamplingParams
-
-# INTERIM until the merge, this line and CODEC_SAMPLE_RATE_HZ: S3Gen stands in for the GLM-4-Voice decoder
-# (`from detok_stage.codecs.glm4_voice_codec import GLM4VoiceCodec`, 22050 Hz; S3Gen's preset codes stop at 6561)
-from detok_stage.codecs.s3gen_codec import S3GenCodec as GLM4VoiceCodec
+from detok_stage.codecs.glm4_voice_codec import GLM4VoiceCodec
 from detok_stage.voice.features import resample
 from llm_stage.chunking import WHOLE_STREAM_FRAMES, ChunkSchedule
 from llm_stage.models.base import FrameBuilder, LMAdapter, ModelFamily
@@ -43,6 +40,7 @@ from llm_stage.models.glm4_voice_lm import (
     is_glm4_voice_config,
     load_glm4_voice,
 )
+from llm_stage.models.glm4_voice_tokenizer import SpeechTokenizer as WhisperVQTokenizer
 from llm_stage.models.tokenizers import ByteTokenizer, TextTokenizer
 from llm_stage.request import Request, Token
 
@@ -55,7 +53,8 @@ SPEECH_SYSTEM = (
     "User will provide you with a speech instruction. Do it step by step. First, think about the instruction "
     "and respond in a interleaved manner, with 13 text token followed by 26 audio tokens. "
 )
-CODEC_SAMPLE_RATE_HZ = 24000  # INTERIM: the stand-in codec's; the GLM-4-Voice decoder's is 22050
+CODEC_SAMPLE_RATE_HZ = 22050  # the GLM-4-Voice decoder's HiFT
+SPEECH_TOKENIZER_REPO = "THUDM/glm-4-voice-tokenizer"  # the published WhisperVQ speech tokenizer
 ANSWER_OPENING = "streaming_transcription\n"  # after <|assistant|>: the interleaved answer
 TOKENS_PER_S = 12.5  # WhisperVQ speech tokens per second of input audio
 SPEECH_SAMPLE_RATE_HZ = 16000  # what the speech tokenizer reads
@@ -69,11 +68,16 @@ class SpeechTokenizer(Protocol):
     def tokens(self, clips_16k: list[torch.Tensor]) -> list[torch.Tensor]: ...
 
 
-def load_speech_tokenizer(config: ModelConfig) -> SpeechTokenizer | None:
-    """THE speech-in seam, wired at merge: the WhisperVQ speech tokenizer for `config` (its published
-    THUDM/glm-4-voice-tokenizer, or its preset). Not in this branch: None, and a job with audio is refused
-    (`Glm4VoiceAdapter.clip_tokens`); text input is served."""
-    return None
+def load_speech_tokenizer(config: ModelConfig) -> SpeechTokenizer:
+    """The WhisperVQ speech tokenizer for `config`: `model.speech_tokenizer_dir` (a directory or a repo id in
+    the local HF cache), the published THUDM/glm-4-voice-tokenizer for a checkpoint model, or the seeded
+    preset for glm4-voice-tiny. float32 (the published dtype: a bf16 encoder could flip near-tie codes)."""
+    ref = config.speech_tokenizer_dir
+    if ref is None and config.checkpoint_dir is None:
+        return WhisperVQTokenizer.preset(config.seed)
+    field = "model.speech_tokenizer_dir"  # (the registry fills in the published repo for a checkpoint model)
+    directory = resolve_model_ref(ref if ref is not None else SPEECH_TOKENIZER_REPO, field=field)
+    return WhisperVQTokenizer.from_dir(directory, device=config.device)
 
 
 class SpeechFrameBuilder(FrameBuilder):
@@ -247,14 +251,16 @@ GLM4_VOICE_SCHEDULE = ChunkSchedule(
 FAMILY = ModelFamily(
     name="glm4-voice",
     description="GLM-4-Voice 9B: speech in (12.5 Hz WhisperVQ speech tokens) or text in, a ChatGLM / GLM-4-9B LM, "
-    "13 text : 26 speech tokens out, for the GLM-4-Voice flow decoder (22.05 kHz; S3Gen stands in until it is wired)",
+    "13 text : 26 speech tokens out, decoded by its flow + HiFT decoder at 22.05 kHz",
     preset_description="GLM-4-Voice layout: the published 168960-token vocabulary and id ranges, a tiny random "
-    "GLM-4 LM + the tiny random S3Gen standing in for its decoder",
+    "GLM-4 LM, a tiny random WhisperVQ speech tokenizer and a tiny random flow + HiFT decoder",
     lm=Glm4VoiceAdapter,
     codec=GLM4VoiceCodec,
     sample_rate_hz=CODEC_SAMPLE_RATE_HZ,
     frame_rate_hz=TOKENS_PER_S,
     repo_id="THUDM/glm-4-voice-9b",
+    codec_repo_id="THUDM/glm-4-voice-decoder",
+    speech_tokenizer_repo_id=SPEECH_TOKENIZER_REPO,
     is_checkpoint=is_glm4_voice_config,
     chunk_schedule=GLM4_VOICE_SCHEDULE,
 )

@@ -4,7 +4,8 @@ audio equal the in-process pipeline's for the same seeded request; the same clip
 microphone audio over gRPC `Converse` and the WebSocket `/v1/audio/converse` answers the same; a clip
 the ingress refuses names its field. The same app transcribes (`POST /v1/audio/transcriptions` with the
 `openai` SDK): a text-only stream whose text equals the in-process one. (The in-process checks:
-tests/cluster/test_speech_in_pipeline.py.)"""
+tests/cluster/test_speech_in_pipeline.py.) GLM-4-Voice, the family reading audio as speech tokens, answers
+a clip over gRPC with the in-process answer's text."""
 
 from __future__ import annotations
 
@@ -82,6 +83,45 @@ def test_a_clip_in_answers_text_then_audio_as_in_process(cluster) -> None:
         assert refused.code == grpc.StatusCode.INVALID_ARGUMENT and "input_audio.data" in refused.details
     finally:
         serve.delete(SPEECH_IN.app_name)
+
+
+GLM4_VOICE = small_config(
+    app_name="voxray-glm", route_prefix="/glm", llm=StageDeploymentConfig(num_cpus=0.25),
+    detok=StageDeploymentConfig(num_cpus=0.25), router=StageDeploymentConfig(num_cpus=0.25),
+    admission=AdmissionConfig(max_streams_per_replica=2, default_ttfa_deadline_s=120.0),
+)  # fmt: skip
+GLM4_VOICE = GLM4_VOICE.model_copy(update={"engine": GLM4_VOICE.engine.model_copy(
+    update={"model": GLM4_VOICE.engine.model.model_copy(update={"name": "glm4-voice-tiny"})})})  # fmt: skip
+
+
+def test_glm4_voice_takes_a_clip_and_answers_text_and_audio_as_in_process(cluster) -> None:
+    """GLM-4-Voice: the clip tokenized by its speech tokenizer in the LLM replica, the answer's text equal
+    to the in-process pipeline's, its speech decoded at 22.05 kHz (the flow decoder's audio depends on
+    where the chunks cut, which adapts to each client's buffer: the audio is checked for its rate and
+    presence, not its samples)."""
+    from cluster.server import deploy_app
+
+    endpoint = deploy_app(GLM4_VOICE)
+    try:
+        pcm = tone_pcm16(1.5, 16_000)
+        audio = voxray_pb2.InputAudio(data=pcm, format=voxray_pb2.INPUT_AUDIO_PCM16, sample_rate_hz=16_000)
+        outcome = run_stream(endpoint.grpc_target, endpoint.app_name, "", input_audio=audio, request_id="glm-1",
+                             sampling=SAMPLING)  # fmt: skip
+        assert outcome.code == grpc.StatusCode.OK, outcome.details
+        pipeline = InProcessPipeline(GLM4_VOICE.engine)
+        try:
+            from llm_stage.jobs import build_job
+
+            adapter = pipeline.llm.engine.adapter
+            job = build_job(adapter, text="", req_id="glm-1", sampling=SAMPLING, audio=AudioClip(pcm, 16_000))
+            expected = pipeline.answer(job)
+        finally:
+            pipeline.close()
+        assert expected.text and "".join(c.text for c in outcome.chunks) == expected.text
+        assert outcome.pcm16 and expected.pcm16
+        assert {c.sample_rate_hz for c in outcome.chunks if c.audio} == {22_050}
+    finally:
+        serve.delete(GLM4_VOICE.app_name)
 
 
 def transcription_job(adapter, pcm: bytes):

@@ -31,6 +31,7 @@ from llm_stage.registry import get_entry, model_config_for
 from llm_stage.side import LLMSide
 from tests.factories import STEP_MODES, adapter_engine
 from tests.glm4_voice_layout import bpe_ranks, glm4_voice_state, write_glm4_voice
+from tests.glm4_voice_tokenizer_layout import write_glm4_voice_tokenizer
 
 IDS = SpecialIds()
 GREEDY = {"temperature": 0.0, "repetition_penalty": 1.0, "max_tokens": 12}
@@ -42,8 +43,10 @@ def published(tmp_path_factory) -> tuple[Glm4VoiceAdapter, dict[str, torch.Tenso
     """The adapter as `voxray serve --model DIR` builds it from the written layout, the weights written, the dir."""
     state = glm4_voice_state(seed=3)
     directory = write_glm4_voice(tmp_path_factory.mktemp("glm-4-voice-9b"), state)
+    speech_tokenizer = write_glm4_voice_tokenizer(tmp_path_factory.mktemp("glm-4-voice-tokenizer"))
     config = model_config_for(directory)
     assert config.name == "glm4-voice"
+    config = config.model_copy(update={"speech_tokenizer_dir": speech_tokenizer})
     return Glm4VoiceAdapter.build(config), state, directory
 
 
@@ -239,9 +242,9 @@ def test_text_only_answers_draw_text_ids_and_stops_alone(preset) -> None:
 
 def test_bad_inputs_are_refused_naming_the_field(preset, published, tmp_path) -> None:
     engine = adapter_engine(preset, num_slots=2, max_seq_len=256)
-    clip = AudioClip(b"\x00\x10" * 16000, 16000)
+    empty = AudioClip(b"", 16000)  # (the Router's checks refuse it first; the speech tokenizer too)
     cases = [
-        (dataclasses.replace(engine.job("a", "hi"), audio=clip), "input_audio"),  # no speech tokenizer here
+        (dataclasses.replace(engine.job("a", "hi"), audio=empty), "input_audio"),
         (dataclasses.replace(engine.job("b", "hi"), history=(ChatTurn("user", "x" * 400),)), "text"),  # too long
     ]
     for job, field in cases:
