@@ -58,6 +58,9 @@ def test_synthesize_with_input_audio_asks_for_a_text_only_answer() -> None:
 def test_a_family_that_answers_only_in_speech_refuses_it_naming_text_only(family: str) -> None:
     entry = get_entry(f"{family}-tiny")
     assert refused_field(synthesize_job, entry, text="Hello there.", text_only=True) == "text_only"
+    fields = {"text": "Hello there.", "model": "", "voice": "", "sampling": {}, "output_format": "pcm16",
+              "sample_rate_hz": 0, "ttfa_deadline_s": 0.0, "req_id": "", "text_only": True}  # fmt: skip
+    assert refused_field(job_from_fields, entry, AdmissionConfig(), **fields) == "modalities"  # HTTP chat's name
 
 
 def test_speech_settings_beside_it_and_streamed_text_are_refused() -> None:
