@@ -20,9 +20,9 @@ from huggingface_hub import constants
 
 from cluster.cli import build_parser, main, serve_config
 from core.errors import InvalidArgumentError
-from llm_stage.models.chatterbox_t3 import random_voice, tiny_t3
 from detok_stage.flow.glm_config import tiny_glm4_decoder_config
 from detok_stage.flow.glm_model import GLM4Decoder
+from llm_stage.models.chatterbox_t3 import random_voice, tiny_t3
 from tests.glm4_voice_decoder_layout import write_glm4_voice_decoder
 from tests.glm4_voice_layout import REPO_ID as GLM4_VOICE_REPO
 from tests.glm4_voice_layout import glm4_voice_state, write_glm4_voice
