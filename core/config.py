@@ -33,6 +33,12 @@ class ModelConfig(_Strict):
         "cache; None = the family's published codec for a checkpoint model (see `voxray models`), preset weights "
         "for a -tiny model.",
     )
+    speech_tokenizer_dir: Path | str | None = Field(
+        None,
+        description="Speech tokenizer of a family that reads the user's audio as tokens (glm4-voice: "
+        "THUDM/glm-4-voice-tokenizer): a local directory or a repo id in the local HF cache; None = the family's "
+        "published one for a checkpoint model, preset weights for a -tiny model.",
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = Field("cpu", description="torch device for this stage, e.g. 'cpu' or 'cuda'.")
     seed: int = Field(0, description="Seed for preset random weights and unseeded sampling.")

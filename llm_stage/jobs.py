@@ -153,14 +153,16 @@ def build_job(
     audio: AudioClip | None = None,
     audio_field: str = "input_audio",
     text_only: bool = False,
+    text_only_field: str = "modalities",
     system: str = "",
     system_field: str = "system",
     history: tuple[ChatTurn, ...] = (),
 ) -> Job:
     """A Job for `adapter`'s family (its class or an instance); empty fields take the defaults. With
     `audio` (speech in, checked by the ingress) the family must take audio, and the text may be empty;
-    `text_only` (an answer without speech, refused naming `modalities`) and `system` need a family
-    that `answers_text_only` (`system_field`: how the client names it); `history` (earlier turns,
+    `text_only` (an answer without speech) and `system` need a family that `answers_text_only`, else
+    are refused naming `text_only_field` / `system_field` (how the client names them: HTTP chat's
+    `modalities`, gRPC's `text_only`); `history` (earlier turns,
     checked by the ingress that names their fields) one that `takes_chat_history`, refused naming
     `messages`."""
     ttfa_deadline_s = check_deadline(ttfa_deadline_s)
@@ -168,7 +170,7 @@ def build_job(
     if audio is not None and not adapter.takes_audio:
         raise InvalidArgumentError(audio_field, f"{adapter.family} takes no audio (it speaks text)")
     if (text_only or system) and not adapter.answers_text_only:
-        field = "modalities" if text_only else system_field
+        field = text_only_field if text_only else system_field
         raise InvalidArgumentError(field, f"{adapter.family} answers only in speech")
     if history and not adapter.takes_chat_history:
         raise InvalidArgumentError("messages", f"{adapter.family} takes one turn; it keeps no conversation")

@@ -37,6 +37,7 @@ FAMILY_MODULES = {
     "cosyvoice2": "llm_stage.models.cosyvoice2",
     "chatterbox": "llm_stage.models.chatterbox",
     "step-audio2": "llm_stage.models.step_audio2",
+    "glm4-voice": "llm_stage.models.glm4_voice",
 }
 PRESET_SUFFIX = "-tiny"
 
@@ -79,11 +80,16 @@ class ModelEntry:
         return 2 if self.family.lm.guidance is not None else 1
 
     def with_defaults(self, config: ModelConfig) -> ModelConfig:
-        """`config` with the family's published codec filled in for a checkpoint model that names none."""
-        codec = self.family.codec_repo_id
-        if self.is_preset or config.codec_dir is not None or codec is None:
+        """`config` with the family's published codec (and speech tokenizer) filled in for a checkpoint model
+        that names none."""
+        if self.is_preset:
             return config
-        return config.model_copy(update={"codec_dir": codec})
+        published = {
+            "codec_dir": self.family.codec_repo_id,
+            "speech_tokenizer_dir": self.family.speech_tokenizer_repo_id,
+        }
+        missing = {name: repo for name, repo in published.items() if repo is not None and getattr(config, name) is None}
+        return config.model_copy(update=missing) if missing else config
 
     def build_lm(self, config: ModelConfig) -> LMAdapter:
         return self.family.lm.build(self.with_defaults(config))
@@ -157,7 +163,10 @@ def check_model_config(config: ModelConfig) -> ModelEntry:
     found = family_of_checkpoint(resolve_model_ref(config.checkpoint_dir))
     if found is not None and found.name != family.name:
         raise InvalidArgumentError("model.checkpoint_dir", f"{config.checkpoint_dir} is a {found.name} checkpoint")
-    codec = entry.with_defaults(config).codec_dir
+    filled = entry.with_defaults(config)
+    if filled.speech_tokenizer_dir is not None:
+        resolve_model_ref(filled.speech_tokenizer_dir, field="model.speech_tokenizer_dir")
+    codec = filled.codec_dir
     if codec is not None:
         resolve_model_ref(codec, field="model.codec_dir")
     elif not family.codec_in_checkpoint:

@@ -1,6 +1,7 @@
 """Time to first text and first audio against the length of the user's audio (issue 39), in process.
 
-Step-Audio 2's tiny preset (`step-audio2-tiny`) through `cluster.pipeline.InProcessPipeline` on this
+A speech-in family's tiny preset (`--model`: `step-audio2-tiny`, its audio encoder's embeddings in the
+prompt, or `glm4-voice-tiny`, its WhisperVQ speech tokens) through `cluster.pipeline.InProcessPipeline` on this
 machine: for each clip length, a spoken answer (text + speech) and a text-only answer (no speech: the
 published ASR prompt's turn), each from a fresh submit on a warmed pipeline, greedy; the medians of
 `--repeats` answers of time to first text and first audio, from submission. The clip's encoder
@@ -55,8 +56,8 @@ def first_outputs(pipeline: InProcessPipeline, seconds: float, text_only: bool, 
     }
 
 
-def run(seconds: list[float], repeats: int, max_tokens: int) -> dict:
-    pipeline = InProcessPipeline(EngineConfig(model=ModelConfig(name="step-audio2-tiny", seed=1)))
+def run(seconds: list[float], repeats: int, max_tokens: int, model: str = "step-audio2-tiny") -> dict:
+    pipeline = InProcessPipeline(EngineConfig(model=ModelConfig(name=model, seed=1)))
     try:
         first_outputs(pipeline, seconds[0], False, 1, max_tokens)  # warm: lazy inits, allocator
         rows = {}
@@ -65,19 +66,20 @@ def run(seconds: list[float], repeats: int, max_tokens: int) -> dict:
                 "spoken": first_outputs(pipeline, length, False, repeats, max_tokens),
                 "text_only": first_outputs(pipeline, length, True, repeats, max_tokens),
             }
-        return {"model": "step-audio2-tiny", "repeats": repeats, "max_tokens": max_tokens, "by_clip_s": rows}
+        return {"model": model, "repeats": repeats, "max_tokens": max_tokens, "by_clip_s": rows}
     finally:
         pipeline.close()
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="step-audio2-tiny", choices=["step-audio2-tiny", "glm4-voice-tiny"])
     parser.add_argument("--seconds", type=float, nargs="+", default=[1, 5, 10, 25, 50])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=60, help="per answer (the first outputs come early)")
     parser.add_argument("--out", type=Path, default=Path("bench_out/speech_in_latency.json"))
     args = parser.parse_args(argv)
-    report = run(args.seconds, args.repeats, args.max_tokens)
+    report = run(args.seconds, args.repeats, args.max_tokens, args.model)
     print(json.dumps(report, indent=1))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))

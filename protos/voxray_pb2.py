@@ -24,45 +24,49 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/voxray.proto\x12\x06voxray\"\xed\x03\n\x0fSamplingOptions\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1e\n\x11repetition_window\x18\x06 \x01(\x05H\x05\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x07 \x01(\x05H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x07\x88\x01\x01\x12\x1b\n\x0eguidance_scale\x18\t \x01(\x02H\x08\x88\x01\x01\x12\x17\n\nras_window\x18\n \x01(\x05H\t\x88\x01\x01\x12\x14\n\x07ras_tau\x18\x0b \x01(\x02H\n\x88\x01\x01\x12\x19\n\x0c\x65xaggeration\x18\x0c \x01(\x02H\x0b\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x14\n\x12_repetition_windowB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x11\n\x0f_guidance_scaleB\r\n\x0b_ras_windowB\n\n\x08_ras_tauB\x0f\n\r_exaggeration\"\\\n\nInputAudio\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12(\n\x06\x66ormat\x18\x02 \x01(\x0e\x32\x18.voxray.InputAudioFormat\x12\x16\n\x0esample_rate_hz\x18\x03 \x01(\x05\"\xfd\x01\n\x11SynthesizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\r\n\x05voice\x18\x03 \x01(\t\x12)\n\x08sampling\x18\x04 \x01(\x0b\x32\x17.voxray.SamplingOptions\x12#\n\x06\x66ormat\x18\x05 \x01(\x0e\x32\x13.voxray.AudioFormat\x12\x16\n\x0esample_rate_hz\x18\x06 \x01(\x05\x12\x17\n\x0fttfa_deadline_s\x18\x07 \x01(\x02\x12\x12\n\nrequest_id\x18\x08 \x01(\t\x12\'\n\x0binput_audio\x18\t \x01(\x0b\x32\x12.voxray.InputAudio\"\x7f\n\x17SynthesizeStreamRequest\x12+\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x19.voxray.SynthesizeRequestH\x00\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x0f\n\x05\x66lush\x18\x03 \x01(\x08H\x00\x12\r\n\x03\x65nd\x18\x04 \x01(\x08H\x00\x42\x07\n\x05input\"o\n\x0f\x43onverseRequest\x12+\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x19.voxray.SynthesizeRequestH\x00\x12\x0f\n\x05\x61udio\x18\x02 \x01(\x0cH\x00\x12\x15\n\x0b\x65nd_of_turn\x18\x03 \x01(\x08H\x00\x42\x07\n\x05input\"\xb5\x01\n\rServerTimings\x12\x0e\n\x06ttfa_s\x18\x02 \x01(\x01\x12\x11\n\telapsed_s\x18\x03 \x01(\x01\x12\x1a\n\x12\x63hunk_ready_unix_s\x18\x04 \x01(\x01\x12\x1d\n\x15\x64\x65tok_received_unix_s\x18\x05 \x01(\x01\x12\x1a\n\x12\x61udio_ready_unix_s\x18\x06 \x01(\x01\x12\x1a\n\x12router_sent_unix_s\x18\x07 \x01(\x01J\x04\x08\x01\x10\x02R\x08queued_s\"\xd9\x01\n\nAudioChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x05\x12\r\n\x05\x61udio\x18\x03 \x01(\x0c\x12\x16\n\x0esample_rate_hz\x18\x04 \x01(\x05\x12\x12\n\nduration_s\x18\x05 \x01(\x01\x12\r\n\x05\x66inal\x18\x06 \x01(\x08\x12&\n\x07timings\x18\x07 \x01(\x0b\x32\x15.voxray.ServerTimings\x12\x13\n\x0bllm_replica\x18\x08 \x01(\t\x12\x15\n\rdetok_replica\x18\t \x01(\t\x12\x0c\n\x04text\x18\n \x01(\t\"\x13\n\x11ListModelsRequest\"F\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x16\n\x0esample_rate_hz\x18\x03 \x01(\x05\"7\n\x12ListModelsResponse\x12!\n\x06models\x18\x01 \x03(\x0b\x32\x11.voxray.ModelInfo\"\"\n\x11ListVoicesRequest\x12\r\n\x05model\x18\x01 \x01(\t\";\n\x12ListVoicesResponse\x12\x0e\n\x06voices\x18\x01 \x03(\t\x12\x15\n\rdefault_voice\x18\x02 \x01(\t\"I\n\x14RegisterVoiceRequest\x12\r\n\x05\x61udio\x18\x01 \x01(\x0c\x12\x13\n\x0bprompt_text\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\"e\n\x15RegisterVoiceResponse\x12\x10\n\x08voice_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x05\x12\x12\n\nduration_s\x18\x03 \x01(\x01\x12\x0f\n\x07\x63reated\x18\x04 \x01(\x08*;\n\x0b\x41udioFormat\x12\x16\n\x12\x41UDIO_FORMAT_PCM16\x10\x00\x12\x14\n\x10\x41UDIO_FORMAT_WAV\x10\x01*>\n\x10InputAudioFormat\x12\x13\n\x0fINPUT_AUDIO_WAV\x10\x00\x12\x15\n\x11INPUT_AUDIO_PCM16\x10\x01\x32\xa9\x03\n\x06Speech\x12=\n\nSynthesize\x12\x19.voxray.SynthesizeRequest\x1a\x12.voxray.AudioChunk0\x01\x12K\n\x10SynthesizeStream\x12\x1f.voxray.SynthesizeStreamRequest\x1a\x12.voxray.AudioChunk(\x01\x30\x01\x12;\n\x08\x43onverse\x12\x17.voxray.ConverseRequest\x1a\x12.voxray.AudioChunk(\x01\x30\x01\x12\x43\n\nListModels\x12\x19.voxray.ListModelsRequest\x1a\x1a.voxray.ListModelsResponse\x12\x43\n\nListVoices\x12\x19.voxray.ListVoicesRequest\x1a\x1a.voxray.ListVoicesResponse\x12L\n\rRegisterVoice\x12\x1c.voxray.RegisterVoiceRequest\x1a\x1d.voxray.RegisterVoiceResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/voxray.proto\x12\x06voxray\"\xed\x03\n\x0fSamplingOptions\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1e\n\x11repetition_window\x18\x06 \x01(\x05H\x05\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x07 \x01(\x05H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x07\x88\x01\x01\x12\x1b\n\x0eguidance_scale\x18\t \x01(\x02H\x08\x88\x01\x01\x12\x17\n\nras_window\x18\n \x01(\x05H\t\x88\x01\x01\x12\x14\n\x07ras_tau\x18\x0b \x01(\x02H\n\x88\x01\x01\x12\x19\n\x0c\x65xaggeration\x18\x0c \x01(\x02H\x0b\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x14\n\x12_repetition_windowB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x11\n\x0f_guidance_scaleB\r\n\x0b_ras_windowB\n\n\x08_ras_tauB\x0f\n\r_exaggeration\"\\\n\nInputAudio\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12(\n\x06\x66ormat\x18\x02 \x01(\x0e\x32\x18.voxray.InputAudioFormat\x12\x16\n\x0esample_rate_hz\x18\x03 \x01(\x05\"\x90\x02\n\x11SynthesizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\r\n\x05voice\x18\x03 \x01(\t\x12)\n\x08sampling\x18\x04 \x01(\x0b\x32\x17.voxray.SamplingOptions\x12#\n\x06\x66ormat\x18\x05 \x01(\x0e\x32\x13.voxray.AudioFormat\x12\x16\n\x0esample_rate_hz\x18\x06 \x01(\x05\x12\x17\n\x0fttfa_deadline_s\x18\x07 \x01(\x02\x12\x12\n\nrequest_id\x18\x08 \x01(\t\x12\'\n\x0binput_audio\x18\t \x01(\x0b\x32\x12.voxray.InputAudio\x12\x11\n\ttext_only\x18\n \x01(\x08\"\x7f\n\x17SynthesizeStreamRequest\x12+\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x19.voxray.SynthesizeRequestH\x00\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x0f\n\x05\x66lush\x18\x03 \x01(\x08H\x00\x12\r\n\x03\x65nd\x18\x04 \x01(\x08H\x00\x42\x07\n\x05input\"o\n\x0f\x43onverseRequest\x12+\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x19.voxray.SynthesizeRequestH\x00\x12\x0f\n\x05\x61udio\x18\x02 \x01(\x0cH\x00\x12\x15\n\x0b\x65nd_of_turn\x18\x03 \x01(\x08H\x00\x42\x07\n\x05input\"\xb5\x01\n\rServerTimings\x12\x0e\n\x06ttfa_s\x18\x02 \x01(\x01\x12\x11\n\telapsed_s\x18\x03 \x01(\x01\x12\x1a\n\x12\x63hunk_ready_unix_s\x18\x04 \x01(\x01\x12\x1d\n\x15\x64\x65tok_received_unix_s\x18\x05 \x01(\x01\x12\x1a\n\x12\x61udio_ready_unix_s\x18\x06 \x01(\x01\x12\x1a\n\x12router_sent_unix_s\x18\x07 \x01(\x01J\x04\x08\x01\x10\x02R\x08queued_s\"\xd9\x01\n\nAudioChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x05\x12\r\n\x05\x61udio\x18\x03 \x01(\x0c\x12\x16\n\x0esample_rate_hz\x18\x04 \x01(\x05\x12\x12\n\nduration_s\x18\x05 \x01(\x01\x12\r\n\x05\x66inal\x18\x06 \x01(\x08\x12&\n\x07timings\x18\x07 \x01(\x0b\x32\x15.voxray.ServerTimings\x12\x13\n\x0bllm_replica\x18\x08 \x01(\t\x12\x15\n\rdetok_replica\x18\t \x01(\t\x12\x0c\n\x04text\x18\n \x01(\t\"\x90\x01\n\x11TranscribeRequest\x12!\n\x05\x61udio\x18\x01 \x01(\x0b\x32\x12.voxray.InputAudio\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x08language\x18\x03 \x01(\t\x12\x0e\n\x06prompt\x18\x04 \x01(\t\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\x12\n\nrequest_id\x18\x06 \x01(\t\"\\\n\x12TranscribeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x10\n\x08language\x18\x02 \x01(\t\x12\x12\n\nduration_s\x18\x03 \x01(\x01\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"\x13\n\x11ListModelsRequest\"F\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x16\n\x0esample_rate_hz\x18\x03 \x01(\x05\"7\n\x12ListModelsResponse\x12!\n\x06models\x18\x01 \x03(\x0b\x32\x11.voxray.ModelInfo\"\"\n\x11ListVoicesRequest\x12\r\n\x05model\x18\x01 \x01(\t\";\n\x12ListVoicesResponse\x12\x0e\n\x06voices\x18\x01 \x03(\t\x12\x15\n\rdefault_voice\x18\x02 \x01(\t\"I\n\x14RegisterVoiceRequest\x12\r\n\x05\x61udio\x18\x01 \x01(\x0c\x12\x13\n\x0bprompt_text\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\"e\n\x15RegisterVoiceResponse\x12\x10\n\x08voice_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x05\x12\x12\n\nduration_s\x18\x03 \x01(\x01\x12\x0f\n\x07\x63reated\x18\x04 \x01(\x08*;\n\x0b\x41udioFormat\x12\x16\n\x12\x41UDIO_FORMAT_PCM16\x10\x00\x12\x14\n\x10\x41UDIO_FORMAT_WAV\x10\x01*>\n\x10InputAudioFormat\x12\x13\n\x0fINPUT_AUDIO_WAV\x10\x00\x12\x15\n\x11INPUT_AUDIO_PCM16\x10\x01\x32\xee\x03\n\x06Speech\x12=\n\nSynthesize\x12\x19.voxray.SynthesizeRequest\x1a\x12.voxray.AudioChunk0\x01\x12K\n\x10SynthesizeStream\x12\x1f.voxray.SynthesizeStreamRequest\x1a\x12.voxray.AudioChunk(\x01\x30\x01\x12;\n\x08\x43onverse\x12\x17.voxray.ConverseRequest\x1a\x12.voxray.AudioChunk(\x01\x30\x01\x12\x43\n\nTranscribe\x12\x19.voxray.TranscribeRequest\x1a\x1a.voxray.TranscribeResponse\x12\x43\n\nListModels\x12\x19.voxray.ListModelsRequest\x1a\x1a.voxray.ListModelsResponse\x12\x43\n\nListVoices\x12\x19.voxray.ListVoicesRequest\x1a\x1a.voxray.ListVoicesResponse\x12L\n\rRegisterVoice\x12\x1c.voxray.RegisterVoiceRequest\x1a\x1d.voxray.RegisterVoiceResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.voxray_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_AUDIOFORMAT']._serialized_start=1948
-  _globals['_AUDIOFORMAT']._serialized_end=2007
-  _globals['_INPUTAUDIOFORMAT']._serialized_start=2009
-  _globals['_INPUTAUDIOFORMAT']._serialized_end=2071
+  _globals['_AUDIOFORMAT']._serialized_start=2208
+  _globals['_AUDIOFORMAT']._serialized_end=2267
+  _globals['_INPUTAUDIOFORMAT']._serialized_start=2269
+  _globals['_INPUTAUDIOFORMAT']._serialized_end=2331
   _globals['_SAMPLINGOPTIONS']._serialized_start=32
   _globals['_SAMPLINGOPTIONS']._serialized_end=525
   _globals['_INPUTAUDIO']._serialized_start=527
   _globals['_INPUTAUDIO']._serialized_end=619
   _globals['_SYNTHESIZEREQUEST']._serialized_start=622
-  _globals['_SYNTHESIZEREQUEST']._serialized_end=875
-  _globals['_SYNTHESIZESTREAMREQUEST']._serialized_start=877
-  _globals['_SYNTHESIZESTREAMREQUEST']._serialized_end=1004
-  _globals['_CONVERSEREQUEST']._serialized_start=1006
-  _globals['_CONVERSEREQUEST']._serialized_end=1117
-  _globals['_SERVERTIMINGS']._serialized_start=1120
-  _globals['_SERVERTIMINGS']._serialized_end=1301
-  _globals['_AUDIOCHUNK']._serialized_start=1304
-  _globals['_AUDIOCHUNK']._serialized_end=1521
-  _globals['_LISTMODELSREQUEST']._serialized_start=1523
-  _globals['_LISTMODELSREQUEST']._serialized_end=1542
-  _globals['_MODELINFO']._serialized_start=1544
-  _globals['_MODELINFO']._serialized_end=1614
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1616
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1671
-  _globals['_LISTVOICESREQUEST']._serialized_start=1673
-  _globals['_LISTVOICESREQUEST']._serialized_end=1707
-  _globals['_LISTVOICESRESPONSE']._serialized_start=1709
-  _globals['_LISTVOICESRESPONSE']._serialized_end=1768
-  _globals['_REGISTERVOICEREQUEST']._serialized_start=1770
-  _globals['_REGISTERVOICEREQUEST']._serialized_end=1843
-  _globals['_REGISTERVOICERESPONSE']._serialized_start=1845
-  _globals['_REGISTERVOICERESPONSE']._serialized_end=1946
-  _globals['_SPEECH']._serialized_start=2074
-  _globals['_SPEECH']._serialized_end=2499
+  _globals['_SYNTHESIZEREQUEST']._serialized_end=894
+  _globals['_SYNTHESIZESTREAMREQUEST']._serialized_start=896
+  _globals['_SYNTHESIZESTREAMREQUEST']._serialized_end=1023
+  _globals['_CONVERSEREQUEST']._serialized_start=1025
+  _globals['_CONVERSEREQUEST']._serialized_end=1136
+  _globals['_SERVERTIMINGS']._serialized_start=1139
+  _globals['_SERVERTIMINGS']._serialized_end=1320
+  _globals['_AUDIOCHUNK']._serialized_start=1323
+  _globals['_AUDIOCHUNK']._serialized_end=1540
+  _globals['_TRANSCRIBEREQUEST']._serialized_start=1543
+  _globals['_TRANSCRIBEREQUEST']._serialized_end=1687
+  _globals['_TRANSCRIBERESPONSE']._serialized_start=1689
+  _globals['_TRANSCRIBERESPONSE']._serialized_end=1781
+  _globals['_LISTMODELSREQUEST']._serialized_start=1783
+  _globals['_LISTMODELSREQUEST']._serialized_end=1802
+  _globals['_MODELINFO']._serialized_start=1804
+  _globals['_MODELINFO']._serialized_end=1874
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1876
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1931
+  _globals['_LISTVOICESREQUEST']._serialized_start=1933
+  _globals['_LISTVOICESREQUEST']._serialized_end=1967
+  _globals['_LISTVOICESRESPONSE']._serialized_start=1969
+  _globals['_LISTVOICESRESPONSE']._serialized_end=2028
+  _globals['_REGISTERVOICEREQUEST']._serialized_start=2030
+  _globals['_REGISTERVOICEREQUEST']._serialized_end=2103
+  _globals['_REGISTERVOICERESPONSE']._serialized_start=2105
+  _globals['_REGISTERVOICERESPONSE']._serialized_end=2206
+  _globals['_SPEECH']._serialized_start=2334
+  _globals['_SPEECH']._serialized_end=2828
 # @@protoc_insertion_point(module_scope)

@@ -49,6 +49,11 @@ class SpeechStub:
                 request_serializer=protos_dot_voxray__pb2.ConverseRequest.SerializeToString,
                 response_deserializer=protos_dot_voxray__pb2.AudioChunk.FromString,
                 _registered_method=True)
+        self.Transcribe = channel.unary_unary(
+                '/voxray.Speech/Transcribe',
+                request_serializer=protos_dot_voxray__pb2.TranscribeRequest.SerializeToString,
+                response_deserializer=protos_dot_voxray__pb2.TranscribeResponse.FromString,
+                _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/voxray.Speech/ListModels',
                 request_serializer=protos_dot_voxray__pb2.ListModelsRequest.SerializeToString,
@@ -92,7 +97,18 @@ class SpeechServicer:
         any, is the first piece; its text, if any, an instruction beside the audio), then `audio` pieces,
         then `end_of_turn` (or the client's half-close). The audio is resampled and turned into the
         encoder's features as it arrives. Answers as Synthesize does: text-only chunks carrying the
-        answer's text, audio chunks, the last one final. One turn per call.
+        answer's text, audio chunks, the last one final. One turn per call. With config.text_only the
+        answer is text alone, as for Synthesize.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Transcribe(self, request, context):
+        """Transcription (models that take audio, e.g. step-audio2), as HTTP POST /v1/audio/transcriptions:
+        one clip in, its transcript out (a text-only answer to the family's published ASR instruction for
+        `language`, at most 448 tokens per started 30 s of audio). Bad input answers INVALID_ARGUMENT
+        naming the field (`audio.data` for what HTTP calls `file`); a model that takes no audio, `model`.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -135,6 +151,11 @@ def add_SpeechServicer_to_server(servicer, server):
                     servicer.Converse,
                     request_deserializer=protos_dot_voxray__pb2.ConverseRequest.FromString,
                     response_serializer=protos_dot_voxray__pb2.AudioChunk.SerializeToString,
+            ),
+            'Transcribe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Transcribe,
+                    request_deserializer=protos_dot_voxray__pb2.TranscribeRequest.FromString,
+                    response_serializer=protos_dot_voxray__pb2.TranscribeResponse.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
@@ -233,6 +254,33 @@ class Speech:
             '/voxray.Speech/Converse',
             protos_dot_voxray__pb2.ConverseRequest.SerializeToString,
             protos_dot_voxray__pb2.AudioChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Transcribe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/voxray.Speech/Transcribe',
+            protos_dot_voxray__pb2.TranscribeRequest.SerializeToString,
+            protos_dot_voxray__pb2.TranscribeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -41,6 +41,8 @@ class SpeechMethods(Protocol):
 
     def Converse(self, requests: AsyncIterator[bytes], grpc_context) -> AsyncIterator[Message]: ...  # noqa: N802
 
+    def Transcribe(self, request: bytes, grpc_context) -> Awaitable[Message]: ...  # noqa: N802
+
     def ListModels(self, request: bytes, grpc_context) -> Awaitable[Message]: ...  # noqa: N802
 
     def ListVoices(self, request: bytes, grpc_context) -> Awaitable[Message]: ...  # noqa: N802
@@ -111,6 +113,7 @@ def speech_handler(methods: SpeechMethods, app_name: str) -> grpc.GenericRpcHand
             "Synthesize": _stream_handler(methods.Synthesize, app_name),
             "SynthesizeStream": _bidi_handler(methods.SynthesizeStream, app_name),
             "Converse": _bidi_handler(methods.Converse, app_name),
+            "Transcribe": _unary_handler(methods.Transcribe, app_name),
             "ListModels": _unary_handler(methods.ListModels, app_name),
             "ListVoices": _unary_handler(methods.ListVoices, app_name),
             "RegisterVoice": _unary_handler(methods.RegisterVoice, app_name),

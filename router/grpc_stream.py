@@ -36,6 +36,8 @@ async def read_config(requests: AsyncIterator[bytes]) -> tuple[dict, str]:
     fields = fields_from_proto(first.config)
     if fields["input_audio"] is not None:
         raise InvalidArgumentError("config.input_audio", "streamed text takes no audio; send it with Synthesize")
+    if fields["text_only"]:
+        raise InvalidArgumentError("config.text_only", "streamed text is spoken; answer in text with Synthesize")
     return {**fields, "text": PLACEHOLDER_TEXT}, fields["text"]
 
 

@@ -42,6 +42,7 @@ from router.grpc_converse import open_turn, read_turn
 from router.grpc_converse import read_config as read_converse_config
 from router.grpc_server import GrpcAbort, SpeechServer
 from router.grpc_stream import read_config, stream_audio
+from router.grpc_transcribe import transcribe_response, transcription_from_proto
 from router.incremental import IdleTimeout
 from router.jobs import (
     MAX_AUDIO_JSON_BYTES,
@@ -66,7 +67,7 @@ from router.streams import (
     StreamFailed,
     replica_name,
 )  # fmt: skip
-from router.transcriptions import job_fields, read_transcription_form, transcription_response, with_text_bound
+from router.transcriptions import read_transcription_form, transcribe, transcription_job, transcription_response
 from router.voices import MAX_HTTP_BODY_BYTES, VoiceRegistry, voice_request_from_json, voice_request_from_proto
 from router.websocket import StreamEndpoint
 
@@ -115,6 +116,20 @@ def _to_proto(job: Job, sent: SentChunk, header: bytes) -> voxray_pb2.AudioChunk
         llm_replica=sent.llm_replica,
         detok_replica=audio.detok_replica,
     )
+
+
+async def _grpc_chunks(
+    job: Job, stream: AsyncIterator[SentChunk], header: bytes
+) -> AsyncIterator[voxray_pb2.AudioChunk]:
+    """`stream` as AudioChunks (`header` on the first audio); a text-only answer's text chunks are
+    followed by a final one carrying no text, since the stream's end is known only after its last text."""
+    llm_replica = ""
+    async for sent in stream:
+        yield _to_proto(job, sent, header if sent.seq == 0 and sent.audio is not None else b"")
+        llm_replica = sent.llm_replica
+    if job.text_only:
+        timings = voxray_pb2.ServerTimings(router_sent_unix_s=time.time())
+        yield voxray_pb2.AudioChunk(request_id=job.req_id, final=True, llm_replica=llm_replica, timings=timings)
 
 
 async def _chunks(first: SentChunk | None, rest: AsyncIterator[SentChunk]) -> AsyncIterator[SentChunk]:
@@ -310,9 +325,8 @@ class Router:
             header = streaming_wav_header(core.entry.sample_rate_hz) if job.output_format == "wav" else b""
             with self.auth.hold_stream(key):
                 async with aclosing(core.run(job)) as stream:  # closed on any failure: the replica frees it
-                    async for sent in stream:
-                        first_audio = sent.seq == 0 and sent.audio is not None
-                        yield _to_proto(job, sent, header if first_audio else b"")
+                    async for chunk in _grpc_chunks(job, stream, header):
+                        yield chunk
         except Exception as err:  # every failure gets a status, a short message and one log line
             _grpc_fail(grpc_context, err, req_id)
 
@@ -350,12 +364,28 @@ class Router:
                 job = core.fit_client_deadline(turn_job(core.job, fields, turn), grpc_context)
                 header = streaming_wav_header(core.entry.sample_rate_hz) if job.output_format == "wav" else b""
                 async with aclosing(core.run(job)) as stream:
-                    async for sent in stream:
-                        yield _to_proto(job, sent, header if sent.seq == 0 and sent.audio is not None else b"")
+                    async for chunk in _grpc_chunks(job, stream, header):
+                        yield chunk
         except IdleTimeout as err:
             _abort(grpc_context, grpc.StatusCode.DEADLINE_EXCEEDED, with_request_id(str(err), req_id), req_id=req_id)
         except Exception as err:
             _grpc_fail(grpc_context, err, req_id)
+
+    async def Transcribe(self, request: voxray_pb2.TranscribeRequest | bytes, grpc_context=None):  # noqa: N802
+        """A clip's transcript (`router.grpc_transcribe`): the HTTP transcription's text-only job."""
+        req_id = reply_request_id("")
+        try:
+            key = self.auth.check(_authorization(grpc_context))
+            transcription = transcription_from_proto(request)
+            req_id = reply_request_id(transcription.request_id)
+            core = self.models.core_for(transcription.model)
+            job = transcription_job(transcription, core.entry, core.job, req_id)
+            job = core.fit_client_deadline(job, grpc_context)
+            with self.auth.hold_stream(key):
+                text = await transcribe(core.run(job))
+        except Exception as err:
+            _grpc_fail(grpc_context, err, req_id)
+        return transcribe_response(transcription, job, text)
 
     async def ListModels(self, request: voxray_pb2.ListModelsRequest | bytes, grpc_context=None):  # noqa: N802
         try:
@@ -490,12 +520,10 @@ class Router:
             key = self.auth.check(_http_authorization(request))
             form = await read_transcription_form(request)
             core = self.models.core_for(form.model)
-            fields = job_fields(form, core.entry, request.headers.getlist("x-request-id"))
-            job = with_text_bound(core.job(**{**fields, "req_id": fields["req_id"] or req_id}))
+            job = transcription_job(form, core.entry, core.job, req_id)
             req_id = job.req_id
             with self.auth.hold_stream(key):
-                async with aclosing(core.run(job)) as stream:
-                    text = "".join([sent.text async for sent in stream])
+                text = await transcribe(core.run(job))
         except Exception as err:
             return _http_fail(err, req_id)
         headers = {"X-Request-Id": job.req_id} if job.req_id != _serve_request_id() else {}

@@ -70,6 +70,7 @@ def job_from_fields(
     input_audio: InputAudio | None = None,
     speech_in: SpeechInConfig | None = None,
     text_only: bool = False,
+    text_only_field: str = "modalities",
     system: str = "",
     system_field: str = "system",
     history: tuple[WireTurn, ...] = (),
@@ -83,7 +84,7 @@ def job_from_fields(
         ttfa_deadline_s=ttfa_deadline_s, default_ttfa_deadline_s=admission.default_ttfa_deadline_s,
         output_format=output_format, text_field=text_field, audio=_checked_audio(entry, input_audio, speech_in),
         audio_field=input_audio.field if input_audio is not None else "input_audio", text_only=text_only,
-        system=system, system_field=system_field,
+        text_only_field=text_only_field, system=system, system_field=system_field,
         history=tuple(_checked_turn(entry, turn, speech_in) for turn in history),
     )  # fmt: skip
 
@@ -128,31 +129,49 @@ def _check_no_unknown_fields(message: Message, field: str) -> None:
             _check_no_unknown_fields(value, descriptor.name)
 
 
+def parse_with_audio(message_type: type[Message], request: Message | bytes, audio_field: str) -> Message:
+    """`parse_proto` for a message carrying an `InputAudio` at `audio_field`: the audio may take
+    MAX_AUDIO_BYTES on top of the MAX_BODY_BYTES the other fields may take."""
+    size = len(request) if isinstance(request, (bytes, bytearray)) else 0
+    message = parse_proto(message_type, request, MAX_BODY_BYTES + MAX_AUDIO_BYTES)
+    if size - len(getattr(message, audio_field).data) > MAX_BODY_BYTES:
+        raise InvalidArgumentError("request", f"larger than {MAX_BODY_BYTES} bytes besides {audio_field}")
+    return message
+
+
 def fields_from_proto(request: voxray_pb2.SynthesizeRequest | bytes) -> dict:
     """`job_from_fields` keyword arguments from a SynthesizeRequest (or its bytes)."""
-    size = len(request) if isinstance(request, (bytes, bytearray)) else 0
-    request = parse_proto(voxray_pb2.SynthesizeRequest, request, MAX_BODY_BYTES + MAX_AUDIO_BYTES)
-    if size - len(request.input_audio.data) > MAX_BODY_BYTES:
-        raise InvalidArgumentError("request", f"larger than {MAX_BODY_BYTES} bytes besides input_audio")
+    request = parse_with_audio(voxray_pb2.SynthesizeRequest, request, "input_audio")
     if request.format not in PROTO_FORMATS:
         raise InvalidArgumentError(
             "format", f"unknown value {request.format}; use AUDIO_FORMAT_PCM16 or AUDIO_FORMAT_WAV"
         )
+    if request.text_only:
+        _check_no_speech_settings(request)
+    audio = input_audio_from_proto(request.input_audio, "input_audio") if request.HasField("input_audio") else None
     return {
         "text": request.text, "model": request.model, "voice": request.voice,
         "sampling": sampling_from_proto(request.sampling), "output_format": PROTO_FORMATS[request.format],
         "sample_rate_hz": request.sample_rate_hz, "ttfa_deadline_s": request.ttfa_deadline_s,
-        "req_id": request.request_id, "input_audio": audio_from_proto(request),
+        "req_id": request.request_id, "input_audio": audio, "text_only": request.text_only,
+        "text_only_field": "text_only",
     }  # fmt: skip
 
 
-def audio_from_proto(request: voxray_pb2.SynthesizeRequest) -> InputAudio | None:
-    if not request.HasField("input_audio"):
-        return None
-    audio = request.input_audio
+def _check_no_speech_settings(request: voxray_pb2.SynthesizeRequest) -> None:
+    """A text-only answer has no audio to shape: a voice or a WAV format is refused (as HTTP chat's
+    `audio` settings are beside `modalities: ["text"]`)."""
+    if request.voice:
+        raise InvalidArgumentError("voice", "is for spoken answers; text_only answers in text alone")
+    if request.format != voxray_pb2.AUDIO_FORMAT_PCM16:
+        raise InvalidArgumentError("format", "is for spoken answers; text_only answers in text alone")
+
+
+def input_audio_from_proto(audio: voxray_pb2.InputAudio, field: str) -> InputAudio:
+    """An `InputAudio` message's fields, before checking; errors name `field` (e.g. `input_audio.format`)."""
     if audio.format not in PROTO_AUDIO_FORMATS:
-        raise InvalidArgumentError("input_audio.format", f"unknown value {audio.format}; use WAV or PCM16")
-    return InputAudio(audio.data, PROTO_AUDIO_FORMATS[audio.format], audio.sample_rate_hz)  # type: ignore[arg-type]
+        raise InvalidArgumentError(f"{field}.format", f"unknown value {audio.format}; use WAV or PCM16")
+    return InputAudio(audio.data, PROTO_AUDIO_FORMATS[audio.format], audio.sample_rate_hz, field)  # type: ignore[arg-type]
 
 
 def sampling_from_proto(options) -> dict:

@@ -1,7 +1,9 @@
 """One microphone turn (streamed speech in): the stated encoding and rate checked once, then PCM16
 pieces checked and handed to the model's front end as they arrive (resampled and turned into the
 encoder's features there: `LMAdapter.audio_front_end`), and at the end of the turn the whole clip
-with its features, ready for a Job. Shared by the gRPC `Converse` (`router.grpc_converse`) and the
+with its features, ready for a Job. A family that takes audio without a front end the Router can run
+(GLM-4-Voice: its speech tokenizer needs the model's weights) gets the whole clip, encoded by the LLM
+replica at the end of the turn. Shared by the gRPC `Converse` (`router.grpc_converse`) and the
 WebSocket (`router.mic_websocket`); every refusal is an InvalidArgumentError naming the client's field.
 """
 
@@ -47,10 +49,10 @@ class MicTurn:
     """The user's audio of one turn, fed to `entry`'s front end piece by piece."""
 
     def __init__(self, entry: ModelEntry, config: SpeechInConfig, sample_rate_hz: int, fields: MicFields) -> None:
-        front_end = entry.family.lm.audio_front_end(sample_rate_hz)
-        if front_end is None:
+        if not entry.family.lm.takes_audio:
             raise InvalidArgumentError(fields.model, f"{entry.name} takes no audio (it speaks text)")
-        self.front_end: AudioFrontEnd = front_end
+        # None: the clip is encoded whole by the LLM replica at the end of the turn
+        self.front_end: AudioFrontEnd | None = entry.family.lm.audio_front_end(sample_rate_hz)
         self.config, self.sample_rate_hz, self.fields = config, sample_rate_hz, fields
         self.max_bytes = 2 * int(config.max_audio_s * sample_rate_hz)
         self.pcm16 = bytearray()
@@ -76,10 +78,12 @@ class MicTurn:
         self.pcm16 += piece
         samples = np.frombuffer(piece, dtype="<i2")
         self.peak = max(self.peak, float(np.abs(samples.astype(np.int32)).max()) / 32768.0)
-        self.front_end.push_pcm16(piece)
+        if self.front_end is not None:
+            self.front_end.push_pcm16(piece)
 
-    def finish(self) -> tuple[InputAudio, AudioFeatures]:
-        """The whole clip (checked again by the Job's validation) and its features, computed as it came."""
+    def finish(self) -> tuple[InputAudio, AudioFeatures | None]:
+        """The whole clip (checked again by the Job's validation) and its features, computed as it came
+        (None: the family has no Router-side front end)."""
         field = self.fields.audio
         if not self.pcm16:
             raise InvalidArgumentError(field, "the turn ended before any audio came")
@@ -90,11 +94,12 @@ class MicTurn:
         if self.peak < SILENCE_PEAK:
             raise InvalidArgumentError(field, "the turn is silent")
         clip = InputAudio(bytes(self.pcm16), "pcm16", self.sample_rate_hz, field=field)
-        return clip, self.front_end.finish()
+        return clip, self.front_end.finish() if self.front_end is not None else None
 
 
 def turn_job(make_job: Callable[..., Job], fields: dict, turn: MicTurn) -> Job:
     """The turn's Job: the config's fields with the whole clip (validated as any clip is) and the
     features its front end computed as the audio came (so the LLM replica only encodes)."""
     clip, features = turn.finish()
-    return dataclasses.replace(make_job(**{**fields, "input_audio": clip}), audio_features=features)
+    job = make_job(**{**fields, "input_audio": clip})
+    return job if features is None else dataclasses.replace(job, audio_features=features)

@@ -275,6 +275,9 @@ class ModelFamily:
     repo_id: str | None = None  # the published checkpoint this family serves, e.g. canopylabs/orpheus-3b-0.1-ft
     codec_repo_id: str | None = None  # the published codec, loaded when `ModelConfig.codec_dir` is None
     codec_in_checkpoint: bool = False  # the checkpoint carries its codec's weights (CSM's Mimi)
+    # the published speech tokenizer a checkpoint model reads the user's audio with, loaded when
+    # `ModelConfig.speech_tokenizer_dir` is None (GLM-4-Voice's WhisperVQ)
+    speech_tokenizer_repo_id: str | None = None
     # whether a checkpoint's config.json is this family's (so `--model REF` finds the family)
     is_checkpoint: Callable[[dict[str, Any]], bool] = lambda config: False
     # a file that marks this family's published directory when it has no config.json

@@ -1,6 +1,7 @@
 """README's "Serving a real model" commands, end to end on tiny stand-ins in the published layouts
 placed in a Hugging Face cache built here (hub offline): `voxray synthesize --model <repo id>` for
-Orpheus 3B (+ SNAC), CSM 1B, Dia 1.6B (+ DAC) and Qwen3-TTS 0.6B, `voxray serve --model` config resolution
+Orpheus 3B (+ SNAC), CSM 1B, Dia 1.6B (+ DAC), Qwen3-TTS 0.6B and GLM-4-Voice 9B (+ its speech tokenizer and
+decoder), `voxray serve --model` config resolution
 (also CosyVoice 2 and Chatterbox, whose stand-ins hold their LM files: the full-size S3Gen is not written here),
 `voxray models` cache status, and the missing-model errors."""
 
@@ -19,7 +20,14 @@ from huggingface_hub import constants
 
 from cluster.cli import build_parser, main, serve_config
 from core.errors import InvalidArgumentError
+from detok_stage.flow.glm_config import tiny_glm4_decoder_config
+from detok_stage.flow.glm_model import GLM4Decoder
 from llm_stage.models.chatterbox_t3 import random_voice, tiny_t3
+from tests.glm4_voice_decoder_layout import write_glm4_voice_decoder
+from tests.glm4_voice_layout import REPO_ID as GLM4_VOICE_REPO
+from tests.glm4_voice_layout import glm4_voice_state, write_glm4_voice
+from tests.glm4_voice_tokenizer_layout import REPO_ID as GLM4_VOICE_TOKENIZER_REPO
+from tests.glm4_voice_tokenizer_layout import write_glm4_voice_tokenizer
 from tests.published_layouts import (
     CHATTERBOX_REPO,
     COSYVOICE2_REPO,
@@ -49,6 +57,7 @@ from tests.published_layouts import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
+GLM4_VOICE_DECODER_REPO = "THUDM/glm-4-voice-decoder"
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +73,11 @@ def full_cache(tmp_path_factory) -> Path:
         QWEN3_TTS_REPO: lambda d: write_qwen3_tts(d, qwen3_tts_model(), qwen3_tts_tokenizer_model()),
         COSYVOICE2_REPO: lambda d: write_cosyvoice2_lm(d, cosyvoice2_lm()),
         CHATTERBOX_REPO: lambda d: write_chatterbox_lm(d, t3 := tiny_t3(), random_voice(t3.layout)),
+        GLM4_VOICE_REPO: lambda d: write_glm4_voice(d, glm4_voice_state()),
+        GLM4_VOICE_TOKENIZER_REPO: write_glm4_voice_tokenizer,
+        GLM4_VOICE_DECODER_REPO: lambda d: write_glm4_voice_decoder(
+            d, GLM4Decoder.seeded(tiny_glm4_decoder_config(), 0)
+        ),
     }
     for repo, write in writers.items():
         put_in_hf_cache(cache, repo, write(work / repo.replace("/", "--")))
@@ -82,6 +96,7 @@ def use_cache(monkeypatch, cache: Path) -> None:
         (CSM_REPO, "0", "Hello from a cached CSM.", 24000),
         (DIA_REPO, None, "[S1] Hello from a cached Dia.", 44100),
         (QWEN3_TTS_REPO, "aiden", "Hello from a cached Qwen3-TTS.", 24000),
+        (GLM4_VOICE_REPO, None, "Hello from a cached GLM-4-Voice.", 22050),  # + its speech tokenizer and decoder
     ],
 )
 def test_synthesize_with_a_repo_id_from_the_cache(tmp_path, monkeypatch, full_cache, repo, voice, text, rate):
@@ -145,12 +160,13 @@ def test_readme_real_model_commands_run_on_the_stand_ins(tmp_path, monkeypatch, 
     use_cache(monkeypatch, full_cache)
     section = readme_section()
     downloads = set(re.findall(r"hf download (\S+)\n", section))
-    declared = {repo for f in families() for repo in (f.repo_id, f.codec_repo_id) if repo}
+    declared = {repo for f in families() for repo in (f.repo_id, f.codec_repo_id, f.speech_tokenizer_repo_id) if repo}
     assert downloads == declared == {ORPHEUS_REPO, SNAC_REPO, CSM_REPO, DIA_REPO, DAC_REPO, QWEN3_TTS_REPO,
-                                     COSYVOICE2_REPO, CHATTERBOX_REPO}  # fmt: skip
+                                     COSYVOICE2_REPO, CHATTERBOX_REPO, GLM4_VOICE_REPO, GLM4_VOICE_TOKENIZER_REPO,
+                                     GLM4_VOICE_DECODER_REPO}  # fmt: skip
     serves = re.findall(r"voxray serve (.+)\n", section)
     assert {shlex.split(line)[1] for line in serves} == {ORPHEUS_REPO, CSM_REPO, DIA_REPO, QWEN3_TTS_REPO,
-                                                         COSYVOICE2_REPO, CHATTERBOX_REPO}  # fmt: skip
+                                                         COSYVOICE2_REPO, CHATTERBOX_REPO, GLM4_VOICE_REPO}  # fmt: skip
     for line in serves:
         serve_config(build_parser().parse_args(["serve", *shlex.split(line)]))
     (synth,) = re.findall(r"voxray (synthesize .+)\n", section)

@@ -27,7 +27,7 @@ APP_GRPC_PORTS = {"voxray": 0, "voxray-dp": 1, "voxray-auth": 2, "voxray-fo": 3,
                   "voxray-lone": 6, "voxray-move": 7, "voxray-s3gen": 8, "voxray-agents": 9,
                   "voxray-voices": 10, "voxray-voices-os": 11, "voxray-rebal": 12,
                   "voxray-bistream": 13, "voxray-oom": 14, "voxray-devlost": 15,
-                  "voxray-ramp": 16, "voxray-multi": 17, "voxray-speech-in": 18}  # fmt: skip
+                  "voxray-ramp": 16, "voxray-multi": 17, "voxray-speech-in": 18, "voxray-glm": 19}  # fmt: skip
 HTTP_PORT = 18000 + _OFFSET
 METRICS_PORT = 18080 + _OFFSET
 

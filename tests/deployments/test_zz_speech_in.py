@@ -3,8 +3,10 @@ step-audio2-tiny answers with the answer's text as text-only chunks ahead of its
 audio equal the in-process pipeline's for the same seeded request; the same clip streamed as
 microphone audio over gRPC `Converse` and the WebSocket `/v1/audio/converse` answers the same; a clip
 the ingress refuses names its field. The same app transcribes (`POST /v1/audio/transcriptions` with the
-`openai` SDK): a text-only stream whose text equals the in-process one. (The in-process checks:
-tests/cluster/test_speech_in_pipeline.py.)"""
+`openai` SDK, and gRPC `Transcribe`): a text-only stream whose text equals the in-process one; a gRPC
+Synthesize with `text_only` answers with the in-process text-only answer in text chunks alone. (The
+in-process checks: tests/cluster/test_speech_in_pipeline.py.) GLM-4-Voice, the family reading audio as
+speech tokens, answers a clip over gRPC with the in-process answer's text."""
 
 from __future__ import annotations
 
@@ -73,8 +75,10 @@ def test_a_clip_in_answers_text_then_audio_as_in_process(cluster) -> None:
 
         _the_openai_sdk_gets_the_same_answer(endpoint, pcm, expected)
         _the_openai_sdk_transcribes(endpoint, pcm, transcript)
+        _grpc_transcribes(endpoint, pcm, transcript)
         assert text_only.text and not text_only.pcm16
         _the_openai_sdk_gets_a_text_only_answer(endpoint, pcm, text_only.text)
+        _grpc_answers_in_text_alone(endpoint, audio, text_only.text)
         _the_openai_sdk_holds_a_conversation(endpoint, pcm, conversation.text)
         _a_streamed_turn_answers_as_the_clip_sent_whole(endpoint, pcm, expected)
         odd = voxray_pb2.InputAudio(data=pcm[:-1], format=voxray_pb2.INPUT_AUDIO_PCM16, sample_rate_hz=24_000)
@@ -82,6 +86,45 @@ def test_a_clip_in_answers_text_then_audio_as_in_process(cluster) -> None:
         assert refused.code == grpc.StatusCode.INVALID_ARGUMENT and "input_audio.data" in refused.details
     finally:
         serve.delete(SPEECH_IN.app_name)
+
+
+GLM4_VOICE = small_config(
+    app_name="voxray-glm", route_prefix="/glm", llm=StageDeploymentConfig(num_cpus=0.25),
+    detok=StageDeploymentConfig(num_cpus=0.25), router=StageDeploymentConfig(num_cpus=0.25),
+    admission=AdmissionConfig(max_streams_per_replica=2, default_ttfa_deadline_s=120.0),
+)  # fmt: skip
+GLM4_VOICE = GLM4_VOICE.model_copy(update={"engine": GLM4_VOICE.engine.model_copy(
+    update={"model": GLM4_VOICE.engine.model.model_copy(update={"name": "glm4-voice-tiny"})})})  # fmt: skip
+
+
+def test_glm4_voice_takes_a_clip_and_answers_text_and_audio_as_in_process(cluster) -> None:
+    """GLM-4-Voice: the clip tokenized by its speech tokenizer in the LLM replica, the answer's text equal
+    to the in-process pipeline's, its speech decoded at 22.05 kHz (the flow decoder's audio depends on
+    where the chunks cut, which adapts to each client's buffer: the audio is checked for its rate and
+    presence, not its samples)."""
+    from cluster.server import deploy_app
+
+    endpoint = deploy_app(GLM4_VOICE)
+    try:
+        pcm = tone_pcm16(1.5, 16_000)
+        audio = voxray_pb2.InputAudio(data=pcm, format=voxray_pb2.INPUT_AUDIO_PCM16, sample_rate_hz=16_000)
+        outcome = run_stream(endpoint.grpc_target, endpoint.app_name, "", input_audio=audio, request_id="glm-1",
+                             sampling=SAMPLING)  # fmt: skip
+        assert outcome.code == grpc.StatusCode.OK, outcome.details
+        pipeline = InProcessPipeline(GLM4_VOICE.engine)
+        try:
+            from llm_stage.jobs import build_job
+
+            adapter = pipeline.llm.engine.adapter
+            job = build_job(adapter, text="", req_id="glm-1", sampling=SAMPLING, audio=AudioClip(pcm, 16_000))
+            expected = pipeline.answer(job)
+        finally:
+            pipeline.close()
+        assert expected.text and "".join(c.text for c in outcome.chunks) == expected.text
+        assert outcome.pcm16 and expected.pcm16
+        assert {c.sample_rate_hz for c in outcome.chunks if c.audio} == {22_050}
+    finally:
+        serve.delete(GLM4_VOICE.app_name)
 
 
 def transcription_job(adapter, pcm: bytes):
@@ -114,6 +157,38 @@ def _the_openai_sdk_transcribes(endpoint, pcm: bytes, transcript: str) -> None:
         with pytest.raises(BadRequestError) as err:
             client.audio.transcriptions.create(**{**upload, **bad})
         assert err.value.status_code == 400 and err.value.body["param"] == param
+
+
+def _grpc_transcribes(endpoint, pcm: bytes, transcript: str) -> None:
+    """gRPC `Transcribe` of the WAV the SDK uploads above: the same text (the HTTP route's), the language
+    asked and the clip's duration; a clip that is not audio names `audio.data`, an unknown model `model`."""
+    from protos import voxray_pb2_grpc
+    from router.audio_format import wav_bytes
+
+    wav = voxray_pb2.InputAudio(data=wav_bytes(pcm, 24_000), format=voxray_pb2.INPUT_AUDIO_WAV)
+    request = voxray_pb2.TranscribeRequest(audio=wav, model="step-audio2-tiny", language="zh", request_id="asr-grpc")
+    metadata = (("application", endpoint.app_name),)
+    with grpc.insecure_channel(endpoint.grpc_target) as channel:
+        stub = voxray_pb2_grpc.SpeechStub(channel)
+        response = stub.Transcribe(request, metadata=metadata, timeout=120)
+        assert (response.text, response.language, response.duration_s) == (transcript, "chinese", 1.5)
+        assert response.request_id == "asr-grpc"
+        not_audio = voxray_pb2.InputAudio(data=b"not audio at all")
+        for bad, field in [({"audio": not_audio}, "audio.data"), ({"model": "nope"}, "model")]:
+            refused = voxray_pb2.TranscribeRequest(**{"audio": wav, "model": "step-audio2-tiny", **bad})
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Transcribe(refused, metadata=metadata, timeout=60)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith(f"{field}:")
+
+
+def _grpc_answers_in_text_alone(endpoint, audio, text: str) -> None:
+    """Synthesize with the clip and `text_only`: chunks carrying text alone, the in-process text-only
+    answer, the last one final."""
+    outcome = run_stream(endpoint.grpc_target, endpoint.app_name, "Answer.", input_audio=audio,
+                         request_id="s2s-text", sampling=SAMPLING, text_only=True)  # fmt: skip
+    assert outcome.code == grpc.StatusCode.OK, outcome.details
+    assert "".join(c.text for c in outcome.chunks) == text and not outcome.pcm16
+    assert outcome.chunks[-1].final and not any(c.final for c in outcome.chunks[:-1])
 
 
 def _the_openai_sdk_gets_a_text_only_answer(endpoint, pcm: bytes, text: str) -> None:

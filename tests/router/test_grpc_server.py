@@ -52,6 +52,12 @@ class StandInRouter:
             self.requests.append(request)
         yield voxray_pb2.AudioChunk(request_id="r-1", text=",".join(str(len(r)) for r in self.requests))
 
+    async def Transcribe(self, request: bytes, grpc_context):  # noqa: N802
+        self.requests.append(request)
+        if request == b"bad":
+            _abort(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, "audio.data: is silent", None, "r-2")
+        return voxray_pb2.TranscribeResponse(text=f"{len(request)} bytes", request_id="r-2")
+
     async def ListModels(self, request: bytes, grpc_context):  # noqa: N802
         return voxray_pb2.ListModelsResponse(models=[voxray_pb2.ModelInfo(name="orpheus-tiny")])
 
@@ -131,6 +137,21 @@ def test_converse_is_served_bidi_raw(config):
         )
         chunks = list(call(iter([b"cfg", b"\x01\x02" * 8, b"end"]), timeout=10))
     assert router.requests == [b"cfg", b"\x01\x02" * 8, b"end"] and [c.text for c in chunks] == ["3,16,3"]
+
+
+def test_transcribe_is_served_unary_raw(config):
+    router = StandInRouter()
+    with serving([config], router), grpc.insecure_channel(f"127.0.0.1:{config.grpc_port}") as channel:
+        call = channel.unary_unary(
+            f"/{SERVICE_NAME}/Transcribe", request_serializer=None,
+            response_deserializer=voxray_pb2.TranscribeResponse.FromString,
+        )  # fmt: skip
+        response = call(b"\x0a\x02\xff\xfe", timeout=10)  # not a valid message: it reaches the Router as sent
+        with pytest.raises(grpc.RpcError) as caught:
+            call(b"bad", timeout=10)
+    assert router.requests == [b"\x0a\x02\xff\xfe", b"bad"] and response.text == "4 bytes"
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and caught.value.details().startswith("audio.data")
+    assert dict(caught.value.trailing_metadata())["x-request-id"] == "r-2"
 
 
 def test_router_status_details_and_trailers_reach_the_client_natively(config):

@@ -68,6 +68,18 @@ def test_a_turn_pushed_in_pieces_makes_a_job_with_the_clip_and_its_features():
     assert [m.shape for m in job.audio_features.mels] == [(128, 52)]  # 0.5 s at 16 kHz + 479 zeros, hop 160
 
 
+def test_a_family_without_a_router_front_end_gets_the_whole_clip_for_its_replica_to_encode():
+    """GLM-4-Voice's speech tokenizer needs its weights (the LLM replica's): the turn's Job is the clip alone."""
+    glm = get_entry("glm4-voice-tiny")
+    pcm, turn = tone(0.5, 16_000), MicTurn(glm, SPEECH_IN, 16_000, MicFields())
+    for start in range(0, len(pcm), 640):  # 20 ms pieces
+        turn.push(pcm[start : start + 640])
+    fields = {"text": "", "model": "", "voice": "", "sampling": {"temperature": 0.0}, "output_format": "pcm16",
+              "sample_rate_hz": 0, "ttfa_deadline_s": 0.0, "req_id": "mic-glm"}  # fmt: skip
+    job = turn_job(lambda **f: job_from_fields(glm, AdmissionConfig(), speech_in=SPEECH_IN, **f), fields, turn)
+    assert job.audio.pcm16 == pcm and job.audio.sample_rate_hz == 16_000 and job.audio_features is None
+
+
 @pytest.mark.parametrize(
     ("piece", "says"),
     [(b"", "is empty"), (b"\x01\x02\x03", "has 3 bytes"), (b"RIFF\x24\x00\x00\x00WAVEfmt ", "is a WAV file")],

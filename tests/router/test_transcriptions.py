@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import io
 import json
 import wave
@@ -23,10 +24,10 @@ from llm_stage.registry import get_entry
 from router.jobs import job_from_fields
 from router.transcriptions import (
     compression_ratio,
-    job_fields,
     read_form,
     read_transcription_form,
     transcription_body,
+    transcription_job,
     transcription_response,
     with_text_bound,
 )
@@ -49,11 +50,14 @@ def wav_file(seconds: float = 1.0, rate: int = 16_000, amplitude: float = 0.3) -
 WAV = wav_file()
 
 
-def http_request(fields: list[tuple[str, object]], content_type: str | None = None) -> Request:
+def http_request(
+    fields: list[tuple[str, object]], content_type: str | None = None, request_ids: tuple[str, ...] = ()
+) -> Request:
     """A Starlette request carrying `fields` as multipart/form-data, its body in 64 KiB pieces."""
     body, multipart_type = encode_multipart_formdata(fields)
     pieces = [body[i : i + 65536] for i in range(0, len(body), 65536)]
     headers = [(b"content-type", (content_type or multipart_type).encode())]
+    headers += [(b"x-request-id", request_id.encode()) for request_id in request_ids]
 
     async def receive() -> dict:
         piece = pieces.pop(0) if pieces else b""
@@ -68,25 +72,29 @@ def upload(**overrides) -> list[tuple[str, object]]:
     return [(name, value) for name, value in fields.items() if value is not None]
 
 
-def transcription_job(fields: list[tuple[str, object]], entry=ENTRY):
-    form = asyncio.run(read_transcription_form(http_request(fields)))
-    return form, job_from_fields(entry, AdmissionConfig(), **job_fields(form, entry, ["asr-1"]))
+def http_transcription_job(fields: list[tuple[str, object]], entry=ENTRY, request_ids: tuple[str, ...] = ()):
+    """The upload read as the route reads it, and its Job (`asr-0` when the client names no id)."""
+    form = asyncio.run(read_transcription_form(http_request(fields, request_ids=request_ids)))
+    return form, transcription_job(form, entry, functools.partial(job_from_fields, entry, AdmissionConfig()), "asr-0")
 
 
 def test_an_upload_becomes_a_text_only_transcription_job() -> None:
-    form, job = transcription_job(upload(prompt="Names: Ada.", language="zh", temperature="0.2"))
+    fields = upload(prompt="Names: Ada.", language="zh", temperature="0.2")
+    form, job = http_transcription_job(fields, request_ids=("asr-1",))
     assert job.text_only and job.system == TRANSCRIPTION_SYSTEM["zh"] and job.text == "Names: Ada."
     assert job.audio.sample_rate_hz == 16_000 and job.audio.num_samples == 16_000
     assert job.sampling.temperature == 0.2 and job.req_id == "asr-1" and form.response_format == "json"
-    _, plain = transcription_job(upload())  # the defaults: greedy, the English instruction, no text beside
+    _, plain = http_transcription_job(upload())  # the defaults: greedy, the English instruction, no text beside
     assert plain.sampling.temperature == 0.0 and plain.system == TRANSCRIPTION_SYSTEM["en"] and plain.text == ""
+    assert plain.req_id == "asr-0" and plain.sampling.max_tokens == 448  # the route's own id; bounded
 
 
 def test_the_text_is_bounded_per_30_s_of_audio() -> None:
-    _, short = transcription_job(upload())
-    _, long = transcription_job(upload(file=("clip.wav", wav_file(seconds=31.0), "audio/wav")))
-    assert short.sampling.max_tokens == 4096 and with_text_bound(short).sampling.max_tokens == 448
-    assert with_text_bound(long).sampling.max_tokens == 896
+    _, short = http_transcription_job(upload())
+    _, long = http_transcription_job(upload(file=("clip.wav", wav_file(seconds=31.0), "audio/wav")))
+    assert short.sampling.max_tokens == 448 and long.sampling.max_tokens == 896
+    unbounded = dataclasses.replace(short, sampling=short.sampling.model_copy(update={"max_tokens": 4096}))
+    assert with_text_bound(unbounded).sampling.max_tokens == 448
 
 
 @pytest.mark.parametrize(
@@ -113,16 +121,16 @@ def test_the_text_is_bounded_per_30_s_of_audio() -> None:
 )  # fmt: skip
 def test_refusals_name_the_field(overrides, field) -> None:
     with pytest.raises(InvalidArgumentError) as err:
-        transcription_job(upload(**overrides))
+        http_transcription_job(upload(**overrides))
     assert err.value.field == field
 
 
 def test_a_field_given_twice_a_family_without_audio_and_the_body_are_refused() -> None:
     with pytest.raises(InvalidArgumentError) as err:
-        transcription_job(upload() + [("model", "step-audio2-tiny")])
+        http_transcription_job(upload() + [("model", "step-audio2-tiny")])
     assert err.value.field == "model" and "more than once" in err.value.message
     with pytest.raises(InvalidArgumentError) as err:
-        transcription_job(upload(model="orpheus-tiny"), entry=get_entry("orpheus-tiny"))
+        http_transcription_job(upload(model="orpheus-tiny"), entry=get_entry("orpheus-tiny"))
     assert err.value.field == "model" and "does not transcribe" in err.value.message
     with pytest.raises(InvalidArgumentError) as err:
         asyncio.run(read_form(http_request(upload(), content_type="application/json")))
@@ -137,7 +145,7 @@ def test_a_field_given_twice_a_family_without_audio_and_the_body_are_refused() -
 
 def test_the_answer_formats() -> None:
     text = "Hello there. " * 8  # repetitive: compresses well
-    form, job = transcription_job(upload(language="en", temperature="0.5"))
+    form, job = http_transcription_job(upload(language="en", temperature="0.5"))
     assert transcription_body(form, job, text) == {"text": text, "usage": {"type": "duration", "seconds": 1}}
     as_text = transcription_response(dataclasses.replace(form, response_format="text"), job, text, {})
     assert as_text.media_type == "text/plain" and as_text.body.decode() == text

@@ -1,0 +1,266 @@
+"""GLM-4-Voice 9B LM side: text or speech tokens in, interleaved text and 12.5 Hz speech tokens out.
+
+The prompt is the published demo's (web_demo.py), as GLM-4's tokenizer ids: `[gMASK]<sop>`, then
+`<|system|>\\n{system}` once, a conversation's earlier turns (`Job.history`: `<|user|>\\n{content}`,
+an assistant's answer as `<|assistant|>streaming_transcription\\n{text}`), the last user turn, and
+`<|assistant|>streaming_transcription\\n`. A user turn's content is its text and, for a clip, the
+clip's speech tokens `<|begin_of_audio|><|audio_N|>...<|end_of_audio|>` (the published demo sends
+one or the other; with both, the text comes first). The system turn is the published one for text
+or speech input unless the Job sets its own. The answer interleaves 13 text tokens and 26 speech
+tokens: text ids go to the client as text, `<|audio_N|>` to the detokenizer as code N, and
+`<|user|>` (or `<|endoftext|>` / `<|observation|>`, the published eos ids) stops. A text-only
+answer (`Job.text_only`, not a published mode: the model has none) keeps the prompt and holds its
+draws to text ids and the stops. Speech in needs the WhisperVQ speech tokenizer: one seam,
+`load_speech_tokenizer`. Weights and ids: `llm_stage.models.glm4_voice_lm`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import numpy as np
+import torch
+from transformers import GlmForCausalLM
+
+from core.checkpoints import resolve_model_ref
+from core.config import ModelConfig
+from core.errors import InvalidArgumentError
+from core.messages import AudioClip, Job, SamplingParams
+from detok_stage.codecs.glm4_voice_codec import GLM4VoiceCodec
+from detok_stage.voice.features import resample
+from llm_stage.chunking import WHOLE_STREAM_FRAMES, ChunkSchedule
+from llm_stage.models.base import FrameBuilder, LMAdapter, ModelFamily
+from llm_stage.models.glm4_bpe import GLM4Tokenizer
+from llm_stage.models.glm4_voice_lm import (
+    AUDIO_CODES,
+    PRESET_TEXT_IDS,
+    GlmBackbone,
+    SpecialIds,
+    is_glm4_voice_config,
+    load_glm4_voice,
+)
+from llm_stage.models.glm4_voice_tokenizer import SpeechTokenizer as WhisperVQTokenizer
+from llm_stage.models.tokenizers import ByteTokenizer, TextTokenizer
+from llm_stage.request import Request, Token
+
+# the published demo's system turns (web_demo.py), for text and for speech input (its trailing space kept)
+TEXT_SYSTEM = (
+    "User will provide you with a text instruction. Do it step by step. First, think about the instruction "
+    "and respond in a interleaved manner, with 13 text token followed by 26 audio tokens."
+)
+SPEECH_SYSTEM = (
+    "User will provide you with a speech instruction. Do it step by step. First, think about the instruction "
+    "and respond in a interleaved manner, with 13 text token followed by 26 audio tokens. "
+)
+CODEC_SAMPLE_RATE_HZ = 22050  # the GLM-4-Voice decoder's HiFT
+SPEECH_TOKENIZER_REPO = "THUDM/glm-4-voice-tokenizer"  # the published WhisperVQ speech tokenizer
+ANSWER_OPENING = "streaming_transcription\n"  # after <|assistant|>: the interleaved answer
+TOKENS_PER_S = 12.5  # WhisperVQ speech tokens per second of input audio
+SPEECH_SAMPLE_RATE_HZ = 16000  # what the speech tokenizer reads
+# [gMASK] <sop> <|system|> <|user|> <|assistant|>, "\n" x2 and "streaming_transcription\n" (~4 BPE tokens)
+CHAT_MARKER_POSITIONS = 11
+
+
+class SpeechTokenizer(Protocol):
+    """The WhisperVQ speech tokenizer (`llm_stage.models.glm4_voice_tokenizer`): 16 kHz clips -> token ids."""
+
+    def tokens(self, clips_16k: list[torch.Tensor]) -> list[torch.Tensor]: ...
+
+
+def load_speech_tokenizer(config: ModelConfig) -> SpeechTokenizer:
+    """The WhisperVQ speech tokenizer for `config`: `model.speech_tokenizer_dir` (a directory or a repo id in
+    the local HF cache), the published THUDM/glm-4-voice-tokenizer for a checkpoint model, or the seeded
+    preset for glm4-voice-tiny. float32 (the published dtype: a bf16 encoder could flip near-tie codes)."""
+    ref = config.speech_tokenizer_dir
+    if ref is None and config.checkpoint_dir is None:
+        return WhisperVQTokenizer.preset(config.seed)
+    field = "model.speech_tokenizer_dir"  # (the registry fills in the published repo for a checkpoint model)
+    directory = resolve_model_ref(ref if ref is not None else SPEECH_TOKENIZER_REPO, field=field)
+    return WhisperVQTokenizer.from_dir(directory, device=config.device)
+
+
+class SpeechFrameBuilder(FrameBuilder):
+    """Speech ids become one-code frames; text and control ids make none."""
+
+    def __init__(self, ids: SpecialIds) -> None:
+        self.ids = ids
+
+    def push(self, token_id: Token) -> list[list[int]]:
+        code = self.ids.audio_code(int(token_id))  # type: ignore[arg-type]
+        return [] if code is None else [[code]]
+
+
+def clip_wave_16k(clip: AudioClip) -> torch.Tensor:
+    """The clip's PCM16 as float samples [N] in [-1, 1], resampled to 16 kHz."""
+    wave = torch.from_numpy(np.frombuffer(clip.pcm16, dtype="<i2").astype(np.float32) / 32768.0)
+    return resample(wave, clip.sample_rate_hz, SPEECH_SAMPLE_RATE_HZ)
+
+
+class Glm4VoiceAdapter(LMAdapter):
+    family = "glm4-voice"
+    takes_audio = True
+    answers_text_only = True
+    takes_chat_history = True
+    no_voices_note = "none; speech in (takes audio), answers in text + speech in the decoder's voice"
+    max_text_chars = 4000
+    # the published demo's sampling (web_demo.py: temperature 0.2, top_p 0.8, max_new_tokens 2000)
+    default_sampling = SamplingParams(temperature=0.2, top_p=0.8, max_tokens=2000)
+
+    def __init__(
+        self,
+        model: GlmForCausalLM,
+        tokenizer: TextTokenizer,
+        ids: SpecialIds = SpecialIds(),
+        speech_tokenizer: SpeechTokenizer | None = None,
+    ) -> None:
+        super().__init__(GlmBackbone(model))
+        self.model, self.tokenizer, self.ids = model, tokenizer, ids
+        self.speech_tokenizer = speech_tokenizer
+        self.eos_token_ids = ids.stops
+        self._text_only: set[str] = set()  # req_ids answering in text alone (`constrain` masks speech)
+
+    @classmethod
+    def build(cls, config: ModelConfig) -> Glm4VoiceAdapter:
+        """The published directory (its tokenizer gives the special ids by name) or the tiny preset."""
+        model = load_glm4_voice(config)
+        speech = load_speech_tokenizer(config)
+        if config.checkpoint_dir is None:
+            return cls(model, ByteTokenizer(offset=PRESET_TEXT_IDS.start, bos_id=None), speech_tokenizer=speech)
+        tokenizer = GLM4Tokenizer(resolve_model_ref(config.checkpoint_dir))
+        return cls(model, tokenizer, SpecialIds.from_vocab(tokenizer.vocab()), speech)
+
+    # prompts
+
+    def format_prompt(self, text: str, voice: str | None) -> list[Token]:
+        return self.chat_prompt([], text)
+
+    @classmethod
+    def transcription_system(cls, language: str | None) -> str:
+        raise InvalidArgumentError("model", f"{cls.family} has no published transcription instruction")
+
+    @classmethod
+    def audio_prompt_positions(cls, duration_s: float) -> int:
+        """The clip's speech tokens (12.5 a second) and its two audio markers."""
+        return math.ceil(duration_s * TOKENS_PER_S) + 2
+
+    @classmethod
+    def estimate_prompt_positions(cls, job: Job) -> int:
+        """The turns' text and audio, the system turn, the markers around them."""
+        system_positions = math.ceil(len(job.system or SPEECH_SYSTEM) / cls.prompt_chars_per_position)
+        turns = 3 * len(job.history)  # a role marker, "\n" and for an answer "streaming_transcription\n"
+        return super().estimate_prompt_positions(job) + system_positions + CHAT_MARKER_POSITIONS + turns
+
+    def job_prompt(self, job: Job) -> list[Token]:
+        """The job's conversation in the published prompt; its clips tokenized in one call."""
+        clips = [turn.audio for turn in job.history if turn.audio is not None]
+        clips += [job.audio] if job.audio is not None else []
+        speech = iter(self.clip_tokens(clips))
+        earlier: list[tuple[str, str, list[int] | None]] = []
+        for turn in job.history:
+            earlier.append((turn.role, turn.text, next(speech) if turn.audio is not None else None))
+        last = next(speech) if job.audio is not None else None
+        system = job.system or (SPEECH_SYSTEM if job.audio is not None else TEXT_SYSTEM)
+        prompt = self.chat_prompt(earlier, job.text, last, system)
+        if job.text_only:
+            self._text_only.add(job.req_id)
+        return prompt
+
+    def clip_tokens(self, clips: list[AudioClip]) -> list[list[int]]:
+        """Each clip's speech tokens (0..16383), from the speech tokenizer in one batched call."""
+        if not clips:
+            return []
+        if self.speech_tokenizer is None:
+            raise InvalidArgumentError("input_audio", f"{self.family}'s speech tokenizer is not loaded: send text")
+        tokens = self.speech_tokenizer.tokens([clip_wave_16k(clip) for clip in clips])
+        return [[int(t) for t in ids.tolist()] for ids in tokens]
+
+    def chat_prompt(
+        self,
+        earlier: list[tuple[str, str, list[int] | None]],
+        text: str,
+        speech: list[int] | None = None,
+        system: str = TEXT_SYSTEM,
+    ) -> list[Token]:
+        """The published prompt: `[gMASK]<sop><|system|>\\n{system}`, the `earlier` turns (role, text, speech
+        tokens or None), the last user turn (`text` and / or `speech`), the assistant's interleaved answer opened."""
+        if not text and not speech:
+            raise InvalidArgumentError("text", "has no tokens and no audio came with it")
+        ids = self.ids
+        prompt = [ids.gmask, ids.sop, ids.system, *self.tokenizer.encode(f"\n{system}")]
+        for role, turn_text, turn_speech in earlier:
+            if role == "user":
+                prompt += self.user_turn(turn_text, turn_speech)
+            else:  # the demo's history: the previous answer, its trailing whitespace stripped
+                prompt += [ids.assistant, *self.tokenizer.encode(ANSWER_OPENING + turn_text.rstrip())]
+        prompt += self.user_turn(text, speech)
+        return prompt + [ids.assistant, *self.tokenizer.encode(ANSWER_OPENING)]
+
+    def user_turn(self, text: str, speech: list[int] | None) -> list[int]:
+        """`<|user|>\\n{text}` then, for a clip, `<|begin_of_audio|>` + its `<|audio_N|>` + `<|end_of_audio|>`."""
+        ids = self.ids
+        turn = [ids.user, *self.tokenizer.encode(f"\n{text}")]
+        if speech is None:
+            return turn
+        if any(not 0 <= code < AUDIO_CODES for code in speech):
+            raise InvalidArgumentError("input_audio", f"speech tokens must be in [0, {AUDIO_CODES})")
+        return turn + [ids.begin_of_audio, *(ids.first_audio + code for code in speech), ids.end_of_audio]
+
+    def forget(self, req_id: str) -> None:
+        self._text_only.discard(req_id)
+
+    # sampling and output
+
+    def constrain(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """logits [B, vocab]: a text-only answer's rows may draw only text ids and the stops."""
+        rows = [i for i, req in enumerate(reqs) if req.req_id in self._text_only]
+        if rows:
+            index = torch.tensor(rows, device=logits.device)
+            stops = torch.tensor(sorted(self.ids.stops), device=logits.device)
+            kept = logits[index][:, stops]
+            logits[index, self.ids.endoftext :] = float("-inf")
+            logits[index[:, None], stops[None]] = kept
+        return logits
+
+    def is_stop(self, req: Request, token: Token) -> bool:
+        return token in self.eos_token_ids
+
+    def new_frame_builder(self) -> SpeechFrameBuilder:
+        return SpeechFrameBuilder(self.ids)
+
+    def text_ids(self, tokens: list[int]) -> list[int]:
+        """The ids among `tokens` that the client reads as text."""
+        return [t for t in tokens if self.ids.is_text(t)]
+
+    def decode_text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)  # type: ignore[attr-defined]
+
+
+# The published demo decodes blocks of 25, 50, 100, 150, 200 speech tokens, each with every token before
+# it as the flow's prompt. Ours: a 25-token first chunk (2 s of audio; with the 13 text tokens before it,
+# 38 LM steps), then chunks doubling to 100 (8 s), each carrying the whole stream before it (a cold
+# detokenizer rebuilds from it), and the right context the detokenizer asks for.
+GLM4_VOICE_SCHEDULE = ChunkSchedule(
+    first_chunk_frames=25,
+    chunk_frames=100,
+    left_context_frames=WHOLE_STREAM_FRAMES,
+    right_context_frames=GLM4VoiceCodec.min_right_context_frames,
+    adaptive=True,
+)
+
+FAMILY = ModelFamily(
+    name="glm4-voice",
+    description="GLM-4-Voice 9B: speech in (12.5 Hz WhisperVQ speech tokens) or text in, a ChatGLM / GLM-4-9B LM, "
+    "13 text : 26 speech tokens out, decoded by its flow + HiFT decoder at 22.05 kHz",
+    preset_description="GLM-4-Voice layout: the published 168960-token vocabulary and id ranges, a tiny random "
+    "GLM-4 LM, a tiny random WhisperVQ speech tokenizer and a tiny random flow + HiFT decoder",
+    lm=Glm4VoiceAdapter,
+    codec=GLM4VoiceCodec,
+    sample_rate_hz=CODEC_SAMPLE_RATE_HZ,
+    frame_rate_hz=TOKENS_PER_S,
+    repo_id="THUDM/glm-4-voice-9b",
+    codec_repo_id="THUDM/glm-4-voice-decoder",
+    speech_tokenizer_repo_id=SPEECH_TOKENIZER_REPO,
+    is_checkpoint=is_glm4_voice_config,
+    chunk_schedule=GLM4_VOICE_SCHEDULE,
+)
