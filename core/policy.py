@@ -12,9 +12,10 @@ streams already playing; then the rest by slack (those with slack to sit out a f
 either limit last. Slack = audio buffered at the client - time to produce and ship the smallest
 next chunk (adaptive chunks shrink to the buffer, so that is how long a stream can be left out
 of the batch). A stream is urgent when its slack is shorter than the time the startups now
-queued would hold the batch (`urgent_horizon_s`): a startup thus takes rows only from streams
-that can afford to wait for it, and only when the engine can carry one more stream: near
-capacity, giving rows to startups made every stream underrun. The playback clock (first audio,
+queued would hold the batch, a long prompt's chunked-prefill steps counted (`urgent_horizon_s`):
+a startup thus takes rows only from streams that can afford to wait for it, and only when the
+engine can carry one more stream: near capacity, giving rows to startups made every stream
+underrun. The playback clock (first audio,
 audio sent) is kept on each row by whoever ships the audio.
 
 Head-phase alignment (`HeadPhases`) is part of the policy too: for models whose output head
@@ -55,6 +56,7 @@ class StreamRow(Protocol):
     is_twin: bool
     num_cached: int
     prompt_len: int
+    num_prompt_left: int  # known positions still to prefill
     output_ids: list
 
     @property
@@ -82,12 +84,12 @@ class DecodePriority:
     last: list = field(default_factory=list)
 
 
-# (decoding rows, requests waiting for admission) -> rows in order, or a DecodePriority
+# (decoding rows, requests still to prefill their prompt) -> rows in order, or a DecodePriority
 DecodeOrder = Callable[[list, Sequence], "list | DecodePriority"]
 
 
-def fcfs_order(requests: list, waiting: Sequence = ()) -> list:
-    """Arrival order; FCFS ignores the requests still waiting."""
+def fcfs_order(requests: list, to_prefill: Sequence = ()) -> list:
+    """Arrival order; FCFS ignores the requests still to prefill."""
     return sorted(requests, key=lambda r: r.arrival_s)
 
 
@@ -210,11 +212,12 @@ class StreamingOrder:
     prefills) > the rest by slack (`rest`: tight; `can_wait`: slack past the horizon by a frame's
     steps, which the scheduler may reorder by head phase) > startups past the limits (`last`).
 
-    Urgent = slack under `urgent_horizon_s`, which grows with the startups queued (decoding ones
-    and new requests still waiting for a slot or a row): a stream yields its row to startups only
-    while its buffer outlasts their first chunks with a margin. The horizon scales with the
-    engine's step time, so a faster engine gives startups rows sooner; a fixed threshold kept
-    every stream at that much slack however fast the engine ran.
+    Urgent = slack under `urgent_horizon_s`, which grows with the startups queued (decoding ones,
+    and requests still to prefill: waiting for a slot or a row, or part-way through a chunked
+    prefill, each for the steps its prompt takes at `prefill_token_budget` positions a step): a
+    stream yields its row to startups only while its buffer outlasts their first chunks with a
+    margin. The horizon scales with the engine's step time, so a faster engine gives startups rows
+    sooner; a fixed threshold kept every stream at that much slack however fast the engine ran.
 
     With `max_batch_size` set, startups go ahead only while streams in playback + startups stay
     within CAPACITY_MARGIN of what a full batch sustains (`StepTimer.sustainable_streams`); past
@@ -230,21 +233,23 @@ class StreamingOrder:
         timer: StepTimer,
         clock: Callable[[], float] = time.monotonic,
         max_batch_size: int | None = None,
+        prefill_token_budget: int | None = None,
     ):
         self.startup_concurrency = startup_concurrency
         self.timer = timer
         self.clock = clock
         self.max_batch_size = max_batch_size
+        self.prefill_token_budget = prefill_token_budget  # prompt positions a step prefills (None: a prompt, one step)
         self.capacity_margin = CAPACITY_MARGIN
 
-    def __call__(self, requests: list, waiting: Sequence = ()) -> DecodePriority:
+    def __call__(self, requests: list, to_prefill: Sequence = ()) -> DecodePriority:
         now = self.clock()
         startup = fcfs_order([r for r in requests if r.first_audio_s is None])
         steady = [r for r in requests if r.first_audio_s is not None]
         slack = {id(r): slack_s(r, now, self.timer) for r in steady}
         playing_rows = sum(len(r.unit) for r in steady)
         sustained = self.sustained_streams()
-        horizon = self.urgent_horizon_s(startup, waiting)
+        horizon = self.urgent_horizon_s(startup, to_prefill)
         urgent = [r for r in steady if slack[id(r)] < horizon]
         if sustained is not None and playing_rows > math.floor(sustained):  # overload: some must miss
             urgent = fcfs_order(urgent)  # seniority puts the misses on the fewest, newest streams
@@ -257,17 +262,27 @@ class StreamingOrder:
         first, deferred = startup[:ahead], startup[ahead:]
         return DecodePriority(urgent + first, ahead - len(first), tight, comfortable[len(tight) :], deferred)
 
-    def urgent_horizon_s(self, startups: list, waiting: Sequence = ()) -> float:
+    def urgent_horizon_s(self, startups: list, to_prefill: Sequence = ()) -> float:
         """Slack below which a stream keeps its row ahead of startups: STARTUP_COVER x the time the
-        startups' first chunks (decoding ones, and a prefill step more for each request still
-        `waiting`) fill the batch, plus one detokenizer call, within [MIN_URGENT_SLACK_S,
-        MAX_URGENT_SLACK_S]. The cap keeps a burst of queued startups from making every stream
-        urgent, which left the startups waiting longest."""
+        startups' first chunks (decoding ones, and each request still `to_prefill`, whose prompt holds
+        a row for `prefill_steps` more) fill the batch, plus one detokenizer call, within
+        [MIN_URGENT_SLACK_S, MAX_URGENT_SLACK_S]. The cap keeps a burst of queued startups from
+        making every stream urgent, which left the startups waiting longest. (A long spoken prompt,
+        ~315 positions per 25 s of Step-Audio 2 audio, holds a row for several steps: counted as one,
+        streams gave their rows up with too little buffer to outlast it.)"""
         tokens = sum(max(1, r.tokens_to_next_chunk) for r in startups)
-        tokens += sum(max(1, r.tokens_to_next_chunk) + 1 for r in waiting)
+        tokens += sum(max(1, r.tokens_to_next_chunk) + self.prefill_steps(r) for r in to_prefill)
         rows = self.max_batch_size or max(1, self.startup_concurrency)
         fill_s = tokens / rows * self.timer.step_s
         return min(MAX_URGENT_SLACK_S, max(MIN_URGENT_SLACK_S, STARTUP_COVER * fill_s + self.timer.detok_s))
+
+    def prefill_steps(self, req: StreamRow) -> int:
+        """Steps `req`'s unit still takes to prefill its prompt: its rows' positions left over the
+        per-step budget, at least one (one when no budget is known)."""
+        if not self.prefill_token_budget:
+            return 1
+        positions = sum(row.num_prompt_left for row in req.unit)
+        return max(1, math.ceil(positions / self.prefill_token_budget))
 
     def sustained_streams(self) -> float | None:
         """Single-row streams a full batch keeps at real time (None: unknown, or no batch cap given)."""
@@ -361,9 +376,10 @@ class SchedulingPolicy:
         """Throughput mode: no deadlines, so every chunk is long (fewer context frames decoded twice)."""
         return self.kind is PolicyKind.THROUGHPUT
 
-    def decode_priority(self, decoding: list, waiting: Sequence = ()) -> DecodePriority:
-        """This step's decode order; a plain order means: all decodes, then prefills."""
-        priority = self.order(decoding, waiting)
+    def decode_priority(self, decoding: list, to_prefill: Sequence = ()) -> DecodePriority:
+        """This step's decode order (`to_prefill`: the requests still to prefill their prompt); a plain
+        order means: all decodes, then prefills."""
+        priority = self.order(decoding, to_prefill)
         return priority if isinstance(priority, DecodePriority) else DecodePriority(priority)
 
     def chunk_priority(self, chunk: TokenChunk, submitted_s: float) -> tuple:
@@ -386,5 +402,7 @@ def make_policy(
     order: DecodeOrder = fcfs_order
     if kind is PolicyKind.STREAMING:
         timer = timer or StepTimer()
-        order = StreamingOrder(config.startup_concurrency, timer, clock, max_batch_size=config.max_batch_size)
+        order = StreamingOrder(
+            config.startup_concurrency, timer, clock, config.max_batch_size, config.prefill_token_budget
+        )
     return SchedulingPolicy(kind, order, head_phase_period if config.align_starts else 1)

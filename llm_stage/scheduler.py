@@ -195,7 +195,7 @@ class Scheduler:
         ]
         phases = self.policy.phases
         phases.begin_step(decoding)
-        priority = self.policy.decode_priority(decoding, self.waiting)
+        priority = self.policy.decode_priority(decoding, self._prompts_to_prefill())
         self._add_decodes(plan, priority.ahead)
         prefill_rows, budget = 0, self.config.prefill_token_budget
         if priority.new_requests:
@@ -235,6 +235,13 @@ class Scheduler:
                     budget -= num_tokens
             rows += len(req.unit)
         return rows, budget
+
+    def _prompts_to_prefill(self) -> list[Request]:
+        """The requests the policy's urgency horizon counts as still to prefill, each for the steps its
+        prompt has left: every waiting one, and the startups part-way through a chunked prefill (no
+        audio sent yet: a playing stream prefilling a few laid-out positions is no startup)."""
+        partial = [r for r in self.running.values() if r.status is RequestStatus.PREFILLING and r.first_audio_s is None]
+        return fcfs_order(partial) + self.waiting
 
     def _prefill_candidates(self) -> list[Request]:
         partial = [r for r in self.running.values() if r.status is RequestStatus.PREFILLING]

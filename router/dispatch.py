@@ -5,6 +5,8 @@ Replicas publish a `ReplicaLoad` through `record_routing_stats`, stamped with th
 measured it; this router counts the requests it routed and saw complete after that time, so a
 burst neither piles onto one replica nor waits for the next refresh, and streams ending after a
 burst count at once (a report measured before they ended arrives up to a stats period later).
+A request carrying a Job is ranked with its own prompt work (a long spoken prompt's prefill at each
+replica's measured pace), estimated once per ranking as the Router's admission estimates it.
 The Router ingress reads `estimated_loads` to reject at once when no replica admits (the
 LLMStage replica still makes the final decision). The detok handle's router (`DetokBoard`,
 power-of-two routing as Serve's default) keeps the detok replicas' `DetokLoad` reports where
@@ -17,11 +19,13 @@ from __future__ import annotations
 import importlib
 import threading
 from collections import defaultdict, deque
+from collections.abc import Callable
 
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter  # Serve's default router
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from core.messages import TextPiece
+from core.messages import Job, TextPiece
+from llm_stage.prompt_work import PromptWork
 from router.admission import ReplicaLoad, predict_ttfa_s
 from router.detok_load import DetokLoad
 from router.drain import request_move_out
@@ -31,6 +35,8 @@ UNREPORTED_EVENTS_KEEP_S = 60.0  # routed / completed counts kept for a replica 
 
 _BOARDS: dict[str, PredictedTTFARouter] = {}  # board scope -> the LLMStage router living in this process
 _DETOK_BOARDS: dict[str, DetokBoard] = {}  # board scope -> the DetokStage router living in this process
+# board scope -> the Router's estimate of a Job's prompt work for that LLM deployment's family
+_PROMPT_WORK: dict[str, Callable[[Job], PromptWork]] = {}
 # Deployments named as in a single-model app: their boards are found by the app's name alone
 SINGLE_MODEL_DEPLOYMENTS = frozenset({"LLMStage", "DetokStage"})
 
@@ -60,6 +66,12 @@ def _own_scope(board: RequestRouter) -> str:
     deployment_id = getattr(board, "_deployment_id", None)
     name = getattr(deployment_id, "name", None)
     return board_scope(board.app_name, name) if isinstance(name, str) else board.app_name
+
+
+def rank_with_prompt_work(scope: str, estimate: Callable[[Job], PromptWork]) -> None:
+    """Rank the LLM replicas at `scope` for a request carrying a Job with its own prompt work, as
+    `estimate` gives it (the RouterCore's: the family's figures, as its admission checks use)."""
+    _PROMPT_WORK[scope] = estimate
 
 
 def detok_loads(scope: str) -> list[DetokLoad]:
@@ -188,14 +200,27 @@ class PredictedTTFARouter(RequestRouter):
     def _is_passed_over(self, unique_id: str) -> bool:
         return unique_id in self.leaving or self.passed_over_until.get(unique_id, 0.0) > self._get_curr_time_s()
 
-    def _score(self, replica: RunningReplica) -> tuple[float, int]:
+    def _score(self, replica: RunningReplica, work: PromptWork | None = None) -> tuple[float, int]:
+        """Predicted TTFA of the request (bringing its own prompt work `work`; None: none known) on
+        `replica`, then its active streams; a passed-over replica last, an unreported one by its count."""
         if self._is_passed_over(replica.replica_id.unique_id):
             return (float("inf"), 0)
         load = self._refresh(replica)
         if load is None:  # no stats yet: spread by what we routed or are routing
             routed = max(0, self._pending(replica.replica_id, 0.0))
             return (float(routed), routed)
-        return (predict_ttfa_s(load), load.num_active)
+        return (predict_ttfa_s(load, work=work), load.num_active)
+
+    def _prompt_work(self, request: PendingRequest | None) -> PromptWork | None:
+        """The request's own prompt work, from its Job by the Router's estimate for this deployment
+        (None: no Job, e.g. a stats call, or no estimate registered here: ranked without it). Read
+        through the imported module, where the Router registered it (`rank_with_prompt_work`)."""
+        args = request.args if request is not None else []
+        if not args or not isinstance(args[0], Job):
+            return None
+        estimates = importlib.import_module(type(self).__module__)._PROMPT_WORK
+        estimate = estimates.get(_own_scope(self))
+        return estimate(args[0]) if estimate is not None else None
 
     def estimated_loads(self) -> list[ReplicaLoad]:
         """Every running replica's (Serve may route without calling `choose_replicas`, e.g. to one replica)."""
@@ -231,7 +256,8 @@ class PredictedTTFARouter(RequestRouter):
             return [[pinned]]
         if key is not None:
             self._choosing.pop(key, None)  # a retry ranks afresh
-        ranked = sorted(candidate_replicas, key=self._score)
+        work = self._prompt_work(pending_request)  # once per ranking, not per replica
+        ranked = sorted(candidate_replicas, key=lambda replica: self._score(replica, work))
         if key is not None and ranked:
             self._choosing[key] = (ranked[0].replica_id, self._get_curr_time_s())
         return [[replica] for replica in ranked]

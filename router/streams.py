@@ -40,7 +40,7 @@ from llm_stage.registry import get_entry
 from router.admission import admits_anywhere, predict_ttfa_s, stream_limit
 from router.audio_fetch import StepAudio
 from router.deadlines import best_predicted_ttfa_s, client_deadline_s, fit_to_client_deadline
-from router.dispatch import estimated_loads, handle_scope, num_live_replicas, pass_over
+from router.dispatch import estimated_loads, handle_scope, num_live_replicas, pass_over, rank_with_prompt_work
 from router.drain import DrainWatch
 from router.incremental import IncrementalSession, SegmentAudio
 from router.jobs import (
@@ -168,6 +168,7 @@ class RouterCore:
         self.llm = llm_handle.options(stream=True)
         self.llm_text = llm_handle  # text pieces of streaming-text requests (pinned to their replica)
         self.llm_scope = handle_scope(llm_handle, self.config.app_name)  # this model's LLM load board
+        rank_with_prompt_work(self.llm_scope, self.prompt_work)  # its request router ranks by a Job's own work
         self.detok = detok_handle  # decodes a chunk again when the replica holding its audio is lost
         self.step_audio = StepAudio()  # one fetch per engine step's audio, shared by its streams
         self.open_streams = 0

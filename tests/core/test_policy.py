@@ -30,11 +30,14 @@ def running(scheduler: Scheduler, req_id: str, arrival_s: float, first_audio_s=N
     return req
 
 
-def streaming_scheduler(batch: int, clock: FakeClock, startup: int = 4) -> Scheduler:
+def streaming_scheduler(batch: int, clock: FakeClock, startup: int = 4, prefill_budget: int | None = None) -> Scheduler:
+    """10 ms steps, 50 ms detokenizer calls; `prefill_budget` prompt positions a step (None: the
+    policy counts a prompt as one step, the scheduler prefills the config's default)."""
     timer = StepTimer(step_s=0.01, detok_s=0.05)
-    order = StreamingOrder(startup_concurrency=startup, timer=timer, clock=clock)
+    order = StreamingOrder(startup_concurrency=startup, timer=timer, clock=clock, prefill_token_budget=prefill_budget)
     policy = SchedulingPolicy(PolicyKind.STREAMING, order)
-    return Scheduler(SchedulerConfig(max_batch_size=batch), CacheConfig(num_slots=16), [0], policy)
+    config = SchedulerConfig(max_batch_size=batch, prefill_token_budget=prefill_budget or 256)
+    return Scheduler(config, CacheConfig(num_slots=16), [0], policy)
 
 
 def picked(scheduler: Scheduler) -> list[str]:
@@ -180,8 +183,10 @@ def test_detok_streaming_order_startup_then_earliest_deadline():
     assert {a.req_id for a in fcfs.step()} == {"late", "soon"}
 
 
-def waiting(scheduler: Scheduler, req_id: str, arrival_s: float, first_chunk_tokens: int = 28) -> Request:
-    req = Request(req_id, [1, 2, 3], SamplingParams(), arrival_s=arrival_s)
+def waiting(
+    scheduler: Scheduler, req_id: str, arrival_s: float, first_chunk_tokens: int = 28, prompt_len: int = 3
+) -> Request:
+    req = Request(req_id, [1] * prompt_len, SamplingParams(), arrival_s=arrival_s)
     req.tokens_to_next_chunk = first_chunk_tokens  # as LLMSide sets it for every request it chunks
     scheduler.add(req)
     return req
@@ -230,6 +235,52 @@ def test_urgency_horizon_grows_with_the_startups_queued():
         waiting(sched, f"q{i}", arrival_s=60 + i, first_chunk_tokens=7)
     plan = sched.schedule()
     assert plan.prefills == [] and [r.req_id for r in plan.decodes] == ["a", "b"]
+
+
+def test_a_long_prompt_queued_counts_its_prefill_steps_in_the_urgency_horizon():
+    """A 320-position prompt (a 25 s spoken prompt is ~315) at 64 positions a step holds a row for 5
+    prefill steps: the horizon counts them (0.29 s), not one (0.21 s), so a stream with 0.28 s of
+    slack, which yielded its row to that prompt before, keeps it now."""
+    clock = FakeClock()
+    sched = streaming_scheduler(batch=2, clock=clock, startup=2, prefill_budget=64)
+    running(sched, "a", arrival_s=1, first_audio_s=99.0, sent_s=1.4)  # slack 0.28 s
+    running(sched, "b", arrival_s=2, first_audio_s=99.5, sent_s=0.9)  # slack 0.28 s
+    spoken = waiting(sched, "spoken", arrival_s=50, first_chunk_tokens=7, prompt_len=320)
+    order = sched.policy.order
+    assert order.prefill_steps(spoken) == 5
+    assert abs(order.urgent_horizon_s([], [spoken]) - (4 * (7 + 5) / 2 * 0.01 + 0.05)) < 1e-9  # 0.29 s
+    plan = sched.schedule()
+    assert plan.prefills == [] and [r.req_id for r in plan.decodes] == ["a", "b"]  # both streams urgent
+    sched.waiting.remove(spoken)
+    waiting(sched, "typed", arrival_s=51, first_chunk_tokens=7, prompt_len=3)  # one step: horizon 0.21 s
+    plan = sched.schedule()
+    assert [w.req.req_id for w in plan.prefills] == ["typed"] and [r.req_id for r in plan.decodes] == ["a"]
+
+
+def test_a_startup_part_way_through_a_long_prefill_counts_the_steps_it_has_left():
+    """Once its first 64 positions are in, a 320-position prompt still holds a row for 4 steps (a 0.27 s
+    horizon): streams with 0.2 s and 0.25 s of slack keep their rows. Counted only while waiting, it
+    fell out of the horizon after its first prefill step, and they gave their rows up on 0.05 s."""
+    clock = FakeClock()
+    sched = streaming_scheduler(batch=2, clock=clock, startup=2, prefill_budget=64)
+    running(sched, "a", arrival_s=1, first_audio_s=99.0, sent_s=1.32)  # slack 0.2 s
+    running(sched, "b", arrival_s=2, first_audio_s=99.0, sent_s=1.37)  # slack 0.25 s
+    spoken = Request("spoken", [1] * 320, SamplingParams(), arrival_s=50)
+    spoken.status, spoken.slot, spoken.num_cached = RequestStatus.PREFILLING, sched.slots.allocate(), 64
+    spoken.tokens_to_next_chunk = 7
+    sched.running["spoken"] = spoken
+    assert sched.policy.order.prefill_steps(spoken) == 4
+    plan = sched.schedule()
+    assert plan.prefills == [] and [r.req_id for r in plan.decodes] == ["a", "b"]
+    clock.now_s = 90.0  # the same streams with seconds of buffer: the prompt goes on prefilling
+    plan = sched.schedule()
+    assert [(w.req.req_id, w.start, w.num_tokens) for w in plan.prefills] == [("spoken", 64, 64)]
+
+
+def test_make_policy_counts_prompts_at_the_schedulers_prefill_budget():
+    order = make_policy(SchedulerConfig(policy="streaming", prefill_token_budget=100)).order
+    assert order.prefill_steps(Request("long", [1] * 250, SamplingParams())) == 3
+    assert order.prefill_steps(Request("short", [1] * 2, SamplingParams())) == 1
 
 
 def test_prefills_ahead_count_against_the_startup_limit():
