@@ -243,6 +243,7 @@ def describe_family(family: ModelFamily) -> list[str]:
         f"{family.tokens_per_s:.1f} LM steps/s of audio ({lm.tokens_per_frame} per frame)",
     ]
     repos = [("model", family.repo_id), ("codec", family.codec_repo_id)]
+    repos.append(("speech tokenizer", family.speech_tokenizer_repo_id))  # (families reading audio as tokens)
     for role, repo in repos:
         if repo is not None:
             snapshot = cached_snapshot(repo)

@@ -137,8 +137,9 @@ def test_models_lists_families_and_their_cache_status_from_the_environment(full_
     out = subprocess.run(
         [sys.executable, "-m", "cluster.cli", "models"], cwd=ROOT, env=env, capture_output=True, text=True, check=True
     ).stdout
-    for family in ("orpheus", "csm", "dia", "parallel-heads", "qwen3-tts"):
+    for family in ("orpheus", "csm", "dia", "parallel-heads", "qwen3-tts", "glm4-voice"):
         assert f"\n{family}  (and {family}-tiny" in f"\n{out}"
+    assert f"speech tokenizer:  {GLM4_VOICE_TOKENIZER_REPO}  (in the local cache" in out
     assert f"{ORPHEUS_REPO}  (in the local cache: {full_cache}" in out
     assert f"{SNAC_REPO}  (in the local cache" in out and f"{DAC_REPO}  (in the local cache" in out
     assert "voices: tara, leah, jess, leo, dan, mia, zac, zoe" in out and "24000 Hz; 11.72 codec frames/s" in out
