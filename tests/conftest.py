@@ -1,22 +1,21 @@
 """Test-wide settings: one torch thread (tiny ops; CI shares 2 cores with Ray workers), and the
-`cluster` marker on every test that serves a cluster: the package `tests/deployments` (its modules
-share one session Ray and run in file order) and every test marked `slow` (the served benches,
-exposure, chaos, soak). `make test` (`tests/split_run.py`) runs those in one pytest process, one
-after another as a plain `pytest` would, beside the unit tests in another."""
-
-from pathlib import Path
+`cluster` marker on every test that serves a cluster: those on the session cluster (the fixture
+`cluster` of `tests/deployments`, one Ray for the session, its modules in file order) and every test
+marked `slow` (the served benches, exposure, chaos, soak, drain). `make test` (`tests/split_run.py`)
+runs those in one pytest process, one after another as a plain `pytest` would, beside the unit tests
+(the deployment shells' own tests among them: no Ray) in another."""
 
 import pytest
 import torch
 
 torch.set_num_threads(1)
 
-CLUSTER_PACKAGE = Path(__file__).parent / "deployments"
+SESSION_CLUSTER = "cluster"  # the session-scoped fixture of tests/deployments/conftest.py: one Ray, two apps
 
 
 def runs_a_cluster(item: pytest.Item) -> bool:
-    """Whether `item` serves a cluster: a test of `tests/deployments` or one marked slow."""
-    return CLUSTER_PACKAGE in Path(item.path).parents or item.get_closest_marker("slow") is not None
+    """Whether `item` serves a cluster: it uses the session cluster or is marked slow."""
+    return SESSION_CLUSTER in getattr(item, "fixturenames", ()) or item.get_closest_marker("slow") is not None
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:
