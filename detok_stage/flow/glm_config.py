@@ -12,9 +12,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from core.errors import InvalidArgumentError
+from core.hyperpyyaml import Tagged, load_data, resolve_ref
 from detok_stage.flow.config import HiftConfig
 
 
@@ -107,39 +106,16 @@ def tiny_glm4_decoder_config(**overrides) -> GLM4DecoderConfig:
 # ---- config.yaml (HyperPyYAML) as data ---------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Tagged:
-    """A HyperPyYAML node with its tag: `!new:pkg.Class {...}` -> ("new:pkg.Class", {...})."""
-
-    tag: str
-    value: Any
-
-
-class _DataLoader(yaml.SafeLoader):
-    """Reads HyperPyYAML as data: nothing is imported or constructed; tagged nodes become `Tagged`."""
-
-
-def _construct_tagged(loader: yaml.SafeLoader, suffix: str, node: yaml.Node) -> Tagged:
-    if isinstance(node, yaml.MappingNode):
-        return Tagged(suffix, loader.construct_mapping(node, deep=True))
-    if isinstance(node, yaml.SequenceNode):
-        return Tagged(suffix, loader.construct_sequence(node, deep=True))
-    return Tagged(suffix, loader.construct_scalar(node))  # type: ignore[arg-type]
-
-
-_DataLoader.add_multi_constructor("!", _construct_tagged)
-
-
 def config_from_yaml_text(text: str, source: str, field_name: str) -> GLM4DecoderConfig:
     """The `flow:` and `hift:` sections -> shapes; a section of another class is an error naming the field."""
-    top = yaml.load(text, Loader=_DataLoader)  # noqa: S506 (a SafeLoader subclass)
+    top = load_data(text)
     if not isinstance(top, dict):
         raise InvalidArgumentError(field_name, f"{source}: not a mapping")
 
     def section(node: Any, cls_name: str, where: str) -> dict[str, Any]:
         if not isinstance(node, Tagged) or not node.tag.endswith("." + cls_name) or not isinstance(node.value, dict):
             raise InvalidArgumentError(field_name, f"{source}: `{where}` is not a {cls_name}")
-        return {k: _resolve(top, v) for k, v in node.value.items()}
+        return {k: resolve_ref(top, v) for k, v in node.value.items()}
 
     flow = section(top.get("flow"), "MaskedDiffWithXvec", "flow")
     enc = section(flow.get("encoder"), "BlockConformerEncoder", "flow.encoder")
@@ -149,7 +125,7 @@ def config_from_yaml_text(text: str, source: str, field_name: str) -> GLM4Decode
     hift = section(top.get("hift"), "HiFTGenerator", "hift")
     f0 = section(hift.get("f0_predictor"), "ConvRNNF0Predictor", "hift.f0_predictor")
     params = cfm.get("cfm_params")
-    params = _resolve(top, params.value.get("content", {})) if isinstance(params, Tagged) else params or {}
+    params = resolve_ref(top, params.value.get("content", {})) if isinstance(params, Tagged) else params or {}
     istft = hift.get("istft_params", {"n_fft": 16, "hop_len": 4})
     defaults = GLM4DecoderConfig()
     return replace(
@@ -200,10 +176,3 @@ def config_from_yaml_text(text: str, source: str, field_name: str) -> GLM4Decode
             f0_channels=int(f0.get("cond_channels", 512)),
         ),
     )
-
-
-def _resolve(top: dict, value: Any) -> Any:
-    """`!ref <name>` -> the top-level value it names; anything else as it is."""
-    if isinstance(value, Tagged) and value.tag == "ref":
-        return top.get(str(value.value).strip().strip("<>"))
-    return value

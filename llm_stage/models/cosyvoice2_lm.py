@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 from torch import nn
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from core.checkpoints import load_or_preset
 from core.config import ModelConfig
 from core.errors import InvalidArgumentError
+from core.hyperpyyaml import Tagged, load_data, resolve_ref
 from core.messages import SamplingParams
 
 SPEECH_TOKEN_SIZE = 6561  # FSQ codes of speech_tokenizer_v2, 25 per second
@@ -123,29 +123,6 @@ def _required(path: Path) -> Path:
 
 
 @dataclass(frozen=True)
-class Tagged:
-    """A HyperPyYAML node with its tag: `!new:cosyvoice.llm.llm.Qwen2LM {...}` -> ("new:cosyvoice...", {...})."""
-
-    tag: str
-    value: Any
-
-
-class _HyperPyYamlLoader(yaml.SafeLoader):
-    """Reads HyperPyYAML as data: nothing is imported or constructed, tagged nodes become `Tagged`."""
-
-
-def _construct_tagged(loader: yaml.SafeLoader, suffix: str, node: yaml.Node) -> Tagged:
-    if isinstance(node, yaml.MappingNode):
-        return Tagged(suffix, loader.construct_mapping(node, deep=True))
-    if isinstance(node, yaml.SequenceNode):
-        return Tagged(suffix, loader.construct_sequence(node, deep=True))
-    return Tagged(suffix, loader.construct_scalar(node))  # type: ignore[arg-type]
-
-
-_HyperPyYamlLoader.add_multi_constructor("!", _construct_tagged)
-
-
-@dataclass(frozen=True)
 class PublishedSettings:
     """What the LM takes from cosyvoice2.yaml."""
 
@@ -156,17 +133,17 @@ class PublishedSettings:
 def read_published_settings(directory: Path) -> PublishedSettings:
     """The `llm:` section of cosyvoice2.yaml: a Qwen2LM over 6561 speech tokens, sampled by ras_sampling."""
     path = _required(directory / YAML_FILE)
-    top = yaml.load(path.read_text(), Loader=_HyperPyYamlLoader)  # noqa: S506 (a SafeLoader subclass)
+    top = load_data(path.read_text())
     llm = top.get("llm") if isinstance(top, dict) else None
     if not isinstance(llm, Tagged) or not llm.tag.endswith(".Qwen2LM") or not isinstance(llm.value, dict):
         raise InvalidArgumentError(FIELD, f"{path}: `llm` is not a Qwen2LM (CosyVoice 2)")
-    fields = {key: _resolve(top, value) for key, value in llm.value.items()}
+    fields = {key: resolve_ref(top, value) for key, value in llm.value.items()}
     if fields.get("speech_token_size") != SPEECH_TOKEN_SIZE:
         raise InvalidArgumentError(FIELD, f"{path}: speech_token_size is {fields.get('speech_token_size')}")
     sampling = fields.get("sampling")
     if not isinstance(sampling, Tagged) or not sampling.tag.endswith("ras_sampling"):
         raise InvalidArgumentError(FIELD, f"{path}: llm.sampling is not ras_sampling")
-    args = {key: _resolve(top, value) for key, value in (sampling.value or {}).items()}
+    args = {key: resolve_ref(top, value) for key, value in (sampling.value or {}).items()}
     names = {"top_p": "top_p", "top_k": "top_k", "win_size": "ras_window", "tau_r": "ras_tau"}
     return PublishedSettings(int(fields["llm_input_size"]), {names[k]: v for k, v in args.items() if k in names})
 
@@ -177,10 +154,3 @@ def published_sampling(default: SamplingParams, settings: PublishedSettings) -> 
         return SamplingParams.resolve(settings.sampling_fields, default)
     except InvalidArgumentError as err:
         raise InvalidArgumentError(FIELD, f"{YAML_FILE}: llm.{err.field}: {err.message}") from None
-
-
-def _resolve(top: dict, value: Any) -> Any:
-    """`!ref <name>` -> the top-level value it names; anything else as it is."""
-    if isinstance(value, Tagged) and value.tag == "ref":
-        return top.get(str(value.value).strip().strip("<>"))
-    return value
