@@ -18,7 +18,8 @@ import torch
 
 from core.config import ModelConfig
 from core.messages import AudioClip
-from llm_stage.models.step_audio2 import StepAudio2Adapter, clip_wave_16k
+from llm_stage.models.clip_audio import clip_wave_16k
+from llm_stage.models.step_audio2 import StepAudio2Adapter
 from llm_stage.models.step_audio2_encoder import encode_pieces, piece_log_mel, split_pieces
 from llm_stage.models.step_audio2_frontend import MicFrontEnd
 

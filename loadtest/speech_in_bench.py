@@ -23,7 +23,8 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2Rot
 from core.config import CacheConfig, ModelConfig, SchedulerConfig
 from core.messages import AudioClip
 from llm_stage.engine import LLMEngine
-from llm_stage.models.step_audio2 import StepAudio2Adapter, clip_wave_16k
+from llm_stage.models.clip_audio import clip_wave_16k
+from llm_stage.models.step_audio2 import StepAudio2Adapter
 from llm_stage.models.step_audio2_encoder import Block, EncoderShape, encode_pieces, num_placeholders, piece_log_mel
 from llm_stage.models.step_audio2_lm import qwen_config
 

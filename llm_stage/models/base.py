@@ -56,6 +56,18 @@ class FrameBuilder(ABC):
     def push(self, token_id: Token) -> list[list[int]]: ...
 
 
+class CodeFrames(FrameBuilder):
+    """Ids that `code_of` maps to a code become one-code frames; text and control ids (None) make none
+    (the interleaved text + speech answers of the speech-in families)."""
+
+    def __init__(self, code_of: Callable[[int], int | None]) -> None:
+        self.code_of = code_of
+
+    def push(self, token_id: Token) -> list[list[int]]:
+        code = self.code_of(int(token_id))  # type: ignore[arg-type]
+        return [] if code is None else [[code]]
+
+
 class AudioFrontEnd(Protocol):
     """A speech-in family's front end on audio that arrives in pieces (streamed microphone input):
     PCM16 pushed as it comes, the features its encoder reads at `finish` (`Job.audio_features`)."""

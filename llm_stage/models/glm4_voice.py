@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 from typing import Protocol
 
-import numpy as np
 import torch
 from transformers import GlmForCausalLM
 
@@ -28,9 +27,9 @@ from core.config import ModelConfig
 from core.errors import InvalidArgumentError
 from core.messages import AudioClip, Job, SamplingParams
 from detok_stage.codecs.glm4_voice_codec import GLM4VoiceCodec
-from detok_stage.voice.features import resample
 from llm_stage.chunking import WHOLE_STREAM_FRAMES, ChunkSchedule
-from llm_stage.models.base import FrameBuilder, LMAdapter, ModelFamily
+from llm_stage.models.base import CodeFrames, LMAdapter, ModelFamily
+from llm_stage.models.clip_audio import clip_wave_16k
 from llm_stage.models.glm4_bpe import GLM4Tokenizer
 from llm_stage.models.glm4_voice_lm import (
     AUDIO_CODES,
@@ -57,7 +56,6 @@ CODEC_SAMPLE_RATE_HZ = 22050  # the GLM-4-Voice decoder's HiFT
 SPEECH_TOKENIZER_REPO = "THUDM/glm-4-voice-tokenizer"  # the published WhisperVQ speech tokenizer
 ANSWER_OPENING = "streaming_transcription\n"  # after <|assistant|>: the interleaved answer
 TOKENS_PER_S = 12.5  # WhisperVQ speech tokens per second of input audio
-SPEECH_SAMPLE_RATE_HZ = 16000  # what the speech tokenizer reads
 # [gMASK] <sop> <|system|> <|user|> <|assistant|>, "\n" x2 and "streaming_transcription\n" (~4 BPE tokens)
 CHAT_MARKER_POSITIONS = 11
 
@@ -78,23 +76,6 @@ def load_speech_tokenizer(config: ModelConfig) -> SpeechTokenizer:
     field = "model.speech_tokenizer_dir"  # (the registry fills in the published repo for a checkpoint model)
     directory = resolve_model_ref(ref if ref is not None else SPEECH_TOKENIZER_REPO, field=field)
     return WhisperVQTokenizer.from_dir(directory, device=config.device)
-
-
-class SpeechFrameBuilder(FrameBuilder):
-    """Speech ids become one-code frames; text and control ids make none."""
-
-    def __init__(self, ids: SpecialIds) -> None:
-        self.ids = ids
-
-    def push(self, token_id: Token) -> list[list[int]]:
-        code = self.ids.audio_code(int(token_id))  # type: ignore[arg-type]
-        return [] if code is None else [[code]]
-
-
-def clip_wave_16k(clip: AudioClip) -> torch.Tensor:
-    """The clip's PCM16 as float samples [N] in [-1, 1], resampled to 16 kHz."""
-    wave = torch.from_numpy(np.frombuffer(clip.pcm16, dtype="<i2").astype(np.float32) / 32768.0)
-    return resample(wave, clip.sample_rate_hz, SPEECH_SAMPLE_RATE_HZ)
 
 
 class Glm4VoiceAdapter(LMAdapter):
@@ -225,8 +206,8 @@ class Glm4VoiceAdapter(LMAdapter):
     def is_stop(self, req: Request, token: Token) -> bool:
         return token in self.eos_token_ids
 
-    def new_frame_builder(self) -> SpeechFrameBuilder:
-        return SpeechFrameBuilder(self.ids)
+    def new_frame_builder(self) -> CodeFrames:
+        return CodeFrames(self.ids.audio_code)
 
     def text_ids(self, tokens: list[int]) -> list[int]:
         """The ids among `tokens` that the client reads as text."""

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from core.errors import InvalidArgumentError
 from detok_stage.voice.features import slaney_mel_filters
+from llm_stage.models.clip_audio import pcm16_wave
 from llm_stage.models.glm4_voice_tokenizer import (
     FIELD,
     HOP_SAMPLES,
@@ -176,7 +176,7 @@ class MicTokenizer:
         self.num_samples = 0
 
     def push_pcm16(self, pcm16: bytes) -> None:
-        self.push_wave(torch.from_numpy(np.frombuffer(pcm16, dtype="<i2").astype(np.float32) / 32768.0))
+        self.push_wave(pcm16_wave(pcm16))
 
     def push_wave(self, wave: torch.Tensor) -> None:
         """Float samples [N] at the turn's rate."""

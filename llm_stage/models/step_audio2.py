@@ -21,7 +21,6 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
-import numpy as np
 import torch
 
 from core.checkpoints import resolve_model_ref
@@ -29,8 +28,8 @@ from core.config import ModelConfig
 from core.errors import InvalidArgumentError
 from core.messages import AudioClip, ChatTurn, Job, SamplingParams
 from detok_stage.codecs.s3gen_codec import S3GenCodec
-from detok_stage.voice.features import resample
-from llm_stage.models.base import FrameBuilder, LMAdapter, ModelFamily
+from llm_stage.models.base import CodeFrames, LMAdapter, ModelFamily
+from llm_stage.models.clip_audio import clip_wave
 from llm_stage.models.cosyvoice2 import S3GEN_SCHEDULE
 from llm_stage.models.llama import LlamaBackbone
 from llm_stage.models.step_audio2_encoder import (
@@ -61,27 +60,6 @@ NO_CLIP = -1
 # the chat's markers (<|BOT|> x3, <|EOT|> x2, <tts_start>) and role names ("system\n", "human\n",
 # "assistant\n": ~2 BPE tokens each): the prompt's positions beside its text and audio
 CHAT_MARKER_POSITIONS = 12
-
-
-class SpeechFrameBuilder(FrameBuilder):
-    """Speech ids become one-code frames; text and control ids make none."""
-
-    def __init__(self, ids: SpecialIds) -> None:
-        self.ids = ids
-
-    def push(self, token_id: Token) -> list[list[int]]:
-        code = self.ids.speech_code(int(token_id))  # type: ignore[arg-type]
-        return [] if code is None else [[code]]
-
-
-def clip_wave(clip: AudioClip) -> torch.Tensor:
-    """The clip's PCM16 as float samples [N] in [-1, 1] at its own rate."""
-    return torch.from_numpy(np.frombuffer(clip.pcm16, dtype="<i2").astype(np.float32) / 32768.0)
-
-
-def clip_wave_16k(clip: AudioClip) -> torch.Tensor:
-    """The clip's float samples at 16 kHz (resampled when sent at another rate)."""
-    return resample(clip_wave(clip), clip.sample_rate_hz, SAMPLE_RATE_HZ)
 
 
 class StepAudio2Adapter(LMAdapter):
@@ -291,8 +269,8 @@ class StepAudio2Adapter(LMAdapter):
         """Every id of prompt + output (placeholders count as `<audio_patch>`, as published)."""
         return [t if isinstance(t, int) else t[0] for t in tokens]
 
-    def new_frame_builder(self) -> SpeechFrameBuilder:
-        return SpeechFrameBuilder(self.ids)
+    def new_frame_builder(self) -> CodeFrames:
+        return CodeFrames(self.ids.speech_code)
 
     def text_ids(self, tokens: list[int]) -> list[int]:
         """The ids among `tokens` that the client reads as text."""

@@ -14,6 +14,7 @@ import torch
 
 from core.messages import AudioFeatures
 from detok_stage.voice.features import slaney_mel_filters
+from llm_stage.models.clip_audio import pcm16_wave
 from llm_stage.models.step_audio2_encoder import MEL_PADDING_SAMPLES, PIECE_SAMPLES, SAMPLE_RATE_HZ
 from llm_stage.models.stream_resample import StreamResampler
 
@@ -89,8 +90,7 @@ class MicFrontEnd:
         self.mels: list[torch.Tensor] = []  # finished pieces
 
     def push_pcm16(self, pcm16: bytes) -> None:
-        wave = torch.from_numpy(np.frombuffer(pcm16, dtype="<i2").astype(np.float32) / 32768.0)
-        self._feed(self.resampler.push(wave))
+        self._feed(self.resampler.push(pcm16_wave(pcm16)))
 
     def push_wave(self, wave: torch.Tensor) -> None:
         """Float samples [N] in [-1, 1] at the turn's rate (the adapter's whole-clip path)."""

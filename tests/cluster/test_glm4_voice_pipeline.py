@@ -11,7 +11,7 @@ from cluster.pipeline import InProcessPipeline
 from core.config import EngineConfig, ModelConfig
 from core.messages import AudioClip
 from llm_stage.jobs import build_job
-from llm_stage.models.glm4_voice import clip_wave_16k
+from llm_stage.models.clip_audio import clip_wave_16k
 from llm_stage.models.glm4_voice_tokenizer import SpeechTokenizer
 
 SEED = 1

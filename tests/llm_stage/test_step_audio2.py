@@ -18,7 +18,8 @@ from transformers import AutoTokenizer, Qwen2ForCausalLM
 from core.config import ModelConfig
 from core.errors import InvalidArgumentError
 from core.messages import AudioClip, ChatTurn
-from llm_stage.models.step_audio2 import StepAudio2Adapter, clip_wave_16k
+from llm_stage.models.clip_audio import clip_wave_16k
+from llm_stage.models.step_audio2 import StepAudio2Adapter
 from llm_stage.models.step_audio2_encoder import num_placeholders, piece_log_mel
 from llm_stage.models.step_audio2_lm import StepAudio2LM
 from llm_stage.registry import model_config_for

@@ -17,7 +17,8 @@ from core.messages import AudioClip, AudioFeatures
 from detok_stage.voice.clip import SUPPORTED_RATES_HZ
 from detok_stage.voice.features import resample
 from llm_stage.jobs import build_job
-from llm_stage.models.step_audio2 import StepAudio2Adapter, clip_wave_16k
+from llm_stage.models.clip_audio import clip_wave_16k
+from llm_stage.models.step_audio2 import StepAudio2Adapter
 from llm_stage.models.step_audio2_encoder import PIECE_SAMPLES, piece_log_mel, split_pieces
 from llm_stage.models.step_audio2_frontend import MicFrontEnd, front_end_name
 from llm_stage.models.stream_resample import StreamResampler
