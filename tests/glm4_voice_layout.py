@@ -14,7 +14,6 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from llm_stage.models.glm4_bpe import GLM4_SPECIALS
 from llm_stage.models.glm4_voice_lm import (
@@ -25,6 +24,7 @@ from llm_stage.models.glm4_voice_lm import (
     random_chatglm_state,
     tiny_config,
 )
+from tests.sharded_safetensors import write_sharded
 
 REPO_ID = "THUDM/glm-4-voice-9b"
 SHARD_BYTES = 24 * 2**20  # small shards, so the index and more than one file are exercised
@@ -90,21 +90,6 @@ def write_glm4_voice(directory: Path, state: dict[str, torch.Tensor]) -> Path:
     """The published files; weights kept in float32 here so tests compare exactly (the loader casts)."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(published_config(), indent=2))
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for key, tensor in state.items():
-        if size > SHARD_BYTES:
-            shards.append({})
-            size = 0
-        shards[-1][key] = tensor.contiguous().clone()
-        size += tensor.numel() * tensor.element_size()
-    weight_map = {}
-    for index, shard in enumerate(shards, start=1):
-        name = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(directory / name), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, name))
-    total = sum(t.numel() * t.element_size() for t in state.values())
-    index_file = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (directory / "model.safetensors.index.json").write_text(json.dumps(index_file, indent=2))
+    write_sharded(directory, state, SHARD_BYTES)
     write_tokenizer(directory)
     return directory

@@ -11,11 +11,11 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from llm_stage.models.step_audio2_lm import SPEECH_CODES, SpecialIds, StepAudio2LM, tiny_config, tiny_step_audio2
+from tests.sharded_safetensors import write_sharded
 
 REPO_ID = "stepfun-ai/Step-Audio-2-mini"
 SHARD_BYTES = 24 * 2**20  # small shards, so the index and more than one file are exercised
@@ -62,21 +62,6 @@ def write_step_audio2(directory: Path, model: StepAudio2LM) -> Path:
     """The published files; weights kept in float32 here so tests compare exactly (the loader casts)."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(published_config(), indent=2))
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for key, tensor in model.state_dict().items():
-        if size > SHARD_BYTES:
-            shards.append({})
-            size = 0
-        shards[-1][key] = tensor.contiguous().clone()
-        size += tensor.numel() * tensor.element_size()
-    weight_map = {}
-    for index, shard in enumerate(shards, start=1):
-        name = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(directory / name), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, name))
-    index_file = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in model.state_dict().values())},
-                  "weight_map": weight_map}  # fmt: skip
-    (directory / "model.safetensors.index.json").write_text(json.dumps(index_file, indent=2))
+    write_sharded(directory, model.state_dict(), SHARD_BYTES)
     step_audio2_tokenizer().save_pretrained(str(directory))
     return directory
