@@ -240,7 +240,7 @@ def describe_family(family: ModelFamily) -> list[str]:
         f"  loads:  {family.description}",
         f"  voices: {voices}",
         f"  audio:  {family.sample_rate_hz} Hz; {family.frame_rate_hz:.2f} codec frames/s; "
-        f"{family.tokens_per_s:.1f} LM steps/s of audio ({lm.tokens_per_frame} per frame)",
+        f"{family.tokens_per_s:.1f} LM steps/s of audio ({lm.steps_per_frame:g} per frame)",
     ]
     repos = [("model", family.repo_id), ("codec", family.codec_repo_id)]
     repos.append(("speech tokenizer", family.speech_tokenizer_repo_id))  # (families reading audio as tokens)

@@ -134,7 +134,7 @@ class StepTimer:
 
     step_s: float = 0.02
     detok_s: float = 0.05
-    tokens_per_frame: int = 1
+    steps_per_frame: float = 1.0  # engine steps per codec frame (`LMAdapter.steps_per_frame`)
     frame_s: float | None = None  # audio seconds per frame; None until a chunk with frames is shipped
     steps_by_rows: StepSamples = field(default_factory=StepSamples)
     _seen: bool = False
@@ -181,7 +181,7 @@ class StepTimer:
         if self.frame_s is None or not step_s_by_rows:
             return None
         rows = max(step_s_by_rows)
-        return rows * self.frame_s / (self.tokens_per_frame * step_s_by_rows[rows])
+        return rows * self.frame_s / (self.steps_per_frame * step_s_by_rows[rows])
 
     def sustainable_streams(self, max_rows: int) -> float | None:
         """Rows (single-row streams) a full batch keeps at real time: rows x per-row speed at the
@@ -192,7 +192,7 @@ class StepTimer:
         if self.frame_s is None or not sizes:
             return None
         step_s = step_s_by_rows[max(sizes)]
-        return max_rows * self.frame_s / (self.tokens_per_frame * step_s)
+        return max_rows * self.frame_s / (self.steps_per_frame * step_s)
 
 
 def buffered_s(req: StreamRow, now_s: float) -> float:
@@ -256,7 +256,7 @@ class StreamingOrder:
         else:
             urgent.sort(key=lambda r: buffered_s(r, now))  # earliest deadline first
         comfortable = sorted((r for r in steady if slack[id(r)] >= horizon), key=lambda r: slack[id(r)])
-        ample = horizon + self.timer.tokens_per_frame * self.timer.step_s  # slack to sit out a frame's steps
+        ample = horizon + self.timer.steps_per_frame * self.timer.step_s  # slack to sit out a frame's steps
         tight = [r for r in comfortable if slack[id(r)] < ample]
         ahead = self.startups_ahead(playing_rows, sustained)
         first, deferred = startup[:ahead], startup[ahead:]

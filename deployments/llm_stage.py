@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import itertools
 import logging
 import threading
@@ -406,7 +407,7 @@ class LLMStage:
             max_streams=max(1, min(admission.max_streams_per_replica, kv_streams)),
             max_queued=admission.max_queued_per_replica,
             step_s=timer.measured_step_s,  # decode steps: not a resume's long prefill; 0 = none measured yet
-            first_chunk_tokens=first_tokens * self.side.engine.adapter.tokens_per_frame,
+            first_chunk_tokens=math.ceil(first_tokens * self.side.engine.adapter.steps_per_frame),
             avg_stream_s=self.avg_stream_s,
             real_time_streams=real_time_rows / rows_per_stream,
             measured_streams=max(timer.step_s_by_rows, default=0) // rows_per_stream,

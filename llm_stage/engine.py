@@ -79,7 +79,7 @@ class LLMEngine:
     ) -> None:
         self.adapter = adapter
         self.cache_config = cache
-        self.timer = StepTimer(tokens_per_frame=adapter.tokens_per_frame)
+        self.timer = StepTimer(steps_per_frame=adapter.steps_per_frame)
         self.prefill_pace = PrefillPace()  # prompt positions and audio encoded per second (admission)
         self.policy: SchedulingPolicy = make_policy(scheduler, self.timer, adapter.head_phase_period)
         self.scheduler = Scheduler(

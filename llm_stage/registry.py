@@ -116,7 +116,7 @@ class ModelEntry:
                 f"{self.name}'s detokenizer looks {codec.min_right_context_frames} frames ahead: right_context_frames "
                 f"must be >= {codec.min_right_context_frames}, got {schedule.right_context_frames}",
             )
-        max_frames = config.cache.max_seq_len // self.family.lm.tokens_per_frame
+        max_frames = int(config.cache.max_seq_len // self.family.lm.steps_per_frame)
         if codec.needs_stream_history and schedule.left_context_frames < max_frames:
             raise InvalidArgumentError(
                 "detok.left_context_frames",

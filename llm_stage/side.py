@@ -8,6 +8,7 @@ The LLMStage deployment and the in-process pipeline (`cluster.pipeline`) both dr
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable
 
@@ -193,7 +194,7 @@ class LLMSide:
         if req is None or req.first_audio_s is None:
             return None
         timer = self.engine.timer
-        frame_cost_s = self.engine.adapter.tokens_per_frame * timer.step_s
+        frame_cost_s = self.engine.adapter.steps_per_frame * timer.step_s
         usable_s = BUFFER_SAFETY * buffered_s(req, self.clock()) - timer.detok_s
         return int(usable_s / max(frame_cost_s, 1e-6))
 
@@ -207,8 +208,8 @@ class LLMSide:
         smallest next chunk, not the adaptive size planned from its buffer. The planned size
         spends most of the buffer by design (BUFFER_SAFETY), so slack measured on it stayed under
         the urgency threshold for nearly every stream and startups never went ahead of one."""
-        tokens_per_frame = self.engine.adapter.tokens_per_frame
+        steps_per_frame = self.engine.adapter.steps_per_frame
         for req_id, chunker in self.chunkers.items():
             req = self.engine.requests.get(req_id)
             if req is not None:
-                req.tokens_to_next_chunk = chunker.frames_to_smallest_next_chunk() * tokens_per_frame
+                req.tokens_to_next_chunk = math.ceil(chunker.frames_to_smallest_next_chunk() * steps_per_frame)

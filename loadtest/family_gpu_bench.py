@@ -77,8 +77,8 @@ class FamilyRun:
         return self.codec.frame_duration_s
 
     @property
-    def steps_per_frame(self) -> int:
-        return self.adapter.tokens_per_frame
+    def steps_per_frame(self) -> float:
+        return self.adapter.steps_per_frame
 
     def model_config(self) -> ModelConfig:
         dtype = "bfloat16" if self.is_cuda else "float32"

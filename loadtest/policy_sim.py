@@ -82,8 +82,8 @@ class SimEngine:
 
     def __init__(self, config: SchedulerConfig, slots: int, steps: StepModel, clock: SimClock) -> None:
         self.clock, self.steps = clock, steps
-        self.timer = StepTimer(tokens_per_frame=TOKENS_PER_FRAME)
-        self.adapter = SimpleNamespace(tokens_per_frame=TOKENS_PER_FRAME)
+        self.timer = StepTimer(steps_per_frame=TOKENS_PER_FRAME)
+        self.adapter = SimpleNamespace(steps_per_frame=TOKENS_PER_FRAME)
         self.policy = make_policy(config, self.timer, OrpheusAdapter.head_phase_period, clock)
         cache = CacheConfig(num_slots=slots, max_seq_len=1024)
         self.scheduler = Scheduler(config, cache, [], self.policy)

@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         max_requests=args.max_requests, slo_ttfa_p90_s=args.slo_ttfa_p90_s,
     )  # fmt: skip
     cfg = replace(cfg, voice=entry.default_voice or "", frame_rate_hz=entry.family.frame_rate_hz,
-                  tokens_per_frame=entry.family.lm.tokens_per_frame)  # fmt: skip
+                  steps_per_frame=entry.family.lm.steps_per_frame)  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for llm, detok in args.ratios:

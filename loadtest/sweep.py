@@ -43,10 +43,10 @@ class SweepConfig:
     voice: str = "tara"
     # the served family's audio rate, so each prompt asks for the same seconds of audio (None = Orpheus)
     frame_rate_hz: float | None = None
-    tokens_per_frame: int = 7
+    steps_per_frame: float = 7.0
 
     def max_tokens(self, text: str) -> int:
-        tokens = max_tokens_for(text, self.frame_rate_hz, self.tokens_per_frame)
+        tokens = max_tokens_for(text, self.frame_rate_hz, self.steps_per_frame)
         return tokens if self.max_tokens_cap is None else min(self.max_tokens_cap, tokens)
 
 
@@ -214,7 +214,7 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
 
         entry = get_entry(args.model)
         family = {"voice": entry.default_voice or "", "frame_rate_hz": entry.family.frame_rate_hz,
-                  "tokens_per_frame": entry.family.lm.tokens_per_frame}  # fmt: skip
+                  "steps_per_frame": entry.family.lm.steps_per_frame}  # fmt: skip
     return SweepConfig(
         rates_rps=tuple(args.rates), duration_s=args.duration_s, min_requests=args.min_requests,
         max_requests=args.max_requests, process=args.process, gamma_cv=args.gamma_cv,

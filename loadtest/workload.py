@@ -7,6 +7,7 @@ their own, so each prompt's `max_tokens` follows its length (speech at ~15 chars
 from __future__ import annotations
 
 import ipaddress
+import math
 import random
 import socket
 from pathlib import Path
@@ -29,14 +30,14 @@ ORPHEUS_FRAME_RATE_HZ = 24000 / 2048  # SNAC 24 kHz: 2048 samples per frame
 
 
 def max_tokens_for(
-    text: str, frame_rate_hz: float | None = None, tokens_per_frame: int = ORPHEUS_TOKENS_PER_FRAME
+    text: str, frame_rate_hz: float | None = None, steps_per_frame: float = ORPHEUS_TOKENS_PER_FRAME
 ) -> int:
-    """LM tokens for `text`: Orpheus frames from its length, clamped to [MIN_FRAMES, MAX_FRAMES]; for
-    another family (`frame_rate_hz`, `tokens_per_frame`) the same audio length in its frames."""
+    """LM steps for `text`: Orpheus frames from its length, clamped to [MIN_FRAMES, MAX_FRAMES]; for
+    another family (`frame_rate_hz`, `steps_per_frame`) the same audio length in its frames."""
     frames = min(MAX_FRAMES, max(MIN_FRAMES, round(len(text) * FRAMES_PER_CHAR)))
     if frame_rate_hz is not None:
         frames = round(frames / ORPHEUS_FRAME_RATE_HZ * frame_rate_hz)
-    return frames * tokens_per_frame
+    return math.ceil(frames * steps_per_frame)
 
 
 def arrival_offsets_s(

@@ -91,7 +91,10 @@ class LMAdapter(ABC):
     input_width: int = 1  # lanes per position the runner hands to `embed`
     pad_token: Token = 0  # fills padded prefill positions (never attended to)
     guidance: GuidanceFormula | None = None  # CFG formula; None = the model has no CFG
-    tokens_per_frame: int = 1  # engine steps per codec frame
+    tokens_per_frame: int = 1  # ids sampled per codec frame, one engine step each
+    # engine steps per second of audio / frames per second: `tokens_per_frame` unless the answer
+    # interleaves other steps between frames (GLM-4-Voice's text); what pace and admission count
+    steps_per_frame: float = 1.0
     head_phase_period: int = 1  # steps per cycle of the output head (rows in one phase share a head matmul)
     uses_context_turns: bool = False  # incremental streams: later segments get earlier ones as `Job.context`
     takes_registered_voices: bool = False  # zero-shot voices by id (`core.voices`), registered from a clip
@@ -108,6 +111,12 @@ class LMAdapter(ABC):
     # text characters per prompt position, to estimate a prompt before it is tokenized (admission,
     # `estimate_prompt_positions`): a BPE tokenizer's ~4 on English
     prompt_chars_per_position: float = 4.0
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A family that sets `tokens_per_frame` and not `steps_per_frame` steps once per token."""
+        super().__init_subclass__(**kwargs)
+        if "tokens_per_frame" in cls.__dict__ and "steps_per_frame" not in cls.__dict__:
+            cls.steps_per_frame = float(cls.tokens_per_frame)
 
     def __init__(self, backbone: Backbone) -> None:
         self.backbone = backbone
@@ -305,4 +314,4 @@ class ModelFamily:
     @property
     def tokens_per_s(self) -> float:
         """LM steps per second of audio (each step samples `num_codebooks` ids at once)."""
-        return self.frame_rate_hz * self.lm.tokens_per_frame
+        return self.frame_rate_hz * self.lm.steps_per_frame

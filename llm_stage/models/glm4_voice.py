@@ -87,6 +87,8 @@ class Glm4VoiceAdapter(LMAdapter):
     max_text_chars = 4000
     # the published demo's sampling (web_demo.py: temperature 0.2, top_p 0.8, max_new_tokens 2000)
     default_sampling = SamplingParams(temperature=0.2, top_p=0.8, max_tokens=2000)
+    # the answer interleaves 13 text and 26 speech tokens: 39 steps per 26 frames of audio
+    steps_per_frame = (13 + 26) / 26
 
     def __init__(
         self,

@@ -96,7 +96,7 @@ def test_urgent_streams_keep_their_rows_ahead_of_startups():
 
 def capacity_scheduler(clock: FakeClock, step_s: float, batch: int = 3) -> Scheduler:
     """A streaming scheduler whose policy knows a full batch's step time and an 80 ms frame."""
-    timer = StepTimer(step_s=step_s, detok_s=0.05, tokens_per_frame=7, frame_s=0.08)
+    timer = StepTimer(step_s=step_s, detok_s=0.05, steps_per_frame=7, frame_s=0.08)
     for _ in range(MIN_STEP_SAMPLES):
         timer.record_step(step_s, rows=batch)
     order = StreamingOrder(startup_concurrency=2, timer=timer, clock=clock, max_batch_size=batch)
@@ -105,7 +105,7 @@ def capacity_scheduler(clock: FakeClock, step_s: float, batch: int = 3) -> Sched
 
 
 def test_sustainable_streams_is_rows_times_per_row_speed_at_the_largest_batch_measured():
-    timer = StepTimer(tokens_per_frame=7)
+    timer = StepTimer(steps_per_frame=7)
     for _ in range(MIN_STEP_SAMPLES):
         timer.record_step(0.005, rows=1)
     assert timer.sustainable_streams(4) is None  # no frame duration yet

@@ -275,3 +275,17 @@ def test_bad_inputs_are_refused_naming_the_field(preset, published, tmp_path) ->
     with pytest.raises(InvalidArgumentError) as err:
         SpecialIds.from_vocab(shifted)
     assert err.value.field == "model.checkpoint_dir" and "<|audio_1|>" in err.value.message
+
+
+def test_pace_counts_the_interleaved_text_steps(preset) -> None:
+    """39 steps (13 text + 26 speech) per 26 frames: the engine's timer, the family's steps per audio
+    second and the side's steps to a next chunk count them; a family stepping once per token keeps
+    its own count (Orpheus: 7 per SNAC frame)."""
+    engine = adapter_engine(preset, num_slots=2, max_seq_len=1024)
+    assert preset.steps_per_frame == 1.5 and engine.timer.steps_per_frame == 1.5
+    assert get_entry("glm4-voice-tiny").family.tokens_per_s == pytest.approx(18.75)
+    assert get_entry("orpheus-tiny").family.lm.steps_per_frame == 7.0
+    side = LLMSide(engine, GLM4_VOICE_SCHEDULE)
+    side.add(engine.job("s", "Tell me a story.", sampling={"temperature": 0.0, "max_tokens": 60}))
+    side.step()
+    assert engine.requests["s"].tokens_to_next_chunk == 38  # the 25-frame first chunk: ceil(25 x 1.5)

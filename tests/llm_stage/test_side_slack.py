@@ -16,12 +16,12 @@ FRAME = [0] * 7
 
 
 class OneRequestEngine:
-    """The engine surface LLMSide reads: `step`, `requests`, `timer`, `adapter.tokens_per_frame`."""
+    """The engine surface LLMSide reads: `step`, `requests`, `timer`, `adapter.steps_per_frame`."""
 
     def __init__(self, req: Request) -> None:
         self.requests = {req.req_id: req}
-        self.timer = StepTimer(step_s=0.01, detok_s=0.05, tokens_per_frame=7)
-        self.adapter = SimpleNamespace(tokens_per_frame=7)
+        self.timer = StepTimer(step_s=0.01, detok_s=0.05, steps_per_frame=7)
+        self.adapter = SimpleNamespace(steps_per_frame=7)
         self.frames_next_step = 0
 
     def step(self) -> list[StepOutput]:

@@ -133,8 +133,8 @@ def test_max_tokens_follow_the_served_family_frame_rate():
 
     text = "x" * 40  # 31 Orpheus frames = 2.65 s of audio
     assert max_tokens_for(text) == 31 * 7
-    assert max_tokens_for(text, frame_rate_hz=25.0, tokens_per_frame=1) == round(31 / (24000 / 2048) * 25)
-    cosy = SweepConfig(voice="", frame_rate_hz=25.0, tokens_per_frame=1)
+    assert max_tokens_for(text, frame_rate_hz=25.0, steps_per_frame=1) == round(31 / (24000 / 2048) * 25)
+    cosy = SweepConfig(voice="", frame_rate_hz=25.0, steps_per_frame=1)
     assert cosy.max_tokens(text) == 66 and SweepConfig(max_tokens_cap=10).max_tokens(text) == 10
 
 

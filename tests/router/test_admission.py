@@ -56,7 +56,7 @@ def test_a_batch_at_real_time_with_margin_to_spare_probes_one_stream_more():
     # one stream measured at 1.73x real time (a contended CPU): 0.85 x 1.73 >= 1, so a second one
     # is let in and its step measured; before, floor(0.85 x 1.73) = 1 held the replica at one stream
     assert stream_limit(load(0, real_time=1.73, measured=1)) == 2
-    timer = StepTimer(tokens_per_frame=7, frame_s=FRAME_S)
+    timer = StepTimer(steps_per_frame=7, frame_s=FRAME_S)
     budget_s = FRAME_S / 7  # a step this long keeps every stream exactly at real time
     streams = 1
     for step_s in (0.55 * budget_s, 0.6 * budget_s, 0.7 * budget_s, 0.8 * budget_s, 0.95 * budget_s):
@@ -81,7 +81,7 @@ def test_past_the_limit_it_queues_only_what_starts_in_time_then_rejects():
 def test_one_slow_step_at_a_new_batch_size_is_not_taken_as_its_speed():
     # on a shared CPU the first step at 2 rows took 3x the 1-row step (a burst beside it); taken as
     # the 2-row speed it held the replica at one stream and rejected a request at 0.5 req/s
-    timer = StepTimer(tokens_per_frame=7, frame_s=FRAME_S)
+    timer = StepTimer(steps_per_frame=7, frame_s=FRAME_S)
     for _ in range(MIN_STEP_SAMPLES):
         timer.record_step(0.0074, rows=1)
     timer.record_step(0.0237, rows=2)
@@ -96,7 +96,7 @@ def test_a_batch_measured_slow_in_a_passing_burst_is_probed_again():
     # 4 streams stepped at 14.7 ms in a burst on the box: the limit fell under 4, so 4 never ran
     # again and its figure held the replica at 3 streams for the rest of the run
     clock = [0.0]
-    timer = StepTimer(tokens_per_frame=7, frame_s=FRAME_S, steps_by_rows=StepSamples(clock=lambda: clock[0]))
+    timer = StepTimer(steps_per_frame=7, frame_s=FRAME_S, steps_by_rows=StepSamples(clock=lambda: clock[0]))
     for _ in range(MIN_STEP_SAMPLES):
         timer.record_step(0.0147, rows=4)
     assert stream_limit(load(3, real_time=timer.measured_real_time_rows(), measured=4)) == 2  # 0.85 x 3.3
@@ -110,8 +110,8 @@ def test_a_batch_measured_slow_in_a_passing_burst_is_probed_again():
 
 
 def test_step_timer_reports_the_largest_measured_batch_at_its_own_speed():
-    timer = StepTimer(tokens_per_frame=7, frame_s=2048 / 24000)
-    assert StepTimer(tokens_per_frame=7).measured_real_time_rows() is None
+    timer = StepTimer(steps_per_frame=7, frame_s=2048 / 24000)
+    assert StepTimer(steps_per_frame=7).measured_real_time_rows() is None
     for _ in range(MIN_STEP_SAMPLES):
         timer.record_step(0.004, rows=2)
         timer.record_step(0.006, rows=4)
@@ -198,7 +198,7 @@ def test_predicted_ttfa_counts_the_first_chunks_decode_and_the_step_at_the_would
     assert predict_ttfa_s(idle) == generate_s
     queued_detok = with_detok(idle, [measured_detok(step_s=0.1, chunks=2, queued=5)])  # 6 chunks: 3 steps
     assert abs(predict_ttfa_s(queued_detok) - (generate_s + 3 * 0.1)) < 1e-9
-    timer = StepTimer(tokens_per_frame=7, frame_s=FRAME_S)
+    timer = StepTimer(steps_per_frame=7, frame_s=FRAME_S)
     for rows, step_s in ((1, 0.01), (4, 0.02), (8, 0.05)) * MIN_STEP_SAMPLES:
         timer.record_step(step_s, rows=rows)
     assert step_s_at(timer.step_s_by_rows, 3) == 0.02  # 3 rows run at the 4-row batch's measured step
