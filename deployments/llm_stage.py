@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import math
 import itertools
 import logging
+import math
 import threading
 import time
 from collections.abc import AsyncIterator
