@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 
 from core.config import SpeechInConfig
 from core.errors import InvalidArgumentError
+from llm_stage.jobs import check_request_id
 from llm_stage.registry import ModelEntry
 from protos import voxray_pb2
 from router.incremental import IdleTimeout
@@ -41,6 +42,8 @@ async def read_config(requests: AsyncIterator[bytes]) -> tuple[dict, int, bytes]
     if not first.config.HasField("input_audio"):
         raise InvalidArgumentError("config.input_audio", "required: it states the audio's format (PCM16) and rate")
     fields = fields_from_proto(first.config)
+    # checked now, not when the job is built at the turn's end: a bad id fails before the audio streams
+    fields["req_id"] = check_request_id(fields["req_id"], "config.request_id")
     audio = fields.pop("input_audio")
     if audio.format != "pcm16":
         raise InvalidArgumentError(FIELDS.encoding, "must be PCM16: microphone audio comes as raw samples")

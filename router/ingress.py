@@ -321,7 +321,7 @@ class Router:
             fields = fields_from_proto(request)
             req_id = reply_request_id(fields["req_id"])
             core = self.models.core_for(fields["model"])
-            job = core.fit_client_deadline(core.job(**fields), grpc_context)
+            job = core.fit_client_deadline(core.job(**{**fields, "req_id": fields["req_id"] or req_id}), grpc_context)
             header = streaming_wav_header(core.entry.sample_rate_hz) if job.output_format == "wav" else b""
             with self.auth.hold_stream(key):
                 async with aclosing(core.run(job)) as stream:  # closed on any failure: the replica frees it
@@ -356,7 +356,8 @@ class Router:
         try:
             key = self.auth.check(_authorization(grpc_context))
             fields, rate, first_piece = await read_converse_config(requests)
-            fields["req_id"] = req_id = reply_request_id(fields["req_id"])
+            req_id = reply_request_id(fields["req_id"])  # (`read_converse_config` checked the client's)
+            fields["req_id"] = fields["req_id"] or req_id
             core = self.models.core_for(fields["model"])
             with self.auth.hold_stream(key):
                 turn = open_turn(core.entry, core.config.speech_in, rate, first_piece)

@@ -143,7 +143,7 @@ def test_grpc_config_then_pieces_then_end_of_turn():
     pcm = tone(0.3, 16_000)
 
     async def run():
-        requests = messages(config(rate=16_000, data=pcm[:3200], text="Answer."),
+        requests = messages(config(rate=16_000, data=pcm[:3200], text="Answer.", request_id="turn-1"),
                             voxray_pb2.ConverseRequest(audio=pcm[3200:]),
                             voxray_pb2.ConverseRequest(end_of_turn=True))  # fmt: skip
         fields, rate, first = await read_config(requests)
@@ -152,7 +152,7 @@ def test_grpc_config_then_pieces_then_end_of_turn():
         return fields, turn
 
     fields, turn = asyncio.run(run())
-    assert fields["text"] == "Answer." and fields["input_audio"] is None
+    assert fields["text"] == "Answer." and fields["input_audio"] is None and fields["req_id"] == "turn-1"
     assert bytes(turn.pcm16) == pcm and turn.sample_rate_hz == 16_000
 
 
@@ -164,6 +164,8 @@ def test_grpc_config_then_pieces_then_end_of_turn():
         ((config(fmt=voxray_pb2.INPUT_AUDIO_WAV),), "config.input_audio.format"),
         ((config(rate=8_000),), "config.input_audio.sample_rate_hz"),
         ((config(rate=0),), "config.input_audio.sample_rate_hz"),
+        ((config(request_id="has space"),), "config.request_id"),  # at the config, not after the turn
+        ((config(request_id="x" * 129),), "config.request_id"),
         ((config(), voxray_pb2.ConverseRequest(audio=b"\x00\x01\x02")), "audio"),
         ((config(), config()), "config"),
         ((config(), voxray_pb2.ConverseRequest()), "input"),
