@@ -136,25 +136,63 @@ def _drain(args: argparse.Namespace) -> int:
 
 
 def _say(args: argparse.Namespace) -> int:
+    """`voxray say`: TEXT spoken to a WAV; with `--audio`, the model's answer to a clip (its text printed,
+    its speech written unless `--text-only`), or the clip's transcript (`--transcribe`)."""
     if args.incremental:
+        if args.audio is not None:
+            raise InvalidArgumentError("--incremental", "types text in: it takes no --audio")
         return _say_incremental(args)
     import grpc
 
-    from cluster.client import make_request, result_wav, synthesize
-
-    fmt = 0  # PCM16; the WAV is assembled here
-    sampling = {"seed": args.seed, **({"max_tokens": args.max_tokens} if args.max_tokens else {})}
-    request = make_request(args.text, voice=args.voice or "", format=fmt, sampling=sampling)
+    _check_say_args(args)
     try:
         ca = args.tls_ca.read_bytes() if args.tls_ca else None
-        result = synthesize(args.target, args.app, request, ca)
+        return _transcribe(args, ca) if args.transcribe else _speak(args, ca)
     except grpc.RpcError as err:
         print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
         return 1
+
+
+def _check_say_args(args: argparse.Namespace) -> None:
+    if (args.text_only or args.transcribe) and args.audio is None:
+        flag = "--text-only" if args.text_only else "--transcribe"
+        raise InvalidArgumentError(flag, "needs --audio FILE: it answers a clip")
+    if args.audio is None and not args.text:
+        raise InvalidArgumentError("text", "required (or --audio FILE for a clip to answer)")
+    if args.audio is not None and not args.audio.is_file():
+        raise InvalidArgumentError("--audio", f"{args.audio} is not a file")
+
+
+def _speak(args: argparse.Namespace, ca: bytes | None) -> int:
+    from cluster.client import make_request, result_wav, synthesize, wav_input
+
+    sampling = {"seed": args.seed, **({"max_tokens": args.max_tokens} if args.max_tokens else {})}
+    if args.temperature is not None:
+        sampling["temperature"] = args.temperature
+    speech_in = {"input_audio": wav_input(args.audio), "text_only": args.text_only} if args.audio else {}
+    request = make_request(args.text, model=args.model, voice=args.voice or "", format=0,  # PCM16: WAV built here
+                           sampling=sampling, **speech_in)  # fmt: skip
+    result = synthesize(args.target, args.app, request, ca)
+    if result.text:
+        print(result.text)
+    if args.text_only:
+        return 0
     Path(args.output).write_bytes(result_wav(result))
     audio_s = len(result.pcm16) / 2 / max(1, result.sample_rate_hz)
     ttfa = result.ttfa_s
     print(f"wrote {args.output}: {audio_s:.2f} s of audio; TTFA {ttfa * 1000:.0f} ms" if ttfa else "no audio")
+    return 0
+
+
+def _transcribe(args: argparse.Namespace, ca: bytes | None) -> int:
+    from cluster.client import transcribe, wav_input
+    from protos import voxray_pb2
+
+    request = voxray_pb2.TranscribeRequest(audio=wav_input(args.audio), model=args.model, language=args.language,
+                                           prompt=args.text, temperature=args.temperature or 0.0)  # fmt: skip
+    response = transcribe(args.target, args.app, request, ca)
+    print(response.text)
+    print(f"({response.duration_s:.2f} s of audio, language {response.language})", file=sys.stderr)
     return 0
 
 
@@ -295,12 +333,20 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     drain_cmd.set_defaults(func=_drain)
 
-    say = sub.add_parser("say", help="gRPC client: synthesize TEXT on a running server and write a WAV")
-    say.add_argument("text")
+    say = sub.add_parser(
+        "say", help="gRPC client: synthesize TEXT on a running server and write a WAV; or answer / transcribe --audio"
+    )
+    say.add_argument("text", nargs="?", default="", help="what to say (with --audio: an instruction beside the clip)")
+    say.add_argument("--model", default="", help="a served model (default: the server's first)")
+    say.add_argument("--audio", type=Path, default=None, help="speech in: a WAV clip the model answers (text printed)")
+    say.add_argument("--text-only", action="store_true", help="--audio: answer in text alone (no WAV written)")
+    say.add_argument("--transcribe", action="store_true", help="--audio: print the clip's transcript (gRPC Transcribe)")
+    say.add_argument("--language", default="", help="--transcribe: ISO-639-1 code of the clip's language (en, zh)")
     say.add_argument("-o", "--output", type=Path, default=Path("say.wav"))
     say.add_argument("--voice", default=None)
     say.add_argument("--seed", type=int, default=0)
     say.add_argument("--max-tokens", type=int, default=None)
+    say.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the model's)")
     say.add_argument("--target", default="127.0.0.1:9000")
     say.add_argument("--app", default="voxray")
     say.add_argument("--tls-ca", type=Path, default=None, help="PEM CA (or the server's certificate) for a TLS server")

@@ -1,7 +1,8 @@
 """gRPC client for the `voxray.Speech` service (`voxray say`, tests, load tests).
 
 `stream_synthesis` sends one request and yields (arrival time, AudioChunk message); it
-measures client-side TTFA from the send to the first non-empty chunk.
+measures client-side TTFA from the send to the first non-empty chunk. `transcribe` is the unary
+`Transcribe`; `wav_input` reads a WAV file as a speech-in request's audio.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 
@@ -23,6 +25,7 @@ class SynthesisResult:
     chunk_arrivals_s: list[float] = field(default_factory=list)  # since the send
     chunk_durations_s: list[float] = field(default_factory=list)
     server_ttfa_s: float = 0.0
+    text: str = ""  # speech in: the answer's text (its transcript, or a text-only answer)
 
     @property
     def ttfa_s(self) -> float | None:
@@ -64,7 +67,23 @@ def synthesize(
             result.chunk_arrivals_s.append(arrival)
             result.chunk_durations_s.append(chunk.duration_s)
             result.server_ttfa_s = chunk.timings.ttfa_s or result.server_ttfa_s
+            result.text += chunk.text
     return result
+
+
+def transcribe(
+    target: str, app_name: str, request: voxray_pb2.TranscribeRequest, root_certificates: bytes | None = None,
+    timeout_s: float = 300.0,
+) -> voxray_pb2.TranscribeResponse:
+    """A clip's transcript (gRPC `Transcribe`)."""
+    with open_channel(target, root_certificates) as channel:
+        stub = voxray_pb2_grpc.SpeechStub(channel)
+        return stub.Transcribe(request, metadata=(("application", app_name),), timeout=timeout_s)
+
+
+def wav_input(path: Path) -> voxray_pb2.InputAudio:
+    """A WAV file as a request's audio (the server decodes, mixes to mono and resamples it)."""
+    return voxray_pb2.InputAudio(data=path.read_bytes(), format=voxray_pb2.INPUT_AUDIO_WAV)
 
 
 def list_models(target: str, app_name: str, timeout_s: float = 10.0) -> list[voxray_pb2.ModelInfo]:

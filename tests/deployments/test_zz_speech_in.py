@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import wave
 
 import grpc
 import numpy as np
@@ -42,7 +43,7 @@ def tone_pcm16(seconds: float, rate: int) -> bytes:
     return (0.3 * np.sin(2 * np.pi * 220 * t) * 32767).astype("<i2").tobytes()
 
 
-def test_a_clip_in_answers_text_then_audio_as_in_process(cluster) -> None:
+def test_a_clip_in_answers_text_then_audio_as_in_process(cluster, tmp_path, capsys) -> None:
     from cluster.server import deploy_app
 
     endpoint = deploy_app(SPEECH_IN)
@@ -81,6 +82,8 @@ def test_a_clip_in_answers_text_then_audio_as_in_process(cluster) -> None:
         _grpc_answers_in_text_alone(endpoint, audio, text_only.text)
         _the_openai_sdk_holds_a_conversation(endpoint, pcm, conversation.text)
         _a_streamed_turn_answers_as_the_clip_sent_whole(endpoint, pcm, expected)
+        _voxray_say_answers_and_transcribes_a_wav(endpoint, pcm, (expected, text_only.text, transcript), tmp_path,
+                                                  capsys)  # fmt: skip
         odd = voxray_pb2.InputAudio(data=pcm[:-1], format=voxray_pb2.INPUT_AUDIO_PCM16, sample_rate_hz=24_000)
         refused = run_stream(endpoint.grpc_target, endpoint.app_name, "", input_audio=odd)
         assert refused.code == grpc.StatusCode.INVALID_ARGUMENT and "input_audio.data" in refused.details
@@ -179,6 +182,32 @@ def _grpc_transcribes(endpoint, pcm: bytes, transcript: str) -> None:
             with pytest.raises(grpc.RpcError) as err:
                 stub.Transcribe(refused, metadata=metadata, timeout=60)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith(f"{field}:")
+
+
+def _voxray_say_answers_and_transcribes_a_wav(endpoint, pcm: bytes, answers: tuple, tmp_path, capsys) -> None:
+    """`voxray say --audio clip.wav`: the answer's text printed and its audio written (the in-process
+    answer's); `--text-only` prints the text-only answer and writes nothing; `--transcribe` the transcript."""
+    from cluster.cli import main
+    from router.audio_format import wav_bytes
+
+    expected, text_only, transcript = answers
+    clip, out = tmp_path / "clip.wav", tmp_path / "answer.wav"
+    clip.write_bytes(wav_bytes(pcm, 24_000))
+    common = ["--audio", str(clip), "--target", endpoint.grpc_target, "--app", endpoint.app_name]
+    greedy = [*common, "--temperature", "0", "--max-tokens", str(SAMPLING["max_tokens"])]
+    capsys.readouterr()
+    assert main(["say", "Answer.", *greedy, "-o", str(out)]) == 0
+    assert capsys.readouterr().out.rsplit("wrote ", 1)[0] == expected.text + "\n"
+    with wave.open(str(out)) as wav:
+        got = np.frombuffer(wav.readframes(wav.getnframes()), dtype="<i2").astype(np.int32)
+    want = np.frombuffer(expected.pcm16, dtype="<i2").astype(np.int32)
+    assert got.shape == want.shape and np.abs(got - want).max() <= MAX_PCM_STEPS
+    assert main(["say", "Answer.", *greedy, "--text-only", "-o", str(tmp_path / "none.wav")]) == 0
+    assert capsys.readouterr().out == text_only + "\n" and not (tmp_path / "none.wav").exists()
+    assert main(["say", *common, "--transcribe", "--model", "step-audio2-tiny", "--language", "zh"]) == 0
+    assert capsys.readouterr().out == transcript + "\n"
+    assert main(["say", *common, "--model", "nope"]) == 1
+    assert "INVALID_ARGUMENT: model" in capsys.readouterr().err
 
 
 def _grpc_answers_in_text_alone(endpoint, audio, text: str) -> None:
