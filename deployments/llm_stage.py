@@ -428,6 +428,7 @@ class LLMStage:
             ends_in_s=self._ends_in_s(detok.first_chunk_s),
             starting_for_s=self._starting_for_s(),
             prefill_tokens_per_s=self.side.engine.prefill_pace.tokens_per_s(timer.measured_step_s),
+            queued_prefill_positions=self.side.engine.scheduler.positions_to_prefill(),
             encoder_s_per_audio_s=self.side.engine.prefill_pace.encoder_s_per_audio_s(),
             front_end_s_per_audio_s=self.side.engine.prefill_pace.front_end_s_per_audio_s(),
             prefill_token_budget=self.side.engine.scheduler.config.prefill_token_budget,

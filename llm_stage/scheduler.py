@@ -240,8 +240,14 @@ class Scheduler:
         """The requests the policy's urgency horizon counts as still to prefill, each for the steps its
         prompt has left: every waiting one, and the startups part-way through a chunked prefill (no
         audio sent yet: a playing stream prefilling a few laid-out positions is no startup)."""
-        partial = [r for r in self.running.values() if r.status is RequestStatus.PREFILLING and r.first_audio_s is None]
-        return fcfs_order(partial) + self.waiting
+        running = list(self.running.values())  # (copies: `positions_to_prefill` reads from another thread)
+        partial = [r for r in running if r.status is RequestStatus.PREFILLING and r.first_audio_s is None]
+        return fcfs_order(partial) + list(self.waiting)
+
+    def positions_to_prefill(self) -> int:
+        """Prompt positions waiting to prefill (every row of `_prompts_to_prefill`'s units): what a request
+        arriving now is prefilled after (the replica's load report, from another thread)."""
+        return sum(row.num_prompt_left for req in self._prompts_to_prefill() for row in req.unit)
 
     def _prefill_candidates(self) -> list[Request]:
         partial = [r for r in self.running.values() if r.status is RequestStatus.PREFILLING]

@@ -75,6 +75,9 @@ class ReplicaLoad:
     encoder_s_per_audio_s: float = 0.0  # the audio encoder's seconds per second of audio (speech in)
     front_end_s_per_audio_s: float = 0.0  # its audio front end's (log-mel of a whole clip, on the replica)
     prefill_token_budget: int = 0  # prompt positions one step prefills at most (0 = unknown: a prompt, one step)
+    # prompt positions already waiting to prefill there (new prompts and startups part-way through): a
+    # request starting now is prefilled after them (`queued_prefill_s`)
+    queued_prefill_positions: int = 0
 
     def to_stats(self) -> dict:
         return asdict(self)
@@ -182,6 +185,16 @@ def prefill_s(load: ReplicaLoad, work: PromptWork | None) -> float:
     return audio_s + positions_s + max(0, more_steps) * (load.next_step_s or load.step_s or DEFAULT_STEP_S)
 
 
+def queued_prefill_s(load: ReplicaLoad) -> float:
+    """How long the prompts already waiting to prefill on the replica hold back one starting now (it is
+    prefilled after them, first come first served): their positions at the measured pace, and the whole
+    steps the prefill budget spreads them over. Unmeasured pace or budget: that part charges nothing."""
+    positions = load.queued_prefill_positions
+    positions_s = positions / load.prefill_tokens_per_s if load.prefill_tokens_per_s > 0 else 0.0
+    steps = positions // load.prefill_token_budget if load.prefill_token_budget else 0
+    return positions_s + steps * (load.next_step_s or load.step_s or DEFAULT_STEP_S)
+
+
 def first_chunk_s(load: ReplicaLoad, work: PromptWork | None = None) -> float:
     """Predicted time from a stream's start to its first output: the step that prefills its prompt and
     its own prompt work (`prefill_s`), then its first chunk's tokens at the step measured for the batch
@@ -258,8 +271,9 @@ def predict_ttfa_s(load: ReplicaLoad, extra_requests: int = 0, work: PromptWork 
     """Predicted time to first output (audio; a text-only answer's first text) for one more request on
     this replica: its prefill with its own prompt work `work` at the measured pace, its first chunk's
     tokens at the step measured for the batch it joins, that chunk's decode at the detok stage
-    (`first_chunk_s`), and, past the stream limit, the wait for running streams to end, or past the
-    startup limit, the wait for the streams starting now (the longer). One that waits takes at least
+    (`first_chunk_s`) behind the prompts waiting to prefill there (`queued_prefill_s`), and, past the
+    stream limit, the wait for running streams to end, or past the startup limit, the wait for the
+    streams starting now (the longer). One that waits takes at least
     what recent streams took to their first chunk (`start_to_first_output_s`), as the replica holding
     it reckons its start-by: queued on the prediction alone, a burst's streams were refused after
     0.7 s of waiting (recent starts under load took longer than the steps measured alone)."""
@@ -273,6 +287,8 @@ def predict_ttfa_s(load: ReplicaLoad, extra_requests: int = 0, work: PromptWork 
     wait_s = max(slot_wait_s, startup_wait_s(load, extra_requests))
     if wait_s > 0:  # then it starts as recent streams did: the replica holding it refuses it by that
         generate_s = start_to_first_output_s(load, work)
+    else:  # it starts now, behind the prompts waiting there
+        generate_s += queued_prefill_s(load)
     return generate_s + wait_s
 
 
@@ -303,13 +319,14 @@ def is_credible(load: ReplicaLoad, predicted_s: float, work: PromptWork | None =
     step (the DEFAULT_STEP_S prior: the report was taken before the replica's first step): a fresh
     replica refused a lone client's second request on the prior's 0.72 s, while its first had met
     its first audio in 0.09 s. The request's own prompt work at the measured pace (`prefill_s` of
-    `work`) is added to the bound: a long clip's prefill is no transient, and the recent streams'
-    TTFA need not have carried one."""
+    `work`) and the prompts waiting there (`queued_prefill_s`) are added to the bound: a long clip's
+    prefill is no transient, and the recent streams' TTFA need not have carried one."""
     if not (load.next_step_s or load.step_s):
         return False
     if load.measured_ttfa_s <= 0 or load.credible_ttfa_factor <= 0:
         return True
-    return predicted_s <= load.credible_ttfa_factor * load.measured_ttfa_s + prefill_s(load, work)
+    bound_s = load.credible_ttfa_factor * load.measured_ttfa_s + prefill_s(load, work) + queued_prefill_s(load)
+    return predicted_s <= bound_s
 
 
 def credible_ttfa_s(load: ReplicaLoad, work: PromptWork | None = None) -> float | None:

@@ -294,3 +294,19 @@ def test_prefills_ahead_count_against_the_startup_limit():
     plan = sched.schedule()
     assert [w.req.req_id for w in plan.prefills] == ["new0"]
     assert [r.req_id for r in plan.decodes] == ["starting", "comfy-b"]
+
+
+def test_the_positions_waiting_to_prefill_count_new_prompts_twins_and_startups_part_way():
+    """What the replica reports for the router's queued-prefill charge: every waiting prompt (a guided
+    one's twin too) and a startup's positions not yet in the cache; a playing stream's are not counted."""
+    from tests.factories import fake_request, fake_scheduler
+
+    sched = fake_scheduler(num_slots=4, max_batch_size=4, budget=64)
+    sched.add(fake_request("long", 200))
+    sched.add(fake_request("guided", 30, twin_prompt_len=20))
+    assert sched.positions_to_prefill() == 250
+    sched.schedule()  # the first 64 positions of "long" go in this step
+    sched.running["long"].num_cached = 64
+    assert sched.positions_to_prefill() == 250 - 64
+    sched.running["long"].first_audio_s = 1.0  # playing: no startup, whatever it has left
+    assert sched.positions_to_prefill() == 50

@@ -61,3 +61,16 @@ def test_the_load_report_carries_the_prefill_pace_measured_by_a_speech_in_reques
     assert predict_ttfa_s(load, work=work) == pytest.approx(predict_ttfa_s(load) + own_s)
     assert start_to_first_output_s(load, work) == pytest.approx(first_chunk_s(load) + own_s)
 
+
+
+def test_the_load_report_counts_the_prompt_positions_waiting_to_prefill():
+    stage = speech_in_stage()
+    assert stage.load().queued_prefill_positions == 0
+    job = build_job(stage.side.engine.adapter, text="", audio=clip(4.0), text_only=True, req_id="q",
+                    sampling={"temperature": 0.0, "max_tokens": 6})  # fmt: skip
+    stage.side.add(job)
+    request = stage.side.engine.requests["q"]
+    assert stage.load().queued_prefill_positions == request.prompt_len > 50  # its clip's placeholders
+    while stage.side.engine.has_work:
+        stage.side.step()
+    assert stage.load().queued_prefill_positions == 0

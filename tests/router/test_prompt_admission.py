@@ -178,3 +178,20 @@ def test_a_conversations_earlier_turns_are_charged_as_they_are_prefilled_again()
     earlier_positions = StepAudio2Adapter.audio_prompt_positions(10.0)
     assert conversation.num_positions >= alone.num_positions + earlier_positions
     assert start_to_first_output_s(busy(), conversation) > start_to_first_output_s(busy(), alone)
+
+
+def test_prompts_waiting_to_prefill_there_hold_back_a_request_starting_now():
+    """A replica with 4000 positions waiting to prefill (a burst of long clips): one starting now is
+    prefilled after them, at the pace and over the steps the budget spreads them over; the router ranks
+    the replica without that queue first. One that waits for a slot anyway is charged as before."""
+    queued = busy(queued_prefill_positions=4000, prefill_token_budget=512)
+    clear = busy(prefill_token_budget=512)
+    behind_s = 4000 / 2000.0 + (4000 // 512) * STEP_S
+    assert predict_ttfa_s(queued, work=TTS) == pytest.approx(predict_ttfa_s(clear, work=TTS) + behind_s)
+    assert best_predicted_ttfa_s([queued, clear], work=TTS) == pytest.approx(predict_ttfa_s(clear, work=TTS))
+    unmeasured = busy(queued_prefill_positions=4000, prefill_tokens_per_s=0.0)  # no pace, no budget: nothing
+    assert predict_ttfa_s(unmeasured) == pytest.approx(predict_ttfa_s(busy(prefill_tokens_per_s=0.0)))
+    measured = replace(queued, measured_ttfa_s=0.3)  # the queue is measured work, no transient: credible
+    assert credible_ttfa_s(measured, TTS) == pytest.approx(predict_ttfa_s(queued, work=TTS))
+    full = dict(num_active=16, ends_in_s=(3.0,))  # past its stream limit: it waits for a slot first
+    assert predict_ttfa_s(replace(queued, **full)) == pytest.approx(predict_ttfa_s(replace(clear, **full)))
