@@ -213,6 +213,9 @@ class Job:
     system: str = ""
     # Streamed microphone input: `audio`'s front-end features, computed as it arrived (`AudioFeatures`)
     audio_features: AudioFeatures | None = None
+    # Streamed microphone input of a family whose LLM replica tokenizes audio (`LMAdapter.mic_tokenizer`):
+    # `audio`'s speech tokens, tokenized there as the audio arrived (`MicPiece`); None: tokenized at add
+    audio_tokens: tuple[int, ...] | None = None
     # Speech in, multi-turn chat (`LMAdapter.takes_chat_history`): the conversation's earlier turns, oldest
     # first; `text` / `audio` are its last user turn. The adapter renders them in the family's prompt format
     history: tuple[ChatTurn, ...] = ()
@@ -229,6 +232,33 @@ class TextPiece:
     text: str = ""
     flush: bool = False
     end: bool = False
+
+
+@dataclass(frozen=True)
+class MicPiece:
+    """A piece of a microphone turn, sent by the Router to an LLM replica that tokenizes the turn's audio as
+    it arrives (`LMAdapter.mic_tokenizer`, GLM-4-Voice's speech tokenizer): the first goes to any replica
+    (`llm_replica` ""), its reply names the one holding the turn, and the request router pins the later
+    ones there. `pcm16`: PCM16 mono at `sample_rate_hz`, in order (`seq` counts the pieces); `end` asks
+    for the turn's tokens, `cancel` drops the turn."""
+
+    turn_id: str
+    llm_replica: str
+    sample_rate_hz: int
+    seq: int
+    pcm16: bytes = b""
+    end: bool = False
+    cancel: bool = False
+
+
+@dataclass(frozen=True)
+class MicTokens:
+    """An LLM replica's reply to a MicPiece: the replica holding the turn (its tag; "" = it does not hold
+    it: a piece out of order, an unknown or expired turn, a replica at its turn limit), and at `end` the
+    turn's speech tokens."""
+
+    llm_replica: str
+    tokens: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,8 @@ from core.messages import (
     Failed,
     Invalid,
     Job,
+    MicPiece,
+    MicTokens,
     Moved,
     Queued,
     Rejected,
@@ -55,6 +57,7 @@ from deployments.kv_courier import KVMoves
 from deployments.metrics import StageMetrics
 from deployments.voices import LLMVoices
 from llm_stage.faults import StepOutOfMemory, is_out_of_memory, release_cached_memory
+from llm_stage.mic_turns import MicTurns
 from llm_stage.migration import KVSnapshot
 from llm_stage.prompt_work import PromptWork, prompt_work
 from llm_stage.registry import check_model_config
@@ -89,6 +92,7 @@ MOVE_OUT_POLL_S = 0.2
 HOLD_RECHECK_S = 0.25
 DETOK_LISTING_S = 5.0  # longest wait for the detok handle's router to list the detok replicas
 TYPICAL_PROMPT_TOKENS = 64  # a new stream's prompt, for the paged cache's KV cap (`kv_streams`)
+MIC_TURNS_PER_STREAM = 2  # turns being spoken a replica tokenizes at once, per stream it runs (users talk, then listen)
 
 logger = logging.getLogger("ray.serve.voxray")
 
@@ -166,6 +170,10 @@ class LLMStage:
         self.kv_moves = KVMoves(self.config, self.replica_tag)  # KV of streams moved out and in
         self.num_out_of_memory = 0  # streams failed because the accelerator ran out of memory
         self.warm_up_s: float | None = None  # the start-up warm-up's time (None: off or out of memory)
+        self.mic_turns = MicTurns(  # streamed turns tokenized here as they come (GLM-4-Voice)
+            self.side.engine.adapter, max_turns=MIC_TURNS_PER_STREAM * self.config.admission.max_streams_per_replica,
+            idle_s=2 * self.config.incremental.idle_timeout_s,
+        )  # fmt: skip
         self.loop = EngineLoop(
             self._step, lambda: self.side.engine.has_work, self._on_step_error, "llm-engine",
             on_idle=self._publish_gauges, on_start=self._warm_up,
@@ -491,6 +499,8 @@ class LLMStage:
             "detok_streams_placed": dict(self.detok_pins.placed) if self.detok_pins is not None else {},
             "moved_out": self.num_moved_out,  # streams handed to other replicas (move-out)
             "rebalanced_out": self.num_rebalanced_out,  # streams handed to other replicas (rebalance)
+            "mic_turns_tokenized": self.mic_turns.num_tokenized,  # streamed turns tokenized here as they came
+            "mic_turns_open": len(self.mic_turns.turns),
             "kv_moved_in": sum(self.kv_moves.num_in.values()),  # streams that arrived with their KV rows
             **self.kv_moves.stats(),  # kv_moved_in_over (gloo / object_store), kv_bytes_moved_in, fallbacks
             "replica": self.replica_tag,
@@ -604,6 +614,13 @@ class LLMStage:
             return await finish_on_thread(self._push_text, piece)
         except InvalidArgumentError as err:
             return Invalid(err.field, err.message)
+
+    async def mic_piece(self, piece: MicPiece) -> MicTokens:
+        """A piece of a microphone turn tokenized here as it comes (`llm_stage.mic_turns`); a piece sent to
+        another replica (its turn's was lost and the call rerouted) answers that this one does not hold it."""
+        if piece.llm_replica and piece.llm_replica != self.replica_tag:
+            return MicTokens("")
+        return await finish_on_thread(self.mic_turns.take, piece, self.replica_tag)
 
     def _push_text(self, piece: TextPiece) -> bool:
         with self.loop.exclusive():

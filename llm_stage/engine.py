@@ -280,11 +280,12 @@ class LLMEngine:
         return outputs
 
     def _job_prompt(self, job: Job) -> list[Token]:
-        """`job`'s prompt; a clip whose front end runs here (no features came with it) is timed per
-        second of its audio (`prefill_pace`)."""
+        """`job`'s prompt; a clip whose front end runs here (no features or tokens came with it) is timed
+        per second of its audio (`prefill_pace`)."""
         start = time.perf_counter()
         prompt = self.adapter.job_prompt(job)
-        if job.audio is not None and job.audio_features is None and self.adapter.takes_audio:
+        came_encoded = job.audio_features is not None or job.audio_tokens is not None
+        if job.audio is not None and not came_encoded and self.adapter.takes_audio:
             self.prefill_pace.record_front_end(job.audio.duration_s, time.perf_counter() - start)
         return prompt
 

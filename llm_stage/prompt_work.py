@@ -31,6 +31,8 @@ def prompt_work(lm: type[LMAdapter], job: Job) -> PromptWork:
     if not lm.takes_audio:
         return PromptWork(lm.estimate_prompt_positions(job), 0.0, job.text_only, 0.0)
     last_s = job.audio.duration_s if job.audio is not None else 0.0
+    if job.audio_tokens is not None:  # a streamed turn tokenized as it came: nothing left to encode
+        last_s = 0.0
     earlier_s = sum(turn.audio.duration_s for turn in job.history if turn.audio is not None)  # encoded again
     front_end_s = earlier_s + (last_s if job.audio_features is None else 0.0)  # a streamed turn's came with it
     return PromptWork(lm.estimate_prompt_positions(job), last_s + earlier_s, job.text_only, front_end_s)

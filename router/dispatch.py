@@ -11,7 +11,8 @@ The Router ingress reads `estimated_loads` to reject at once when no replica adm
 LLMStage replica still makes the final decision). The detok handle's router (`DetokBoard`,
 power-of-two routing as Serve's default) keeps the detok replicas' `DetokLoad` reports where
 the LLM replica calling them reads them (`detok_loads`).
-A `TextPiece` (more text for a streaming-text job) goes to the replica running that job, uncounted.
+A `TextPiece` (more text for a streaming-text job) goes to the replica running that job, uncounted; a
+`MicPiece` to the replica tokenizing its turn (the first one: ranked as a request is), uncounted.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from collections.abc import Callable
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter  # Serve's default router
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from core.messages import Job, TextPiece
+from core.messages import Job, MicPiece, TextPiece
 from llm_stage.prompt_work import PromptWork
 from router.admission import ReplicaLoad, predict_ttfa_s
 from router.detok_load import DetokLoad
@@ -143,7 +144,7 @@ class PredictedTTFARouter(RequestRouter):
         # request -> (replica it was ranked first on, when), not yet sent; a request whose client left
         # while it was being routed is never sent: it stops counting after CHOOSING_KEEP_S
         self._choosing: dict[str, tuple[ReplicaID, float]] = {}
-        self._pinned: set[str] = set()  # text pieces in flight: sent to their stream's replica, not counted
+        self._pinned: set[str] = set()  # pieces in flight (text, a microphone turn's): not counted as streams
         self.leaving: set[str] = set()  # unique ids of replicas handing their streams off
         self.passed_over_until: dict[str, float] = {}  # unique id -> ranked last until then (rebalanced from)
         self.has_lost_replicas = False  # a replica died since start (then an empty set is an outage)
@@ -254,6 +255,8 @@ class PredictedTTFARouter(RequestRouter):
         if pinned is not None:
             self._pinned.add(key)
             return [[pinned]]
+        if key is not None and _piece(pending_request) is not None:  # (a turn's first piece: ranked, not counted)
+            self._pinned.add(key)
         if key is not None:
             self._choosing.pop(key, None)  # a retry ranks afresh
         work = self._prompt_work(pending_request)  # once per ranking, not per replica
@@ -305,11 +308,17 @@ def _ask_to_move_out(app_name: str, unique_ids: list[str]) -> None:
             return
 
 
-def _pinned_replica(request: PendingRequest | None, candidates: list[RunningReplica]) -> RunningReplica | None:
-    """The replica a text piece must reach (None: not a text piece, or that replica is gone; then it
-    is routed like any call and the replica it reaches answers that the stream is not there)."""
+def _piece(request: PendingRequest | None) -> TextPiece | MicPiece | None:
+    """The call's text piece or microphone turn's piece: a call that starts no stream (not counted as one)."""
     args = request.args if request is not None else []
-    if not args or not isinstance(args[0], TextPiece):
+    return args[0] if args and isinstance(args[0], (TextPiece, MicPiece)) else None
+
+
+def _pinned_replica(request: PendingRequest | None, candidates: list[RunningReplica]) -> RunningReplica | None:
+    """The replica a piece must reach (None: not a piece, a turn's first piece, or that replica is gone;
+    then it is routed like any call and the replica it reaches answers that it does not hold it)."""
+    piece = _piece(request)
+    if piece is None or not piece.llm_replica:
         return None
-    unique_id = args[0].llm_replica.rsplit("#", 1)[-1]
+    unique_id = piece.llm_replica.rsplit("#", 1)[-1]
     return next((r for r in candidates if r.replica_id.unique_id == unique_id), None)

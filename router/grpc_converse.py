@@ -17,6 +17,7 @@ from llm_stage.registry import ModelEntry
 from protos import voxray_pb2
 from router.incremental import IdleTimeout
 from router.jobs import fields_from_proto, parse_proto
+from router.mic_tokens import ReplicaMicTokens
 from router.mic_turn import MicFields, MicTurn, check_rate
 
 FIELDS = MicFields(model="config.model", encoding="config.input_audio.format",
@@ -70,9 +71,12 @@ async def read_turn(requests: AsyncIterator[bytes], turn: MicTurn, idle_timeout_
                     return
 
 
-def open_turn(entry: ModelEntry, config: SpeechInConfig, rate: int, first_piece: bytes) -> MicTurn:
-    """The turn at the stated rate on `entry`'s front end, its first piece (from the config) pushed."""
-    turn = MicTurn(entry, config, rate, FIELDS)
+def open_turn(
+    entry: ModelEntry, config: SpeechInConfig, rate: int, first_piece: bytes, forward: ReplicaMicTokens | None = None
+) -> MicTurn:
+    """The turn at the stated rate on `entry`'s front end (and `forward`ed to a replica tokenizing it), its
+    first piece (from the config) pushed."""
+    turn = MicTurn(entry, config, rate, FIELDS, forward)
     if first_piece:
         turn.push(first_piece)
     return turn

@@ -360,9 +360,9 @@ class Router:
             fields["req_id"] = fields["req_id"] or req_id
             core = self.models.core_for(fields["model"])
             with self.auth.hold_stream(key):
-                turn = open_turn(core.entry, core.config.speech_in, rate, first_piece)
-                await read_turn(requests, turn, core.config.incremental.idle_timeout_s)
-                job = core.fit_client_deadline(turn_job(core.job, fields, turn), grpc_context)
+                turn = open_turn(core.entry, core.config.speech_in, rate, first_piece, core.mic_forward(rate))
+                reading = read_turn(requests, turn, core.config.incremental.idle_timeout_s)
+                job = core.fit_client_deadline(await turn_job(core.job, fields, turn, reading), grpc_context)
                 header = streaming_wav_header(core.entry.sample_rate_hz) if job.output_format == "wav" else b""
                 async with aclosing(core.run(job)) as stream:
                     async for chunk in _grpc_chunks(job, stream, header):

@@ -1,16 +1,19 @@
 """One microphone turn (streamed speech in): the stated encoding and rate checked once, then PCM16
 pieces checked and handed to the model's front end as they arrive (resampled and turned into the
 encoder's features there: `LMAdapter.audio_front_end`), and at the end of the turn the whole clip
-with its features, ready for a Job. A family that takes audio without a front end the Router can run
-(GLM-4-Voice: its speech tokenizer needs the model's weights) gets the whole clip, encoded by the LLM
-replica at the end of the turn. Shared by the gRPC `Converse` (`router.grpc_converse`) and the
-WebSocket (`router.mic_websocket`); every refusal is an InvalidArgumentError naming the client's field.
+with its features, ready for a Job. A family whose speech tokenizer needs the model's weights
+(GLM-4-Voice: `LMAdapter.tokenizes_mic_audio`) has the pieces forwarded to an LLM replica that
+tokenizes them as they come (`router.mic_tokens`); its Job carries the tokens beside the clip (the
+whole clip alone if the forwarding failed, tokenized where the Job runs). Shared by the gRPC
+`Converse` (`router.grpc_converse`) and the WebSocket (`router.mic_websocket`); every refusal is an
+InvalidArgumentError naming the client's field.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +25,7 @@ from detok_stage.voice.clip import SILENCE_PEAK, SUPPORTED_RATES_HZ
 from llm_stage.models.base import AudioFrontEnd
 from llm_stage.registry import ModelEntry
 from router.audio_input import InputAudio
+from router.mic_tokens import ReplicaMicTokens
 
 WAV_MAGIC = b"RIFF"
 RATES = ", ".join(str(r) for r in SUPPORTED_RATES_HZ)
@@ -48,9 +52,14 @@ def check_rate(sample_rate_hz: object, field: str) -> int:
 class MicTurn:
     """The user's audio of one turn, fed to `entry`'s front end piece by piece."""
 
-    def __init__(self, entry: ModelEntry, config: SpeechInConfig, sample_rate_hz: int, fields: MicFields) -> None:
+    def __init__(
+        self, entry: ModelEntry, config: SpeechInConfig, sample_rate_hz: int, fields: MicFields,
+        forward: ReplicaMicTokens | None = None,
+    ) -> None:  # fmt: skip
+        """`forward`: the pieces' forwarding to a replica that tokenizes them (`RouterCore.mic_forward`)."""
         if not entry.family.lm.takes_audio:
             raise InvalidArgumentError(fields.model, f"{entry.name} takes no audio (it speaks text)")
+        self.forward = forward
         # None: the clip is encoded whole by the LLM replica at the end of the turn
         self.front_end: AudioFrontEnd | None = entry.family.lm.audio_front_end(sample_rate_hz)
         self.config, self.sample_rate_hz, self.fields = config, sample_rate_hz, fields
@@ -80,6 +89,8 @@ class MicTurn:
         self.peak = max(self.peak, float(np.abs(samples.astype(np.int32)).max()) / 32768.0)
         if self.front_end is not None:
             self.front_end.push_pcm16(piece)
+        if self.forward is not None:
+            self.forward.push(piece)
 
     def finish(self) -> tuple[InputAudio, AudioFeatures | None]:
         """The whole clip (checked again by the Job's validation) and its features, computed as it came
@@ -97,9 +108,23 @@ class MicTurn:
         return clip, self.front_end.finish() if self.front_end is not None else None
 
 
-def turn_job(make_job: Callable[..., Job], fields: dict, turn: MicTurn) -> Job:
-    """The turn's Job: the config's fields with the whole clip (validated as any clip is) and the
-    features its front end computed as the audio came (so the LLM replica only encodes)."""
-    clip, features = turn.finish()
-    job = make_job(**{**fields, "input_audio": clip})
-    return job if features is None else dataclasses.replace(job, audio_features=features)
+    async def abandon(self) -> None:
+        """The turn ends without a Job (a refusal, the client gone): a replica tokenizing it drops it."""
+        if self.forward is not None:
+            await self.forward.cancel()
+
+
+async def turn_job(make_job: Callable[..., Job], fields: dict, turn: MicTurn, reading: Awaitable[None]) -> Job:
+    """The turn's Job once `reading` (the endpoint's loop feeding `turn`) ends: the config's fields with the
+    whole clip (validated as any clip is), the features its front end computed as the audio came (so the
+    LLM replica only encodes), or the speech tokens a replica computed as it came. A turn that fails
+    (a refusal, an idle client, one that left) is abandoned."""
+    try:
+        await reading
+        clip, features = turn.finish()
+        job = make_job(**{**fields, "input_audio": clip})
+    except BaseException:
+        await asyncio.shield(turn.abandon())
+        raise
+    tokens = await turn.forward.tokens() if turn.forward is not None else None
+    return dataclasses.replace(job, audio_features=features, audio_tokens=tokens)

@@ -161,11 +161,11 @@ class MicEndpoint:
                 fields, rate = mic_config(first)
                 core = self.core_for(fields["model"])
                 req_id = fields["req_id"] = fields["req_id"] or fallback_req_id
-                turn = MicTurn(core.entry, core.config.speech_in, rate, FIELDS)
+                turn = MicTurn(core.entry, core.config.speech_in, rate, FIELDS, core.mic_forward(rate))
                 ready = {"type": "ready", "request_id": req_id, "sample_rate_hz": core.entry.sample_rate_hz}
                 await websocket.send_text(json.dumps(ready))
-                await read_turn(websocket, turn, core.config.incremental.idle_timeout_s)
-                job = turn_job(core.job, fields, turn)
+                reading = read_turn(websocket, turn, core.config.incremental.idle_timeout_s)
+                job = await turn_job(core.job, fields, turn, reading)
                 rate_out = core.entry.sample_rate_hz
                 header = streaming_wav_header(rate_out) if job.output_format == "wav" else b""
                 async with aclosing(core.run(job)) as stream:  # closed on any failure: the replica frees it

@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ from core.messages import (
     Failed,
     Invalid,
     Job,
+    MicPiece,
+    MicTokens,
     Moved,
     Queued,
     Rejected,
@@ -47,6 +50,7 @@ from router.jobs import (
     job_from_fields,
 )
 from router.metrics import RouterMetrics
+from router.mic_tokens import ReplicaMicTokens
 from router.native_session import NativeTextSession, TextRoute
 from router.playback import PlaybackTracker, TextPacedPlayback
 from router.rebalance import Rebalancer
@@ -288,6 +292,17 @@ class RouterCore:
                 await self._back_off_to_resume(job.req_id, err, progress, num_lost)
                 num_lost += 1
                 resume = dataclasses.replace(progress.resume_state(), text_pieces=pieces)
+
+    def mic_forward(self, sample_rate_hz: int) -> ReplicaMicTokens | None:
+        """A streamed turn's forwarding to an LLM replica that tokenizes it as it comes (families whose
+        speech tokenizer needs the weights: `tokenizes_mic_audio`); None: the Router's front end serves."""
+        if not self.entry.family.lm.tokenizes_mic_audio:
+            return None
+        return ReplicaMicTokens(self.send_mic_piece, uuid.uuid4().hex, sample_rate_hz)
+
+    async def send_mic_piece(self, piece: MicPiece) -> MicTokens:
+        """A turn's piece to the LLM replica tokenizing it (the first one: to the best ranked)."""
+        return await self.llm_text.mic_piece.remote(piece)
 
     async def send_text(self, piece: TextPiece) -> bool | Invalid:
         """False when the piece's replica does not have its stream (any more), or is lost."""

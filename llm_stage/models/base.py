@@ -77,6 +77,15 @@ class AudioFrontEnd(Protocol):
     def finish(self) -> AudioFeatures: ...
 
 
+class MicAudioTokenizer(Protocol):
+    """A speech-in family's tokenizer on one microphone turn, run by the LLM replica (it needs the model's
+    weights) as the pieces arrive: PCM16 pushed as it comes, the turn's speech tokens at `finish`."""
+
+    def push_pcm16(self, pcm16: bytes) -> None: ...
+
+    def finish(self) -> torch.Tensor: ...
+
+
 class LMAdapter(ABC):
     """One model family's LM side. Subclasses set the class attributes and `backbone`."""
 
@@ -108,6 +117,8 @@ class LMAdapter(ABC):
     # set its system turn (`Job.system`); `transcription_system` gives a transcription's
     answers_text_only: bool = False
     takes_chat_history: bool = False  # speech in: a Job may carry a conversation's earlier turns (`Job.history`)
+    # speech in: a streamed turn's audio is tokenized on an LLM replica as it arrives (`mic_tokenizer`)
+    tokenizes_mic_audio: bool = False
     # text characters per prompt position, to estimate a prompt before it is tokenized (admission,
     # `estimate_prompt_positions`): a BPE tokenizer's ~4 on English
     prompt_chars_per_position: float = 4.0
@@ -125,6 +136,11 @@ class LMAdapter(ABC):
     def audio_front_end(cls, sample_rate_hz: int) -> AudioFrontEnd | None:
         """A front end for a turn streamed at `sample_rate_hz` (None: the family takes no streamed audio).
         The Router runs it as the audio arrives, without the model's weights."""
+        return None
+
+    def mic_tokenizer(self, sample_rate_hz: int) -> MicAudioTokenizer | None:
+        """A tokenizer for one turn streamed at `sample_rate_hz` (families with `tokenizes_mic_audio`; None:
+        not here). The LLM replica feeds it the turn's pieces; its tokens come back in `Job.audio_tokens`."""
         return None
 
     @classmethod

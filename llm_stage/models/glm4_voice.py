@@ -39,6 +39,7 @@ from llm_stage.models.glm4_voice_lm import (
     is_glm4_voice_config,
     load_glm4_voice,
 )
+from llm_stage.models.glm4_voice_stream import MicTokenizer
 from llm_stage.models.glm4_voice_tokenizer import SpeechTokenizer as WhisperVQTokenizer
 from llm_stage.models.tokenizers import ByteTokenizer, TextTokenizer
 from llm_stage.request import Request, Token
@@ -83,6 +84,7 @@ class Glm4VoiceAdapter(LMAdapter):
     takes_audio = True
     answers_text_only = True
     takes_chat_history = True
+    tokenizes_mic_audio = True  # its speech tokenizer needs the weights: run on the replica as a turn streams
     no_voices_note = "none; speech in (takes audio), answers in text + speech in the decoder's voice"
     max_text_chars = 4000
     # the published demo's sampling (web_demo.py: temperature 0.2, top_p 0.8, max_new_tokens 2000)
@@ -135,19 +137,33 @@ class Glm4VoiceAdapter(LMAdapter):
         return super().estimate_prompt_positions(job) + system_positions + CHAT_MARKER_POSITIONS + turns
 
     def job_prompt(self, job: Job) -> list[Token]:
-        """The job's conversation in the published prompt; its clips tokenized in one call."""
+        """The job's conversation in the published prompt; its clips tokenized in one call (but a streamed
+        turn's, tokenized as it came: `Job.audio_tokens`)."""
+        streamed = job.audio_tokens is not None
         clips = [turn.audio for turn in job.history if turn.audio is not None]
-        clips += [job.audio] if job.audio is not None else []
+        clips += [job.audio] if job.audio is not None and not streamed else []
         speech = iter(self.clip_tokens(clips))
         earlier: list[tuple[str, str, list[int] | None]] = []
         for turn in job.history:
             earlier.append((turn.role, turn.text, next(speech) if turn.audio is not None else None))
-        last = next(speech) if job.audio is not None else None
+        last = None
+        if job.audio is not None:
+            last = list(job.audio_tokens) if job.audio_tokens is not None else next(speech)
         system = job.system or (SPEECH_SYSTEM if job.audio is not None else TEXT_SYSTEM)
         prompt = self.chat_prompt(earlier, job.text, last, system)
         if job.text_only:
             self._text_only.add(job.req_id)
         return prompt
+
+    def mic_tokenizer(self, sample_rate_hz: int) -> MicTokenizer | None:
+        """The streamed WhisperVQ tokenizer (`glm4_voice_stream`: 4 s blocks encoded as their audio comes);
+        None without a speech tokenizer, or one whose structure cannot stream (the clip is tokenized whole)."""
+        if not isinstance(self.speech_tokenizer, WhisperVQTokenizer):
+            return None
+        try:
+            return MicTokenizer(self.speech_tokenizer, sample_rate_hz)
+        except ValueError:
+            return None
 
     def clip_tokens(self, clips: list[AudioClip]) -> list[list[int]]:
         """Each clip's speech tokens (0..16383), from the speech tokenizer in one batched call."""

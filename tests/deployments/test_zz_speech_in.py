@@ -6,7 +6,8 @@ the ingress refuses names its field. The same app transcribes (`POST /v1/audio/t
 `openai` SDK, and gRPC `Transcribe`): a text-only stream whose text equals the in-process one; a gRPC
 Synthesize with `text_only` answers with the in-process text-only answer in text chunks alone. (The
 in-process checks: tests/cluster/test_speech_in_pipeline.py.) GLM-4-Voice, the family reading audio as
-speech tokens, answers a clip over gRPC with the in-process answer's text."""
+speech tokens, answers a clip over gRPC with the in-process answer's text, and the same clip streamed
+over Converse and the WebSocket (tokenized on an LLM replica as it came) the same."""
 
 from __future__ import annotations
 
@@ -126,6 +127,13 @@ def test_glm4_voice_takes_a_clip_and_answers_text_and_audio_as_in_process(cluste
         assert expected.text and "".join(c.text for c in outcome.chunks) == expected.text
         assert outcome.pcm16 and expected.pcm16
         assert {c.sample_rate_hz for c in outcome.chunks if c.audio} == {22_050}
+        # streamed in pieces, tokenized on an LLM replica as they came: the same answer
+        streamed = _converse(endpoint, pcm, 16_000, "glm-mic", text="")
+        assert "".join(c.text for c in streamed) == expected.text and streamed[-1].final
+        texts, _, code = _converse_websocket(endpoint, pcm, 16_000, "glm-mic-ws", "", (GLM4_VOICE, 22_050))
+        assert code == 1000 and "".join(texts) == expected.text
+        stats = serve.get_deployment_handle("LLMStage", GLM4_VOICE.app_name).stats.remote().result()
+        assert stats["mic_turns_tokenized"] == 2 and stats["mic_turns_open"] == 0  # (one LLM replica)
     finally:
         serve.delete(GLM4_VOICE.app_name)
 
@@ -337,14 +345,14 @@ def _assert_same_audio(got_pcm: bytes, want_pcm: bytes) -> None:
     assert np.abs(got - want).max() <= MAX_PCM_STEPS
 
 
-def _converse(endpoint, pcm: bytes, rate: int, request_id: str) -> list:
+def _converse(endpoint, pcm: bytes, rate: int, request_id: str, text: str = "Answer.") -> list:
     """One turn over gRPC Converse: the config, the pieces, end_of_turn; every chunk of the answer."""
     from protos import voxray_pb2_grpc
 
     def requests():
         audio = voxray_pb2.InputAudio(format=voxray_pb2.INPUT_AUDIO_PCM16, sample_rate_hz=rate)
         yield voxray_pb2.ConverseRequest(config=voxray_pb2.SynthesizeRequest(
-            text="Answer.", request_id=request_id, sampling=voxray_pb2.SamplingOptions(**SAMPLING),
+            text=text, request_id=request_id, sampling=voxray_pb2.SamplingOptions(**SAMPLING),
             input_audio=audio))  # fmt: skip
         for start in range(0, len(pcm), PIECE_BYTES):
             yield voxray_pb2.ConverseRequest(audio=pcm[start : start + PIECE_BYTES])
@@ -355,19 +363,24 @@ def _converse(endpoint, pcm: bytes, rate: int, request_id: str) -> list:
         return list(stub.Converse(requests(), metadata=(("application", endpoint.app_name),), timeout=240))
 
 
-def _converse_websocket(endpoint, pcm: bytes, rate: int, request_id: str) -> tuple[list[str], bytes, int]:
-    """One turn over the WebSocket: its text messages, its audio bytes and the close code."""
+def _converse_websocket(
+    endpoint, pcm: bytes, rate: int, request_id: str, text: str = "Answer.", served: tuple = (SPEECH_IN, 24_000)
+) -> tuple[list[str], bytes, int]:
+    """One turn over the WebSocket (of `served`: the app's config and its audio rate): its text messages,
+    its audio bytes and the close code."""
     import json
 
     from websockets.exceptions import ConnectionClosed
     from websockets.sync.client import connect
 
-    url = endpoint.http_url.replace("http://", "ws://", 1) + SPEECH_IN.route_prefix + "/v1/audio/converse"
+    app, rate_out = served
+    url = endpoint.http_url.replace("http://", "ws://", 1) + app.route_prefix + "/v1/audio/converse"
     texts, audio = [], bytearray()
     with connect(url, open_timeout=60) as ws:
-        ws.send(json.dumps({"text": "Answer.", "sampling": SAMPLING, "request_id": request_id,
+        ws.send(json.dumps({"text": text, "sampling": SAMPLING, "request_id": request_id,
                             "input_audio": {"format": "pcm16", "sample_rate_hz": rate}}))  # fmt: skip
-        assert json.loads(ws.recv(timeout=60)) == {"type": "ready", "request_id": request_id, "sample_rate_hz": 24000}
+        ready = {"type": "ready", "request_id": request_id, "sample_rate_hz": rate_out}
+        assert json.loads(ws.recv(timeout=60)) == ready
         for start in range(0, len(pcm), PIECE_BYTES):
             ws.send(pcm[start : start + PIECE_BYTES])
         ws.send(json.dumps({"end_of_turn": True}))

@@ -88,7 +88,10 @@ def test_converse_config_asks_for_a_text_only_turn() -> None:
     def make_job(**job_fields):
         return job_from_fields(STEP_AUDIO, AdmissionConfig(), **job_fields)
 
-    job = turn_job(make_job, fields, turn)
+    async def fed() -> None:  # (the turn's pieces were pushed above)
+        return None
+
+    job = asyncio.run(turn_job(make_job, fields, turn, fed()))
     assert job.text_only and job.audio.duration_s == 0.5 and job.audio_features is not None
 
 

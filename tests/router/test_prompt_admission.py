@@ -195,3 +195,15 @@ def test_prompts_waiting_to_prefill_there_hold_back_a_request_starting_now():
     assert credible_ttfa_s(measured, TTS) == pytest.approx(predict_ttfa_s(queued, work=TTS))
     full = dict(num_active=16, ends_in_s=(3.0,))  # past its stream limit: it waits for a slot first
     assert predict_ttfa_s(replace(queued, **full)) == pytest.approx(predict_ttfa_s(replace(clear, **full)))
+
+
+def test_a_turn_tokenized_as_it_came_is_charged_its_positions_and_no_encoder():
+    from llm_stage.models.glm4_voice import Glm4VoiceAdapter
+
+    job = build_job(Glm4VoiceAdapter, text="", audio=clip(8.0))
+    whole, streamed = (
+        prompt_work(Glm4VoiceAdapter, job),
+        prompt_work(Glm4VoiceAdapter, replace(job, audio_tokens=(1,) * 100)),
+    )
+    assert whole.audio_s == whole.front_end_audio_s == pytest.approx(8.0)
+    assert streamed.audio_s == streamed.front_end_audio_s == 0.0 and streamed.num_positions == whole.num_positions
