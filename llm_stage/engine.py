@@ -393,6 +393,8 @@ class LLMEngine:
                 self._prepared_rows[(id(req), codebook)] = self._sampling_row(req, codebook)
         if not self.prepares_row_tables or not reqs or any(r.sampling.is_repetition_aware for r in reqs):
             return
+        if self.adapter.inner_loop is not None and self.draws.chains_on_device(reqs):
+            return  # the frame draws on the device (`StepDraws`), not from a codebook-major table
         keys = [(id(r), k) for r in reqs for k in codebooks]
         rows = [self._prepared_rows[key] for key in keys]
         self._prepared_table = (keys, RowTable.of(rows, 0, self.runner.device))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -19,8 +20,11 @@ import torch.nn.functional as F
 
 from core.graphs import GraphCache, graphs_available, padded_size
 from core.transfer import to_device
-from llm_stage.request import Token
+from llm_stage.request import Request, Token
 from llm_stage.sampler import SamplingRow, pick_on_device, row_keys_np
+
+if TYPE_CHECKING:
+    from llm_stage.models.base import Draws
 
 # (logits [B, V] float of inner codebook k, k) -> [B] ids on the device
 DeviceDrawK = Callable[[torch.Tensor, int], torch.Tensor]
@@ -133,15 +137,31 @@ class StaticKV:
 
 # (hidden [B, H] of the backbone, first [B] codebook-0 ids, table) -> [B, K - 1] ids of codebooks 1..K-1
 InnerFn = Callable[[torch.Tensor, torch.Tensor, InnerTable], torch.Tensor]
+# the family's inner loop on the same hidden and first ids with other draws (eager) -> [B, K - 1] ids
+EagerCodes = Callable[[DeviceDrawK], torch.Tensor]
 
 
 class InnerLoop:
-    """`fn` over batches padded to `sizes`, one CUDA graph per size (captured on its first batch), eager
-    where graphs are not available (the same padded computation) or past the largest size (unpadded)."""
+    """`fn` over batches padded to `sizes`, one CUDA graph per size (captured on its first batch, or
+    before serving by `capture_all`), eager where graphs are not available (the same padded computation)
+    or past the largest size (unpadded)."""
 
-    def __init__(self, fn: InnerFn, name: str) -> None:
+    def __init__(self, fn: InnerFn, num_codebooks: int, name: str) -> None:
         self.fn = fn
+        self.num_inner = num_codebooks - 1  # codebooks 1..K-1
         self.graphs = GraphCache(self._static, name)
+
+    def frame(
+        self, draw: Draws, reqs: list[Request], hidden: torch.Tensor, first: torch.Tensor, eager: EagerCodes
+    ) -> list[Token]:
+        """Codebooks 1..K-1 after `first` [B] on the device, the frame read back once: this loop on the rows'
+        table, or (a row's inner draws are penalised) `eager`, each draw with its penalty (`draw.on_device`)."""
+        table = draw.inner_table(reqs, range(1, self.num_inner + 1), hidden.device)
+        if table is None:
+            rest = eager(lambda logits, k: draw.on_device(logits, None, reqs, [k] * len(reqs)))
+        else:
+            rest = self.run(hidden, first, table, draw.graph_sizes)
+        return frame_tokens(first, rest)
 
     def run(self, hidden: torch.Tensor, first: torch.Tensor, table: InnerTable, sizes: Sequence[int]) -> torch.Tensor:
         count = hidden.shape[0]
@@ -153,14 +173,14 @@ class InnerLoop:
             return self.graphs(*inputs)[:count].clone()  # (the graph's output buffer is reused by its next replay)
         return self._static(*inputs)[:count]
 
-    def capture_all(self, sizes: Sequence[int], num_inner: int, like_hidden: torch.Tensor) -> int:
+    def capture_all(self, sizes: Sequence[int], like_hidden: torch.Tensor) -> int:
         """Capture every size before serving, on padding rows with hidden [size, H] like `like_hidden`
         (its width, dtype and device); returns how many sizes are captured (0 off CUDA)."""
         device = like_hidden.device
         for size in sizes:
             hidden = like_hidden.new_zeros(size, like_hidden.shape[-1])
             first = torch.zeros(size, dtype=torch.long, device=device)
-            self.graphs.capture([hidden, first, *InnerTable.padding(size, num_inner, device).tensors()])
+            self.graphs.capture([hidden, first, *InnerTable.padding(size, self.num_inner, device).tensors()])
         return self.num_captured
 
     @property

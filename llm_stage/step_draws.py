@@ -66,6 +66,6 @@ def capture_inner_loop(adapter: LMAdapter, sizes: Sequence[int]) -> int:
     backbone = adapter.backbone
     if adapter.inner_loop is None or not sizes or not graphs_available(backbone.lm_head_weight.device):
         return 0
-    captured = adapter.inner_loop.capture_all(sizes, adapter.num_codebooks - 1, backbone.lm_head_weight)
+    captured = adapter.inner_loop.capture_all(sizes, backbone.lm_head_weight)
     logger.info("captured %d inner-loop CUDA graphs of %s", captured, list(sizes))
     return captured

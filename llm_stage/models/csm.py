@@ -18,7 +18,7 @@ from core.checkpoints import hf_loader, load_or_preset, resolve_model_ref
 from core.config import ModelConfig
 from core.messages import ContextTurn, Job, SamplingParams
 from detok_stage.codecs.mimi_codec import MimiCodec, shared_mimi, tiny_mimi_config
-from llm_stage.inner_loop import InnerLoop, frame_tokens
+from llm_stage.inner_loop import InnerLoop
 from llm_stage.models.base import Draws, FrameBuilder, LMAdapter, ModelFamily
 from llm_stage.models.csm_depth import DepthRunner
 from llm_stage.models.llama import LlamaBackbone
@@ -86,7 +86,7 @@ class CsmAdapter(LMAdapter):
         self.pad_token = (0,) * self.num_codebooks + (model.config.pad_token_id,)
         self.eos_code = model.config.codebook_eos_token_id
         self.depth = DepthRunner(model.depth_decoder)
-        self.inner_loop = InnerLoop(self.depth.static_codes, "csm depth decoder")  # one CUDA graph per batch size
+        self.inner_loop = InnerLoop(self.depth.static_codes, self.num_codebooks, "csm depth decoder")  # graph per size
 
     @classmethod
     def build(cls, config: ModelConfig) -> CsmAdapter:
@@ -138,11 +138,8 @@ class CsmAdapter(LMAdapter):
         if not draw.chains_on_device(reqs):
             return self._sample_on_host(hidden, logits, reqs, draw)
         first = draw.on_device(logits, None, reqs, [0] * len(reqs))  # [B]
-        table = draw.inner_table(reqs, range(1, self.num_codebooks), hidden.device)
-        if table is None:  # penalised inner draws: each with its penalty, the chain eager
-            row_draw = lambda codebook_logits, k: draw.on_device(codebook_logits, None, reqs, [k] * len(reqs))  # noqa: E731
-            return frame_tokens(first, self.depth.codes_on_device(hidden, first, row_draw))
-        return frame_tokens(first, self.inner_loop.run(hidden, first, table, draw.graph_sizes))
+        eager = lambda row_draw: self.depth.codes_on_device(hidden, first, row_draw)  # noqa: E731
+        return self.inner_loop.frame(draw, reqs, hidden, first, eager)
 
     def _sample_on_host(
         self, hidden: torch.Tensor, logits: torch.Tensor, reqs: list[Request], draw: Draws

@@ -25,7 +25,7 @@ from core.config import ModelConfig
 from core.errors import InvalidArgumentError
 from core.messages import Job, SamplingParams
 from detok_stage.codecs.qwen3_tts_codec import Qwen3TTSCodec
-from llm_stage.inner_loop import InnerLoop, frame_tokens
+from llm_stage.inner_loop import InnerLoop
 from llm_stage.models.base import Draws, FrameBuilder, LMAdapter, ModelFamily
 from llm_stage.models.llama import LlamaBackbone
 from llm_stage.models.qwen3_tts_talker import PredictorRunner, Qwen3TTSModel, TalkerSpec, qwen3_config
@@ -146,9 +146,9 @@ class Qwen3TTSAdapter(LMAdapter):
         super().__init__(LlamaBackbone(shim))  # type: ignore[arg-type]
         self.model, self.spec, self.tokenizer = model, spec, tokenizer
         self.predictor = PredictorRunner(talker.code_predictor)
-        codes = self.predictor.static_codes(talker.model.codec_embedding)
-        self.inner_loop = InnerLoop(codes, "qwen3-tts code predictor")  # one CUDA graph per batch size
         self.num_codebooks = spec.num_codebooks
+        codes = self.predictor.static_codes(talker.model.codec_embedding)
+        self.inner_loop = InnerLoop(codes, self.num_codebooks, "qwen3-tts code predictor")  # a CUDA graph per size
         self.input_width = self.num_codebooks + 1
         self.pad_token = (NONE,) * self.input_width
         fields = spec.talker
@@ -276,11 +276,8 @@ class Qwen3TTSAdapter(LMAdapter):
             return self._sample_on_host(hidden, logits, cand, reqs, draw)
         first = draw.on_device(logits, cand, reqs, [0] * len(reqs))  # [B]
         embedding = self.model.talker.model.codec_embedding
-        table = draw.inner_table(reqs, range(1, self.num_codebooks), hidden.device)
-        if table is None:  # penalised inner draws: each with its penalty, the chain eager
-            row_draw = lambda codebook_logits, k: draw.on_device(codebook_logits, None, reqs, [k] * len(reqs))  # noqa: E731
-            return frame_tokens(first, self.predictor.codes_on_device(hidden, first, embedding, row_draw))
-        return frame_tokens(first, self.inner_loop.run(hidden, first, table, draw.graph_sizes))
+        eager = lambda row_draw: self.predictor.codes_on_device(hidden, first, embedding, row_draw)  # noqa: E731
+        return self.inner_loop.frame(draw, reqs, hidden, first, eager)
 
     def _sample_on_host(
         self, hidden: torch.Tensor, logits: torch.Tensor, cand: torch.Tensor | None, reqs: list[Request], draw: Draws

@@ -49,17 +49,24 @@ def adapter(family: str) -> LMAdapter:
     return widened(Qwen3TTSAdapter.build(ModelConfig(name="qwen3-tts-tiny", seed=5)), seed=2)
 
 
-def engine(ad: LMAdapter, on_device: bool, sizes: tuple[int, ...] = ()) -> LLMEngine:
-    scheduler = SchedulerConfig(max_batch_size=4, prefill_token_budget=64, cuda_graph_batch_sizes=sizes)
+def engine(ad: LMAdapter, on_device: bool, sizes: tuple[int, ...] = (), async_steps: bool = False) -> LLMEngine:
+    """`sizes`: the graph sizes (the inner loop pads to them; on CUDA captures them); none: eager."""
+    scheduler = SchedulerConfig(
+        max_batch_size=4, prefill_token_budget=64, cuda_graphs=bool(sizes), cuda_graph_batch_sizes=sizes,
+        async_steps=async_steps,
+    )  # fmt: skip
     return LLMEngine(ad, CacheConfig(num_slots=4, max_seq_len=256), scheduler, chain_frames_on_device=on_device)
 
 
-def codes(ad: LMAdapter, on_device: bool, rows: list[dict], sizes: tuple[int, ...] = (), frames: int = 8):
-    eng = engine(ad, on_device, sizes)
-    for i, fields in enumerate(rows):
-        sampling = {**ad.default_sampling.model_dump(), "max_tokens": frames, **fields}
-        eng.add_request(f"r{i}", "say it " * (i + 1), None, sampling)
-    return eng.run_to_completion()
+def codes(ad: LMAdapter, on_device: bool, rows: list[dict], sizes: tuple[int, ...] = (), frames: int = 8, **sched):
+    eng = engine(ad, on_device, sizes, **sched)
+    try:
+        for i, fields in enumerate(rows):
+            sampling = {**ad.default_sampling.model_dump(), "max_tokens": frames, **fields}
+            eng.add_request(f"r{i}", "say it " * (i + 1), None, sampling)
+        return eng.run_to_completion()
+    finally:
+        eng.close()
 
 
 @contextmanager
@@ -90,6 +97,15 @@ def test_static_inner_loop_gives_the_host_paths_codes(family, rows, sizes):
     assert got == want
     assert calls and max(calls) == len(rows)
     assert all(len(tokens) >= 2 * ad.num_codebooks for tokens in want.values())  # frames were drawn
+
+
+@pytest.mark.parametrize("family", ["csm", "qwen3-tts"])
+def test_async_steps_chain_frames_with_the_host_paths_codes(family):
+    ad = adapter(family)
+    want = codes(ad, on_device=False, rows=MIXED)
+    with inner_loop_calls(ad) as calls:
+        assert codes(ad, on_device=True, rows=MIXED, sizes=(2, 4), async_steps=True) == want
+    assert calls
 
 
 @pytest.mark.parametrize("family", ["csm", "qwen3-tts"])
@@ -174,7 +190,7 @@ def test_inner_loop_pads_to_its_sizes_and_captures_nothing_off_cuda():
     unpadded = ad.inner_loop.run(hidden, first, table, ())
     assert unpadded.shape == (3, ad.num_codebooks - 1)
     assert torch.equal(ad.inner_loop.run(hidden, first, table, (1, 8)), unpadded)
-    assert ad.inner_loop.capture_all((1, 8), ad.num_codebooks - 1, hidden) == 0
+    assert ad.inner_loop.capture_all((1, 8), hidden) == 0
 
 
 def test_inner_graph_sizes_stop_at_the_first_that_holds_the_batch():
