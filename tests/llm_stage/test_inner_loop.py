@@ -193,6 +193,37 @@ def test_inner_loop_pads_to_its_sizes_and_captures_nothing_off_cuda():
     assert ad.inner_loop.capture_all((1, 8), hidden) == 0
 
 
+SYNCING_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "item"}
+
+
+class OpNames(TorchDispatchMode):
+    """The aten ops run inside the mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("family", ["csm", "qwen3-tts"])
+@torch.inference_mode()
+def test_what_a_graph_captures_runs_no_op_that_waits_for_the_host(family):
+    """The captured function (padding rows, mixed greedy / filtered rows) runs no op with a data-dependent
+    shape or a scalar read: the ops that would sync a CUDA stream, or fail its capture."""
+    ad = adapter(family)
+    hidden = torch.randn(2, ad.backbone.hidden_size)
+    table = InnerTable.padding(2, ad.num_codebooks - 1, hidden.device)
+    table = InnerTable(table.temperature, table.top_k + 5, table.top_p * 0.9, table.top_p * 0.01,
+                       torch.tensor([True, False]), table.keys + 17)  # fmt: skip
+    with OpNames() as ops:
+        codes = ad.inner_loop.run(hidden, torch.tensor([3, 4]), table, (4,))
+    assert codes.shape == (2, ad.num_codebooks - 1)
+    assert "sort" in ops.names and not ops.names & SYNCING_OPS
+
+
 def test_inner_graph_sizes_stop_at_the_first_that_holds_the_batch():
     assert inner_graph_sizes((1, 2, 4, 8, 16, 24), 5) == (1, 2, 4, 8)
     assert inner_graph_sizes((1, 2), 5) == (1, 2)
