@@ -164,6 +164,7 @@ class InnerLoop:
         return frame_tokens(first, rest)
 
     def run(self, hidden: torch.Tensor, first: torch.Tensor, table: InnerTable, sizes: Sequence[int]) -> torch.Tensor:
+        """[B, K-1] ids: the graph of the size B pads to (zero hidden, greedy padding rows), else `fn` eagerly."""
         count = hidden.shape[0]
         size = padded_size(sorted(sizes), count)
         if size is None:
