@@ -39,6 +39,7 @@ from llm_stage.request import FinishReason, Request, RequestStatus, Token
 from llm_stage.runner import ModelRunner
 from llm_stage.sampler import RowTable, SamplingRow, sample
 from llm_stage.scheduler import Scheduler, StepPlan
+from llm_stage.step_draws import StepDraws, capture_inner_loop, inner_graph_sizes
 from llm_stage.text_feed import TextFeed
 
 
@@ -76,7 +77,10 @@ class LLMEngine:
         cache: CacheConfig,
         scheduler: SchedulerConfig,
         seed: int = 0,
+        chain_frames_on_device: bool | None = None,
     ) -> None:
+        """`chain_frames_on_device`: whether a frame's inner loop (CSM, Qwen3-TTS) draws on the device and
+        reads the frame back once; None = on an accelerator (CPU logits sample faster in numpy)."""
         self.adapter = adapter
         self.cache_config = cache
         self.timer = StepTimer(steps_per_frame=adapter.steps_per_frame)
@@ -98,6 +102,10 @@ class LLMEngine:
         self._vocab_size = adapter.backbone.lm_head_weight.shape[0]
         self._histories = PenaltyHistories() if uses_default_history(adapter) else None
         self._frames: dict[str, FrameBuilder] = {}
+        chains = self.prepares_row_tables if chain_frames_on_device is None else chain_frames_on_device
+        inner_sizes = inner_graph_sizes(graph_sizes, scheduler.max_batch_size)
+        self.draws = StepDraws(self._draw, self._sampling_row, self._vocab_size, chains, inner_sizes)
+        capture_inner_loop(adapter, inner_sizes if chains else ())
         self.requests: dict[str, Request] = {}
         self.last_batch_size = 0
 
@@ -364,7 +372,7 @@ class LLMEngine:
         reqs = [rows[i] for i in visible]
         if len(visible) < len(rows):  # (an index list copies to the device: only when twins are dropped)
             hidden = hidden[visible]
-        return self.adapter.sample_tokens(hidden, logits, cand_ids, reqs, self._draw)
+        return self.adapter.sample_tokens(hidden, logits, cand_ids, reqs, self.draws)
 
     def _draw(
         self, logits: torch.Tensor, cand_ids: torch.Tensor | None, reqs: list[Request], codebooks: list[int]
@@ -386,6 +394,8 @@ class LLMEngine:
                 self._prepared_rows[(id(req), codebook)] = self._sampling_row(req, codebook)
         if not self.prepares_row_tables or not reqs or any(r.sampling.is_repetition_aware for r in reqs):
             return
+        if self.adapter.inner_loop is not None and self.draws.chains_on_device(reqs):
+            return  # the frame draws on the device (`StepDraws`), not from a codebook-major table
         keys = [(id(r), k) for r in reqs for k in codebooks]
         rows = [self._prepared_rows[key] for key in keys]
         self._prepared_table = (keys, RowTable.of(rows, 0, self.runner.device))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -184,21 +185,36 @@ def sample_on_device(
         if cand_ids is not None and vocab_size is None:
             vocab_size = int(cand_ids.max()) + 1  # (a read-back: the engine passes its head's rows)
         penalize_on_device(logits, cand_ids, table, vocab_size or logits.shape[1])
-    greedy_pick = logits.argmax(dim=-1)
-    if all(r.params.is_greedy for r in rows):
-        picked = greedy_pick
-    else:
-        scaled = logits / torch.where(table.greedy.unsqueeze(1), 1.0, table.temperature)
-        kept = kept_columns(scaled, table)
-        exponentials = uniforms(table.keys, logits.shape[1]).log().neg()
-        race = torch.where(kept, scaled - exponentials.log(), float("-inf"))
-        picked = torch.where(table.greedy, greedy_pick, race.argmax(dim=-1))
+    picked = logits.argmax(dim=-1) if all(r.params.is_greedy for r in rows) else pick_on_device(logits, table)
     if cand_ids is not None:
         picked = cand_ids.gather(1, picked.unsqueeze(1)).squeeze(1)
     return picked
 
 
-def kept_columns(scaled: torch.Tensor, filters) -> torch.Tensor:
+class DrawTable(Protocol):
+    """What a device draw reads per row: [B, 1] temperature / top_k / top_p / min_p, [B] keys and greedy
+    (`RowTable`, or one codebook of `llm_stage.inner_loop.InnerTable`)."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    keys: torch.Tensor
+    greedy: torch.Tensor
+
+
+def pick_on_device(logits: torch.Tensor, table: DrawTable) -> torch.Tensor:
+    """[B] column per row with no branch on the host (so a CUDA graph can hold it): greedy rows take the
+    argmax, the rest the exponential race over their kept columns (`sample_on_device`'s draw)."""
+    greedy_pick = logits.argmax(dim=-1)
+    scaled = logits / torch.where(table.greedy.unsqueeze(1), 1.0, table.temperature)
+    kept = kept_columns(scaled, table)
+    exponentials = uniforms(table.keys, logits.shape[1]).log().neg()
+    race = torch.where(kept, scaled - exponentials.log(), float("-inf"))
+    return torch.where(table.greedy, greedy_pick, race.argmax(dim=-1))
+
+
+def kept_columns(scaled: torch.Tensor, filters: DrawTable) -> torch.Tensor:
     """[B, C] bool: the columns top-k / top-p / min-p keep, found on each row's sorted values (a
     column tied with the smallest kept value is kept, as transformers' top-k and min-p keep ties)."""
     descending = scaled.sort(dim=-1, descending=True).values
@@ -207,7 +223,7 @@ def kept_columns(scaled: torch.Tensor, filters) -> torch.Tensor:
     return scaled >= descending.gather(1, kept_count - 1)
 
 
-def _filter_sorted(sorted_logits: torch.Tensor, filters) -> torch.Tensor:
+def _filter_sorted(sorted_logits: torch.Tensor, filters: DrawTable) -> torch.Tensor:
     """Top-k, then top-p over the top-k mass, then min-p, on logits sorted descending per row;
     returns them with the cut ranks at -inf. `filters`: [B, 1] top_k / top_p / min_p."""
     ranks = torch.arange(sorted_logits.shape[1], device=sorted_logits.device).unsqueeze(0)

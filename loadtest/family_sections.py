@@ -56,13 +56,20 @@ def rows_per_stream(run: FamilyRun) -> int:
 # --- decode step per rows, eager vs graphs ------------------------------------------------------------------
 
 
+# a family with an inner loop per frame (CSM, Qwen3-TTS): the backbone's graphs with the frame's codebooks drawn
+# per codebook on the host (the path before `llm_stage.inner_loop`), against "graphs" (the inner loop's graphs too)
+HOST_FRAMES = "graphs-host-frames"
+
+
 def step_case(run: FamilyRun, case: StepCase) -> dict:
     """Steady steps of `case.rows` batch rows (guided families: rows / 2 streams, each with its twin)."""
     streams = max(1, case.rows // rows_per_stream(run))
     rows = streams * rows_per_stream(run)  # one guided stream takes 2 rows even where 1 was asked
     max_tokens = STEP_WARM_TOKENS + 40
+    host_frames = case.mode == HOST_FRAMES  # the backbone's graphs, the inner loop drawn per codebook on the host
+    steps = StepCase("graphs" if host_frames else case.mode, rows, case.max_seq_len)
     with never_stopping(run.adapter) as adapter:
-        engine = step_engine(adapter, StepCase(case.mode, rows, case.max_seq_len))
+        engine = step_engine(adapter, steps, chain_frames=False if host_frames else None)
         try:
             sampling = {"max_tokens": max_tokens}
             for i in range(streams):
@@ -76,9 +83,10 @@ def step_case(run: FamilyRun, case: StepCase) -> dict:
 
 def step_ms_section(run: FamilyRun) -> dict:
     args, results = run.args, []
-    cases = [StepCase(mode, rows, STEP_MAX_SEQ_LEN) for rows in args.rows for mode in ("graphs", "eager")]
+    modes = ("graphs", "eager", HOST_FRAMES) if run.adapter.inner_loop is not None else ("graphs", "eager")
+    cases = [StepCase(mode, rows, STEP_MAX_SEQ_LEN) for rows in args.rows for mode in modes]
     for case in cases:
-        if case.mode == "eager" and case.rows not in args.eager_rows:
+        if case.mode != "graphs" and case.rows not in args.eager_rows:
             continue
         row = {"mode": case.mode, "rows": case.rows}
         if run.time_left_s() < 1:
@@ -218,10 +226,14 @@ def cfg_section(run: FamilyRun) -> dict:
 # --- on a GPU: graphs give eager's tokens ---------------------------------------------------------------------
 
 
-def tokens_of(adapter: LMAdapter, graphs: bool, sampling: dict, streams: int) -> dict[str, list]:
+def tokens_of(
+    adapter: LMAdapter, graphs: bool, sampling: dict, streams: int, chain_frames: bool | None = None
+) -> dict[str, list]:
+    """Every stream's tokens; `chain_frames`: the engine's `chain_frames_on_device` (None: on a GPU)."""
     rows = streams * 2  # room for CFG twins
     scheduler = SchedulerConfig(max_batch_size=rows, prefill_token_budget=4096, cuda_graphs=graphs)
-    engine = LLMEngine(adapter, CacheConfig(num_slots=rows, max_seq_len=256), scheduler)
+    cache = CacheConfig(num_slots=rows, max_seq_len=256)
+    engine = LLMEngine(adapter, cache, scheduler, chain_frames_on_device=chain_frames)
     try:
         for i in range(streams):
             engine.add_request(f"p{i}", TEXTS[i % len(TEXTS)], None, {**sampling, "seed": 50 + i})
@@ -230,15 +242,36 @@ def tokens_of(adapter: LMAdapter, graphs: bool, sampling: dict, streams: int) ->
         engine.close()
 
 
+PARITY_SAMPLING = (("greedy", {"temperature": 0.0}), ("seeded", {}))
+
+
 def parity_section(run: FamilyRun) -> dict:
-    """Greedy and seeded: CUDA graphs (the served default on CUDA) give eager's tokens, CFG pairs included."""
+    """Greedy and seeded: CUDA graphs (the served default on CUDA) give eager's tokens, CFG pairs and a
+    frame's inner loop (CSM, Qwen3-TTS: one graph per batch size) included. On CPU: the inner loop chained
+    on the device (what its graphs capture) gives the host draws' tokens."""
     if not run.is_cuda:
-        return {"skipped": "n/a (cpu: graphs fall back to eager)"}
-    out = {}
+        return inner_loop_parity(run)
+    out: dict = {}
     with never_stopping(run.adapter) as adapter:
-        for name, sampling in (("greedy", {"temperature": 0.0}), ("seeded", {})):
+        for name, sampling in PARITY_SAMPLING:
             sampling = {**sampling, "max_tokens": run.args.parity_tokens}
             eager = tokens_of(adapter, False, sampling, run.args.parity_streams)
             out[name] = tokens_of(adapter, True, sampling, run.args.parity_streams) == eager
+    out["ok"] = all(out.values())
+    if adapter.inner_loop is not None:
+        out["inner_loop_graphs"] = adapter.inner_loop.num_captured
+    return out
+
+
+def inner_loop_parity(run: FamilyRun) -> dict:
+    """CPU: a family's inner loop chained on the device (static KV cache, device draws) vs the host draws."""
+    if run.adapter.inner_loop is None:
+        return {"skipped": "n/a (cpu: graphs fall back to eager)"}
+    out: dict = {}
+    with never_stopping(run.adapter) as adapter:
+        for name, sampling in PARITY_SAMPLING:
+            sampling = {**sampling, "max_tokens": run.args.parity_tokens}
+            host = tokens_of(adapter, False, sampling, run.args.parity_streams, chain_frames=False)
+            out[f"inner_loop_{name}"] = tokens_of(adapter, False, sampling, run.args.parity_streams, True) == host
     out["ok"] = all(out.values())
     return out

@@ -258,11 +258,15 @@ def filler_prompts(adapter: OrpheusAdapter, count: int, length: int) -> list[lis
     return [repeated[: length - 1] + [1000 + i] for i in range(count)]
 
 
-def step_engine(adapter: OrpheusAdapter, case: StepCase, positions: int = 0, block_size: int = 16) -> LLMEngine:
-    """`positions`: each row's prompt + max_tokens (what a paged cache reserves per row)."""
+def step_engine(
+    adapter: OrpheusAdapter, case: StepCase, positions: int = 0, block_size: int = 16, chain_frames: bool | None = None
+) -> LLMEngine:
+    """`positions`: each row's prompt + max_tokens (what a paged cache reserves per row); `chain_frames`:
+    the engine's `chain_frames_on_device` (a frame's inner loop on the device; None: on a GPU)."""
     graphs = graph_fields(case.mode == "graphs", (case.rows,))
     scheduler = SchedulerConfig(policy="fcfs", max_batch_size=case.rows, prefill_token_budget=8192, **graphs)
-    return LLMEngine(adapter, step_cache(case, positions or case.max_seq_len, block_size), scheduler)
+    cache = step_cache(case, positions or case.max_seq_len, block_size)
+    return LLMEngine(adapter, cache, scheduler, chain_frames_on_device=chain_frames)
 
 
 def generate_until(engine: LLMEngine, tokens: int) -> None:

@@ -21,6 +21,7 @@ from core.messages import AudioFeatures, Job, SamplingParams
 from detok_stage.codecs.base import CodecAdapter
 from llm_stage.cfg import GuidanceFormula
 from llm_stage.chunking import ChunkSchedule
+from llm_stage.inner_loop import InnerLoop, InnerTable
 from llm_stage.kv_cache import KVCache
 from llm_stage.models.llama import BatchInputs
 from llm_stage.request import Request, Token
@@ -28,6 +29,34 @@ from llm_stage.text_feed import TextFeed
 
 # (logits [N, C], cand ids [N, C] | None, request of each row, codebook of each row) -> sampled ids [N]
 DrawFn = Callable[[torch.Tensor, torch.Tensor | None, list[Request], list[int]], list[int]]
+
+
+class Draws(Protocol):
+    """The engine's draws for one step's rows (`llm_stage.step_draws.StepDraws`). Called as a `DrawFn`
+    they return ids on the host; the families with an inner loop per frame (CSM, Qwen3-TTS) also draw
+    on the device, so a frame's codebooks chain there and are read back once (`llm_stage.inner_loop`)."""
+
+    graph_sizes: tuple[int, ...]  # batch sizes an inner loop pads to and captures (empty: eager)
+
+    def __call__(
+        self, logits: torch.Tensor, cand_ids: torch.Tensor | None, reqs: list[Request], codebooks: list[int]
+    ) -> list[int]: ...
+
+    def chains_on_device(self, reqs: list[Request]) -> bool:
+        """Whether these rows' frame chains on the device (False: CPU logits sample in numpy, or a row
+        samples repetition-aware: today's per-codebook host draws)."""
+        ...
+
+    def on_device(
+        self, logits: torch.Tensor, cand_ids: torch.Tensor | None, reqs: list[Request], codebooks: list[int]
+    ) -> torch.Tensor:
+        """[N] ids on the logits' device, nothing read back (`sampler.sample_on_device`)."""
+        ...
+
+    def inner_table(self, reqs: list[Request], codebooks: range, device: torch.device) -> InnerTable | None:
+        """The rows' sampling inputs for inner `codebooks` as device tensors; None when a row's draws
+        there take a repetition penalty (the chain then draws each codebook with `on_device`)."""
+        ...
 
 
 class Backbone(Protocol):
@@ -122,6 +151,8 @@ class LMAdapter(ABC):
     # text characters per prompt position, to estimate a prompt before it is tokenized (admission,
     # `estimate_prompt_positions`): a BPE tokenizer's ~4 on English
     prompt_chars_per_position: float = 4.0
+    # a frame's inner loop chained on the device, one CUDA graph per batch size (CSM, Qwen3-TTS); None: none
+    inner_loop: InnerLoop | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A family that sets `tokens_per_frame` and not `steps_per_frame` steps once per token."""
@@ -262,7 +293,7 @@ class LMAdapter(ABC):
         return logits
 
     def sample_tokens(
-        self, hidden: torch.Tensor, logits: torch.Tensor, cand: torch.Tensor | None, reqs: list[Request], draw: DrawFn
+        self, hidden: torch.Tensor, logits: torch.Tensor, cand: torch.Tensor | None, reqs: list[Request], draw: Draws
     ) -> list[Token]:
         """Visible rows' hidden [B, H] and merged logits -> one token per row (an int, or K ids)."""
         logits = self.constrain(logits, reqs)

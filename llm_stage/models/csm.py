@@ -18,7 +18,9 @@ from core.checkpoints import hf_loader, load_or_preset, resolve_model_ref
 from core.config import ModelConfig
 from core.messages import ContextTurn, Job, SamplingParams
 from detok_stage.codecs.mimi_codec import MimiCodec, shared_mimi, tiny_mimi_config
-from llm_stage.models.base import DrawFn, FrameBuilder, LMAdapter, ModelFamily
+from llm_stage.inner_loop import InnerLoop
+from llm_stage.models.base import Draws, FrameBuilder, LMAdapter, ModelFamily
+from llm_stage.models.csm_depth import DepthRunner
 from llm_stage.models.llama import LlamaBackbone
 from llm_stage.models.tokenizers import ByteTokenizer, HFTokenizer, TextTokenizer
 from llm_stage.request import Request, Token
@@ -83,6 +85,8 @@ class CsmAdapter(LMAdapter):
         self.input_width = self.num_codebooks + 1
         self.pad_token = (0,) * self.num_codebooks + (model.config.pad_token_id,)
         self.eos_code = model.config.codebook_eos_token_id
+        self.depth = DepthRunner(model.depth_decoder)
+        self.inner_loop = InnerLoop(self.depth.static_codes, self.num_codebooks, "csm depth decoder")  # graph per size
 
     @classmethod
     def build(cls, config: ModelConfig) -> CsmAdapter:
@@ -127,9 +131,21 @@ class CsmAdapter(LMAdapter):
         return all(code == self.eos_code for code in token[: self.num_codebooks - 1])  # type: ignore[index]
 
     def sample_tokens(
-        self, hidden: torch.Tensor, logits: torch.Tensor, cand: torch.Tensor | None, reqs: list[Request], draw: DrawFn
+        self, hidden: torch.Tensor, logits: torch.Tensor, cand: torch.Tensor | None, reqs: list[Request], draw: Draws
     ) -> list[Token]:
-        """Codebook 0 from the backbone logits, then K-1 batched depth-decoder steps."""
+        """Codebook 0 from the backbone logits, then K-1 batched depth-decoder steps: chained on the
+        device and read back once (`llm_stage.inner_loop`), or drawn per codebook on the host."""
+        if not draw.chains_on_device(reqs):
+            return self._sample_on_host(hidden, logits, reqs, draw)
+        first = draw.on_device(logits, None, reqs, [0] * len(reqs))  # [B]
+        eager = lambda row_draw: self.depth.codes_on_device(hidden, first, row_draw)  # noqa: E731
+        return self.inner_loop.frame(draw, reqs, hidden, first, eager)
+
+    def _sample_on_host(
+        self, hidden: torch.Tensor, logits: torch.Tensor, reqs: list[Request], draw: Draws
+    ) -> list[Token]:
+        """transformers' depth decoder on a DynamicCache, each codebook's ids read back and uploaded again
+        (CPU: numpy draws; repetition-aware rows)."""
         codes = [draw(logits, None, reqs, [0] * len(reqs))]  # [k][B]
         depth = self.model.depth_decoder
         cache = DynamicCache(config=depth.config)

@@ -25,7 +25,8 @@ from core.config import ModelConfig
 from core.errors import InvalidArgumentError
 from core.messages import Job, SamplingParams
 from detok_stage.codecs.qwen3_tts_codec import Qwen3TTSCodec
-from llm_stage.models.base import DrawFn, FrameBuilder, LMAdapter, ModelFamily
+from llm_stage.inner_loop import InnerLoop
+from llm_stage.models.base import Draws, FrameBuilder, LMAdapter, ModelFamily
 from llm_stage.models.llama import LlamaBackbone
 from llm_stage.models.qwen3_tts_talker import PredictorRunner, Qwen3TTSModel, TalkerSpec, qwen3_config
 from llm_stage.models.tokenizers import ByteTokenizer, HFTokenizer
@@ -146,6 +147,8 @@ class Qwen3TTSAdapter(LMAdapter):
         self.model, self.spec, self.tokenizer = model, spec, tokenizer
         self.predictor = PredictorRunner(talker.code_predictor)
         self.num_codebooks = spec.num_codebooks
+        codes = self.predictor.static_codes(talker.model.codec_embedding)
+        self.inner_loop = InnerLoop(codes, self.num_codebooks, "qwen3-tts code predictor")  # a CUDA graph per size
         self.input_width = self.num_codebooks + 1
         self.pad_token = (NONE,) * self.input_width
         fields = spec.talker
@@ -264,10 +267,23 @@ class Qwen3TTSAdapter(LMAdapter):
         return logits
 
     def sample_tokens(
-        self, hidden: torch.Tensor, logits: torch.Tensor, cand: torch.Tensor | None, reqs: list[Request], draw: DrawFn
+        self, hidden: torch.Tensor, logits: torch.Tensor, cand: torch.Tensor | None, reqs: list[Request], draw: Draws
     ) -> list[Token]:
-        """Codebook 0 from the talker logits, then the code predictor's K-1 batched steps."""
-        first = draw(self.constrain(logits.float(), reqs), cand, reqs, [0] * len(reqs))
+        """Codebook 0 from the talker logits, then the code predictor's K-1 batched steps: chained on the
+        device and read back once (`llm_stage.inner_loop`), or drawn per codebook on the host."""
+        logits = self.constrain(logits.float(), reqs)
+        if not draw.chains_on_device(reqs):
+            return self._sample_on_host(hidden, logits, cand, reqs, draw)
+        first = draw.on_device(logits, cand, reqs, [0] * len(reqs))  # [B]
+        embedding = self.model.talker.model.codec_embedding
+        eager = lambda row_draw: self.predictor.codes_on_device(hidden, first, embedding, row_draw)  # noqa: E731
+        return self.inner_loop.frame(draw, reqs, hidden, first, eager)
+
+    def _sample_on_host(
+        self, hidden: torch.Tensor, logits: torch.Tensor, cand: torch.Tensor | None, reqs: list[Request], draw: Draws
+    ) -> list[Token]:
+        """Each codebook's ids read back and uploaded again (CPU: numpy draws; repetition-aware rows)."""
+        first = draw(logits, cand, reqs, [0] * len(reqs))
         rest = self.predictor.predict(
             hidden,
             torch.tensor(first, device=hidden.device),

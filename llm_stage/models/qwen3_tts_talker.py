@@ -11,6 +11,7 @@ they are. Used by `llm_stage.models.qwen3_tts`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,7 @@ from transformers import Qwen3Config
 from transformers.activations import ACT2FN
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
+from llm_stage.inner_loop import DeviceDrawK, InnerTable, StaticKV, table_draws
 from llm_stage.models.llama import FusedLayer, apply_rotary, project, rms_norm
 
 # Defaults of the reference configuration classes (qwen-tts 0.1.1) for fields a config.json may omit.
@@ -182,19 +184,20 @@ class PredictorRunner:
             table = self._rope = (cos[0], sin[0])
         return table
 
-    def forward(self, x: torch.Tensor, start: int, cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """x [B, T, talker width] at positions start..start+T-1 -> final-norm hidden of the last one [B, H]."""
+    def forward(self, x: torch.Tensor, start: int, cache: list[tuple[torch.Tensor, torch.Tensor]] | StaticKV):
+        """x [B, T, talker width] at positions start..start+T-1 -> final-norm hidden of the last one [B, H];
+        `cache`: the per-call list the host path grows, or the device path's static buffers."""
         hidden = self.predictor.small_to_mtp_projection(x)
         bsz, seq, _ = hidden.shape
         cos, sin = self.rope(hidden, start + seq)
         cos, sin = cos[start : start + seq].unsqueeze(0), sin[start : start + seq].unsqueeze(0)
         for index, fused in enumerate(self.layers):
             attn_in = rms_norm(fused.layer.input_layernorm, hidden)
-            hidden = hidden + self._attention(index, fused, attn_in, cos, sin, cache)
+            hidden = hidden + self._attention(index, fused, attn_in, cos, sin, cache, start)
             hidden = hidden + fused.mlp_out(rms_norm(fused.layer.post_attention_layernorm, hidden))
         return rms_norm(self.predictor.model.norm, hidden[:, -1])
 
-    def _attention(self, index, fused: FusedLayer, x, cos, sin, cache) -> torch.Tensor:
+    def _attention(self, index, fused: FusedLayer, x, cos, sin, cache, start: int) -> torch.Tensor:
         bsz, seq, _ = x.shape
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = fused.qkv(x).view(bsz, seq, heads + 2 * kv_heads, dim).transpose(1, 2)  # [B, Hq + 2 Hkv, T, D]
@@ -202,6 +205,9 @@ class PredictorRunner:
         q = apply_rotary(attn.q_norm(qkv[:, :heads]), cos, sin)
         k = apply_rotary(attn.k_norm(qkv[:, heads : heads + kv_heads]), cos, sin)
         v = qkv[:, heads + kv_heads :]
+        if isinstance(cache, StaticKV):
+            out = cache.attend(index, q, k, v, start, dim**-0.5)
+            return project(out.transpose(1, 2).reshape(bsz, seq, heads * dim), attn.o_proj.weight, attn.o_proj.bias)
         if index < len(cache):
             past_k, past_v = cache[index]
             k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
@@ -227,3 +233,28 @@ class PredictorRunner:
                 ids = torch.tensor(codes[-1], device=hidden.device)
                 out = self.forward(self.embed_codes(ids, codebook).unsqueeze(1), codebook + 1, cache)
         return codes
+
+    def codes_on_device(
+        self, hidden: torch.Tensor, first: torch.Tensor, talker_codec_embedding: nn.Embedding, draw: DeviceDrawK
+    ) -> torch.Tensor:
+        """`predict` with the draws on the device and a static KV cache of K positions: [B, K-1] ids,
+        nothing read back (a fixed-shape function of tensors when `draw` is `table_draws`)."""
+        num_heads = len(self.predictor.lm_head)
+        kv = StaticKV.empty(len(self.layers), hidden.shape[0], self.num_kv_heads, num_heads + 1, self.head_dim, hidden)
+        x = torch.stack([hidden, talker_codec_embedding(first)], dim=1)  # [B, 2, H]
+        out = self.forward(x, 0, kv)
+        codes: list[torch.Tensor] = []  # [K-1][B]
+        for codebook in range(1, num_heads + 1):
+            head = self.predictor.lm_head[codebook - 1]
+            codes.append(draw(project(out, head.weight).float(), codebook))
+            if codebook < num_heads:
+                out = self.forward(self.embed_codes(codes[-1], codebook).unsqueeze(1), codebook + 1, kv)
+        return torch.stack(codes, dim=1)
+
+    def static_codes(
+        self, talker_codec_embedding: nn.Embedding
+    ) -> Callable[[torch.Tensor, torch.Tensor, InnerTable], torch.Tensor]:
+        """The inner loop `llm_stage.inner_loop.InnerLoop` captures: every draw from the table."""
+        return lambda hidden, first, table: self.codes_on_device(
+            hidden, first, talker_codec_embedding, table_draws(table)
+        )
