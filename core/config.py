@@ -58,6 +58,12 @@ class CacheConfig(_Strict):
         description="slot: num_slots x max_seq_len preallocated; paged: a block pool of num_blocks x block_size "
         "tokens, each sequence reserving the blocks its prompt + max_tokens need at admission.",
     )
+    keep_prompts: bool = Field(
+        True,
+        description="Slot layout, families whose prompt ids are their content (GLM-4-Voice): an ended request's "
+        "prompt KV stays in its slot until a request needs the slot, and a request whose prompt starts the same "
+        "(a conversation's next turn) prefills only the rest.",
+    )
     block_size: int = Field(16, ge=1, le=4096, description="Paged layout: tokens per KV block.")
     num_blocks: int | None = Field(
         None,

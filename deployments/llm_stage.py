@@ -437,6 +437,7 @@ class LLMStage:
             starting_for_s=self._starting_for_s(),
             prefill_tokens_per_s=self.side.engine.prefill_pace.tokens_per_s(timer.measured_step_s),
             queued_prefill_positions=self.side.engine.scheduler.positions_to_prefill(),
+            kept_prompt_keys=self.side.engine.scheduler.kept.keys(),
             encoder_s_per_audio_s=self.side.engine.prefill_pace.encoder_s_per_audio_s(),
             front_end_s_per_audio_s=self.side.engine.prefill_pace.front_end_s_per_audio_s(),
             prefill_token_budget=self.side.engine.scheduler.config.prefill_token_budget,
@@ -501,6 +502,9 @@ class LLMStage:
             "rebalanced_out": self.num_rebalanced_out,  # streams handed to other replicas (rebalance)
             "mic_turns_tokenized": self.mic_turns.num_tokenized,  # streamed turns tokenized here as they came
             "mic_turns_open": len(self.mic_turns.turns),
+            "kv_slots_kept": len(engine.scheduler.kept),  # ended requests' prompt KV kept for a next turn
+            "prompt_reuses": engine.scheduler.kept.num_reuses,  # requests that started on a kept prompt
+            "prompt_positions_reused": engine.scheduler.kept.num_reused_positions,
             "kv_moved_in": sum(self.kv_moves.num_in.values()),  # streams that arrived with their KV rows
             **self.kv_moves.stats(),  # kv_moved_in_over (gloo / object_store), kv_bytes_moved_in, fallbacks
             "replica": self.replica_tag,
@@ -707,8 +711,12 @@ class LLMStage:
         return time.monotonic() + max(0.0, job.ttfa_deadline_s - first_output_s)
 
     def _prompt_work(self, job: Job) -> PromptWork:
-        """The prompt work `job` brings (router.admission charges it at this replica's measured pace)."""
-        return prompt_work(type(self.side.engine.adapter), job)
+        """The prompt work `job` brings here (router.admission charges it at this replica's measured pace):
+        less its earlier turns when this replica kept their prompt."""
+        work = prompt_work(type(self.side.engine.adapter), job)
+        if work.earlier_key is not None and work.earlier_key in self.side.engine.scheduler.kept.keys():
+            return work.on_kept_prompt()
+        return work
 
     def _has_room(self) -> bool:
         running = len(self.streams) - len(self.held)

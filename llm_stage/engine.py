@@ -35,6 +35,7 @@ from llm_stage.jobs import build_job
 from llm_stage.migration import KVSnapshot, fits, put_rows, take_rows
 from llm_stage.models.base import FrameBuilder, LMAdapter
 from llm_stage.prefill_pace import PrefillPace
+from llm_stage.prompt_work import next_turn_key
 from llm_stage.request import FinishReason, Request, RequestStatus, Token
 from llm_stage.runner import ModelRunner
 from llm_stage.sampler import RowTable, SamplingRow, sample
@@ -89,6 +90,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             scheduler, cache, adapter.eos_token_ids, self.policy, adapter.is_stop, adapter.record_token
         )
+        # an ended request's prompt KV stays in its slot for the conversation's next turn (`kept_prompts`)
+        self.keeps_prompts = cache.keep_prompts and adapter.reuses_prompt_kv and cache.layout == "slot"
         graph_sizes = decode_graph_sizes(scheduler, adapter.backbone.lm_head_weight.device)
         self.runner = ModelRunner(adapter, cache, graph_sizes, self.scheduler.blocks)
         self._forward_thread = ThreadPoolExecutor(1, "llm-forward") if scheduler.async_steps else None
@@ -134,7 +137,10 @@ class LLMEngine:
             prompt = self._job_prompt(job)
             guided = job.sampling.guidance_scale is not None
             uncond = self.adapter.unconditional_job_prompt(job) if guided else None
-            return self.add_prompt(job.req_id, prompt, job.sampling, uncond, job.resume, kv)
+            req = self.add_prompt(job.req_id, prompt, job.sampling, uncond, job.resume, kv)
+            if self.keeps_prompts and job.resume is None and not guided:
+                req.keeps_prompt_as = next_turn_key(job)
+            return req
         except InvalidArgumentError as err:
             if job.req_id not in self.requests:
                 self.adapter.forget(job.req_id)  # what its prompt queued (e.g. a clip to encode)

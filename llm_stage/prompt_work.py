@@ -4,13 +4,21 @@ Admission (`router.admission`) charges a request's prefill at the replica's meas
 (`llm_stage.prefill_pace`): a speech-in request's audio becomes many prompt positions (25 s of audio
 about 315 for Step-Audio 2) and its encoder runs first. The Router and the LLM replica both call
 `prompt_work` with the family's adapter class (no weights, no tokenizer needed).
+
+A conversation's turns are keyed (`next_turn_key` on the replica, for the prompt it keeps after a turn:
+`llm_stage.kept_prompts`; `earlier_turns_key` on the Router, for the next turn's history without the
+last answer), so the Router ranks the replica that kept a conversation's last prompt with the prefill
+it saves (`PromptWork.on_kept_prompt`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from core.messages import Job
+from core.messages import ChatTurn, Job
 from llm_stage.models.base import LMAdapter
 
 
@@ -24,6 +32,21 @@ class PromptWork:
     audio_s: float = 0.0
     text_only: bool = False
     front_end_audio_s: float = 0.0
+    # a conversation's next turn: its earlier turns' key, and their positions and audio (a replica that kept
+    # the last turn's prompt prefills none of them: `on_kept_prompt`)
+    earlier_key: str | None = None
+    earlier_positions: int = 0
+    earlier_audio_s: float = 0.0
+
+    def on_kept_prompt(self) -> PromptWork:
+        """The work left on a replica that kept the conversation's last prompt: its positions are in the
+        cache, its clips' tokens at hand."""
+        return dataclasses.replace(
+            self, num_positions=max(0, self.num_positions - self.earlier_positions),
+            audio_s=max(0.0, self.audio_s - self.earlier_audio_s),
+            front_end_audio_s=max(0.0, self.front_end_audio_s - self.earlier_audio_s), earlier_key=None,
+            earlier_positions=0, earlier_audio_s=0.0,
+        )  # fmt: skip
 
 
 def prompt_work(lm: type[LMAdapter], job: Job) -> PromptWork:
@@ -35,4 +58,36 @@ def prompt_work(lm: type[LMAdapter], job: Job) -> PromptWork:
         last_s = 0.0
     earlier_s = sum(turn.audio.duration_s for turn in job.history if turn.audio is not None)  # encoded again
     front_end_s = earlier_s + (last_s if job.audio_features is None else 0.0)  # a streamed turn's came with it
-    return PromptWork(lm.estimate_prompt_positions(job), last_s + earlier_s, job.text_only, front_end_s)
+    work = PromptWork(lm.estimate_prompt_positions(job), last_s + earlier_s, job.text_only, front_end_s)
+    earlier_key = earlier_turns_key(job) if lm.reuses_prompt_kv else None
+    if earlier_key is None:
+        return work
+    last_user = job.history[-2]  # the last turn's prompt: the turns before it, then its user turn
+    last_job = dataclasses.replace(job, history=job.history[:-2], text=last_user.text, audio=last_user.audio,
+                                   audio_features=None, audio_tokens=None)  # fmt: skip
+    last_audio_s = sum(turn.audio.duration_s for turn in job.history[:-1] if turn.audio is not None)
+    return dataclasses.replace(work, earlier_key=earlier_key, earlier_positions=lm.estimate_prompt_positions(last_job),
+                               earlier_audio_s=last_audio_s)  # fmt: skip
+
+
+def turns_key(system: str, turns: Sequence[ChatTurn]) -> str:
+    """A conversation's key so far: its system turn and its turns' roles, text and audio."""
+    digest = hashlib.blake2b(system.encode(), digest_size=12)
+    for turn in turns:
+        digest.update(f"\x00{turn.role}\x00{turn.text}\x00".encode())
+        if turn.audio is not None:
+            digest.update(f"{turn.audio.sample_rate_hz}\x00".encode() + turn.audio.pcm16)
+    return digest.hexdigest()
+
+
+def next_turn_key(job: Job) -> str:
+    """The key the next turn's history starts with (less the answer to this one): this job's turns."""
+    return turns_key(job.system, [*job.history, ChatTurn("user", job.text, job.audio)])
+
+
+def earlier_turns_key(job: Job) -> str | None:
+    """The key of the last turn this job's history answers (its history less the last answer); None: no
+    earlier turn, or the history does not end with an answer."""
+    if len(job.history) < 2 or job.history[-1].role != "assistant" or job.history[-2].role != "user":
+        return None
+    return turns_key(job.system, job.history[:-1])

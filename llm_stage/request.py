@@ -56,6 +56,9 @@ class Request:
     # the known positions after the prompt when the adapter lays them out (`LMAdapter.record_token`);
     # None: the output tokens, one position each
     positions: list[Token] | None = None
+    # the conversation key its prompt's KV stays under in its slot when it ends, for a later request whose
+    # prompt starts the same (`llm_stage.kept_prompts`); None: not kept
+    keeps_prompt_as: str | None = None
 
     @property
     def prompt_len(self) -> int:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from core.config import CacheConfig, SchedulerConfig
 from core.errors import InvalidArgumentError
 from core.policy import PolicyKind, SchedulingPolicy, fcfs_order
+from llm_stage.kept_prompts import KeptPrompts
 from llm_stage.kv_blocks import BlockAllocator
 from llm_stage.kv_slots import SlotAllocator
 from llm_stage.request import FinishReason, Request, RequestStatus, Token
@@ -111,6 +112,7 @@ class Scheduler:
         self.record_rule = record_rule or append_output
         self.waiting: list[Request] = []
         self.running: dict[str, Request] = {}
+        self.kept = KeptPrompts()  # ended requests' prompt KV, still in their slots (slot layout)
 
     def kv_streams(self, rows_per_stream: int, positions_per_stream: int) -> int:
         """Streams the KV cache can hold at once: by slots, and (paged) by blocks: the running units'
@@ -175,7 +177,10 @@ class Scheduler:
             )
 
     def _take_kv(self, req: Request) -> bool:
-        """A slot and (paged) its reserved blocks for every row of the unit, or nothing."""
+        """A slot and (paged) its reserved blocks for every row of the unit, or nothing; kept prompts
+        give their slots back, oldest first, when too few are free."""
+        while self.slots.num_free < len(req.unit) and self.kept:
+            self.slots.free(self.kept.give_back_oldest())
         if self.slots.num_free < len(req.unit):
             return False
         if self.blocks is not None and self.blocks.num_free < self.blocks_needed(req):
@@ -223,11 +228,14 @@ class Scheduler:
         for req in candidates[:max_units]:
             if budget <= 0 or len(plan.decodes) + rows + len(req.unit) > self.config.max_batch_size:
                 break
+            reuse = self.kept.match(req.prompt_ids) if self._may_reuse(req) else None
+            req.num_cached = reuse[1] if reuse is not None else req.num_cached  # (its prefill starts there)
             sizes = unit_prefill_sizes(req, budget)
             completes = all(r.num_cached + n >= r.num_known for r, n in zip(req.unit, sizes, strict=True))
-            if completes and not self.policy.phases.may_start(req):
-                break
-            if req.status is RequestStatus.WAITING and not self._admit(req):
+            if (completes and not self.policy.phases.may_start(req)) or (
+                req.status is RequestStatus.WAITING and not self._admit(req, reuse)
+            ):
+                req.num_cached = 0 if reuse is not None else req.num_cached
                 break
             for row, num_tokens in zip(req.unit, sizes, strict=True):
                 if num_tokens > 0:
@@ -253,9 +261,17 @@ class Scheduler:
         partial = [r for r in self.running.values() if r.status is RequestStatus.PREFILLING]
         return [r for r in fcfs_order(partial) + list(self.waiting) if not r.is_waiting_for_text]
 
-    def _admit(self, req: Request) -> bool:
-        """Give every row of the unit its own KV slot (and its blocks), or admit nothing."""
-        if not self._take_kv(req):
+    def _may_reuse(self, req: Request) -> bool:
+        """A waiting request that may take a kept prompt's slot: one row, its prompt ids its content."""
+        return req.status is RequestStatus.WAITING and req.keeps_prompt_as is not None and req.twin is None
+
+    def _admit(self, req: Request, reuse: tuple[int, int] | None = None) -> bool:
+        """Give every row of the unit its own KV slot (and its blocks), or admit nothing; `reuse`: the kept
+        prompt's slot whose first positions the request's prompt shares (`KeptPrompts.match`)."""
+        if reuse is not None:
+            req.slot = reuse[0]
+            self.kept.take(*reuse)
+        elif not self._take_kv(req):
             return False
         self.waiting.remove(req)
         for row in req.unit:
@@ -291,6 +307,7 @@ class Scheduler:
                 work.req.status = RequestStatus.PREFILLING  # (a prefill's request was PREFILLING before)
         for req in plan.decodes:
             req.num_cached -= 1
+        self.give_back_kept()  # a prompt kept meanwhile may miss what this step was to write: keep none
 
     def append(self, plan: StepPlan, sampled: list[Token]) -> list[Request]:
         """The token half of `update`: append, detect stops and lengths; returns the finished requests."""
@@ -364,10 +381,26 @@ class Scheduler:
 
     def _finish(self, req: Request, reason: FinishReason, status: RequestStatus) -> None:
         self.running.pop(req.req_id, None)
+        if self._keeps_prompt(req):  # its slot stays allocated, holding the prompt's KV
+            self.kept.keep(req.slot, req.prompt_ids, req.keeps_prompt_as)  # type: ignore[arg-type]
+            req.slot = None
         for row in req.unit:
             row.status = status
             row.finish_reason = reason
             self._free_slot(row)
+
+    def give_back_kept(self) -> None:
+        """Free every kept prompt's slot."""
+        while self.kept:
+            self.slots.free(self.kept.give_back_oldest())
+
+    def _keeps_prompt(self, req: Request) -> bool:
+        """Whether an ending request's prompt KV stays for a later request: a whole prompt in a slot
+        (slot layout; no twin, no streamed text, no laid-out positions) of a family that reuses it."""
+        return (
+            req.keeps_prompt_as is not None and self.blocks is None and req.slot is not None and req.twin is None
+            and req.text_feed is None and req.positions is None and req.num_cached >= req.prompt_len
+        )  # fmt: skip
 
     def _free_slot(self, row: Request) -> None:
         if row.slot is not None:

@@ -101,6 +101,7 @@ def warm_up(engine: LLMEngine) -> WarmUp:
     finally:
         for req_id in [r for r in engine.requests if r.startswith("warm-up-")]:
             engine.cancel(req_id)
+        engine.scheduler.give_back_kept()  # (their prompts are no conversation's)
         vars(engine.timer).update(kept[0])
         vars(engine.policy.phases).update(kept[1])
         engine.prefill_pace = kept_pace

@@ -78,6 +78,14 @@ class ReplicaLoad:
     # prompt positions already waiting to prefill there (new prompts and startups part-way through): a
     # request starting now is prefilled after them (`queued_prefill_s`)
     queued_prefill_positions: int = 0
+    # conversations whose last prompt's KV it keeps (`llm_stage.kept_prompts`): their next turn prefills less
+    kept_prompt_keys: tuple[str, ...] = ()
+
+    def work_here(self, work: PromptWork | None) -> PromptWork | None:
+        """`work` as this replica would do it: less the earlier turns when it kept their prompt."""
+        if work is not None and work.earlier_key is not None and work.earlier_key in self.kept_prompt_keys:
+            return work.on_kept_prompt()
+        return work
 
     def to_stats(self) -> dict:
         return asdict(self)
@@ -330,7 +338,9 @@ def is_credible(load: ReplicaLoad, predicted_s: float, work: PromptWork | None =
 
 
 def credible_ttfa_s(load: ReplicaLoad, work: PromptWork | None = None) -> float | None:
-    """`predict_ttfa_s` of a request bringing `work` when credible (`is_credible`), else None (not known)."""
+    """`predict_ttfa_s` of a request bringing `work` (as this replica would do it: `work_here`) when
+    credible (`is_credible`), else None (not known)."""
+    work = load.work_here(work)
     predicted_s = predict_ttfa_s(load, work=work)
     return predicted_s if is_credible(load, predicted_s, work) else None
 
@@ -342,7 +352,8 @@ def decide(load: ReplicaLoad, deadline_s: float, work: PromptWork | None = None)
     no longer start in time); otherwise admit under the stream and startup limits, and queue past
     them while the queue has room (the prediction counts the wait). An idle replica admits: only a
     running stream measures its steps again, so a slow figure (a cold first decode, a burst of load
-    beside it) would otherwise reject everything for good."""
+    beside it) would otherwise reject everything for good. (`work` as this replica would do it: `work_here`.)"""
+    work = load.work_here(work)
     if load.num_active == 0:
         return Admission.ADMIT
     if load.predicts:

@@ -210,7 +210,7 @@ class PredictedTTFARouter(RequestRouter):
         if load is None:  # no stats yet: spread by what we routed or are routing
             routed = max(0, self._pending(replica.replica_id, 0.0))
             return (float(routed), routed)
-        return (predict_ttfa_s(load, work=work), load.num_active)
+        return (predict_ttfa_s(load, work=load.work_here(work)), load.num_active)
 
     def _prompt_work(self, request: PendingRequest | None) -> PromptWork | None:
         """The request's own prompt work, from its Job by the Router's estimate for this deployment

@@ -148,6 +148,9 @@ class LMAdapter(ABC):
     takes_chat_history: bool = False  # speech in: a Job may carry a conversation's earlier turns (`Job.history`)
     # speech in: a streamed turn's audio is tokenized on an LLM replica as it arrives (`mic_tokenizer`)
     tokenizes_mic_audio: bool = False
+    # its prompt ids are its content (no embeddings from elsewhere, e.g. an encoder's at placeholder ids), so a
+    # request's prompt KV may serve a later request whose prompt starts the same (`llm_stage.kept_prompts`)
+    reuses_prompt_kv: bool = False
     # text characters per prompt position, to estimate a prompt before it is tokenized (admission,
     # `estimate_prompt_positions`): a BPE tokenizer's ~4 on English
     prompt_chars_per_position: float = 4.0

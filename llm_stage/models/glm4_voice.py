@@ -16,7 +16,9 @@ draws to text ids and the stops. Speech in needs the WhisperVQ speech tokenizer:
 
 from __future__ import annotations
 
+import hashlib
 import math
+from collections import OrderedDict
 from typing import Protocol
 
 import torch
@@ -59,6 +61,11 @@ ANSWER_OPENING = "streaming_transcription\n"  # after <|assistant|>: the interle
 TOKENS_PER_S = 12.5  # WhisperVQ speech tokens per second of input audio
 # [gMASK] <sop> <|system|> <|user|> <|assistant|>, "\n" x2 and "streaming_transcription\n" (~4 BPE tokens)
 CHAT_MARKER_POSITIONS = 11
+KEPT_CLIPS = 512  # recent clips whose speech tokens the adapter keeps (a conversation sends them again)
+
+
+def clip_key(clip: AudioClip) -> bytes:
+    return hashlib.blake2b(clip.pcm16, digest_size=16, person=clip.sample_rate_hz.to_bytes(8, "little")).digest()
 
 
 class SpeechTokenizer(Protocol):
@@ -85,6 +92,7 @@ class Glm4VoiceAdapter(LMAdapter):
     answers_text_only = True
     takes_chat_history = True
     tokenizes_mic_audio = True  # its speech tokenizer needs the weights: run on the replica as a turn streams
+    reuses_prompt_kv = True  # text and speech token ids: a conversation's next turn reuses the last prompt's KV
     no_voices_note = "none; speech in (takes audio), answers in text + speech in the decoder's voice"
     max_text_chars = 4000
     # the published demo's sampling (web_demo.py: temperature 0.2, top_p 0.8, max_new_tokens 2000)
@@ -104,6 +112,8 @@ class Glm4VoiceAdapter(LMAdapter):
         self.speech_tokenizer = speech_tokenizer
         self.eos_token_ids = ids.stops
         self._text_only: set[str] = set()  # req_ids answering in text alone (`constrain` masks speech)
+        # each recent clip's speech tokens: a conversation's next turn sends its earlier clips again
+        self._clip_tokens: OrderedDict[bytes, list[int]] = OrderedDict()
 
     @classmethod
     def build(cls, config: ModelConfig) -> Glm4VoiceAdapter:
@@ -147,8 +157,10 @@ class Glm4VoiceAdapter(LMAdapter):
         for turn in job.history:
             earlier.append((turn.role, turn.text, next(speech) if turn.audio is not None else None))
         last = None
-        if job.audio is not None:
-            last = list(job.audio_tokens) if job.audio_tokens is not None else next(speech)
+        if job.audio is not None and job.audio_tokens is not None:  # (kept for the turns after it)
+            last = self._remember(clip_key(job.audio), list(job.audio_tokens))
+        elif job.audio is not None:
+            last = next(speech)
         system = job.system or (SPEECH_SYSTEM if job.audio is not None else TEXT_SYSTEM)
         prompt = self.chat_prompt(earlier, job.text, last, system)
         if job.text_only:
@@ -166,13 +178,25 @@ class Glm4VoiceAdapter(LMAdapter):
             return None
 
     def clip_tokens(self, clips: list[AudioClip]) -> list[list[int]]:
-        """Each clip's speech tokens (0..16383), from the speech tokenizer in one batched call."""
-        if not clips:
-            return []
-        if self.speech_tokenizer is None:
+        """Each clip's speech tokens (0..16383): those of a recent clip as they were, the others from the
+        speech tokenizer in one batched call."""
+        keys = [clip_key(clip) for clip in clips]
+        new = {key: clip for key, clip in zip(keys, clips, strict=True) if key not in self._clip_tokens}
+        if new and self.speech_tokenizer is None:
             raise InvalidArgumentError("input_audio", f"{self.family}'s speech tokenizer is not loaded: send text")
-        tokens = self.speech_tokenizer.tokens([clip_wave_16k(clip) for clip in clips])
-        return [[int(t) for t in ids.tolist()] for ids in tokens]
+        if new:
+            tokens = self.speech_tokenizer.tokens([clip_wave_16k(clip) for clip in new.values()])
+            for key, ids in zip(new, tokens, strict=True):
+                self._remember(key, [int(t) for t in ids.tolist()])
+        return [self._remember(key, self._clip_tokens[key]) for key in keys]
+
+    def _remember(self, key: bytes, tokens: list[int]) -> list[int]:
+        """`tokens` as the clip's, the most recent of at most KEPT_CLIPS."""
+        self._clip_tokens[key] = tokens
+        self._clip_tokens.move_to_end(key)
+        while len(self._clip_tokens) > KEPT_CLIPS:
+            self._clip_tokens.popitem(last=False)
+        return tokens
 
     def chat_prompt(
         self,

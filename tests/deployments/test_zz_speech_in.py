@@ -122,8 +122,20 @@ def test_glm4_voice_takes_a_clip_and_answers_text_and_audio_as_in_process(cluste
             adapter = pipeline.llm.engine.adapter
             job = build_job(adapter, text="", req_id="glm-1", sampling=SAMPLING, audio=AudioClip(pcm, 16_000))
             expected = pipeline.answer(job)
+            first = build_job(adapter, text="", req_id="glm-c1", sampling=SAMPLING, audio=AudioClip(pcm, 16_000),
+                              text_only=True)  # fmt: skip
+            first_answer = pipeline.answer(first).text
+            # (the answer handed back is the client's text: the tiny model's random one holds control characters)
+            history = (ChatTurn("user", "", AudioClip(pcm, 16_000)), ChatTurn("assistant", "Sure."))
+            second = build_job(adapter, text="And then?", req_id="glm-c2", sampling=SAMPLING, history=history,
+                               text_only=True)  # fmt: skip
         finally:
             pipeline.close()
+        fresh = InProcessPipeline(GLM4_VOICE.engine)  # (nothing kept: the second turn prefilled whole)
+        try:
+            second_answer = fresh.answer(second).text
+        finally:
+            fresh.close()
         assert expected.text and "".join(c.text for c in outcome.chunks) == expected.text
         assert outcome.pcm16 and expected.pcm16
         assert {c.sample_rate_hz for c in outcome.chunks if c.audio} == {22_050}
@@ -134,8 +146,32 @@ def test_glm4_voice_takes_a_clip_and_answers_text_and_audio_as_in_process(cluste
         assert code == 1000 and "".join(texts) == expected.text
         stats = serve.get_deployment_handle("LLMStage", GLM4_VOICE.app_name).stats.remote().result()
         assert stats["mic_turns_tokenized"] == 2 and stats["mic_turns_open"] == 0  # (one LLM replica)
+        _glm_holds_a_conversation_on_the_kept_prompt(endpoint, pcm, first_answer, second_answer)
     finally:
         serve.delete(GLM4_VOICE.app_name)
+
+
+def _glm_holds_a_conversation_on_the_kept_prompt(endpoint, pcm: bytes, first: str, second: str) -> None:
+    """Two chat turns over HTTP: the second's history is the first turn and an answer, so the LLM replica
+    prefills only what follows the first turn's prompt, kept in its slot; both answers are the in-process
+    ones (the second's from an engine that kept nothing)."""
+    from openai import OpenAI
+
+    from router.audio_format import wav_bytes
+
+    client = OpenAI(base_url=f"{endpoint.http_url}{GLM4_VOICE.route_prefix}/v1", api_key="unused", max_retries=0)
+    clip = {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav_bytes(pcm, 16_000)).decode(),
+                                                   "format": "wav"}}  # fmt: skip
+    settings = {"model": "glm4-voice-tiny", "max_tokens": SAMPLING["max_tokens"], "temperature": 0.0}
+    turn = [{"role": "user", "content": [clip]}]
+    before = serve.get_deployment_handle("LLMStage", GLM4_VOICE.app_name).stats.remote().result()
+    assert client.chat.completions.create(messages=turn, **settings).choices[0].message.content == first
+    turn += [{"role": "assistant", "content": "Sure."}, {"role": "user", "content": "And then?"}]
+    assert client.chat.completions.create(messages=turn, **settings).choices[0].message.content == second
+    after = serve.get_deployment_handle("LLMStage", GLM4_VOICE.app_name).stats.remote().result()
+    # the first turn's prompt is the Converse turns' above (the same clip): it starts on theirs, the second on it
+    assert after["prompt_reuses"] == before["prompt_reuses"] + 2
+    assert after["prompt_positions_reused"] - before["prompt_positions_reused"] > 2 * 50
 
 
 def transcription_job(adapter, pcm: bytes):

@@ -207,3 +207,14 @@ def test_a_turn_tokenized_as_it_came_is_charged_its_positions_and_no_encoder():
     )
     assert whole.audio_s == whole.front_end_audio_s == pytest.approx(8.0)
     assert streamed.audio_s == streamed.front_end_audio_s == 0.0 and streamed.num_positions == whole.num_positions
+
+
+def test_a_replica_that_kept_the_conversations_last_prompt_is_charged_only_the_new_turn():
+    work = PromptWork(num_positions=900, audio_s=30.0, front_end_audio_s=30.0, earlier_key="conv-1",
+                      earlier_positions=800, earlier_audio_s=27.0)  # fmt: skip
+    kept, other = busy(kept_prompt_keys=("conv-0", "conv-1")), busy()
+    assert kept.work_here(work) == PromptWork(100, pytest.approx(3.0), False, pytest.approx(3.0))
+    assert other.work_here(work) is work and kept.work_here(None) is None
+    assert predict_ttfa_s(kept, work=kept.work_here(work)) < predict_ttfa_s(other, work=work)
+    assert best_predicted_ttfa_s([other, kept], work=work) == pytest.approx(credible_ttfa_s(kept, work))
+    assert credible_ttfa_s(kept, work) == pytest.approx(predict_ttfa_s(kept, work=kept.work_here(work)))
