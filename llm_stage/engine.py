@@ -294,13 +294,13 @@ class LLMEngine:
         return outputs
 
     def _job_prompt(self, job: Job) -> list[Token]:
-        """`job`'s prompt; a clip whose front end runs here (no features or tokens came with it) is timed
-        per second of its audio (`prefill_pace`)."""
+        """`job`'s prompt; the audio whose front end ran here for it (`LMAdapter.front_end_seconds`) is
+        timed per second (`prefill_pace`)."""
         start = time.perf_counter()
         prompt = self.adapter.job_prompt(job)
-        came_encoded = job.audio_features is not None or job.audio_tokens is not None
-        if job.audio is not None and not came_encoded and self.adapter.takes_audio:
-            self.prefill_pace.record_front_end(job.audio.duration_s, time.perf_counter() - start)
+        audio_s = self.adapter.front_end_seconds(job)
+        if audio_s > 0:
+            self.prefill_pace.record_front_end(audio_s, time.perf_counter() - start)
         return prompt
 
     def _prepare_step(self) -> float:

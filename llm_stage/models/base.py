@@ -172,6 +172,12 @@ class LMAdapter(ABC):
         The Router runs it as the audio arrives, without the model's weights."""
         return None
 
+    def front_end_seconds(self, job: Job) -> float:
+        """Seconds of `job`'s audio whose front end its `job_prompt` just ran here (the engine times it per
+        second: `prefill_pace`): its clip unless its features or tokens came with it."""
+        came_encoded = job.audio_features is not None or job.audio_tokens is not None
+        return job.audio.duration_s if job.audio is not None and not came_encoded and self.takes_audio else 0.0
+
     def mic_tokenizer(self, sample_rate_hz: int) -> MicAudioTokenizer | None:
         """A tokenizer for one turn streamed at `sample_rate_hz` (families with `tokenizes_mic_audio`; None:
         not here). The LLM replica feeds it the turn's pieces; its tokens come back in `Job.audio_tokens`."""

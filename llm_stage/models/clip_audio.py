@@ -1,7 +1,10 @@
 """A speech-in clip's PCM16 as float samples, at its own rate or resampled to the 16 kHz both speech-in
-families' encoders read (Step-Audio 2's Whisper-style encoder, GLM-4-Voice's WhisperVQ tokenizer)."""
+families' encoders read (Step-Audio 2's Whisper-style encoder, GLM-4-Voice's WhisperVQ tokenizer), and
+its content key (what the adapters keep a clip's tokens or encoded rows by)."""
 
 from __future__ import annotations
+
+import hashlib
 
 import numpy as np
 import torch
@@ -25,3 +28,8 @@ def clip_wave(clip: AudioClip) -> torch.Tensor:
 def clip_wave_16k(clip: AudioClip) -> torch.Tensor:
     """The clip's float samples at 16 kHz (resampled when sent at another rate)."""
     return resample(clip_wave(clip), clip.sample_rate_hz, ENCODER_RATE_HZ)
+
+
+def clip_key(clip: AudioClip) -> bytes:
+    """The clip's content key: its samples and rate."""
+    return hashlib.blake2b(clip.pcm16, digest_size=16, person=clip.sample_rate_hz.to_bytes(8, "little")).digest()

@@ -16,7 +16,6 @@ draws to text ids and the stops. Speech in needs the WhisperVQ speech tokenizer:
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections import OrderedDict
 from typing import Protocol
@@ -31,7 +30,7 @@ from core.messages import AudioClip, Job, SamplingParams
 from detok_stage.codecs.glm4_voice_codec import GLM4VoiceCodec
 from llm_stage.chunking import WHOLE_STREAM_FRAMES, ChunkSchedule
 from llm_stage.models.base import CodeFrames, LMAdapter, ModelFamily
-from llm_stage.models.clip_audio import clip_wave_16k
+from llm_stage.models.clip_audio import clip_key, clip_wave_16k
 from llm_stage.models.glm4_bpe import GLM4Tokenizer
 from llm_stage.models.glm4_voice_lm import (
     AUDIO_CODES,
@@ -62,10 +61,6 @@ TOKENS_PER_S = 12.5  # WhisperVQ speech tokens per second of input audio
 # [gMASK] <sop> <|system|> <|user|> <|assistant|>, "\n" x2 and "streaming_transcription\n" (~4 BPE tokens)
 CHAT_MARKER_POSITIONS = 11
 KEPT_CLIPS = 512  # recent clips whose speech tokens the adapter keeps (a conversation sends them again)
-
-
-def clip_key(clip: AudioClip) -> bytes:
-    return hashlib.blake2b(clip.pcm16, digest_size=16, person=clip.sample_rate_hz.to_bytes(8, "little")).digest()
 
 
 class SpeechTokenizer(Protocol):
@@ -114,6 +109,7 @@ class Glm4VoiceAdapter(LMAdapter):
         self._text_only: set[str] = set()  # req_ids answering in text alone (`constrain` masks speech)
         # each recent clip's speech tokens: a conversation's next turn sends its earlier clips again
         self._clip_tokens: OrderedDict[bytes, list[int]] = OrderedDict()
+        self._front_end_s = 0.0  # seconds of audio the last `job_prompt` tokenized
 
     @classmethod
     def build(cls, config: ModelConfig) -> Glm4VoiceAdapter:
@@ -150,6 +146,7 @@ class Glm4VoiceAdapter(LMAdapter):
         """The job's conversation in the published prompt; its clips tokenized in one call (but a streamed
         turn's, tokenized as it came: `Job.audio_tokens`)."""
         streamed = job.audio_tokens is not None
+        self._front_end_s = 0.0
         clips = [turn.audio for turn in job.history if turn.audio is not None]
         clips += [job.audio] if job.audio is not None and not streamed else []
         speech = iter(self.clip_tokens(clips))
@@ -166,6 +163,9 @@ class Glm4VoiceAdapter(LMAdapter):
         if job.text_only:
             self._text_only.add(job.req_id)
         return prompt
+
+    def front_end_seconds(self, job: Job) -> float:
+        return self._front_end_s
 
     def mic_tokenizer(self, sample_rate_hz: int) -> MicTokenizer | None:
         """The streamed WhisperVQ tokenizer (`glm4_voice_stream`: 4 s blocks encoded as their audio comes);
@@ -185,6 +185,7 @@ class Glm4VoiceAdapter(LMAdapter):
         if new and self.speech_tokenizer is None:
             raise InvalidArgumentError("input_audio", f"{self.family}'s speech tokenizer is not loaded: send text")
         if new:
+            self._front_end_s += sum(clip.duration_s for clip in new.values())
             tokens = self.speech_tokenizer.tokens([clip_wave_16k(clip) for clip in new.values()])
             for key, ids in zip(new, tokens, strict=True):
                 self._remember(key, [int(t) for t in ids.tolist()])

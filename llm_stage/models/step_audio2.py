@@ -18,7 +18,9 @@ them again). Output: text ids go to the client as text, `<audio_N>` to the detok
 
 from __future__ import annotations
 
+import hashlib
 import math
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import torch
@@ -29,7 +31,8 @@ from core.errors import InvalidArgumentError
 from core.messages import AudioClip, ChatTurn, Job, SamplingParams
 from detok_stage.codecs.s3gen_codec import S3GenCodec
 from llm_stage.models.base import CodeFrames, LMAdapter, ModelFamily
-from llm_stage.models.clip_audio import clip_wave
+from llm_stage.models.clip_audio import clip_key, clip_wave
+from llm_stage.models.clip_rows import ClipRows
 from llm_stage.models.cosyvoice2 import S3GEN_SCHEDULE
 from llm_stage.models.llama import LlamaBackbone
 from llm_stage.models.step_audio2_encoder import (
@@ -67,6 +70,8 @@ class StepAudio2Adapter(LMAdapter):
     takes_audio = True
     answers_text_only = True
     takes_chat_history = True
+    # a clip's placeholders carry its content handle (`ClipRows`): a conversation's next turn reuses the KV
+    reuses_prompt_kv = True
     no_voices_note = "none; speech in (takes audio), answers in text + speech in the detokenizer's voice"
     input_width = 3  # (id, clip handle, row in the clip's embeddings)
     max_text_chars = 4000
@@ -82,10 +87,8 @@ class StepAudio2Adapter(LMAdapter):
         self.model, self.tokenizer, self.ids = model, tokenizer, ids
         self.pad_token = (0, NO_CLIP, 0)
         self.eos_token_ids = frozenset({ids.eot})
-        self._rows: dict[int, torch.Tensor] = {}  # clip handle -> embeddings [n, H]
-        self._pending: list[tuple[int, torch.Tensor]] = []  # (handle, log-mel) to encode next step
-        self._clips_of: dict[str, list[int]] = {}  # req_id -> its clip handles
-        self._next_handle = 0
+        self.clips = ClipRows()  # encoded clip pieces by content: a clip sent again is not encoded again
+        self._front_end_s = 0.0  # seconds of audio the last `job_prompt` ran the front end on
         self._text_only: set[str] = set()  # req_ids answering in text alone (`constrain` masks speech)
 
     @classmethod
@@ -128,11 +131,15 @@ class StepAudio2Adapter(LMAdapter):
         return super().estimate_prompt_positions(job) + system_positions + CHAT_MARKER_POSITIONS
 
     def job_prompt(self, job: Job) -> list[Token]:
-        """The job's conversation in the published chat; its clips (earlier turns' first) queued to encode."""
+        """The job's conversation in the published chat; its clips (earlier turns' first) queued to encode,
+        but those encoded here before (`ClipRows`: a conversation's earlier turns come back every turn)."""
         if job.text_only:
             self._text_only.add(job.req_id)
+        self._front_end_s = 0.0
         earlier = [token for turn in job.history for token in self.earlier_turn(job.req_id, turn)]
-        pieces = [] if job.audio is None else self.queue_mels(job.req_id, self.clip_mels(job))
+        computed_s = job.audio.duration_s if job.audio is not None and job.audio_features is None else 0.0
+        pieces = [] if job.audio is None else self.clip_pieces(job.req_id, job.audio, lambda: self.clip_mels(job),
+                                                               computed_s)  # fmt: skip
         system = job.system or SYSTEM_PROMPT
         return self.chat_prompt(job.text, pieces, job.req_id, system, speaks=not job.text_only, earlier=earlier)
 
@@ -157,7 +164,8 @@ class StepAudio2Adapter(LMAdapter):
         a spoken answer is `<tts_start>` and every id the model drew (text and speech interleaved); a
         client gives back only the transcript, so it becomes the text answer the model itself writes."""
         if turn.role == "user":
-            pieces = [] if turn.audio is None else self.queue_mels(req_id, self.whole_clip_mels(turn.audio))
+            clip = turn.audio
+            pieces = [] if clip is None else self.clip_pieces(req_id, clip, lambda: self.whole_clip_mels(clip))
             return self.user_turn(turn.text, pieces)
         body = [self.ids.bot, *self.tokenizer.encode("assistant\n"), *self.tokenizer.encode(turn.text), self.ids.eot]
         return [(i, NO_CLIP, 0) for i in body]
@@ -196,42 +204,43 @@ class StepAudio2Adapter(LMAdapter):
     def queue_clip(self, req_id: str, wave_16k: torch.Tensor) -> list[tuple[int, int]]:
         """The 16 kHz clip's 25 s pieces through the published front end (`piece_log_mel`), queued."""
         n_mels = self.model.encoder_shape.n_mels
-        return self.queue_mels(req_id, [piece_log_mel(piece, n_mels) for piece in split_pieces(wave_16k)])
+        mels = [piece_log_mel(piece, n_mels) for piece in split_pieces(wave_16k)]
+        key = hashlib.blake2b(wave_16k.numpy().tobytes(), digest_size=16).digest()
+        return self.clips.pieces(req_id, key, lambda: mels, self._placeholders)[0]
 
-    def queue_mels(self, req_id: str, mels: list[torch.Tensor]) -> list[tuple[int, int]]:
-        """Log-mels of a clip's 25 s pieces, queued for the next step's batched encode: (handle, rows) each."""
-        pieces = []
-        for mel in mels:
-            handle, self._next_handle = self._next_handle, self._next_handle + 1
-            self._pending.append((handle, mel))
-            self._clips_of.setdefault(req_id, []).append(handle)
-            pieces.append((handle, num_placeholders(mel.shape[1], self.model.encoder_shape)))
+    def clip_pieces(
+        self, req_id: str, clip: AudioClip, mels: Callable[[], list[torch.Tensor]], front_end_s: float | None = None
+    ) -> list[tuple[int, int]]:
+        """The clip's (handle, placeholder rows) per 25 s piece, held for `req_id`: a clip known here as it
+        was, else `mels()` queued for the next step's batched encode (its front end then timed for
+        `front_end_s`, the whole clip's seconds by default)."""
+        pieces, is_new = self.clips.pieces(req_id, clip_key(clip), mels, self._placeholders)
+        if is_new:
+            self._front_end_s += clip.duration_s if front_end_s is None else front_end_s
         return pieces
+
+    def _placeholders(self, mel: torch.Tensor) -> int:
+        return num_placeholders(mel.shape[1], self.model.encoder_shape)
+
+    def front_end_seconds(self, job: Job) -> float:
+        return self._front_end_s
 
     def prepare_step(self) -> None:
         """Encode every clip queued since the last step in one forward (before the step's prefill reads them)."""
-        if not self._pending:
-            return
-        handles, mels = zip(*self._pending, strict=True)
-        self._pending = []
-        encoded = encode_pieces(self.model.encoder, self.model.adapter, list(mels))
-        self._rows.update(zip(handles, encoded, strict=True))
+        self.clips.encode(lambda mels: encode_pieces(self.model.encoder, self.model.adapter, mels))
 
     def forget(self, req_id: str) -> None:
         self._text_only.discard(req_id)
-        handles = set(self._clips_of.pop(req_id, []))
-        self._pending = [(h, mel) for h, mel in self._pending if h not in handles]
-        for handle in handles:
-            self._rows.pop(handle, None)
+        self.clips.release(req_id)
 
     @property
     def pending_audio_s(self) -> float:
         """Seconds of the clips queued for the next step's encode (10 ms per log-mel frame)."""
-        return sum(mel.shape[1] for _, mel in self._pending) * MEL_HOP_SAMPLES / SAMPLE_RATE_HZ
+        return sum(mel.shape[1] for _, mel in self.clips.pending) * MEL_HOP_SAMPLES / SAMPLE_RATE_HZ
 
     @property
     def num_pending_clips(self) -> int:
-        return len(self._pending)
+        return len(self.clips.pending)
 
     # the forward
 
@@ -242,14 +251,15 @@ class StepAudio2Adapter(LMAdapter):
         """ids [B, T, 3] -> [B, T, H]: token embeddings, audio placeholders replaced by their clip's rows."""
         token, handle, row = ids.unbind(-1)
         out = self.backbone.embed(token)
-        if not self._rows:
+        rows = self.clips.rows
+        if not rows:
             return out
         is_audio = handle != NO_CLIP
         if not bool(is_audio.any()):
             return out
         for clip in handle[is_audio].unique().tolist():
             where = handle == clip
-            out[where] = self._rows[clip].to(out.dtype)[row[where]]
+            out[where] = rows[clip].to(out.dtype)[row[where]]
         return out
 
     def constrain(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:

@@ -150,14 +150,14 @@ def test_a_two_turn_conversation_with_two_clips_answers(pipeline) -> None:
     job = conversation_job(adapter, "two", with_history=True)
     pipeline.llm.add(job)
     prompt = engine.requests["two"].prompt_ids
-    handles = adapter._clips_of["two"]
+    handles = adapter.clips.handles_of("two")
     pipeline.step()  # the step's preprocess encodes both clips, then it prefills
     ids = torch.tensor([prompt])  # [1, T, 3]
     with torch.no_grad():
         embedded = adapter.embed(ids)[0]  # [T, H]
         for handle, audio in zip(handles, (job.history[0].audio, job.audio), strict=True):
             alone = encode_pieces(adapter.model.encoder, adapter.model.adapter, adapter.whole_clip_mels(audio))[0]
-            torch.testing.assert_close(adapter._rows[handle], alone, atol=2e-5, rtol=1e-4)
+            torch.testing.assert_close(adapter.clips.rows[handle], alone, atol=2e-5, rtol=1e-4)
             where = ids[0, :, 1] == handle
             assert int(where.sum()) == alone.shape[0]
             torch.testing.assert_close(embedded[where], alone.to(embedded.dtype), atol=2e-5, rtol=1e-4)

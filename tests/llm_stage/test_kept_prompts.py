@@ -1,11 +1,10 @@
 """An ended request's prompt KV kept in its slot (`llm_stage.kept_prompts`): the scheduler hands the slot
 to a request whose prompt starts the same, which prefills only the rest, and gives kept slots back
-when requests need them; on GLM-4-Voice (text and speech token ids: the prompt is its content) a
-conversation's second turn reusing the first turn's prompt draws the tokens a fresh engine draws."""
+when requests need them; on GLM-4-Voice (text and speech token ids) and Step-Audio 2 (its clips'
+placeholders named by content) a conversation's second turn reusing the first turn's prompt, without
+its first clip's front end and encoder again, draws the tokens a fresh engine draws."""
 
 from __future__ import annotations
-
-import dataclasses
 
 import numpy as np
 import pytest
@@ -14,7 +13,10 @@ from core.config import CacheConfig, ModelConfig, SchedulerConfig
 from core.messages import AudioClip, ChatTurn
 from llm_stage.engine import LLMEngine
 from llm_stage.jobs import build_job
+from llm_stage.kept_prompts import common_prefix
+from llm_stage.models.clip_rows import ClipRows
 from llm_stage.models.glm4_voice import Glm4VoiceAdapter
+from llm_stage.models.step_audio2 import StepAudio2Adapter
 from llm_stage.prompt_work import earlier_turns_key, next_turn_key, prompt_work
 from llm_stage.request import Request
 from tests.factories import fake_request, fake_scheduler
@@ -98,7 +100,7 @@ def test_a_request_ended_before_its_prompt_was_in_keeps_nothing_and_a_failed_ste
     assert len(sched.kept) == 0 and sched.slots.num_free == 2
 
 
-# ---- GLM-4-Voice: a conversation's next turn --------------------------------------------------------
+# ---- speech in: a conversation's next turn (GLM-4-Voice's ids; Step-Audio 2's clips by content) --------------
 
 
 @pytest.fixture(scope="module")
@@ -106,41 +108,62 @@ def glm() -> Glm4VoiceAdapter:
     return Glm4VoiceAdapter.build(ModelConfig(name="glm4-voice-tiny", seed=0))
 
 
+@pytest.fixture(scope="module")
+def step_audio() -> StepAudio2Adapter:
+    return StepAudio2Adapter.build(ModelConfig(name="step-audio2-tiny", seed=0))
+
+
 def clip(seconds: float, hz: float) -> AudioClip:
     t = np.arange(round(seconds * 16_000)) / 16_000
     return AudioClip((0.3 * np.sin(2 * np.pi * hz * t) * 32767).astype("<i2").tobytes(), 16_000)
 
 
-def engine(adapter: Glm4VoiceAdapter, keep: bool, async_steps: bool = False) -> LLMEngine:
+def engine(adapter, keep: bool, async_steps: bool = False) -> LLMEngine:
     return LLMEngine(
         adapter, CacheConfig(num_slots=3, max_seq_len=1024, keep_prompts=keep),
         SchedulerConfig(max_batch_size=3, prefill_token_budget=64, async_steps=async_steps),
     )  # fmt: skip
 
 
-GREEDY = {"temperature": 0.0, "max_tokens": 30}
+def forget_clips(adapter) -> None:
+    """Drop what the adapter keeps of clips it saw (their tokens, their encoded rows): a fresh start."""
+    if isinstance(adapter, StepAudio2Adapter):
+        adapter.clips = ClipRows()
+    else:
+        adapter._clip_tokens.clear()
 
 
-@pytest.mark.parametrize("async_steps", [False, True])
-def test_the_second_turn_reuses_the_first_turns_prompt_and_draws_what_a_fresh_engine_draws(glm, async_steps):
-    first = build_job(glm, text="", audio=clip(1.2, 220), sampling=GREEDY, req_id="t1")
+GREEDY = {"temperature": 0.0, "max_tokens": 30, "repetition_penalty": 1.0}
+
+
+@pytest.mark.parametrize(("family", "async_steps"), [("glm", False), ("glm", True), ("step_audio", False)])
+def test_the_second_turn_reuses_the_first_turns_prompt_and_draws_what_a_fresh_engine_draws(
+    request, family: str, async_steps: bool
+) -> None:
+    adapter = request.getfixturevalue(family)
+    forget_clips(adapter)
+    first = build_job(adapter, text="", audio=clip(1.2, 220), sampling=GREEDY, req_id="t1")
     history = (ChatTurn("user", "", first.audio), ChatTurn("assistant", "Sure."))
-    second = build_job(glm, text="And?", audio=clip(0.8, 330), sampling=GREEDY, req_id="t2", history=history)
-    other = build_job(glm, text="Tell me a story.", sampling=GREEDY, req_id="other")  # in the same batches
-    reused = engine(glm, keep=True, async_steps=async_steps)
+    second = build_job(adapter, text="And?", audio=clip(0.8, 330), sampling=GREEDY, req_id="t2", history=history)
+    other = build_job(adapter, text="Tell me a story.", sampling=GREEDY, req_id="other")  # in the same batches
+    reused = engine(adapter, keep=True, async_steps=async_steps)
     reused.add_job(first)
+    first_prompt = list(reused.requests["t1"].prompt_ids)
     reused.run_to_completion()
-    first_prompt = glm.job_prompt(first)
     assert reused.scheduler.kept.keys() == (next_turn_key(first),) == (earlier_turns_key(second),)
     reused.add_job(second)
+    assert adapter.front_end_seconds(second) == pytest.approx(0.8)  # the first clip's front end did not run again
+    shared = common_prefix(tuple(first_prompt), reused.requests["t2"].prompt_ids)  # (Step-Audio 2: to <tts_start>)
+    assert shared >= len(first_prompt) - 1
     reused.add_job(other)
     got = reused.run_to_completion()
-    assert (reused.scheduler.kept.num_reuses, reused.scheduler.kept.num_reused_positions) == (1, len(first_prompt))
-    fresh = engine(glm, keep=False)
-    fresh.add_job(dataclasses.replace(second))
-    fresh.add_job(dataclasses.replace(other))
+    assert (reused.scheduler.kept.num_reuses, reused.scheduler.kept.num_reused_positions) == (1, shared)
+    forget_clips(adapter)
+    fresh = engine(adapter, keep=False)
+    fresh.add_job(second)
+    fresh.add_job(other)
     want = fresh.run_to_completion()
-    assert got["t2"] == want["t2"] and got["other"] == want["other"] and len(got["t2"]) == 30
+    assert got["t2"] == want["t2"] and got["other"] == want["other"] and len(got["t2"]) > 0
     assert len(fresh.scheduler.kept) == 0  # (off: nothing kept)
 
 

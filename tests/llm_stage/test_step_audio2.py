@@ -92,12 +92,12 @@ def test_a_conversation_is_the_published_multi_turn_chat(published) -> None:
     )
     tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     assert [t[0] for t in prompt] == tokenizer(chat, add_special_tokens=False).input_ids
-    handles = adapter._clips_of["c"]
+    handles = adapter.clips.handles_of("c")
     assert len(handles) == 2 and adapter.num_pending_clips == 2
     for handle, num_patches in zip(handles, patches, strict=True):
         assert [t[2] for t in prompt if t[1] == handle] == list(range(num_patches))
     engine.cancel("c")
-    assert not adapter._clips_of and adapter.num_pending_clips == 0
+    assert adapter.clips.handles_of("c") == [] and adapter.num_pending_clips == 0  # not encoded yet: dropped
 
 
 def test_a_conversation_longer_than_the_cache_is_refused_naming_messages(published) -> None:
@@ -109,7 +109,7 @@ def test_a_conversation_longer_than_the_cache_is_refused_naming_messages(publish
     with pytest.raises(InvalidArgumentError) as err:
         engine.add_job(job)
     assert err.value.field == "messages" and "context holds 160" in err.value.message
-    assert not adapter._clips_of and adapter.num_pending_clips == 0  # its queued clips went with it
+    assert adapter.clips.handles_of("long") == [] and adapter.num_pending_clips == 0  # its queued clips went with it
     engine.add_job(dataclasses.replace(job, req_id="short", history=()))  # the last turn alone fits
     engine.cancel("short")
 
@@ -144,17 +144,18 @@ def test_batched_encoder_equals_independent_solo_pieces(published) -> None:
     clips = [tone_clip(n, seed) for seed, n in enumerate(CLIP_SAMPLES)]
     for i, clip in enumerate(clips):
         adapter.queue_clip(f"enc{i}", clip_wave_16k(clip))
-    handles = [adapter._clips_of[f"enc{i}"][0] for i in range(len(clips))]
-    mels = [mel for _, mel in adapter._pending]
+    handles = [adapter.clips.handles_of(f"enc{i}")[0] for i in range(len(clips))]
+    mels = [mel for _, mel in adapter.clips.pending]
     adapter.prepare_step()  # one batched forward over the three pieces
     with torch.no_grad():
         for handle, mel in zip(handles, mels, strict=True):
             expected = independent_encode(adapter.model, mel)
-            assert adapter._rows[handle].shape == expected.shape == (num_placeholders(mel.shape[1]), 64)
-            torch.testing.assert_close(adapter._rows[handle], expected, atol=2e-5, rtol=1e-4)
+            assert adapter.clips.rows[handle].shape == expected.shape == (num_placeholders(mel.shape[1]), 64)
+            torch.testing.assert_close(adapter.clips.rows[handle], expected, atol=2e-5, rtol=1e-4)
     for i in range(len(clips)):
         adapter.forget(f"enc{i}")
-    assert not adapter._rows
+    assert all(handle in adapter.clips.rows for handle in handles)  # encoded: kept for a clip sent again
+    assert not any(adapter.clips.handles_of(f"enc{i}") for i in range(len(clips)))
 
 
 def reference_greedy(model: StepAudio2LM, prompt: list[tuple[int, int, int]], rows: dict[int, torch.Tensor],
@@ -190,14 +191,14 @@ def test_greedy_tokens_equal_transformers_on_spliced_embeddings(published) -> No
     for out in engine.step():  # the three clips encoded in one forward, then the prompts prefilled
         ours.setdefault(out.req_id, []).extend(out.new_token_ids)
     assert adapter.num_pending_clips == 0
-    rows = {h: adapter._rows[h].clone() for hs in adapter._clips_of.values() for h in hs}
+    rows = {h: adapter.clips.rows[h].clone() for rid in prompts for h in adapter.clips.handles_of(rid)}
     with torch.no_grad():
         for handle, mel in zip(sorted(rows), [piece_log_mel(clip_wave_16k(tone_clip(n, i)))
                                               for i, n in enumerate(CLIP_SAMPLES)], strict=True):  # fmt: skip
             torch.testing.assert_close(rows[handle], independent_encode(adapter.model, mel), atol=2e-5, rtol=1e-4)
     for rid, tokens in engine.run_to_completion().items():
         ours.setdefault(rid, []).extend(tokens)
-    assert not adapter._rows and not adapter._clips_of  # every clip dropped with its request
+    assert not any(adapter.clips.handles_of(rid) for rid in prompts)  # every clip released with its request
     for rid, prompt in prompts.items():
         reference = reference_greedy(adapter.model, prompt, rows, 12, adapter.ids.eot)
         assert ours[rid] == reference and len(reference) == 12
