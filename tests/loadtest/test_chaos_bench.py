@@ -102,6 +102,7 @@ def test_the_victim_is_the_replica_most_playing_streams_use_and_waits_are_measur
 
 
 @pytest.mark.slow
+@pytest.mark.own_server
 @pytest.mark.timeout(480)
 def test_bounded_chaos_run(tmp_path):
     out = tmp_path / "chaos.json"  # its own process: this one may be a driver of another test's Ray

@@ -116,6 +116,7 @@ def test_processes_are_named_by_ray_title_script_or_binary():
 
 
 @pytest.mark.slow
+@pytest.mark.own_server
 @pytest.mark.timeout(300)
 def test_short_soak_samples_every_process_and_writes_its_report(tmp_path):
     out = tmp_path / "soak.json"

@@ -21,7 +21,7 @@ from loadtest.plots import plot_all
 from loadtest.sweep import SweepConfig, run_sweep, wait_ready, write_result
 from protos import voxray_pb2_grpc
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.own_server]
 _OFFSET = int(os.environ.get("VOXRAY_TEST_PORT_OFFSET", "0"))  # see tests/deployments/conftest.py
 VOXRAY_GRPC_PORT, VOXRAY_HTTP_PORT, NAIVE_PORT = (p + _OFFSET for p in (19210, 19211, 19212))
 SMOKE = SweepConfig(rates_rps=(2.0, 4.0), duration_s=1.0, min_requests=2, max_requests=3, max_tokens_cap=35,
