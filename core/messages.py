@@ -170,6 +170,9 @@ class TextDelta:
     text: str
     is_final: bool = False
     decoded_s: float = 0.0
+    # the tokens sampled since the stream's previous checkpoint, as of the step that decoded it (None: none
+    # new): the Router adds them up with the chunks' (`ResumeState`), so a resumed stream says no text twice
+    checkpoint: Checkpoint | None = None
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ The LLMStage deployment and the in-process pipeline (`cluster.pipeline`) both dr
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -56,16 +57,17 @@ class LLMSide:
         if job.buffered_audio_s is not None:
             self._continue_playback(job.req_id, job.buffered_audio_s)
         resume = job.resume
+        self.num_checkpointed[job.req_id] = len(resume.tokens) if resume is not None else 0
+        if resume is not None and self.text_out is not None:
+            self.text_out.resume(job.req_id, self.engine.adapter.text_ids(list(resume.tokens)))
         if job.text_only:  # no speech: no chunker, no chunk (not even a final one) for the detokenizer
             return
         if resume is None:
             self.chunkers[job.req_id] = Chunker(job.req_id, self.schedule)
-            self.num_checkpointed[job.req_id] = 0
             return
         chunker = Chunker.resumed(job.req_id, self.schedule, resume.next_seq, resume.frames_shipped)
         chunker.add_frames(self.engine.replay_frames(job.req_id))  # its next step's push cuts what is ready
         self.chunkers[job.req_id] = chunker
-        self.num_checkpointed[job.req_id] = len(resume.tokens)
 
     def _continue_playback(self, req_id: str, buffered_audio_s: float) -> None:
         """A later segment of a playing stream takes over its playback clock: the client holds
@@ -146,7 +148,11 @@ class LLMSide:
         if self.text_out is not None:
             text_ids = self.engine.adapter.text_ids
             for out in outputs:
-                self.text_out.push(out.req_id, text_ids(out.new_token_ids), out.finished)
+                checkpoint = functools.partial(self._text_checkpoint, out.req_id)
+                self.text_out.push(out.req_id, text_ids(out.new_token_ids), out.finished, checkpoint)
+        for out in outputs:
+            if out.finished:  # (a text-only answer has no chunker to drop it with)
+                self.num_checkpointed.pop(out.req_id, None)
         self._update_next_chunk_steps()
         return chunks
 
@@ -174,10 +180,23 @@ class LLMSide:
         """The sampler state after this step's tokens, kept with the step's first chunk of `req`
         (a finished request needs none: the router resumes it from its previous checkpoint, and
         greedy / seeded sampling regenerate the same last tokens)."""
+        self.checkpoints[(req.req_id, seq)] = self._new_checkpoint(req)
+
+    def _text_checkpoint(self, req_id: str) -> Checkpoint | None:
+        """The sampler state after this step, for the text delta it decoded (None: nothing new since the
+        step's chunk took it, or the request is gone)."""
+        req = self.engine.requests.get(req_id)
+        if req is None or req_id not in self.num_checkpointed:
+            return None
+        checkpoint = self._new_checkpoint(req)
+        return checkpoint if checkpoint.new_tokens else None
+
+    def _new_checkpoint(self, req: Request) -> Checkpoint:
+        """The tokens `req` sampled since its previous checkpoint, now checkpointed."""
         start = self.num_checkpointed.get(req.req_id, 0)
         tokens = tuple(req.output_ids[start:])
         self.num_checkpointed[req.req_id] = start + len(tokens)
-        self.checkpoints[(req.req_id, seq)] = Checkpoint(start, tokens)
+        return Checkpoint(start, tokens)
 
     def num_starving(self) -> int:
         """Streams playing whose client buffer is spent (safe to call from another thread: the

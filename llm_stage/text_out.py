@@ -8,10 +8,11 @@ after every engine step; the LLMStage deployment and the in-process pipeline tak
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 
-from core.messages import TextDelta
+from core.messages import Checkpoint, TextDelta
 
 INCOMPLETE = "\ufffd"  # what a decoder gives for a UTF-8 sequence cut short
 
@@ -44,7 +45,10 @@ class TextStreams:
         self.streams: dict[str, TextStream] = {}
         self.pending: list[TextDelta] = []
 
-    def push(self, req_id: str, ids: list[int], is_final: bool) -> None:
+    def push(
+        self, req_id: str, ids: list[int], is_final: bool, checkpoint: Callable[[], Checkpoint | None] | None = None
+    ) -> None:
+        """A step's text ids of `req_id`; a delta for what they add carries `checkpoint()` (not a final one)."""
         if not ids and not is_final and req_id not in self.streams:
             return
         stream = self.streams.setdefault(req_id, TextStream(self.decode))
@@ -52,7 +56,16 @@ class TextStreams:
         if is_final:
             del self.streams[req_id]
         if text or is_final:
-            self.pending.append(TextDelta(req_id, text, is_final, self.clock()))
+            delta = TextDelta(req_id, text, is_final, self.clock())
+            if checkpoint is not None and not is_final:
+                delta = dataclasses.replace(delta, checkpoint=checkpoint())
+            self.pending.append(delta)
+
+    def resume(self, req_id: str, ids: list[int]) -> None:
+        """A resumed stream's text ids so far: their text was sent (but a character they end mid-way, which
+        the next ids complete)."""
+        stream = self.streams[req_id] = TextStream(self.decode)
+        stream.ids, stream.sent = list(ids), self.decode(list(ids)).rstrip(INCOMPLETE)
 
     def drop(self, req_id: str) -> None:
         self.streams.pop(req_id, None)

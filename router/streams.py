@@ -382,9 +382,8 @@ class RouterCore:
                     raise StreamMoved(event)
                 if isinstance(event, TextDelta):
                     if event.text:
-                        # a text-only answer keeps no checkpoints: once text left, a lost replica ends it
-                        progress.is_resumable = progress.is_resumable and not job.text_only
                         yield self._text_sent(event, tracker, progress.next_seq, llm_replica, record)
+                    progress.record_text(event)  # (a resumed stream goes on after the text sent)
                     if event.is_final and job.text_only:  # a text-only answer ends with its text
                         finished = True
                         if record:

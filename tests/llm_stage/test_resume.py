@@ -222,3 +222,61 @@ def test_a_family_that_lays_text_out_as_it_comes_refuses_to_resume_streamed_text
     with pytest.raises(InvalidArgumentError) as err:
         side.add(dataclasses.replace(job, resume=ResumeState((), 0, 0)))
     assert err.value.field == "text_streaming"
+
+
+# ---- speech in: the answer's text across a resume ---------------------------------------------------
+
+
+def _speech_in_job(side: LLMSide, text_only: bool, resume: ResumeState | None = None) -> Job:
+    import numpy as np
+
+    from core.messages import AudioClip
+
+    t = np.arange(16_000) / 16_000
+    clip = AudioClip((0.3 * np.sin(2 * np.pi * 220 * t) * 32767).astype("<i2").tobytes(), 16_000)
+    text = "" if side.engine.adapter.family == "glm4-voice" else "Answer."  # (prompts whose answers have text)
+    job = build_job(side.engine.adapter, text=text, audio=clip, text_only=text_only,
+                    sampling={"temperature": 0.0, "repetition_penalty": 1.0, "max_tokens": 60})  # fmt: skip
+    return dataclasses.replace(job, req_id="r", resume=resume)
+
+
+def _events(side: LLMSide, job: Job, stop_after: int | None = None) -> list:
+    """The stream's chunks and text deltas (with their checkpoints) in step order, until its end or its
+    `stop_after`-th event (then, as a lost replica, nothing more)."""
+    side.add(job)
+    events: list = []
+    while side.engine.has_work:
+        chunks = side.step()
+        checkpoints = side.take_checkpoints()
+        events += [(c, checkpoints.get((c.req_id, c.seq))) for c in chunks]
+        events += [(delta, delta.checkpoint) for delta in side.take_text()]
+        if stop_after is not None and len(events) >= stop_after:
+            return events[:stop_after]
+    return events
+
+
+@pytest.mark.parametrize("model", ["step-audio2-tiny", "glm4-voice-tiny"])
+@pytest.mark.parametrize("text_only", [True, False])
+def test_a_resumed_answer_goes_on_after_the_text_sent_saying_none_twice(model: str, text_only: bool):
+    """The Router adds up the checkpoints of the chunks and the text that reached the client
+    (`router.resume`); a stream resumed from them (seeded) says the rest of the uninterrupted text,
+    none of it twice (its text deltas carried no checkpoint before: a spoken answer repeated the text
+    after its last chunk, and a text-only answer could not resume)."""
+    from core.messages import TextDelta
+    from router.resume import StreamProgress
+
+    whole = _events(_side(model), _speech_in_job(_side(model), text_only))
+    text = "".join(e.text for e, _ in whole if isinstance(e, TextDelta))
+    assert text and len(whole) >= 3
+    lost = _events(_side(model), _speech_in_job(_side(model), text_only), stop_after=len(whole) // 2)
+    progress = StreamProgress()
+    for event, checkpoint in lost:
+        if isinstance(event, TextDelta):
+            progress.record_text(event)
+        else:
+            progress._extend(checkpoint)
+            progress.next_seq, progress.frames_shipped = event.seq + 1, event.keep_end
+    said = "".join(e.text for e, _ in lost if isinstance(e, TextDelta))
+    resumed = _side(model)
+    rest = _events(resumed, _speech_in_job(resumed, text_only, progress.resume_state()))
+    assert said + "".join(e.text for e, _ in rest if isinstance(e, TextDelta)) == text
