@@ -60,9 +60,9 @@ class CacheConfig(_Strict):
     )
     keep_prompts: bool = Field(
         True,
-        description="Slot layout, families whose prompt ids are their content (GLM-4-Voice): an ended request's "
-        "prompt KV stays in its slot until a request needs the slot, and a request whose prompt starts the same "
-        "(a conversation's next turn) prefills only the rest.",
+        description="Families whose prompt ids are their content (GLM-4-Voice, Step-Audio 2): an ended request's "
+        "prompt KV stays in its slot (paged: its prompt's blocks) until a request needs them, and a request whose "
+        "prompt starts the same (a conversation's next turn) prefills only the rest.",
     )
     block_size: int = Field(16, ge=1, le=4096, description="Paged layout: tokens per KV block.")
     num_blocks: int | None = Field(

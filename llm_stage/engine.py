@@ -91,7 +91,7 @@ class LLMEngine:
             scheduler, cache, adapter.eos_token_ids, self.policy, adapter.is_stop, adapter.record_token
         )
         # an ended request's prompt KV stays in its slot for the conversation's next turn (`kept_prompts`)
-        self.keeps_prompts = cache.keep_prompts and adapter.reuses_prompt_kv and cache.layout == "slot"
+        self.keeps_prompts = cache.keep_prompts and adapter.reuses_prompt_kv
         graph_sizes = decode_graph_sizes(scheduler, adapter.backbone.lm_head_weight.device)
         self.runner = ModelRunner(adapter, cache, graph_sizes, self.scheduler.blocks)
         self._forward_thread = ThreadPoolExecutor(1, "llm-forward") if scheduler.async_steps else None

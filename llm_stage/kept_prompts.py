@@ -1,9 +1,10 @@
 """Prompt KV kept in its slot after the request ended, for a later request whose prompt starts the same
 (a conversation's next turn: its history is the earlier prompt plus the answer and a new user turn),
 pure Python. The scheduler keeps a finished or cancelled request's slot here when its family's prompt
-ids are its content (`LMAdapter.reuses_prompt_kv`) in the slot layout; a new request takes the slot
-holding the longest common prefix and prefills only the rest; a slot is given back, oldest first,
-when a request needs one and none is free. Each kept prompt carries its conversation key
+ids are its content (`LMAdapter.reuses_prompt_kv`); in the paged layout the slot keeps the blocks of
+its prompt's positions only. A new request takes the slot holding the longest common prefix (paged:
+its blocks grown to the request's reservation) and prefills only the rest; a slot (and its blocks)
+is given back, oldest first, when a request needs one and none is free. Each kept prompt carries its conversation key
 (`llm_stage.prompt_work.next_turn_key`), which the replica reports so the Router ranks that replica
 with the prefill it saves. Used by `llm_stage.scheduler.Scheduler`.
 """
@@ -66,6 +67,11 @@ class KeptPrompts:
     def give_back_oldest(self) -> int:
         """The oldest kept slot, no longer kept (the scheduler frees it)."""
         slot, _ = self.by_slot.popitem(last=False)
+        return slot
+
+    def forget(self, slot: int) -> int:
+        """`slot`, no longer kept (the scheduler frees it)."""
+        del self.by_slot[slot]
         return slot
 
     def keys(self) -> tuple[str, ...]:

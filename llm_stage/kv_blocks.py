@@ -62,6 +62,15 @@ class BlockAllocator:
             self._changed.add(slot)
         return True
 
+    def truncate(self, slot: int, num_positions: int) -> None:
+        """Keep only the slot's blocks that hold its first `num_positions` positions; the rest go back."""
+        blocks = self._owned.get(slot, [])
+        keep = self.row_blocks(num_positions)
+        if len(blocks) > keep:
+            self._free.extend(reversed(blocks[keep:]))
+            del blocks[keep:]
+            self._changed.add(slot)
+
     def release(self, slot: int) -> None:
         """Return the slot's blocks to the free list (its table row then points at the scratch block)."""
         blocks = self._owned.pop(slot, [])

@@ -121,7 +121,8 @@ class Scheduler:
         if self.blocks is None:
             return by_slots
         per_stream = self.blocks.row_blocks(positions_per_stream) * rows_per_stream
-        return min(by_slots, len(self.running) + self.blocks.num_free // per_stream)
+        free = self.blocks.num_free + sum(len(self.blocks.blocks_of(slot)) for slot in list(self.kept.by_slot))
+        return min(by_slots, len(self.running) + free // per_stream)  # (kept prompts' blocks come back on demand)
 
     @property
     def has_work(self) -> bool:
@@ -179,8 +180,8 @@ class Scheduler:
     def _take_kv(self, req: Request) -> bool:
         """A slot and (paged) its reserved blocks for every row of the unit, or nothing; kept prompts
         give their slots back, oldest first, when too few are free."""
-        while self.slots.num_free < len(req.unit) and self.kept:
-            self.slots.free(self.kept.give_back_oldest())
+        while self.kept and not self._kv_free_for(req):
+            self._free_kept(self.kept.give_back_oldest())
         if self.slots.num_free < len(req.unit):
             return False
         if self.blocks is not None and self.blocks.num_free < self.blocks_needed(req):
@@ -261,16 +262,35 @@ class Scheduler:
         partial = [r for r in self.running.values() if r.status is RequestStatus.PREFILLING]
         return [r for r in fcfs_order(partial) + list(self.waiting) if not r.is_waiting_for_text]
 
+    def _take_kept(self, req: Request, slot: int, num_positions: int) -> bool:
+        """The kept prompt's slot for `req` (paged: its blocks grown to `req`'s reservation, other kept
+        prompts giving theirs back first when short); False (nothing changed) when they do not fit."""
+        if self.blocks is not None:
+            need = self.blocks.extra_blocks(slot, self.positions_reserved(req))
+            others = [s for s in self.kept.by_slot if s != slot]
+            while self.blocks.num_free < need and others:
+                self._free_kept(self.kept.forget(others.pop(0)))
+            if not self.blocks.reserve(slot, self.positions_reserved(req)):
+                return False
+        req.slot = slot
+        self.kept.take(slot, num_positions)
+        return True
+
     def _may_reuse(self, req: Request) -> bool:
         """A waiting request that may take a kept prompt's slot: one row, its prompt ids its content."""
         return req.status is RequestStatus.WAITING and req.keeps_prompt_as is not None and req.twin is None
+
+    def _kv_free_for(self, req: Request) -> bool:
+        """Whether the free slots (and, paged, blocks) hold the unit's."""
+        blocks_free = self.blocks is None or self.blocks.num_free >= self.blocks_needed(req)
+        return self.slots.num_free >= len(req.unit) and blocks_free
 
     def _admit(self, req: Request, reuse: tuple[int, int] | None = None) -> bool:
         """Give every row of the unit its own KV slot (and its blocks), or admit nothing; `reuse`: the kept
         prompt's slot whose first positions the request's prompt shares (`KeptPrompts.match`)."""
         if reuse is not None:
-            req.slot = reuse[0]
-            self.kept.take(*reuse)
+            if not self._take_kept(req, *reuse):
+                return False
         elif not self._take_kv(req):
             return False
         self.waiting.remove(req)
@@ -381,8 +401,10 @@ class Scheduler:
 
     def _finish(self, req: Request, reason: FinishReason, status: RequestStatus) -> None:
         self.running.pop(req.req_id, None)
-        if self._keeps_prompt(req):  # its slot stays allocated, holding the prompt's KV
+        if self._keeps_prompt(req):  # its slot (and the prompt's blocks) stays allocated, holding the prompt's KV
             self.kept.keep(req.slot, req.prompt_ids, req.keeps_prompt_as)  # type: ignore[arg-type]
+            if self.blocks is not None:
+                self.blocks.truncate(req.slot, req.prompt_len)  # type: ignore[arg-type]
             req.slot = None
         for row in req.unit:
             row.status = status
@@ -392,13 +414,18 @@ class Scheduler:
     def give_back_kept(self) -> None:
         """Free every kept prompt's slot."""
         while self.kept:
-            self.slots.free(self.kept.give_back_oldest())
+            self._free_kept(self.kept.give_back_oldest())
+
+    def _free_kept(self, slot: int) -> None:
+        if self.blocks is not None:
+            self.blocks.release(slot)
+        self.slots.free(slot)
 
     def _keeps_prompt(self, req: Request) -> bool:
-        """Whether an ending request's prompt KV stays for a later request: a whole prompt in a slot
-        (slot layout; no twin, no streamed text, no laid-out positions) of a family that reuses it."""
+        """Whether an ending request's prompt KV stays for a later request: a whole prompt in a slot (no
+        twin, no streamed text, no laid-out positions) of a family that reuses it."""
         return (
-            req.keeps_prompt_as is not None and self.blocks is None and req.slot is not None and req.twin is None
+            req.keeps_prompt_as is not None and req.slot is not None and req.twin is None
             and req.text_feed is None and req.positions is None and req.num_cached >= req.prompt_len
         )  # fmt: skip
 

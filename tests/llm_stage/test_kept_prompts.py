@@ -38,8 +38,12 @@ def run_to_end(sched, *reqs: Request) -> None:
         sched.cancel(req.req_id)  # (ended as a barge-in would: after its prompt)
 
 
-def test_a_prompt_kept_after_its_request_serves_the_next_one_that_starts_the_same():
-    sched = fake_scheduler(num_slots=2, max_batch_size=2, budget=256)
+PAGED = {"layout": "paged", "block_size": 16, "num_blocks": 18}  # (16 blocks: one 256-position row)
+
+
+@pytest.mark.parametrize("cache", [None, PAGED])
+def test_a_prompt_kept_after_its_request_serves_the_next_one_that_starts_the_same(cache):
+    sched = fake_scheduler(num_slots=2, max_batch_size=2, budget=256, cache=cache)
     first = kept_request("t1", list(range(100, 140)), key="conv-1")
     run_to_end(sched, first)
     assert len(sched.kept) == 1 and sched.kept.keys() == ("conv-1",) and sched.slots.num_free == 1
@@ -49,6 +53,8 @@ def test_a_prompt_kept_after_its_request_serves_the_next_one_that_starts_the_sam
     assert [(w.req.req_id, w.start, w.num_tokens) for w in plan.prefills] == [("t2", 40, 20)]
     assert second.slot == first_slot(sched, second) and len(sched.kept) == 0
     assert (sched.kept.num_reuses, sched.kept.num_reused_positions) == (1, 40)
+    if sched.blocks is not None:  # the kept prompt's 3 blocks, grown to the new reservation (60 + 4 positions)
+        assert len(sched.blocks.blocks_of(second.slot)) == 4 and sched.blocks.num_free == 18 - 4
 
 
 def first_slot(sched, req: Request) -> int:
@@ -77,14 +83,27 @@ def test_short_common_prefixes_twins_and_requests_that_keep_nothing_take_fresh_s
     assert all(w.start == 0 for w in plan.prefills) and len(sched.kept) == 1
 
 
-def test_kept_slots_are_given_back_oldest_first_when_requests_need_them():
-    sched = fake_scheduler(num_slots=2, max_batch_size=2, budget=256)
+@pytest.mark.parametrize("cache", [None, PAGED])
+def test_kept_slots_are_given_back_oldest_first_when_requests_need_them(cache):
+    sched = fake_scheduler(num_slots=2, max_batch_size=2, budget=256, cache=cache)
     run_to_end(sched, kept_request("a", list(range(100, 130)), "A"))
     run_to_end(sched, kept_request("b", list(range(200, 230)), "B"))
     assert sched.slots.num_free == 0 and sched.kept.keys() == ("A", "B")
     sched.add(fake_request("new", 10))
     sched.schedule()
     assert sched.kept.keys() == ("B",) and sched.running["new"].slot is not None
+    if sched.blocks is not None:  # B keeps only its prompt's 2 blocks; "new" reserved its own 4 (10 + 50)
+        assert sched.blocks.num_free == 18 - 2 - 4
+
+
+def test_paged_kept_prompts_keep_only_their_prompts_blocks_and_give_them_back_when_blocks_run_short():
+    sched = fake_scheduler(num_slots=8, max_batch_size=2, budget=256, cache=PAGED)
+    run_to_end(sched, kept_request("a", list(range(100, 140)), "A"))  # 40 + 4 reserved: 3 blocks, all kept
+    assert sched.blocks.num_free == 18 - 3 and sched.kv_streams(1, 60) == 18 // 4  # kept blocks count as free
+    big = fake_request("big", 250, max_tokens=6)  # 256 positions: 16 blocks, more than are free
+    sched.add(big)
+    sched.schedule()
+    assert len(sched.kept) == 0 and len(sched.blocks.blocks_of(big.slot)) == 16
 
 
 def test_a_request_ended_before_its_prompt_was_in_keeps_nothing_and_a_failed_step_keeps_none():
@@ -118,9 +137,9 @@ def clip(seconds: float, hz: float) -> AudioClip:
     return AudioClip((0.3 * np.sin(2 * np.pi * hz * t) * 32767).astype("<i2").tobytes(), 16_000)
 
 
-def engine(adapter, keep: bool, async_steps: bool = False) -> LLMEngine:
+def engine(adapter, keep: bool, async_steps: bool = False, layout: str = "slot") -> LLMEngine:
     return LLMEngine(
-        adapter, CacheConfig(num_slots=3, max_seq_len=1024, keep_prompts=keep),
+        adapter, CacheConfig(num_slots=3, max_seq_len=1024, keep_prompts=keep, layout=layout, block_size=16),
         SchedulerConfig(max_batch_size=3, prefill_token_budget=64, async_steps=async_steps),
     )  # fmt: skip
 
@@ -136,9 +155,13 @@ def forget_clips(adapter) -> None:
 GREEDY = {"temperature": 0.0, "max_tokens": 30, "repetition_penalty": 1.0}
 
 
-@pytest.mark.parametrize(("family", "async_steps"), [("glm", False), ("glm", True), ("step_audio", False)])
+@pytest.mark.parametrize(
+    ("family", "async_steps", "layout"),
+    [("glm", False, "slot"), ("glm", True, "slot"), ("glm", False, "paged"), ("step_audio", False, "slot"),
+     ("step_audio", False, "paged")],
+)  # fmt: skip
 def test_the_second_turn_reuses_the_first_turns_prompt_and_draws_what_a_fresh_engine_draws(
-    request, family: str, async_steps: bool
+    request, family: str, async_steps: bool, layout: str
 ) -> None:
     adapter = request.getfixturevalue(family)
     forget_clips(adapter)
@@ -146,7 +169,7 @@ def test_the_second_turn_reuses_the_first_turns_prompt_and_draws_what_a_fresh_en
     history = (ChatTurn("user", "", first.audio), ChatTurn("assistant", "Sure."))
     second = build_job(adapter, text="And?", audio=clip(0.8, 330), sampling=GREEDY, req_id="t2", history=history)
     other = build_job(adapter, text="Tell me a story.", sampling=GREEDY, req_id="other")  # in the same batches
-    reused = engine(adapter, keep=True, async_steps=async_steps)
+    reused = engine(adapter, keep=True, async_steps=async_steps, layout=layout)
     reused.add_job(first)
     first_prompt = list(reused.requests["t1"].prompt_ids)
     reused.run_to_completion()
