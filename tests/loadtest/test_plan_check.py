@@ -27,7 +27,16 @@ from loadtest.plan_calibrate import (
     serving_loop_line,
     with_assumptions,
 )
-from loadtest.plan_check import CONFIGS, ORPHEUS_TINY, CheckResult, predicted_rps, sweep_workload, swept_rates
+from loadtest.plan_check import (
+    CONFIGS,
+    ORPHEUS_TINY,
+    BoxCpu,
+    CheckResult,
+    predicted_rps,
+    report,
+    sweep_workload,
+    swept_rates,
+)
 from loadtest.workload import MAX_FRAMES, MIN_FRAMES, ORPHEUS_FRAME_RATE_HZ, load_prompts, max_tokens_for
 
 
@@ -148,3 +157,13 @@ def test_the_written_calibration_states_its_assumptions_and_the_c1_gap():
     assert out["c1_check"]["unmodelled_start_latency_s"] == pytest.approx(0.05)
     parse_calibration(out)  # the planner reads it as it is
     assert "c1_check" not in with_assumptions(data, None, 0.15)
+
+
+def test_the_other_tenants_cores_are_the_boxs_busy_cpu_less_ours():
+    before = BoxCpu(box_busy_s=100.0, ours_s=10.0, at_s=0.0)
+    after = BoxCpu(box_busy_s=130.0, ours_s=22.0, at_s=10.0)  # 30 CPU s busy in 10 s, 12 of them ours
+    assert after.others_cores_since(before) == pytest.approx(1.8)
+    assert BoxCpu(105.0, 20.0, 10.0).others_cores_since(before) == 0.0  # ours counted past the box's: never < 0
+    assert before.others_cores_since(before) == 0.0
+    table = report([CheckResult("cpu-1x1", 2.0, 1.0, (1.0, 2.0), others_cores=1.8)])
+    assert table[-1].endswith("| 1.80 |")
