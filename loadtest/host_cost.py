@@ -14,6 +14,9 @@ set, plus the tree's CPU over an idle spell (Ray's daemons, Serve's controller: 
 - the time to first audio, p50.
 
 Solving the two sets for (per stream, per chunk) splits the host's CPU into a start's cost and a chunk's.
+Then closed-loop clients at 2, 4, 8 and 12 at once: the LLM replica's serving-loop step by rows, and over
+the last (saturated) level the host's CPU against the chunks it served: its CPU per chunk at load, the
+per-stream cost of the c=1 sets taken off (`saturated_host_ms_per_chunk`).
 `calibration_host` turns that into the calibration's `host` section (`cluster.planner.calibration.HostCost`).
 Usage: python -m loadtest.host_cost --out bench_out/host_cost [--requests 12]
 """
@@ -82,6 +85,33 @@ class HostCost:
     detok_windows: tuple[int, ...]  # every chunk's window frames, both sets
     # the LLM replica's serving-loop step (ms) by batch rows under closed-loop load, as it reports them
     loaded_step_ms_by_rows: dict[int, float]
+    saturated: SaturatedLoad | None = None  # the last closed-loop level's chunks and host CPU (None: not read)
+
+
+@dataclass(frozen=True)
+class SaturatedLoad:
+    """The last closed-loop level: clients at once, what it served and the host's CPU over it (the
+    background subtracted; the LLM and detok replicas' CPU apart)."""
+
+    clients: int
+    wall_s: float
+    streams: int
+    chunks: int
+    host_cpu_s: float
+    llm_cpu_s: float
+    detok_cpu_s: float
+
+    @property
+    def chunks_per_s(self) -> float:
+        return self.chunks / self.wall_s
+
+
+def saturated_host_ms_per_chunk(load: SaturatedLoad, host_ms_per_stream: float) -> float:
+    """The host's CPU per chunk at load: its CPU over the level less `host_ms_per_stream` (c=1) a stream
+    served, over the chunks served; never below 0."""
+    if load.chunks <= 0:
+        return 0.0
+    return max(0.0, (1e3 * load.host_cpu_s - host_ms_per_stream * load.streams) / load.chunks)
 
 
 def cpu_seconds_by_role(root_pid: int) -> dict[str, float]:
@@ -134,9 +164,10 @@ def run_set(name: str, texts: list[str], target: str, root_pid: int, background:
     )  # fmt: skip
 
 
-def closed_loop(target: str, clients: int, duration_s: float, cfg: SweepConfig, seed: int) -> int:
-    """`clients` threads each sending the sweep's prompts back to back for `duration_s`; streams served."""
-    prompts, served, lock = load_prompts(), [0], threading.Lock()
+def closed_loop(target: str, clients: int, duration_s: float, cfg: SweepConfig, seed: int) -> tuple[int, int]:
+    """`clients` threads each sending the sweep's prompts back to back for `duration_s`; (streams, chunks)
+    served."""
+    prompts, served, chunks, lock = load_prompts(), [0], [0], threading.Lock()
     end_s = time.monotonic() + duration_s
 
     def client(index: int) -> None:
@@ -147,19 +178,21 @@ def closed_loop(target: str, clients: int, duration_s: float, cfg: SweepConfig, 
                 record = run_one(stub, rng.choice(prompts), rng.randrange(1 << 30), cfg)
                 with lock:
                     served[0] += record.is_ok
+                    chunks[0] += len(record.durations_s)
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(timeout=duration_s + cfg.request_timeout_s + 5.0)
-    return served[0]
+    return served[0], chunks[0]
 
 
-def loaded_steps(server, cfg: SweepConfig, levels: tuple[int, ...] = LOAD_LEVELS,
-                 level_s: float = LEVEL_S) -> dict[int, float]:  # fmt: skip
+def loaded_steps(server, cfg: SweepConfig, background: float, levels: tuple[int, ...] = LOAD_LEVELS,
+                 level_s: float = LEVEL_S) -> tuple[dict[int, float], SaturatedLoad]:  # fmt: skip
     """The LLM replica's serving-loop step by rows (`stats()["step_ms_by_rows"]`: medians of recent steps),
-    read after each closed-loop level; a later level's reading of a size replaces an earlier one's."""
+    read after each closed-loop level (a later level's reading of a size replaces an earlier one's), and the
+    last level's chunks and CPU by group (`SaturatedLoad`)."""
     from ray import serve
 
     join_cluster(server)
@@ -167,12 +200,26 @@ def loaded_steps(server, cfg: SweepConfig, levels: tuple[int, ...] = LOAD_LEVELS
         handle = serve.get_deployment_handle("LLMStage", cfg.app_name)
         steps: dict[int, float] = {}
         for level in levels:
-            closed_loop(server.grpc_target, level, level_s, cfg, seed=level)
+            saturated = _level(server, level, level_s, cfg, background)
             reading = handle.stats.remote().result()["step_ms_by_rows"]
             steps |= {int(rows): float(ms) for rows, ms in reading.items()}
-        return dict(sorted(steps.items()))
+        return dict(sorted(steps.items())), saturated
     finally:
         leave_cluster()
+
+
+def _level(server, clients: int, level_s: float, cfg: SweepConfig, background: float) -> SaturatedLoad:
+    """One closed-loop level and the CPU each group spent over it (the client: this process, its
+    `clients` threads)."""
+    root = server.proc.pid
+    before, client_before, t0 = cpu_seconds_by_role(root), client_cpu_s(), time.monotonic()
+    streams, chunks = closed_loop(server.grpc_target, clients, level_s, cfg, seed=clients)
+    wall_s = time.monotonic() - t0
+    after = cpu_seconds_by_role(root)
+    spent = {role: after.get(role, 0.0) - before.get(role, 0.0) for role in after}
+    llm_s, detok_s = spent.pop(LLM_ROLE, 0.0), spent.pop(DETOK_ROLE, 0.0)
+    host_s = sum(spent.values()) + client_cpu_s() - client_before - background * wall_s
+    return SaturatedLoad(clients, wall_s, streams, chunks, max(0.0, host_s), llm_s, detok_s)
 
 
 def chunk_windows(durations_s: list[float], context: DetokConfig = DetokConfig()) -> list[int]:
@@ -222,7 +269,7 @@ def measure(config, scratch: Path, requests: int) -> HostCost:  # config: core.c
         background = background_cores(root)
         short = run_set("short", short_texts, server.grpc_target, root, background, cfg)
         long = run_set("long", long_texts, server.grpc_target, root, background, cfg)
-        steps = loaded_steps(server, cfg)
+        steps, saturated = loaded_steps(server, cfg, background)
     per_stream, per_chunk = split_host(short, long)
     sets = (short, long)
     return HostCost(
@@ -230,15 +277,20 @@ def measure(config, scratch: Path, requests: int) -> HostCost:  # config: core.c
         llm_ms_per_token=1e3 * sum(s.llm_cpu_s for s in sets) / sum(s.tokens for s in sets),
         detok_ms_per_chunk=1e3 * sum(s.detok_cpu_s for s in sets) / sum(s.chunks for s in sets),
         ttfa_p50_s=short.ttfa_p50_s, sets=sets, loaded_step_ms_by_rows=steps,
-        detok_windows=short.windows + long.windows,
+        detok_windows=short.windows + long.windows, saturated=saturated,
     )  # fmt: skip
 
 
 def calibration_host(cost: HostCost, cores: int) -> dict:
-    """The calibration's `host` section from a measurement (see `cluster.planner.calibration.HostCost`)."""
+    """The calibration's `host` section from a measurement (see `cluster.planner.calibration.HostCost`): the
+    start's CPU from the c=1 sets; a chunk's from the saturated level when it served chunks (many more than
+    the c=1 sets: the difference of two small sums there is noise), else from the c=1 sets."""
+    per_chunk = cost.host_ms_per_chunk
+    if cost.saturated is not None and cost.saturated.chunks > 0:
+        per_chunk = saturated_host_ms_per_chunk(cost.saturated, cost.host_ms_per_stream)
     return {
         "cores": cores, "background_cores": round(cost.background_cores, 4),
-        "cpu_ms_per_stream": round(cost.host_ms_per_stream, 3), "cpu_ms_per_chunk": round(cost.host_ms_per_chunk, 3),
+        "cpu_ms_per_stream": round(cost.host_ms_per_stream, 3), "cpu_ms_per_chunk": round(per_chunk, 3),
     }  # fmt: skip
 
 
@@ -252,7 +304,13 @@ def report(cost: HostCost) -> str:
     steps = ", ".join(f"{rows}: {ms:.2f}" for rows, ms in cost.loaded_step_ms_by_rows.items())
     lines.append(f"serving-loop step ms by rows under load: {steps}")
     lines.append(f"background {cost.background_cores:.3f} cores; host {cost.host_ms_per_stream:.1f} ms a stream + "
-                 f"{cost.host_ms_per_chunk:.2f} ms a chunk")  # fmt: skip
+                 f"{cost.host_ms_per_chunk:.2f} ms a chunk (c=1)")  # fmt: skip
+    if cost.saturated is not None:
+        sat = cost.saturated
+        per_chunk = saturated_host_ms_per_chunk(sat, cost.host_ms_per_stream)
+        lines.append(f"saturated ({sat.clients} clients, {sat.wall_s:.1f} s): {sat.streams} streams, "
+                     f"{sat.chunks_per_s:.1f} chunks/s, host {sat.host_cpu_s:.2f} CPU s = {per_chunk:.2f} ms a chunk; "
+                     f"LLM {sat.llm_cpu_s:.2f}, detok {sat.detok_cpu_s:.2f} CPU s")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -3,13 +3,16 @@
 Coarser than `loadtest/policy_sim.py`, on purpose. policy_sim drives the real `Scheduler`, policy and
 `LLMSide` on a fake clock for one replica: exact to the row, ~0.3 s per 48 requests. Here each LLM replica
 is a batch server priced per step from a calibration table (rows x tokens cached); every admitted stream
-decodes one token every step (FCFS-like: no stream is skipped for its slack, no startup limit), new streams'
-prompts join the step they are admitted in. All replicas step in lockstep over numpy arrays [replicas, slots]
+decodes one token every step (FCFS-like: no stream is skipped for its slack; the scheduler's
+`startup_concurrency` only orders rows while `max_batch_size` >= the slots, as in every shipped config), new
+streams' prompts join the step they are admitted in. All replicas step in lockstep over numpy arrays [replicas, slots]
 (each keeps its own clock), so 10,000 concurrent streams cost seconds. The detokenizer stage runs after, as
 a second pass over the chunks' cut times (the LLM does not wait for it, as in serving): each detok replica
 batches what has arrived (FIFO, at most `max_batch_chunks`) and costs by the frames in the batch.
 Admission: a stream waits FCFS at its replica (the router picks the one with the fewest open streams) for
-one of `max_streams_per_replica` slots, and is refused after `admission_wait_s`. Metrics follow DESIGN §1.
+one of `max_streams_per_replica` slots, under the stream and start limits the replica's own measured steps
+give (`paced_admission`: starts go in waves of `max_starting_per_replica`, fewer beside playing streams), and
+is refused after `admission_wait_s`. Metrics follow DESIGN §1.
 """
 
 from __future__ import annotations
@@ -20,12 +23,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from cluster.planner.calibration import Calibration
+from cluster.planner.paced_admission import MeasuredSteps, starting_allowed, stream_limit, sustained_streams
 from cluster.planner.shared_cores import CoreShare
 from cluster.planner.workload import ChunkRule, ModelRates, Streams
-from core.config import AdmissionConfig
 from router.admission import STARTUP_CHUNKS
-
-REAL_TIME_MARGIN = AdmissionConfig().real_time_margin  # share of the real-time streams admission counts room in
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,9 @@ class ClusterShape:
     # admission.max_starting_per_replica: streams one replica starts at once (0: no limit). A stream is
     # starting until its STARTUP_CHUNKS-th chunk is delivered; with streams playing, fewer (`starting_allowed`)
     max_starting_per_replica: int = 0
+    # admission.policy predictive: a replica runs and starts streams under what its own measured steps keep
+    # at real time (`paced_admission`); False: the slots alone (fixed_cap), the start room under the slots
+    paced: bool = True
 
 
 @dataclass(frozen=True)
@@ -169,27 +173,29 @@ def _queues(streams: Streams, choice: np.ndarray, replicas: int) -> _Queues:
     return _Queues(ids, arrival, counts, np.zeros(replicas, np.int64))
 
 
-def starting_allowed(num_live: np.ndarray, num_starting: np.ndarray, sustained: int, limit: int) -> np.ndarray:
-    """Per replica, the streams that may be starting at once (`router.admission.starting_allowed`, vectorised;
-    a test holds the two equal): `limit` with none playing, else half the room under the `sustained`
-    streams past those playing (a starting stream weighs two), at least 1 and at most `limit`."""
-    steady = num_live - num_starting
-    room = (sustained - steady) // 2
-    return np.where(steady <= 0, limit, np.clip(room, 1, limit))
-
-
-def _start_room(state: _Replicas, shape: ClusterShape, sustained: int, clock: np.ndarray) -> np.ndarray:
-    """Per replica, how many more streams may start now under the start limit (a large number: no limit)."""
+def _admit_room(state: _Replicas, shape: ClusterShape, steps: MeasuredSteps, clock: np.ndarray,
+                rates: ModelRates) -> np.ndarray:  # fmt: skip
+    """Per replica, how many more streams may start now: under the stream limit and the start limit the
+    router computes from the replica's measured steps (`paced_admission`; a large number: no limit)."""
+    slots = shape.max_streams_per_replica
+    num_open = state.open_streams(clock)
+    if shape.paced:
+        real_time, measured_rows = steps.real_time_streams(clock, rates.real_time_step_s)
+        limit = stream_limit(slots, real_time, measured_rows)
+        room_under = np.maximum(limit, sustained_streams(slots, real_time))
+    else:
+        limit = room_under = np.full(len(num_open), slots)
+    room = limit - num_open
     if shape.max_starting_per_replica <= 0:
-        return np.full(state.stream.shape[0], np.iinfo(np.int64).max // 2)
+        return room
     num_starting = ((state.stream >= 0) & (state.starting_until_s > clock[:, None])).sum(axis=1)
-    allowed = starting_allowed(state.open_streams(clock), num_starting, sustained, shape.max_starting_per_replica)
-    return allowed - num_starting
+    allowed = starting_allowed(num_open, num_starting, room_under, shape.max_starting_per_replica)
+    return np.minimum(room, allowed - num_starting)
 
 
 def _admit(state: _Replicas, queues: _Queues, clock: np.ndarray, streams: Streams, tokens_per_frame: int,
            wait_s: float, admitted_s: np.ndarray, start_room: np.ndarray) -> np.ndarray:  # fmt: skip
-    """Fill free slots FCFS from each replica's queue while its start limit has room (`start_room`);
+    """Fill free slots FCFS from each replica's queue while its limits have room (`start_room`);
     refuse heads that waited past `wait_s`. Returns the slots filled [R, S] (their prompts join this step)."""
     filled = np.zeros(state.stream.shape, bool)
     start_room = start_room.copy()
@@ -292,7 +298,7 @@ def run_llm_stage(streams: Streams, shape: ClusterShape, calib: Calibration, rat
     detok_step_s = typical_detok_step_s(calib, rule, options.detok_scale)
     if delivery_s is None:
         delivery_s = np.full(streams.count, detok_step_s + calib.llm_to_detok_s + calib.detok_to_client_s)
-    sustained = sustained_streams(calib, rates, slots, options.step_scale)
+    steps = MeasuredSteps.empty(replicas, slots)
     horizon_s = float(streams.arrival_s[-1]) + 60.0 * float(streams.frames.max()) * rates.frame_s
     while True:
         open_rows = (state.stream >= 0).sum(axis=1)
@@ -300,9 +306,12 @@ def run_llm_stage(streams: Streams, shape: ClusterShape, calib: Calibration, rat
         if not (open_rows.any() or pending.any()) or clock.min() > horizon_s:
             break
         idle = (open_rows == 0) & pending
-        clock = np.where(idle, np.maximum(clock, _next_start_s(state, queues, clock)), clock)
+        room = _admit_room(state, shape, steps, clock, rates)
+        if idle.any():
+            clock = np.where(idle, np.maximum(clock, _next_start_s(state, queues, clock, room <= 0)), clock)
+            room = _admit_room(state, shape, steps, clock, rates)
         filled = _admit(state, queues, clock, streams, rates.tokens_per_frame, options.admission_wait_s, admitted_s,
-                        _start_room(state, shape, sustained, clock))  # fmt: skip
+                        room)  # fmt: skip
         live = state.stream >= 0
         step_s = _step_s(state, filled, calib, options)
         if sharing:
@@ -314,6 +323,7 @@ def run_llm_stage(streams: Streams, shape: ClusterShape, calib: Calibration, rat
         load_sum += float((step_s * step_s / rates.real_time_step_s)[in_window].sum())
         slot_sum += float((step_s * live.sum(axis=1))[in_window].sum())
         clock = clock + step_s
+        steps.record(live.sum(axis=1), step_s, clock, ~filled.any(axis=1))
         state.generated += live
         state.cache += live
         budget = _budget_frames(state, clock, step_s, rates, rule, detok_step_s)
@@ -343,19 +353,13 @@ def real_time_rows(calib: Calibration, rates: ModelRates, slots: int, cache_toke
     return int(fits[-1]) if len(fits) else 1
 
 
-def sustained_streams(calib: Calibration, rates: ModelRates, slots: int, step_scale: float) -> int:
-    """The streams admission counts the start room under: REAL_TIME_MARGIN of the rows whose step (at the
-    table's first cache column) keeps real time, within the slots."""
-    real_time = real_time_rows(calib, rates, slots, float(calib.llm_step.cache_tokens[0]), step_scale)
-    return min(slots, max(1, int(REAL_TIME_MARGIN * real_time)))
-
-
-def _next_start_s(state: _Replicas, queues: _Queues, clock: np.ndarray) -> np.ndarray:
+def _next_start_s(state: _Replicas, queues: _Queues, clock: np.ndarray, blocked: np.ndarray) -> np.ndarray:
     """Per replica with no stream generating, when its next stream can start: its queue's head arrival, and
-    no sooner than a held slot frees when every slot is held."""
-    all_held = (~state.free(clock)).all(axis=1)
-    return np.where(all_held, np.maximum(queues.head_arrival(), state.held_until_s.min(axis=1)),
-                    queues.head_arrival())  # fmt: skip
+    no sooner than a held slot frees when every slot is held or the held ones fill its limit (`blocked`)."""
+    held = state.held_until_s > clock[:, None]
+    first_free_s = np.where(held, state.held_until_s, np.inf).min(axis=1)
+    must_wait = (~state.free(clock)).all(axis=1) | (blocked & held.any(axis=1))
+    return np.where(must_wait, np.maximum(queues.head_arrival(), first_free_s), queues.head_arrival())
 
 
 def typical_detok_step_s(calib: Calibration, rule: ChunkRule, detok_scale: float) -> float:

@@ -181,20 +181,89 @@ def test_an_slo_under_the_zero_load_ttfa_is_refused_naming_the_field():
 
 @pytest.mark.parametrize("limit", [1, 2, 4])
 def test_the_start_limit_is_the_routers(limit):
-    """The planner's vectorised `starting_allowed` equals `router.admission.starting_allowed` wherever the
-    router's stream limit is the sustained streams (a replica that measured its batches)."""
-    from cluster.planner.simulate import starting_allowed
+    """The planner's vectorised stream limit and `starting_allowed`, fed the streams a measured batch keeps at
+    real time, equal `router.admission.stream_limit` / `starting_allowed` on the same figures."""
+    from cluster.planner.paced_admission import starting_allowed, stream_limit, sustained_streams
     from router.admission import ReplicaLoad
     from router.admission import starting_allowed as router_allowed
+    from router.admission import stream_limit as router_limit
 
-    for sustained in (1, 3, 6, 10):
-        for live in range(0, 13):
-            for starting in range(0, live + 1):
-                load = ReplicaLoad(num_active=live, max_streams=64, max_queued=8, step_s=0.01, first_chunk_tokens=49,
-                                   avg_stream_s=3.0, real_time_streams=(sustained + 0.5) / 0.85,
-                                   measured_streams=64, num_starting=starting, startup_limit=limit)  # fmt: skip
-                ours = starting_allowed(np.asarray([live]), np.asarray([starting]), sustained, limit)[0]
-                assert ours == router_allowed(load), (sustained, live, starting)
+    slots = 12
+    for real_time in (0.0, 1.2, 3.7, 7.0, 11.9, 30.0):
+        for measured in (1, 4, 8, 12):
+            rt, rows = np.asarray([real_time]), np.asarray([measured if real_time else 0])
+            limit_here = stream_limit(slots, rt, rows)
+            room_under = np.maximum(limit_here, sustained_streams(slots, rt))
+            for live in range(0, slots + 1):
+                for starting in range(0, live + 1):
+                    load = ReplicaLoad(num_active=live, max_streams=slots, max_queued=8, step_s=0.01,
+                                       first_chunk_tokens=49, avg_stream_s=3.0, real_time_streams=real_time,
+                                       measured_streams=int(rows[0]), num_starting=starting,
+                                       startup_limit=limit)  # fmt: skip
+                    assert limit_here[0] == router_limit(load), (real_time, measured)
+                    ours = starting_allowed(np.asarray([live]), np.asarray([starting]), room_under, limit)[0]
+                    assert ours == router_allowed(load), (real_time, measured, live, starting)
+
+
+def test_measured_steps_are_the_median_of_a_sizes_recent_decode_steps():
+    """As `core.policy.StepSamples`: a size counts after MIN_STEP_SAMPLES decode-only steps, its figure is the
+    median of the last STEP_SAMPLES_KEPT, and only fresh sizes count while any is fresh."""
+    from cluster.planner.paced_admission import MeasuredSteps
+    from core.policy import MIN_STEP_SAMPLES, STEP_FRESH_S
+
+    steps = MeasuredSteps.empty(replicas=1, slots=8)
+    one = np.ones(1, bool)
+
+    def record(rows: int, step_s: float, at_s: float, decode_only: bool = True) -> None:
+        steps.record(np.asarray([rows]), np.asarray([step_s]), np.asarray([at_s]), one & decode_only)
+
+    for i in range(MIN_STEP_SAMPLES - 1):
+        record(4, 0.010, i * 0.01)
+    record(4, 0.5, 0.1, decode_only=False)  # a step that prefilled: not a batch's pace
+    assert steps.largest_measured(np.asarray([0.1]))[0] == 0
+    record(4, 0.030, 0.2)  # the third: measured, median of 10, 10, 30 ms
+    real_time, rows = steps.real_time_streams(np.asarray([0.2]), real_time_step_s=0.02)
+    assert rows[0] == 4 and real_time[0] == pytest.approx(4 * 0.02 / 0.010)
+    for i in range(MIN_STEP_SAMPLES):
+        record(8, 0.040, 0.3 + i * 0.01)
+    assert steps.largest_measured(np.asarray([0.4]))[0] == 8
+    for i in range(MIN_STEP_SAMPLES):
+        record(2, 0.008, STEP_FRESH_S + 1.0 + i * 0.01)  # 8 and 4 went stale: the fresh size alone counts
+    assert steps.largest_measured(np.asarray([STEP_FRESH_S + 1.1]))[0] == 2
+
+
+def test_a_burst_is_started_in_waves_of_the_configured_size():
+    """Twelve streams arriving at once on an idle replica with room for all: admission starts
+    `max_starting_per_replica` (4) of them, the next 4 only once the first 4 stopped starting (their 2nd chunk
+    delivered), then the last 4 (with 4 and 8 playing, half the room under 64 slots is still >= 4)."""
+    from cluster.planner.simulate import run_llm_stage
+    from cluster.planner.workload import Streams
+
+    scenario = small_scenario(llm={"max_streams_per_replica": 64})
+    count = 12
+    streams = Streams(np.zeros(count), np.full(count, 60), np.full(count, 20), np.ones(count, bool))
+    shape = ClusterShape(1, 1, 64, max_starting_per_replica=4, paced=False)
+    llm = run_llm_stage(streams, shape, scenario.calib, ORPHEUS, scenario.chunk_rule(),
+                        SimOptions(admission_wait_s=60.0), (0.0, 1.0))  # fmt: skip
+    waves = np.unique(llm.admitted_s)
+    assert len(waves) == 3
+    assert [int((llm.admitted_s == t).sum()) for t in waves] == [4, 4, 4]
+    second_chunk = llm.chunk_cut_s[(llm.chunk_seq == 1)]
+    first_wave_started = np.sort(second_chunk)[3]  # the 4th 2nd chunk: the first wave's last start ends
+    assert waves[0] == 0.0 and waves[1] >= first_wave_started
+
+
+def test_a_replica_whose_measured_steps_fall_behind_admits_fewer_streams():
+    """Paced admission: with a step that keeps only ~4 rows at real time, a load of 6 streams overruns the
+    replica when the slots alone admit (every stream underruns); under the limit its measured steps give, it
+    runs fewer at once and keeps them at real time (the rest wait for their start)."""
+    scenario = small_scenario(llm={"step_ms": {"rows": [1, 4, 8], "cache_tokens": [100], "ms": [[5.0], [10.0],
+                                                                                              [24.0]]}})  # fmt: skip
+    options = SimOptions(min_measured=60, admission_wait_s=30.0)
+    slots_only, paced = (predict(scenario, 6, ClusterShape(1, 1, 8, 4, paced=p), options) for p in (False, True))
+    assert paced.slot_use < slots_only.slot_use
+    assert paced.llm_load < 1.0 <= slots_only.llm_load
+    assert paced.viable_pct > slots_only.viable_pct
 
 
 def test_a_start_limit_of_one_spaces_a_bursts_starts():

@@ -11,16 +11,29 @@ from cluster.planner.calibration import parse_calibration
 from cluster.planner.predict import Scenario, predict
 from cluster.planner.search import Slo
 from cluster.planner.simulate import ClusterShape, SimOptions
-from loadtest.host_cost import HostCost, SetCost, chunk_windows, split_host
-from loadtest.plan_check import (
-    CONFIGS,
+from loadtest.host_cost import (
+    HostCost,
+    SaturatedLoad,
+    SetCost,
+    calibration_host,
+    chunk_windows,
+    saturated_host_ms_per_chunk,
+    split_host,
+)
+from loadtest.plan_calibrate import (
     CPU_CALIBRATION,
-    ORPHEUS_TINY,
-    CheckResult,
     calibration_with_host,
     calibration_with_steps,
-    predicted_rps,
     serving_loop_line,
+    with_assumptions,
+)
+from loadtest.plan_check import (
+    CONFIGS,
+    ORPHEUS_TINY,
+    BoxCpu,
+    CheckResult,
+    predicted_rps,
+    report,
     sweep_workload,
     swept_rates,
 )
@@ -116,3 +129,41 @@ def test_the_serving_loops_step_by_rows_becomes_a_line_the_planner_steps_by():
     at = calib.llm_step.step_ms(np.asarray([1, 12]), np.full(2, 200.0))
     assert at.tolist() == pytest.approx([base_ms + per_row_ms, base_ms + 12 * per_row_ms], abs=1e-3)
     assert calib.pipeline_step_factor == 1.0 and "serving-loop step" in calib.sources["llm.step_ms"]
+
+
+def test_the_saturated_level_prices_a_chunk_and_replaces_the_c1_difference():
+    """At load the host's CPU over many chunks, less the c=1 start cost a stream, is a chunk's cost; the
+    calibration's `host` section takes it over the c=1 sets' difference (two small sums)."""
+    saturated = SaturatedLoad(clients=12, wall_s=10.0, streams=20, chunks=300, host_cpu_s=1.1, llm_cpu_s=9.0,
+                              detok_cpu_s=6.0)  # fmt: skip
+    assert saturated.chunks_per_s == 30.0
+    assert saturated_host_ms_per_chunk(saturated, host_ms_per_stream=10.0) == pytest.approx((1100 - 200) / 300)
+    assert saturated_host_ms_per_chunk(saturated, host_ms_per_stream=100.0) == 0.0  # never below 0
+    cost = HostCost(background_cores=0.1, host_ms_per_stream=10.0, host_ms_per_chunk=9.0, llm_ms_per_token=2.5,
+                    detok_ms_per_chunk=12.0, ttfa_p50_s=0.2, sets=(), loaded_step_ms_by_rows={},
+                    detok_windows=(14,), saturated=saturated)  # fmt: skip
+    assert calibration_host(cost, 2)["cpu_ms_per_chunk"] == pytest.approx(3.0)
+    without = HostCost(**{**cost.__dict__, "saturated": None})
+    assert calibration_host(without, 2)["cpu_ms_per_chunk"] == 9.0
+
+
+def test_the_written_calibration_states_its_assumptions_and_the_c1_gap():
+    data = calibration_with_steps(json.loads(CPU_CALIBRATION.read_text()), {1: 2.0, 4: 3.0}, "here")
+    cost = HostCost(background_cores=0.1, host_ms_per_stream=10.0, host_ms_per_chunk=2.0, llm_ms_per_token=2.5,
+                    detok_ms_per_chunk=12.0, ttfa_p50_s=0.2, sets=(), loaded_step_ms_by_rows={},
+                    detok_windows=(14,))  # fmt: skip
+    out = with_assumptions(data, cost, zero_load_ttfa_s=0.15)
+    assert len(out["assumptions"]) >= 4 and "assumptions" not in data
+    assert out["c1_check"]["unmodelled_start_latency_s"] == pytest.approx(0.05)
+    parse_calibration(out)  # the planner reads it as it is
+    assert "c1_check" not in with_assumptions(data, None, 0.15)
+
+
+def test_the_other_tenants_cores_are_the_boxs_busy_cpu_less_ours():
+    before = BoxCpu(box_busy_s=100.0, ours_s=10.0, at_s=0.0)
+    after = BoxCpu(box_busy_s=130.0, ours_s=22.0, at_s=10.0)  # 30 CPU s busy in 10 s, 12 of them ours
+    assert after.others_cores_since(before) == pytest.approx(1.8)
+    assert BoxCpu(105.0, 20.0, 10.0).others_cores_since(before) == 0.0  # ours counted past the box's: never < 0
+    assert before.others_cores_since(before) == 0.0
+    table = report([CheckResult("cpu-1x1", 2.0, 1.0, (1.0, 2.0), others_cores=1.8)])
+    assert table[-1].endswith("| 1.80 |")

@@ -1,0 +1,171 @@
+"""Calibrate the capacity planner on this box: write the calibration JSON `voxray plan` / `plan_check` read.
+
+Measurements only, none of them the planner-vs-cluster check (issue 40 item 3): (1) the CPU preset's LLM step
+alone by rows (`loadtest.step_bench.ms_per_step`); (2) a served 1x1 `voxray serve` (`loadtest.host_cost`):
+c=1 streams in two prompt sets (every process's CPU: the host's cost per start, the detok replica's per
+chunk, the idle background), closed-loop clients at 2-12 (the LLM replica's serving-loop step by rows), and
+the last, saturated level's host CPU against the chunks it served (the host's cost per chunk at load).
+The JSON carries, beside each number's source, the `assumptions` it rests on and the c=1 TTFA against the
+planner's zero-load TTFA on it. Starts Ray (unless --no-host): never beside another benchmark.
+Usage: python -m loadtest.plan_calibrate --out bench_out/plan_calibration.json [--cores 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from cluster.planner.calibration import CALIBRATION_DIR, parse_calibration
+from loadtest.host_cost import HostCost, calibration_host
+
+CPU_CALIBRATION = CALIBRATION_DIR / "cpu-orpheus-tiny.json"
+CALIBRATION_ROWS = (1, 2, 4, 8, 12)
+ASSUMPTIONS = (
+    "every stage replica and the host's processes share `host.cores` cores by processor sharing (one "
+    "runnable thread a busy replica); the idle server takes `host.background_cores`",
+    "the host (Router, proxy, controller, GCS, raylet, the client) costs `host.cpu_ms_per_stream` a stream "
+    "(c=1 sets) and `host.cpu_ms_per_chunk` a chunk (the saturated closed-loop level), spread over 0.2 s",
+    "the LLM step is the serving loop's own median by rows under closed-loop load, a line in rows (its "
+    "contention at those loads is in it; the planner's core share slows it again: the two may overlap)",
+    "the detokenizer's batch cost is the table's shape scaled to the replica's CPU per chunk at c=1",
+    "hops and the chunk schedule as in the base file; one cache column (no cache-length dependence on CPU)",
+)
+
+
+def measured_step_ms(rows: tuple[int, ...] = CALIBRATION_ROWS, max_tokens: int = 200) -> dict[int, float]:
+    """The CPU preset's decode step on this box now, by rows (what `loadtest.step_bench` prints)."""
+    import torch
+
+    from core.config import ModelConfig
+    from llm_stage.models.orpheus import OrpheusAdapter
+    from loadtest.step_bench import ms_per_step
+
+    torch.set_num_threads(1)
+    adapter = OrpheusAdapter.build(ModelConfig(torch_threads=1))
+    return {n: ms_per_step(adapter, n, max_tokens, align_starts=True) for n in rows}
+
+
+def calibration_with_steps(base: dict, step_ms_by_rows: dict[int, float], source: str) -> dict:
+    """A copy of `base` whose LLM step table is `step_ms_by_rows` (one cache column), source noted."""
+    data = copy.deepcopy(base)
+    rows = sorted(step_ms_by_rows)
+    column = data["llm"]["step_ms"]["cache_tokens"]
+    data["llm"]["step_ms"] = {"rows": rows, "cache_tokens": column, "ms": [[step_ms_by_rows[n]] for n in rows]}
+    data["sources"]["llm.step_ms"] = source
+    return data
+
+
+def serving_loop_line(step_ms_by_rows: dict[int, float]) -> tuple[float, float] | None:
+    """(ms at 0 rows, ms per row): a least-squares line through the serving loop's step by rows (each size
+    a median of its recent steps, noisy alone); None with fewer than 3 sizes measured."""
+    if len(step_ms_by_rows) < 3:
+        return None
+    rows = np.asarray(list(step_ms_by_rows), np.float64)
+    slope, intercept = np.polyfit(rows, np.asarray(list(step_ms_by_rows.values())), 1)
+    return max(0.0, float(intercept)), max(0.0, float(slope))
+
+
+def calibration_with_host(data: dict, cost: HostCost, cores: int, source: str) -> dict:
+    """A copy of `data` (its step table measured alone on this box) with what the served cluster measured
+    (`cost`): the LLM step as the serving loop measured it by rows under closed-loop load, as a line (it adds
+    per row what the engine alone does not: the policy, chunk cutting, the replica's other threads), else
+    the engine's table x the serving loop's CPU per token at one row over it; the detok table scaled to the
+    replica's CPU per chunk at c=1; and the host's CPU at c=1 as the `host` section."""
+    out = copy.deepcopy(data)
+    calib = parse_calibration(data)
+    one_row_ms = float(calib.llm_step.step_ms(np.ones(1), np.full(1, float(calib.llm_step.cache_tokens[0])))[0])
+    sources = out["sources"]
+    line = serving_loop_line(cost.loaded_step_ms_by_rows)
+    if line is not None:
+        base_ms, per_row_ms = line
+        top = max(calib.max_streams_per_replica, max(cost.loaded_step_ms_by_rows))
+        column = out["llm"]["step_ms"]["cache_tokens"]
+        ends_ms = [[round(base_ms + per_row_ms * rows, 3)] for rows in (1, top)]
+        out["llm"]["step_ms"] = {"rows": [1, top], "cache_tokens": column, "ms": ends_ms}
+        out["llm"]["pipeline_step_factor"] = 1.0
+        table = data["llm"]["step_ms"]
+        alone = ", ".join(f"{r}: {ms[0]:.2f}" for r, ms in zip(table["rows"], table["ms"], strict=True))
+        sources["llm.step_ms"] = (f"{source}: the LLM replica's serving-loop step by rows under closed-loop load "
+                                  f"(its own medians), fitted {base_ms:.2f} + {per_row_ms:.2f} ms a row; the engine "
+                                  f"alone (step_bench) {alone} ms")  # fmt: skip
+    else:
+        out["llm"]["pipeline_step_factor"] = round(max(1.0, cost.llm_ms_per_token / one_row_ms), 3)
+        sources["llm.pipeline_step_factor"] = (
+            f"{source}: the LLM replica's CPU per token at one row "
+            f"{cost.llm_ms_per_token:.2f} ms / the step alone {one_row_ms:.2f} ms"
+        )
+    table_ms = float(np.mean(calib.detok.batch_ms(np.asarray(cost.detok_windows, np.float64))))
+    detok_factor = cost.detok_ms_per_chunk / table_ms if table_ms > 0 else 1.0
+    out["detok"]["ms"] = [round(ms * detok_factor, 3) for ms in data["detok"]["ms"]]
+    out["host"] = calibration_host(cost, cores)
+    sources["detok"] = (
+        f"{data['sources'].get('detok', '')}; scaled x{detok_factor:.2f} to the detok replica's "
+        f"CPU per chunk, {cost.detok_ms_per_chunk:.1f} ms ({source})"
+    )
+    out["sources"]["host"] = f"{source}: CPU of every other process of the server and the client, c=1, two prompt sets"
+    return out
+
+
+def calibrate(serve_cfg, scratch: Path, cores: int, host_requests: int,
+              use_host: bool = True) -> tuple[dict, HostCost | None]:  # fmt: skip
+    """The calibration for this box now (`serve_cfg`: the 1x1 `core.config.ServeConfig` host_cost serves)
+    and the host measurement it came from (None with `use_host` False: every stage on its own core)."""
+    steps = measured_step_ms()
+    base = json.loads(CPU_CALIBRATION.read_text())
+    data = calibration_with_steps(base, steps, f"loadtest.step_bench.ms_per_step on this box, rows {CALIBRATION_ROWS}")
+    if not use_host:
+        return data, None
+    from loadtest.host_cost import measure
+
+    cost = measure(serve_cfg, scratch, host_requests)
+    data = calibration_with_host(data, cost, cores, "loadtest.host_cost on this box")
+    return data, cost
+
+
+def with_assumptions(data: dict, cost: HostCost | None, zero_load_ttfa_s: float) -> dict:
+    """`data` with its `assumptions` and the c=1 check: measured TTFA p50 (short set) vs the planner's
+    zero-load TTFA on this calibration; the gap is a start's latency the model leaves out (not added)."""
+    out = copy.deepcopy(data)
+    out["assumptions"] = list(ASSUMPTIONS if cost is not None else ASSUMPTIONS[3:])
+    if cost is not None:
+        out["c1_check"] = {"measured_ttfa_p50_s": round(cost.ttfa_p50_s, 4),
+                           "planner_zero_load_ttfa_s": round(zero_load_ttfa_s, 4),
+                           "unmodelled_start_latency_s": round(cost.ttfa_p50_s - zero_load_ttfa_s, 4)}  # fmt: skip
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from cluster.planner.predict import Scenario
+    from cluster.planner.search import zero_load_ttfa_s
+    from loadtest.host_cost import report
+    from loadtest.plan_check import CONFIGS, ORPHEUS_TINY, serve_config, sweep_workload
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("bench_out/plan_calibration.json"))
+    parser.add_argument("--cores", type=int, default=2, help="the cores every process of the box shares")
+    parser.add_argument("--host-requests", type=int, default=12, help="streams in each of host_cost's two sets")
+    parser.add_argument("--no-host", action="store_true", help="the step alone (no Ray): stages on their own cores")
+    args = parser.parse_args(argv)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    scratch = args.out.with_suffix("")
+    data, cost = calibrate(serve_config(CONFIGS[0], 19312, 19313), scratch, args.cores, args.host_requests,
+                           use_host=not args.no_host)  # fmt: skip
+    if cost is not None:
+        scratch.mkdir(parents=True, exist_ok=True)
+        (scratch / "host_cost.json").write_text(json.dumps(asdict(cost), indent=2))
+        print(report(cost))
+    zero_s = zero_load_ttfa_s(Scenario(parse_calibration(data), ORPHEUS_TINY, sweep_workload()))
+    data = with_assumptions(data, cost, zero_s)
+    args.out.write_text(json.dumps(data, indent=2))
+    print(json.dumps({k: data[k] for k in ("llm", "detok", "host") if k in data} | {"c1": data.get("c1_check")}))
+    print(f"calibration written to {args.out}")
+    return data
+
+
+if __name__ == "__main__":
+    main()
