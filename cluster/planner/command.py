@@ -78,7 +78,7 @@ def scenario_for(request: PlanRequest) -> Scenario:
     if calib.family not in FAMILY_MODULES:
         raise InvalidArgumentError("family", f"calibration names unknown family {calib.family!r}")
     family = load_family(calib.family)
-    rates = ModelRates(family.frame_rate_hz, family.lm.tokens_per_frame)
+    rates = ModelRates(family.frame_rate_hz, family.lm.steps_per_frame)
     return Scenario(calib, rates, Workload(text_chars=request.text_chars))
 
 

@@ -193,7 +193,7 @@ def _admit_room(state: _Replicas, shape: ClusterShape, steps: MeasuredSteps, clo
     return np.minimum(room, allowed - num_starting)
 
 
-def _admit(state: _Replicas, queues: _Queues, clock: np.ndarray, streams: Streams, tokens_per_frame: int,
+def _admit(state: _Replicas, queues: _Queues, clock: np.ndarray, streams: Streams, tokens_per_frame: float,
            wait_s: float, admitted_s: np.ndarray, start_room: np.ndarray) -> np.ndarray:  # fmt: skip
     """Fill free slots FCFS from each replica's queue while its limits have room (`start_room`);
     refuse heads that waited past `wait_s`. Returns the slots filled [R, S] (their prompts join this step)."""
@@ -215,7 +215,7 @@ def _admit(state: _Replicas, queues: _Queues, clock: np.ndarray, streams: Stream
         sid = queues.ids[r, queues.head[r]]
         frames = streams.frames[sid]
         state.stream[r, s], state.generated[r, s], state.seq[r, s], state.emitted[r, s] = sid, 0, 0, 0
-        state.frames[r, s], state.tokens[r, s] = frames, frames * tokens_per_frame
+        state.frames[r, s], state.tokens[r, s] = frames, np.ceil(frames * tokens_per_frame)
         state.first_cut_s[r, s] = np.nan
         state.starting_until_s[r, s] = np.inf
         state.prompt[r, s] = state.cache[r, s] = streams.prompt_tokens[sid]
@@ -236,11 +236,11 @@ def _budget_frames(state: _Replicas, clock: np.ndarray, step_s: np.ndarray, rate
 
 
 def _cut_chunks(state: _Replicas, rule: ChunkRule, budget: np.ndarray, clock: np.ndarray,
-                tokens_per_frame: int, delivery_s: np.ndarray) -> list[np.ndarray]:  # fmt: skip
+                tokens_per_frame: float, delivery_s: np.ndarray) -> list[np.ndarray]:  # fmt: skip
     """Cut every chunk whose kept frames and right context now exist (or the stream ended):
     [stream ids, seqs, cut times, kept frames, window frames]; advances the slots' seq and emitted. A stream
     stops starting when its STARTUP_CHUNKS-th chunk is delivered: cut, plus its `delivery_s`."""
-    frames_done = np.minimum(state.generated // tokens_per_frame, state.frames)
+    frames_done = np.minimum((state.generated // tokens_per_frame).astype(np.int64), state.frames)
     parts: list[list[np.ndarray]] = [[], [], [], [], []]
     while True:
         size = rule.next_size(state.seq, budget)

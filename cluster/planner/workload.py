@@ -19,10 +19,11 @@ from llm_stage.chunking import ChunkSchedule
 
 @dataclass(frozen=True)
 class ModelRates:
-    """A family's audio clock: codec frames per second and LM tokens per frame (from `llm_stage.registry`)."""
+    """A family's audio clock: codec frames per second and LM steps per frame (`LMAdapter.steps_per_frame`:
+    the ids it samples per frame, and for GLM-4-Voice its interleaved text's steps too, 1.5)."""
 
     frame_rate_hz: float
-    tokens_per_frame: int
+    tokens_per_frame: float
 
     @property
     def frame_s(self) -> float:
