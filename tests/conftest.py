@@ -4,7 +4,7 @@
 marked `slow` (the served benches, exposure, drain), but those marked `own_server` too. `make test`
 (`tests/split_run.py`) runs the `cluster` tests in one pytest process, one after another as a plain
 `pytest` would, beside the unit tests (the deployment shells' own tests among them: no Ray) in another.
-An `own_server` test (chaos, soak, the smoke sweep) starts `voxray serve` with its own Ray in a
+An `own_server` test (the soak, the smoke sweep) starts `voxray serve` with its own Ray in a
 subprocess, late in the unit run's file order: beside the session cluster, not at its start (two Rays
 starting at once race for the dashboard agent's port), so it runs with the unit tests."""
 
