@@ -112,7 +112,7 @@ class Scheduler:
         self.record_rule = record_rule or append_output
         self.waiting: list[Request] = []
         self.running: dict[str, Request] = {}
-        self.kept = KeptPrompts()  # ended requests' prompt KV, still in their slots (slot layout)
+        self.kept = KeptPrompts()  # ended requests' prompt KV, still in their slots (paged: their prompt's blocks)
 
     def kv_streams(self, rows_per_stream: int, positions_per_stream: int) -> int:
         """Streams the KV cache can hold at once: by slots, and (paged) by blocks: the running units'
