@@ -50,9 +50,7 @@ class DepthRunner:
         seq = hidden.shape[1]
         cos, sin = cos[start : start + seq].unsqueeze(0), sin[start : start + seq].unsqueeze(0)
         for index, fused in enumerate(self.layers):
-            attn_in = rms_norm(fused.layer.input_layernorm, hidden)
-            hidden = hidden + self._attention(index, fused, attn_in, cos, sin, kv, start)
-            hidden = hidden + fused.mlp_out(rms_norm(fused.layer.post_attention_layernorm, hidden))
+            hidden = fused.pre_norm_block(hidden, lambda x: self._attention(index, fused, x, cos, sin, kv, start))  # noqa: B023
         return rms_norm(self.depth.model.norm, hidden[:, -1])
 
     def _attention(self, index: int, fused: FusedLayer, x, cos, sin, kv: StaticKV, start: int) -> torch.Tensor:

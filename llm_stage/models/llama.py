@@ -16,6 +16,7 @@ the weight-major `project` for decode-sized inputs on CPU.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -131,6 +132,13 @@ class FusedLayer:
         gate, up = project(x, self.gate_up_weight).chunk(2, dim=-1)
         down = self.mlp.down_proj
         return project(self.mlp.act_fn(gate) * up, down.weight, down.bias)
+
+    def pre_norm_block(self, hidden: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The layer as pre-norm residual blocks: `attend` (the caller's attention) on the normed input,
+        then the MLP; for the small decoders that run their own attention (CSM's depth decoder, Qwen3-TTS's
+        code predictor)."""
+        hidden = hidden + attend(rms_norm(self.layer.input_layernorm, hidden))
+        return hidden + self.mlp_out(rms_norm(self.layer.post_attention_layernorm, hidden))
 
 
 @dataclass(frozen=True)

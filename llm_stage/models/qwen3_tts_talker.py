@@ -192,9 +192,8 @@ class PredictorRunner:
         cos, sin = self.rope(hidden, start + seq)
         cos, sin = cos[start : start + seq].unsqueeze(0), sin[start : start + seq].unsqueeze(0)
         for index, fused in enumerate(self.layers):
-            attn_in = rms_norm(fused.layer.input_layernorm, hidden)
-            hidden = hidden + self._attention(index, fused, attn_in, cos, sin, cache, start)
-            hidden = hidden + fused.mlp_out(rms_norm(fused.layer.post_attention_layernorm, hidden))
+            attend = lambda x: self._attention(index, fused, x, cos, sin, cache, start)  # noqa: B023, E731
+            hidden = fused.pre_norm_block(hidden, attend)
         return rms_norm(self.predictor.model.norm, hidden[:, -1])
 
     def _attention(self, index, fused: FusedLayer, x, cos, sin, cache, start: int) -> torch.Tensor:
