@@ -714,9 +714,7 @@ class LLMStage:
         """The prompt work `job` brings here (router.admission charges it at this replica's measured pace):
         less its earlier turns when this replica kept their prompt."""
         work = prompt_work(type(self.side.engine.adapter), job)
-        if work.earlier_key is not None and work.earlier_key in self.side.engine.scheduler.kept.keys():
-            return work.on_kept_prompt()
-        return work
+        return work.on_replica_keeping(self.side.engine.scheduler.kept.keys())
 
     def _has_room(self) -> bool:
         running = len(self.streams) - len(self.held)

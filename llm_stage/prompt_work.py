@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from core.messages import ChatTurn, Job
@@ -37,6 +37,11 @@ class PromptWork:
     earlier_key: str | None = None
     earlier_positions: int = 0
     earlier_audio_s: float = 0.0
+
+    def on_replica_keeping(self, kept_keys: Collection[str]) -> PromptWork:
+        """This work on a replica keeping the prompts of conversations `kept_keys`: less the earlier turns
+        when it kept their prompt (`on_kept_prompt`), else as it is."""
+        return self.on_kept_prompt() if self.earlier_key is not None and self.earlier_key in kept_keys else self
 
     def on_kept_prompt(self) -> PromptWork:
         """The work left on a replica that kept the conversation's last prompt: its positions are in the

@@ -83,9 +83,7 @@ class ReplicaLoad:
 
     def work_here(self, work: PromptWork | None) -> PromptWork | None:
         """`work` as this replica would do it: less the earlier turns when it kept their prompt."""
-        if work is not None and work.earlier_key is not None and work.earlier_key in self.kept_prompt_keys:
-            return work.on_kept_prompt()
-        return work
+        return None if work is None else work.on_replica_keeping(self.kept_prompt_keys)
 
     def to_stats(self) -> dict:
         return asdict(self)
