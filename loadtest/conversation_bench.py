@@ -31,16 +31,6 @@ WAYS = {"nothing_kept": (False, False), "clips_kept": (False, True), "all_kept":
 ANSWER = "Sure, here is what I heard."
 
 
-def forget_clips(adapter) -> None:
-    """Drop the clips' tokens (GLM-4-Voice) or encoded rows (Step-Audio 2) the adapter keeps by content."""
-    from llm_stage.models.clip_rows import ClipRows
-
-    if hasattr(adapter, "clips"):
-        adapter.clips = ClipRows()
-    if hasattr(adapter, "_clip_tokens"):
-        adapter._clip_tokens.clear()
-
-
 def turn_job(adapter, turn: int, clip_s: float, max_tokens: int, tag: str) -> Job:
     """Turn `turn` (0-based): its own clip, after every earlier clip and the fixed answer to it."""
     clips = [tone_clip(clip_s + 0.01 * k) for k in range(turn + 1)]  # (lengths differ: distinct clips)
@@ -70,11 +60,11 @@ def conversation(model: str, way: str, args: argparse.Namespace, tag: str) -> li
                        SchedulerConfig(max_batch_size=4, prefill_token_budget=args.prefill_budget))  # fmt: skip
     first_text_s(engine, turn_job(adapter, 0, 0.5, 2, f"{tag}-warm"))  # lazy inits, allocator
     engine.scheduler.give_back_kept()
-    forget_clips(adapter)
+    adapter.forget_kept_clips()
     rows = []
     for turn in range(args.turns):
         if not keep_clips:
-            forget_clips(adapter)
+            adapter.forget_kept_clips()
         job = turn_job(adapter, turn, args.clip_s, args.max_tokens, tag)
         reused_before = engine.scheduler.kept.num_reused_positions
         seconds = first_text_s(engine, job)

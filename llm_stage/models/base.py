@@ -178,6 +178,11 @@ class LMAdapter(ABC):
         came_encoded = job.audio_features is not None or job.audio_tokens is not None
         return job.audio.duration_s if job.audio is not None and not came_encoded and self.takes_audio else 0.0
 
+    def forget_kept_clips(self) -> None:
+        """Drop what the adapter keeps of clips it saw, by content (speech-in families: their tokens or
+        encoded rows), for a cold start (benches, tests); only while no request runs."""
+        return None
+
     def mic_tokenizer(self, sample_rate_hz: int) -> MicAudioTokenizer | None:
         """A tokenizer for one turn streamed at `sample_rate_hz` (families with `tokenizes_mic_audio`; None:
         not here). The LLM replica feeds it the turn's pieces; its tokens come back in `Job.audio_tokens`."""

@@ -167,6 +167,9 @@ class Glm4VoiceAdapter(LMAdapter):
     def front_end_seconds(self, job: Job) -> float:
         return self._front_end_s
 
+    def forget_kept_clips(self) -> None:
+        self._clip_tokens.clear()
+
     def mic_tokenizer(self, sample_rate_hz: int) -> MicTokenizer | None:
         """The streamed WhisperVQ tokenizer (`glm4_voice_stream`: 4 s blocks encoded as their audio comes);
         None without a speech tokenizer, or one whose structure cannot stream (the clip is tokenized whole)."""

@@ -225,6 +225,9 @@ class StepAudio2Adapter(LMAdapter):
     def front_end_seconds(self, job: Job) -> float:
         return self._front_end_s
 
+    def forget_kept_clips(self) -> None:
+        self.clips = ClipRows()
+
     def prepare_step(self) -> None:
         """Encode every clip queued since the last step in one forward (before the step's prefill reads them)."""
         self.clips.encode(lambda mels: encode_pieces(self.model.encoder, self.model.adapter, mels))

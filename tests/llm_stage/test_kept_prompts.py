@@ -14,7 +14,6 @@ from core.messages import AudioClip, ChatTurn
 from llm_stage.engine import LLMEngine
 from llm_stage.jobs import build_job
 from llm_stage.kept_prompts import common_prefix
-from llm_stage.models.clip_rows import ClipRows
 from llm_stage.models.glm4_voice import Glm4VoiceAdapter
 from llm_stage.models.step_audio2 import StepAudio2Adapter
 from llm_stage.prompt_work import earlier_turns_key, next_turn_key, prompt_work
@@ -47,18 +46,15 @@ def test_a_prompt_kept_after_its_request_serves_the_next_one_that_starts_the_sam
     first = kept_request("t1", list(range(100, 140)), key="conv-1")
     run_to_end(sched, first)
     assert len(sched.kept) == 1 and sched.kept.keys() == ("conv-1",) and sched.slots.num_free == 1
+    (kept_slot,) = sched.kept.by_slot
     second = kept_request("t2", [*range(100, 140), *range(500, 520)])
     sched.add(second)
     plan = sched.schedule()
     assert [(w.req.req_id, w.start, w.num_tokens) for w in plan.prefills] == [("t2", 40, 20)]
-    assert second.slot == first_slot(sched, second) and len(sched.kept) == 0
+    assert second.slot == kept_slot and len(sched.kept) == 0
     assert (sched.kept.num_reuses, sched.kept.num_reused_positions) == (1, 40)
     if sched.blocks is not None:  # the kept prompt's 3 blocks, grown to the new reservation (60 + 4 positions)
         assert len(sched.blocks.blocks_of(second.slot)) == 4 and sched.blocks.num_free == 18 - 4
-
-
-def first_slot(sched, req: Request) -> int:
-    return req.slot  # (the kept slot: no other was taken, one is still free)
 
 
 def test_a_prompt_equal_to_the_kept_one_still_prefills_its_last_position():
@@ -144,14 +140,6 @@ def engine(adapter, keep: bool, async_steps: bool = False, layout: str = "slot")
     )  # fmt: skip
 
 
-def forget_clips(adapter) -> None:
-    """Drop what the adapter keeps of clips it saw (their tokens, their encoded rows): a fresh start."""
-    if isinstance(adapter, StepAudio2Adapter):
-        adapter.clips = ClipRows()
-    else:
-        adapter._clip_tokens.clear()
-
-
 GREEDY = {"temperature": 0.0, "max_tokens": 30, "repetition_penalty": 1.0}
 
 
@@ -164,7 +152,7 @@ def test_the_second_turn_reuses_the_first_turns_prompt_and_draws_what_a_fresh_en
     request, family: str, async_steps: bool, layout: str
 ) -> None:
     adapter = request.getfixturevalue(family)
-    forget_clips(adapter)
+    adapter.forget_kept_clips()
     first = build_job(adapter, text="", audio=clip(1.2, 220), sampling=GREEDY, req_id="t1")
     history = (ChatTurn("user", "", first.audio), ChatTurn("assistant", "Sure."))
     second = build_job(adapter, text="And?", audio=clip(0.8, 330), sampling=GREEDY, req_id="t2", history=history)
@@ -181,7 +169,7 @@ def test_the_second_turn_reuses_the_first_turns_prompt_and_draws_what_a_fresh_en
     reused.add_job(other)
     got = reused.run_to_completion()
     assert (reused.scheduler.kept.num_reuses, reused.scheduler.kept.num_reused_positions) == (1, shared)
-    forget_clips(adapter)
+    adapter.forget_kept_clips()
     fresh = engine(adapter, keep=False)
     fresh.add_job(second)
     fresh.add_job(other)

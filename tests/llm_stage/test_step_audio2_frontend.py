@@ -18,7 +18,6 @@ from detok_stage.voice.clip import SUPPORTED_RATES_HZ
 from detok_stage.voice.features import resample
 from llm_stage.jobs import build_job
 from llm_stage.models.clip_audio import clip_wave_16k
-from llm_stage.models.clip_rows import ClipRows
 from llm_stage.models.step_audio2 import StepAudio2Adapter
 from llm_stage.models.step_audio2_encoder import PIECE_SAMPLES, piece_log_mel, split_pieces
 from llm_stage.models.step_audio2_frontend import MicFrontEnd, front_end_name
@@ -100,7 +99,7 @@ def test_the_adapter_encodes_streamed_features_as_the_whole_clip(adapter) -> Non
     streamed = features_of(random_cuts(pcm, seed=2), 24_000)
     rows = []
     for features in (None, streamed):  # the clip alone (the front end runs in the adapter), then the turn's
-        adapter.clips = ClipRows()  # (encoded afresh: a clip known by content would come back as it was)
+        adapter.forget_kept_clips()  # (encoded afresh: a clip known by content would come back as it was)
         prompt = adapter.job_prompt(turn_job(adapter, AudioClip(pcm, 24_000), features))
         adapter.prepare_step()
         rows.append((prompt, {h: adapter.clips.rows[h] for h in adapter.clips.handles_of("mic")}))
