@@ -2,10 +2,11 @@
 plays Poisson arrivals of the sweep's prompts (greedy, seeded and incremental-text streams) while an
 LLM or a detok replica is killed every `--kill-every-s` (alternating; `ray.kill`, no restart: Serve
 replaces it) and one LLM replica is drained midway (its streams moved out with their KV, then the
-replica stopped, as a k8s worker pod leaves); a long stream starts a second before each fault, so that
-each one hits a stream. Reports per stream: finished or its status, viable, and for greedy / seeded
-streams whether the audio equals an undisturbed in-process run; refusals by reason; each fault's time,
-the streams it hit, their next chunk and the replacement's start.
+replica stopped, as a k8s worker pod leaves); the fault thread starts a long stream a second before each
+fault fires (late when the previous fault's recovery ran over), so that each one hits a stream.
+Reports per stream: finished or its status, viable, and for greedy / seeded streams whether the audio
+equals an undisturbed in-process run; refusals by reason; each fault's time, the streams it hit, their
+next chunk and the replacement's start.
 Usage: python -m loadtest.chaos_bench --rate 0.2 --duration-s 600 --kill-every-s 60 --out bench_out/chaos/chaos.json
 """
 
@@ -109,8 +110,9 @@ def wait_for_playing(results: list[StreamResult], deployment: str, wait_s: float
 
 
 def target_streams(faults: list[Fault], seed: int) -> list[StreamSpec]:
-    """One long stream started just before each fault (greedy and seeded in turn), so that every fault
-    hits at least one stream whatever the Poisson arrivals did; compared like the others."""
+    """One long stream for each fault (greedy and seeded in turn), started by the fault thread HIT_LEAD_S
+    before the fault fires (`scheduled_s` is the planned time), so that every fault hits at least one stream
+    whatever the Poisson arrivals did; compared like the others."""
     samplings = ({"temperature": 0.0}, {"seed": seed * 1000 + 7})
     return [StreamSpec(f"chaos-target-{k}", ("greedy", "seeded")[k % 2], f"Fault number {k} comes now.",
                        {**samplings[k % 2], "max_tokens": HIT_MAX_TOKENS}, max(0.0, fault.at_s - HIT_LEAD_S))
@@ -159,11 +161,43 @@ def inject(fault: Fault, record: FaultRecord, app_name: str, results: list[Strea
     record.replacement_running_s = None if replaced_s is None else round(replaced_s, 3)
 
 
-def run_faults(faults: list[Fault], records: list[FaultRecord], app_name: str, results: list[StreamResult],
-               t0: float, wait_s: float) -> None:  # fmt: skip
-    """The fault thread: each fault at its time (late when the previous one's recovery ran over)."""
-    for fault in faults:
-        time.sleep(max(0.0, t0 + fault.at_s - time.monotonic()))
+class Launcher:
+    """Starts each stream's `play` on its own thread over one channel, from the sending loop and from the
+    fault thread (a fault's target stream); at most MAX_INFLIGHT at once, the rest CLIENT_OVERFLOW."""
+
+    def __init__(self, stub, server, t0: float, timeout_s: float) -> None:
+        self.stub, self.server, self.t0, self.timeout_s = stub, server, t0, timeout_s
+        self.threads: list[threading.Thread] = []
+        self.lock = threading.Lock()
+
+    def launch(self, result: StreamResult) -> None:
+        with self.lock:
+            if sum(t.is_alive() for t in self.threads) >= MAX_INFLIGHT:
+                result.code = "CLIENT_OVERFLOW"
+                return
+            args = (result, self.stub, self.server.ws_url, self.server.config.app_name, self.t0, self.timeout_s)
+            self.threads.append(threading.Thread(target=play, args=args, daemon=True))
+            self.threads[-1].start()
+
+    def join(self, until_s: float) -> None:
+        """Wait for every stream started, up to `until_s` on the monotonic clock."""
+        with self.lock:
+            threads = list(self.threads)
+        for thread in threads:
+            thread.join(timeout=max(1.0, until_s - time.monotonic()))
+
+
+def run_faults(faults: list[Fault], targets: list[StreamResult | None], records: list[FaultRecord],
+               launcher: Launcher, results: list[StreamResult], wait_s: float) -> None:  # fmt: skip
+    """The fault thread: each fault at its time (late when the previous one's recovery ran over), its
+    target stream (if any) started HIT_LEAD_S before it fires, so a late fault still finds one playing."""
+    t0, app_name = launcher.t0, launcher.server.config.app_name
+    for fault, target in zip(faults, targets, strict=True):
+        lead_s = HIT_LEAD_S if target is not None else 0.0
+        time.sleep(max(0.0, t0 + fault.at_s - lead_s - time.monotonic()))
+        if target is not None:
+            launcher.launch(target)
+            time.sleep(lead_s)
         record = FaultRecord(fault)
         records.append(record)
         try:
@@ -172,33 +206,37 @@ def run_faults(faults: list[Fault], records: list[FaultRecord], app_name: str, r
             record.error = f"{type(err).__name__}: {err}"
 
 
-def drive(specs: list[StreamSpec], faults: list[Fault], server, timeout_s: float, fault_wait_s: float = 0.0
-          ) -> tuple[list, list]:  # fmt: skip
-    """Send every stream at its time on its own thread while the fault thread runs; wait for all (bounded)."""
+def fault_thread_bound_s(faults: list[Fault], fault_wait_s: float) -> float:
+    """The longest the fault thread can run from the bench's start: the last planned fault, plus, per fault,
+    its wait for a stream, a drain's move-out and waits for Serve's replacements (before and after)."""
+    last_s = max((f.at_s for f in faults), default=0.0)
+    return last_s + len(faults) * (fault_wait_s + HIT_LEAD_S + MOVE_OUT_TIMEOUT_S + 2 * REPLACED_TIMEOUT_S) + 30
+
+
+def drive(specs: list[StreamSpec], faults: list[Fault], server, timeout_s: float, fault_wait_s: float = 0.0,
+          targets: list[StreamSpec] | None = None) -> tuple[list, list]:  # fmt: skip
+    """Send every stream of `specs` at its time on its own thread while the fault thread runs and starts
+    each fault's stream of `targets` (one per fault, or None: none); wait for all (bounded)."""
     results = [StreamResult(spec) for spec in specs]
+    target_results = [StreamResult(spec) for spec in targets] if targets is not None else [None] * len(faults)
+    everything = sorted([*results, *(r for r in target_results if r is not None)], key=lambda r: r.spec.scheduled_s)
     records: list[FaultRecord] = []
     t0 = time.monotonic()
-    chaos = threading.Thread(target=run_faults, args=(faults, records, server.config.app_name, results, t0,
-                                                      fault_wait_s))  # fmt: skip
-    chaos.start()
-    threads: list[threading.Thread] = []
     with grpc.insecure_channel(server.grpc_target) as channel:
-        stub = voxray_pb2_grpc.SpeechStub(channel)
+        launcher = Launcher(voxray_pb2_grpc.SpeechStub(channel), server, t0, timeout_s)
+        chaos = threading.Thread(target=run_faults, args=(faults, target_results, records, launcher, everything,
+                                                          fault_wait_s))  # fmt: skip
+        chaos.start()
         for result in results:
             time.sleep(max(0.0, t0 + result.spec.scheduled_s - time.monotonic()))
-            if sum(t.is_alive() for t in threads) >= MAX_INFLIGHT:
-                result.code = "CLIENT_OVERFLOW"
-                continue
-            args = (result, stub, server.ws_url, server.config.app_name, t0, timeout_s)
-            threads.append(threading.Thread(target=play, args=args, daemon=True))
-            threads[-1].start()
-        for thread in threads:
-            thread.join(timeout=max(1.0, t0 + results[-1].spec.scheduled_s + timeout_s + 10 - time.monotonic()))
-    chaos.join(timeout=fault_wait_s + REPLACED_TIMEOUT_S + MOVE_OUT_TIMEOUT_S + 30)
+            launcher.launch(result)
+        chaos.join(timeout=max(1.0, fault_thread_bound_s(faults, fault_wait_s) - (time.monotonic() - t0)))
+        last_s = max((r.spec.scheduled_s for r in everything), default=0.0)
+        launcher.join(max(t0 + last_s, time.monotonic()) + timeout_s + 10)
     for record in records:
         if record.done_at_s is not None:
-            record.next_chunk_max_s = next_chunk_max_s(results, record.done_at_s, record.hit_streams)
-    return results, records
+            record.next_chunk_max_s = next_chunk_max_s(everything, record.done_at_s, record.hit_streams)
+    return everything, records
 
 
 def summarize(results: list[StreamResult], faults: list[Fault], records: list[FaultRecord]) -> dict:
@@ -268,13 +306,12 @@ def run(args: argparse.Namespace) -> dict:
     config = two_replica_config(args.grpc_port, args.http_port)
     faults = fault_schedule(args.duration_s, args.kill_every_s, drain=not args.no_drain)
     specs = plan_streams(args.rate, args.duration_s, args.incremental_share, args.seed)
-    if not args.no_target_streams:
-        specs = sorted([*specs, *target_streams(faults, args.seed)], key=lambda spec: spec.scheduled_s)
+    targets = None if args.no_target_streams else target_streams(faults, args.seed)
     started_unix_s = time.time()
     with running_server(config, args.out.parent / f"{args.out.stem}-server") as server:
         join_cluster(server)
         live_replicas(config.app_name, "LLMStage")  # the driver's first actor lookups take ~1 s: not at a fault
-        results, records = drive(specs, faults, server, args.request_timeout_s, args.fault_wait_s)
+        results, records = drive(specs, faults, server, args.request_timeout_s, args.fault_wait_s, targets)
     to_compare = comparable(results)  # after the server stopped: the reference has the CPUs to itself
     expected = reference_audio(config.engine, [r.spec for r in to_compare])
     for result in to_compare:

@@ -8,17 +8,20 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from loadtest import chaos_bench
 from loadtest.chaos_bench import (
     Fault,
     FaultRecord,
     busiest_replica,
     fault_schedule,
     next_chunk_max_s,
+    run_faults,
     summarize,
     target_streams,
 )
@@ -44,6 +47,34 @@ def test_each_fault_gets_a_long_greedy_or_seeded_stream_started_just_before_it()
     targets = target_streams(fault_schedule(120, 45), seed=0)
     assert [(t.kind, t.scheduled_s) for t in targets] == [("greedy", 44.0), ("seeded", 66.5), ("greedy", 89.0)]
     assert all(t.sampling["max_tokens"] == 7 * 96 for t in targets) and len({t.req_id for t in targets}) == 3
+
+
+def test_a_fault_delayed_by_the_last_ones_recovery_starts_its_target_stream_when_it_fires(monkeypatch):
+    """The target stream is started by the fault thread just before its fault, not at the planned time:
+    a fault late behind the previous fault's recovery still finds its target playing."""
+    events: list[tuple[str, str]] = []
+    monkeypatch.setattr(chaos_bench, "HIT_LEAD_S", 0.01)
+
+    def fake_inject(fault, record, app_name, results, t0, wait_s):
+        events.append(("fault", fault.deployment))
+        time.sleep(0.3 if fault.deployment == "LLMStage" else 0.0)  # the first fault's recovery runs long
+        events.append(("recovered", fault.deployment))
+
+    class FakeLauncher:
+        t0, server = time.monotonic(), SimpleNamespace(config=SimpleNamespace(app_name="voxray"))
+
+        def launch(self, result):
+            events.append(("target", result.spec.req_id))
+
+    monkeypatch.setattr(chaos_bench, "inject", fake_inject)
+    faults = [Fault(0.02, "kill", "LLMStage"), Fault(0.05, "kill", "DetokStage")]
+    targets = [StreamResult(spec) for spec in target_streams(faults, seed=0)]
+    records: list[FaultRecord] = []
+    run_faults(faults, targets, records, FakeLauncher(), [], wait_s=0.0)
+    assert events == [("target", "chaos-target-0"), ("fault", "LLMStage"), ("recovered", "LLMStage"),
+                      ("target", "chaos-target-1"), ("fault", "DetokStage"), ("recovered", "DetokStage")]  # fmt: skip
+    run_faults(faults, [None, None], records, FakeLauncher(), [], wait_s=0.0)  # --no-target-streams
+    assert [kind for kind, _ in events[6:]] == ["fault", "recovered", "fault", "recovered"] and len(records) == 4
 
 
 def test_the_plan_mixes_greedy_seeded_and_incremental_streams_reproducibly():
