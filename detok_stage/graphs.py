@@ -4,8 +4,10 @@ One graph per (window length, chunk-batch size), every length up to the full `le
 right` window: steady-state chunks, and the first chunks, adaptive chunks and stream ends whose
 windows are shorter (on an H200 an eager SNAC decode of one short window took 11-15 ms, mostly
 launches, against 1.6-1.8 ms replayed). A smaller group is padded with copies of its first row
-(codec rows are independent). Stateful codecs and codecs without `decode_on_device` always
-decode eagerly. Built by `DetokEngine`.
+(codec rows are independent). What is captured is the codec's `decode_on_device`, offered by the
+stateless codecs: SNAC, DAC and X-Codec (`codecs/hf_codec.py`); a DAC window carries its receptive
+field as context frames, so each window length's graph decodes it as the eager forward does.
+Stateful codecs (Mimi, Qwen3-TTS, S3Gen, GLM-4-Voice) decode eagerly. Built by `DetokEngine`.
 """
 
 from __future__ import annotations

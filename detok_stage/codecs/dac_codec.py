@@ -3,6 +3,7 @@
 DAC's decoder is non-causal, so it decodes stateless windows: a chunk's kept frames plus left
 and right context. Its receptive field is `RECEPTIVE_FIELD_FRAMES` on each side (measured in
 tests/detok_stage/test_dac.py); with that much context streamed audio equals offline decoding.
+On CUDA its windows, context included, replay as CUDA graphs (`HFCodec.decode_on_device`).
 """
 
 from __future__ import annotations

@@ -3,6 +3,12 @@
 Both decode a window of frames in one forward with no state carried between chunks; they
 differ only in their model class, their preset and where their config keeps the frame layout,
 which each subclass declares.
+
+`decode_on_device` is the one forward: `decode` runs it eagerly, and on CUDA `ChunkGraphs` captures
+it per (window length, batch size). transformers' `DacModel.decode` and `XcodecModel.decode`
+(embedding lookups summed over codebooks, then the convolutional decoder) read nothing back to the
+host and shape nothing by tensor values, so they are captured as they are:
+tests/detok_stage/test_codec_graphs.py checks the ops they run and their output.
 """
 
 from __future__ import annotations
@@ -52,6 +58,11 @@ class HFCodec(CodecAdapter):
 
     @torch.inference_mode()
     def decode(self, frames: torch.Tensor) -> torch.Tensor:
-        """frames [B, n, K] -> audio [B, n * samples_per_frame]."""
-        audio = self.model.decode(audio_codes=frames.transpose(1, 2).to(self.device)).audio_values
-        return audio.reshape(audio.shape[0], -1).float().cpu()  # DAC gives [B, T], X-Codec [B, 1, T]
+        """frames [B, n, K] -> audio [B, n * samples_per_frame] on the CPU."""
+        return self.decode_on_device(frames.to(self.device)).float().cpu()
+
+    @torch.inference_mode()
+    def decode_on_device(self, frames: torch.Tensor) -> torch.Tensor:
+        """frames [B, n, K] (long, on the codec's device) -> audio [B, n * samples_per_frame] there."""
+        audio = self.model.decode(audio_codes=frames.transpose(1, 2)).audio_values
+        return audio.reshape(audio.shape[0], -1)  # DAC gives [B, T], X-Codec [B, 1, T]

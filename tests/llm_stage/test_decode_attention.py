@@ -26,6 +26,7 @@ from core.messages import ResumeState
 from llm_stage.attention import decode_attention_sdpa
 from llm_stage.decode_graphs import DecodeGraphs
 from tests.factories import orpheus_engine
+from tests.graph_capture import waits_for_host
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -151,10 +152,8 @@ def test_decode_step_work_follows_the_cached_tokens_not_max_seq_len(layout):
 
 class ReadBacks(TorchDispatchMode):
     """Counts what would make the host wait for an accelerator: values read out of a tensor (item,
-    int, bool, float: `_local_scalar_dense`), ops whose output shape depends on the values, and
-    tolist / numpy (patched, they do not dispatch)."""
-
-    WAITING_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "repeat_interleave"}
+    int, bool, float: `_local_scalar_dense`) and ops whose output shape depends on the values (both
+    `tests.graph_capture.waits_for_host`), and tolist / numpy (patched, they do not dispatch)."""
 
     def __init__(self, monkeypatch) -> None:
         super().__init__()
@@ -174,7 +173,7 @@ class ReadBacks(TorchDispatchMode):
         return wrapper
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func._opname in self.WAITING_OPS:
+        if waits_for_host(func, args, kwargs):
             self.count += 1
             self.what.append(func._opname)
         return func(*args, **(kwargs or {}))
