@@ -30,7 +30,7 @@ from core.policy import SchedulingPolicy, StepTimer, make_policy
 from llm_stage.cfg import merge_guidance
 from llm_stage.draws import draw_counter
 from llm_stage.faults import StepOutOfMemory, is_out_of_memory, release_cached_memory, requests_to_shed
-from llm_stage.histories import PenaltyHistories, uses_default_history
+from llm_stage.histories import incremental_histories
 from llm_stage.jobs import build_job
 from llm_stage.migration import KVSnapshot, fits, put_rows, take_rows
 from llm_stage.models.base import FrameBuilder, LMAdapter
@@ -103,7 +103,7 @@ class LLMEngine:
         self._seed_source = random.Random(seed)  # seeds of unseeded requests
         self._seeds: dict[str, int] = {}  # every request's draws are keyed by (seed, draw counter)
         self._vocab_size = adapter.backbone.lm_head_weight.shape[0]
-        self._histories = PenaltyHistories() if uses_default_history(adapter) else None
+        self._histories = incremental_histories(adapter)
         self._frames: dict[str, FrameBuilder] = {}
         chains = self.prepares_row_tables if chain_frames_on_device is None else chain_frames_on_device
         inner_sizes = inner_graph_sizes(graph_sizes, scheduler.max_batch_size)

@@ -7,7 +7,9 @@ on a Qwen3-1.7B body with 8 X-Codec streams. Per entry, each section within its 
 (graphs give eager's tokens, greedy and seeded, CFG pairs included), decode step ms (eager vs graphs) per rows,
 the detokenizer's cost per second of audio per batch, the in-process pipeline (c=1 TTFA, one stream's
 x-real-time, Poisson rates, capacity at p90 TTFA <= 500 ms and >= 99% viable), throughput mode, and CFG
-retention for Dia and Chatterbox. DIR/family_gpu_bench.json is rewritten after each section.
+retention for Dia and Chatterbox. CosyVoice 2 also runs `voxserve_setting` (`loadtest.family_voxserve`: its
+capacity at VoxServe's sampling, one voice and 15-token chunks, 100% viable) in a fixed `--voxserve-s` taken
+off the shared budget first. DIR/family_gpu_bench.json is rewritten after each section.
 GPU (~8 min): `make gpu-wheels`, then on the GPU machine, carrying `.whl`:
     VOXRAY_COMMIT=$(git rev-parse --short HEAD) BENCH=family_gpu_bench OUT=$OUT bash loadtest/gpu_run.sh
 CPU smoke: `.venv/bin/python -m loadtest.family_gpu_bench --device cpu --small --out /tmp/fgb`
@@ -42,6 +44,9 @@ from loadtest.family_sections import (
     throughput_section,
 )
 from loadtest.family_shapes import ENTRY_NAMES, FamilyEntry, entry_named, patched_all, presets_on, published_shapes
+from loadtest.family_voxserve import ENTRY as VOXSERVE_ENTRY
+from loadtest.family_voxserve import headline as voxserve_headline
+from loadtest.family_voxserve import voxserve_section
 from loadtest.gpu_bench import run_environment
 
 SECTIONS: tuple[tuple[str, float, Callable], ...] = (  # name, end as a share of the entry's time, body
@@ -51,6 +56,10 @@ SECTIONS: tuple[tuple[str, float, Callable], ...] = (  # name, end as a share of
     ("streaming", 0.78, streaming_section),
     ("throughput", 0.86, throughput_section),
     ("cfg_retention", 1.0, cfg_section),
+)
+# name, the entry it runs for, the argument naming its seconds (taken off `--budget-s` before the split), body
+FIXED_SECTIONS: tuple[tuple[str, str, str, Callable], ...] = (
+    ("voxserve_setting", VOXSERVE_ENTRY, "voxserve_s", voxserve_section),
 )
 MIN_SECTION_S = 3.0  # a section late because an earlier one overran still gets this long
 
@@ -130,9 +139,19 @@ def cached_builds(run: FamilyRun) -> list:
     ]
 
 
-def run_section(run: FamilyRun, name: str, end_share: float, body: Callable[[FamilyRun], dict]) -> dict:
-    budget_s = run.args.budget_s / len(run.args.entries)
-    run.deadline_s = max(run.start_s + end_share * budget_s, time.monotonic() + MIN_SECTION_S)
+def fixed_sections(args: argparse.Namespace, key: str | None = None) -> list[tuple[str, str, str, Callable]]:
+    """The fixed-time sections this run makes (of entry `key` only, when given)."""
+    return [f for f in FIXED_SECTIONS if f[1] in args.entries and f[0] not in args.skip and key in (None, f[1])]
+
+
+def entry_budget_s(args: argparse.Namespace) -> float:
+    """Each entry's share of `--budget-s`, once the fixed sections' seconds are taken off."""
+    fixed = sum(getattr(args, seconds) for _, _, seconds, _ in fixed_sections(args))
+    return max(0.0, args.budget_s - fixed) / len(args.entries)
+
+
+def run_section(run: FamilyRun, name: str, deadline_s: float, body: Callable[[FamilyRun], dict]) -> dict:
+    run.deadline_s = max(deadline_s, time.monotonic() + MIN_SECTION_S)
     if name in run.args.skip:
         return {"skipped": "--skip"}
     start = time.monotonic()
@@ -152,10 +171,18 @@ def release_memory(run: FamilyRun) -> None:
 
 
 def run_sections(run: FamilyRun, save: Callable[[], None]) -> None:
+    """The shared sections by their end shares of the entry's budget, then the entry's fixed-time ones."""
+    budget_s = entry_budget_s(run.args)
     for name, end_share, body in SECTIONS:
-        run.report[name] = run_section(run, name, end_share, body)
-        save()
-        run.say(f"{run.entry.key} {name}: {json.dumps(brief(run.report[name]), default=str)[:300]}")
+        record_section(run, name, run.start_s + end_share * budget_s, body, save)
+    for name, _, seconds, body in fixed_sections(run.args, run.entry.key):
+        record_section(run, name, time.monotonic() + getattr(run.args, seconds), body, save)
+
+
+def record_section(run: FamilyRun, name: str, deadline_s: float, body: Callable, save: Callable[[], None]) -> None:
+    run.report[name] = run_section(run, name, deadline_s, body)
+    save()
+    run.say(f"{run.entry.key} {name}: {json.dumps(brief(run.report[name]), default=str)[:300]}")
 
 
 def run_entry(args: argparse.Namespace, entry: FamilyEntry, report: dict, save: Callable[[], None]) -> None:
@@ -201,6 +228,7 @@ def table_row(key: str, report: dict, args: argparse.Namespace) -> list[str]:
              step_at(report, "graphs", max(args.rows)), streaming.get("c1_warm_ttfa_s"),
              streaming.get("one_stream", {}).get("x_rt"), report.get("throughput", {}).get("x_real_time"),
              detok.get(biggest, {}).get("ms_per_audio_s"), streaming.get("capacity_at_slo_rps"),
+             report.get("voxserve_setting", {}).get("capacity_at_slo_rps"),
              max((v.get("retention") or 0 for v in cfg.values()), default=None)]  # fmt: skip
     return [key, *("-" if c is None else f"{c:.4g}" for c in cells), str(report.get("gpu_check", {}).get("ok", "-"))]
 
@@ -208,22 +236,30 @@ def table_row(key: str, report: dict, args: argparse.Namespace) -> list[str]:
 def print_table(report: dict, args: argparse.Namespace, total_s: float) -> None:
     lo, hi, batch = min(args.rows), max(args.rows), max(args.detok_batches)
     head = ["family", f"eager{lo}", f"graph{lo}", f"graph{hi}", "c1 TTFA", "1-str xRT", "tput xRT",
-            f"detok ms/s@{batch}", "cap rps", "cfg ret", "parity"]  # fmt: skip
+            f"detok ms/s@{batch}", "cap rps", "vxs cap", "cfg ret", "parity"]  # fmt: skip
     lines = ["  ".join(f"{h:>10s}" for h in head)]
     for key in args.entries:
         lines.append("  ".join(f"{c:>10s}" for c in table_row(key, report["families"].get(key, {}), args)))
-    lines.append(f"step ms at rows; c1 TTFA s (warm); detok ms per second of audio; total {total_s:.0f} s")
+    lines.append(
+        f"step ms at rows; c1 TTFA s (warm); detok ms per second of audio; cap rps: p90 TTFA <= 0.5 s, "
+        f">= 99% viable; vxs cap: VoxServe's setting, 100% viable; total {total_s:.0f} s"
+    )
+    vxs = voxserve_headline(report)
+    if vxs:
+        lines.append(vxs)
     print("\n=== family_gpu_bench ===\n" + "\n".join(lines), flush=True)
 
 
 # --- arguments -----------------------------------------------------------------------------------------------
 
 GPU_DEFAULTS = {"rows": [1, 16, 64, 128], "eager_rows": [1, 16, 64, 128], "detok_batches": [1, 16, 64],
-                "rates": [2.0, 4.0, 8.0], "cfg_streams": [16, 64, 128]}  # fmt: skip
+                "rates": [2.0, 4.0, 8.0], "cfg_streams": [16, 64, 128], "voxserve_rates": [4.0, 8.0, 12.0],
+                "voxserve_s": 50.0}  # fmt: skip
 SMALL_DEFAULTS = {"rows": [1, 2], "eager_rows": [1, 2], "detok_batches": [1, 2], "rates": [1.0],
                   "cfg_streams": [2], "budget_s": 60.0, "stream_audio_s": 0.6, "arrival_s": 1.0,
                   "rate_cap_s": 4.0, "throughput_requests": 2, "cfg_tokens": 16, "c1_repeats": 2,
-                  "detok_window_s": 0.3, "detok_repeats": 1, "batch": 8}  # fmt: skip
+                  "detok_window_s": 0.3, "detok_repeats": 1, "batch": 8, "voxserve_rates": [1.0],
+                  "voxserve_s": 20.0}  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -232,7 +268,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda")
     p.add_argument("--small", action="store_true", help="the tiny presets, small loads (CI's smoke test)")
     p.add_argument("--entries", nargs="+", default=list(ENTRY_NAMES), choices=ENTRY_NAMES, metavar="ENTRY")
-    p.add_argument("--skip", nargs="+", default=[], choices=[name for name, *_ in SECTIONS], metavar="SECTION")
+    sections = [name for name, *_ in SECTIONS] + [name for name, *_ in FIXED_SECTIONS]
+    p.add_argument("--skip", nargs="+", default=[], choices=sections, metavar="SECTION")
     p.add_argument("--budget-s", type=float, help="wall time all entries share, evenly (default 420)")
     p.add_argument("--rows", type=int, nargs="+", help="decode step batch rows, graphs")
     p.add_argument("--eager-rows", type=int, nargs="+", help="decode step batch rows, eager too")
@@ -248,6 +285,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cfg-streams", type=int, nargs="+")
     p.add_argument("--cfg-tokens", type=int, help="steps per stream in the CFG runs (default 64)")
     p.add_argument("--c1-repeats", type=int, help="lone requests timed for c=1 TTFA (default 3)")
+    p.add_argument("--voxserve-rates", type=float, nargs="+", help="voxserve_setting's req/s (default 4 8 12)")
+    p.add_argument("--voxserve-s", type=float, help="voxserve_setting's seconds, off --budget-s (default 50)")
+    p.add_argument("--voxserve-chunk-tokens", type=int, default=15, help="voxserve_setting's chunk (VoxServe: 15)")
     args = p.parse_args(argv)
     defaults = {"budget_s": 420.0, "detok_window_s": 1.0, "detok_repeats": 5, "arrival_s": 6.0, "rate_cap_s": 15.0,
                 "stream_audio_s": 6.0, "batch": 128, "throughput_requests": 128, "cfg_tokens": 64, "c1_repeats": 3,

@@ -34,7 +34,6 @@ from loadtest.metrics import highest_rate_meeting
 if TYPE_CHECKING:
     from loadtest.family_gpu_bench import FamilyRun
 
-SLO_P90_TTFA_S, SLO_VIABLE_PCT = 0.5, 99.0  # DESIGN §1: capacity at SLO on a GPU
 STEP_WARM_TOKENS = 8  # decoded before the timed steps
 STEP_MAX_SEQ_LEN = 512  # prompt + warm-up + timed steps fit
 
@@ -146,23 +145,45 @@ class RatePoint:
     figures: dict
 
 
-def meets_slo(point: RatePoint) -> bool:
-    p90, viable = point.figures.get("p90_ttfa_s"), point.figures.get("viable_pct")
-    return p90 is not None and viable is not None and p90 <= SLO_P90_TTFA_S and viable >= SLO_VIABLE_PCT
+@dataclass(frozen=True)
+class SloRule:
+    """A rate meets it when its p90 TTFA is at most `p90_ttfa_s` and at least `viable_pct` of its streams are
+    viable (`rate_summary`: a stream cut by the cap or never sent is not)."""
+
+    p90_ttfa_s: float
+    viable_pct: float
+
+    def met(self, point: RatePoint) -> bool:
+        p90, viable = point.figures.get("p90_ttfa_s"), point.figures.get("viable_pct")
+        return p90 is not None and viable is not None and p90 <= self.p90_ttfa_s and viable >= self.viable_pct
+
+    def as_dict(self) -> dict:
+        return {"p90_ttfa_s": self.p90_ttfa_s, "viable_pct": self.viable_pct}
 
 
-def rates_at(run: FamilyRun, pipe: InProcessPipeline) -> dict:
-    args, rates, points = run.args, {}, []
-    for index, rate in enumerate(args.rates):
-        cap_s = min(args.rate_cap_s, run.time_left_s() / (len(args.rates) - index))
-        if cap_s < 2:
-            rates[f"{rate:g}"] = {"skipped": "out of time"}
+FAMILY_SLO = SloRule(p90_ttfa_s=0.5, viable_pct=99.0)  # DESIGN §1: capacity at SLO on a GPU
+
+
+def rates_at(
+    run: FamilyRun, pipe: InProcessPipeline, rates: list[float] | None = None, rule: SloRule = FAMILY_SLO,
+    stop_after_miss: bool = False,
+) -> dict:  # fmt: skip
+    """Each rate of `rates` (default `--rates`), lowest first, within the section's time; the capacity is the
+    highest rate meeting `rule` with every lower one meeting it. `stop_after_miss`: rates above a miss are skipped."""
+    rates, out, points = list(run.args.rates if rates is None else rates), {}, []
+    for index, rate in enumerate(rates):
+        cap_s = min(run.args.rate_cap_s, run.time_left_s() / (len(rates) - index))
+        if points and stop_after_miss and not rule.met(points[-1]):
+            out[f"{rate:g}"] = {"skipped": "a lower rate missed the SLO"}
             continue
-        figures = rate_summary(*play_rate(pipe, rate, args, cap_s), cap_s)
-        rates[f"{rate:g}"] = figures
+        if cap_s < 2:
+            out[f"{rate:g}"] = {"skipped": "out of time"}
+            continue
+        figures = rate_summary(*play_rate(pipe, rate, run.args, cap_s), cap_s)
+        out[f"{rate:g}"] = figures
         points.append(RatePoint(rate, figures))
         run.say(f"  {run.entry.key} rate {rate:g}/s: p90 {figures['p90_ttfa_s']} s, viable {figures['viable_pct']}%")
-    return {"rates": rates, "capacity_at_slo_rps": highest_rate_meeting(points, meets_slo)}
+    return {"rates": out, "capacity_at_slo_rps": highest_rate_meeting(points, rule.met)}
 
 
 def streaming_section(run: FamilyRun) -> dict:
@@ -172,8 +193,7 @@ def streaming_section(run: FamilyRun) -> dict:
     try:
         c1 = [lone_ttfa_s(pipe, f"c1-{i}", TEXTS[i % len(TEXTS)], args.max_tokens) for i in range(args.c1_repeats)]
         one = one_stream_x_rt(pipe, args.max_tokens, limit_s=max(5.0, run.time_left_s() / 3))
-        out = {"c1_ttfa_s": c1, "one_stream": one, "max_tokens": args.max_tokens, "slo": {
-            "p90_ttfa_s": SLO_P90_TTFA_S, "viable_pct": SLO_VIABLE_PCT}}  # fmt: skip
+        out = {"c1_ttfa_s": c1, "one_stream": one, "max_tokens": args.max_tokens, "slo": FAMILY_SLO.as_dict()}
         out |= rates_at(run, pipe)
     finally:
         pipe.close()

@@ -136,6 +136,8 @@ class LMAdapter(ABC):
     head_phase_period: int = 1  # steps per cycle of the output head (rows in one phase share a head matmul)
     uses_context_turns: bool = False  # incremental streams: later segments get earlier ones as `Job.context`
     takes_registered_voices: bool = False  # zero-shot voices by id (`core.voices`), registered from a clip
+    # `history_ids` maps each token on its own (a filter): the engine extends histories by new tokens only
+    history_ids_per_token: bool = False
     voice_lm_speaker: bool = False  # a registered voice also carries the LM's speaker conditioning (SpeakerPrompt)
     # a streamed-text request can resume on another replica: its positions read the feed by index,
     # so the text replayed in the order it came gives them the same ids (not a family that lays

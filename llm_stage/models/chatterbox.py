@@ -95,6 +95,7 @@ class ChatterboxAdapter(LMAdapter):
     default_voice = DEFAULT_VOICE
     voices = (DEFAULT_VOICE,)
     takes_registered_voices = True  # zero-shot: the voice's speaker embedding + prompt tokens (SpeakerPrompt)
+    history_ids_per_token = True  # speech ids only, each token on its own
     voice_lm_speaker = True
     # ChatterboxTTS.generate's defaults (its T3 loop samples at most 1000 tokens)
     default_sampling = SamplingParams(

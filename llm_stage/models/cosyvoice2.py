@@ -67,6 +67,7 @@ class CosyVoice2Adapter(LMAdapter):
     voices: tuple[str, ...] = ()  # no built-in speakers: voices come from reference clips (zero-shot)
     no_voices_note = "none built in; zero-shot voices from a reference clip (POST /v1/voices, gRPC RegisterVoice)"
     takes_registered_voices = True
+    history_ids_per_token = True  # speech ids only, each token on its own
     eos_token_ids = STOP_TOKENS
     input_width = 2  # (id, Kind)
     pad_token = (0, Kind.TEXT)

@@ -1,5 +1,6 @@
 """loadtest/family_gpu_bench: the published sizes it patches in, and its smoke run on CPU (every section of a
-guided and an unguided family end to end on the tiny presets; no timing asserted: figures come from a GPU)."""
+guided and an unguided family end to end on the tiny presets, then CosyVoice 2's voxserve_setting; no timing
+asserted: figures come from a GPU)."""
 
 from __future__ import annotations
 
@@ -16,12 +17,18 @@ from llm_stage.models.qwen3_tts_talker import TalkerSpec
 from loadtest import family_gpu_bench
 from loadtest.family_sections import never_stopping
 from loadtest.family_shapes import ENTRIES, entry_named, published_shapes
+from loadtest.family_voxserve import VOXSERVE_SAMPLING
 
 SMOKE_RUN = [
     "--device", "cpu", "--small", "--budget-s", "600", "--entries", "dia-1.6b", "parallel-heads-1.7b",
     "--rows", "2", "--eager-rows", "2", "--detok-batches", "1", "2", "--detok-window-s", "0.2",
     "--rates", "1", "--arrival-s", "1", "--rate-cap-s", "8", "--stream-audio-s", "0.3",
     "--throughput-requests", "1", "--cfg-streams", "2", "--cfg-tokens", "12", "--c1-repeats", "2",
+]  # fmt: skip
+VOXSERVE_RUN = [
+    "--device", "cpu", "--small", "--entries", "cosyvoice2-0.5b", "--skip",
+    *(name for name, *_ in family_gpu_bench.SECTIONS), "--stream-audio-s", "1.6", "--arrival-s", "1",
+    "--rate-cap-s", "8", "--voxserve-rates", "1", "--voxserve-s", "30",
 ]  # fmt: skip
 
 
@@ -46,7 +53,19 @@ def test_every_section_of_a_guided_and_a_plain_family_runs_on_cpu(tmp_path, caps
     guided = report["families"]["dia-1.6b"]["cfg_retention"]["by_streams"]["2"]
     assert guided["retention"] > 0 and guided["cfg"]["tokens_per_s"] > 0
     assert report["families"]["parallel-heads-1.7b"]["cfg_retention"]["skipped"] == "no CFG in this family"
+    assert "voxserve_setting" not in report["families"]["dia-1.6b"]  # CosyVoice 2's section only
     assert "=== family_gpu_bench ===" in capsys.readouterr().out
+    # CosyVoice 2 at VoxServe's setting, its section alone (40-token streams: two 15-token chunks, then the last)
+    family_gpu_bench.main([*VOXSERVE_RUN, "--out", str(tmp_path / "vxs")])
+    family = json.loads((tmp_path / "vxs" / "family_gpu_bench.json").read_text())["families"]["cosyvoice2-0.5b"]
+    section = family["voxserve_setting"]
+    assert section["ok"] is True, section.get("trace")
+    assert all(family[name]["skipped"] == "--skip" for name, *_ in family_gpu_bench.SECTIONS)
+    assert section["setting"]["sampling"] == VOXSERVE_SAMPLING and section["slo"]["viable_pct"] == 100.0
+    assert section["chunk"]["chunk_tokens_sent"] == 15 and section["chunk"]["flow_attention_chunk"] == 25
+    assert section["rates"]["1"]["sent"] >= 1 and section["rates"]["1"]["finished"] >= 1
+    assert "capacity_at_slo_rps" in section and len(section["c1_ttfa_s"]) == 2
+    assert "at VoxServe's setting" in capsys.readouterr().out
 
 
 def test_published_shapes_are_the_published_sizes_and_are_undone():
