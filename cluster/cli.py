@@ -241,7 +241,8 @@ def _plan(args: argparse.Namespace) -> int:
         model=args.model, gpu=args.gpu, streams=args.streams, ttfa_p90_s=args.ttfa_p90_s,
         min_viable_pct=args.min_viable_pct, sweep=tuple(args.sweep_streams or SWEEP_STREAMS) if args.sweep else (),
         llm_replicas=args.llm_replicas, detok_replicas=args.detok_replicas, text_chars=tuple(args.text_chars),
-        step_scale=args.step_scale, seed=args.seed, calibration=args.calibration, max_starting=args.max_starting,
+        step_scale=args.step_scale, seed=args.seed, seeds=args.seeds, calibration=args.calibration,
+        max_starting=args.max_starting,
     )  # fmt: skip
     print("\n".join(plan_report(request)))
     if args.sources:
@@ -393,6 +394,8 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--text-chars", type=int, nargs="+", default=[110], help="request texts' lengths (~15 chars/s)")
     plan.add_argument("--step-scale", type=float, default=1.0, help="what-if: every LLM step x this")
     plan.add_argument("--seed", type=int, default=0)
+    plan.add_argument("--seeds", type=int, default=1,
+                      help="sizing: Poisson draws per load (seed, seed + 1, ...); a load must meet the SLO in most")
     plan.add_argument(
         "--max-starting",
         type=int,

@@ -142,9 +142,9 @@ def measure_rps(config: CheckConfig, rates: tuple[float, ...], slo: Slo, out: Pa
 
 def check(
     config: CheckConfig, scenario: Scenario, slo: Slo, out: Path, duration_s: float,
-    factors: tuple[float, ...] = RATE_FACTORS,
+    factors: tuple[float, ...] = RATE_FACTORS, sim: SimOptions = SimOptions(),
 ) -> CheckResult:  # fmt: skip
-    predicted = predicted_rps(scenario, config, slo)
+    predicted = predicted_rps(scenario, config, slo, sim)
     rates = swept_rates(predicted, factors)
     measured, others = measure_rps(config, rates, slo, out, duration_s)
     return CheckResult(config.name, predicted, measured, rates, others)
@@ -173,6 +173,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--host-requests", type=int, default=12, help="streams in each of host_cost's two sets")
     parser.add_argument("--cores", type=int, default=2, help="the cores every process of the box shares")
+    parser.add_argument("--seeds", type=int, default=5,
+                        help="Poisson draws per simulated load: the capacity is the most met in most")  # fmt: skip
     parser.add_argument("--rate-factors", type=float, nargs="+", default=list(RATE_FACTORS),
                         help="swept rates, x the predicted capacity (lower ones where it over-predicts)")  # fmt: skip
     parser.add_argument("--calibration", type=Path, default=None,
@@ -182,12 +184,13 @@ def main(argv: list[str] | None = None) -> None:
     scenario = Scenario(_calibration(args), ORPHEUS_TINY, sweep_workload())
     slo = Slo(args.ttfa_p90_s)
     chosen = [c for c in CONFIGS if c.name in args.configs]
+    sim = SimOptions(seeds=args.seeds)
     if args.predict_only:
         for config in chosen:
-            print(f"{config.name}: predicted {predicted_rps(scenario, config, slo):.2f} req/s")
+            print(f"{config.name}: predicted {predicted_rps(scenario, config, slo, sim):.2f} req/s")
         return
     factors = tuple(sorted(args.rate_factors))
-    results = [check(config, scenario, slo, args.out, args.duration_s, factors) for config in chosen]
+    results = [check(config, scenario, slo, args.out, args.duration_s, factors, sim) for config in chosen]
     summary = {"calibration": str(args.out / "calibration.json"),
                "results": [{**asdict(r), "error": r.error} for r in results]}  # fmt: skip
     (args.out / "plan_check.json").write_text(json.dumps(summary, indent=2, default=float))

@@ -40,6 +40,7 @@ class PlanRequest:
     text_chars: tuple[int, ...] = Workload.text_chars
     step_scale: float = 1.0
     seed: int = 0
+    seeds: int = 1  # Poisson draws per load when sizing: a load meets the SLO in most of them
     calibration: Path | None = None  # a calibration file instead of --gpu / --model's bundled one
     max_starting: int = DEFAULT_MAX_STARTING  # admission.max_starting_per_replica (0: no start limit)
 
@@ -47,6 +48,7 @@ class PlanRequest:
         _positive("streams", self.streams)
         _positive("ttfa_p90_s", self.ttfa_p90_s)
         _positive("step_scale", self.step_scale)
+        _positive("seeds", self.seeds)
         if self.max_starting < 0:
             raise InvalidArgumentError("max_starting", f"must be >= 0 (0: no start limit), got {self.max_starting}")
         if not 0 < self.min_viable_pct <= 100:
@@ -86,7 +88,7 @@ def plan_report(request: PlanRequest) -> list[str]:
     request.check()
     scenario = scenario_for(request)
     slo = Slo(request.ttfa_p90_s, request.min_viable_pct)
-    sim = SimOptions(seed=request.seed, step_scale=request.step_scale)
+    sim = SimOptions(seed=request.seed, step_scale=request.step_scale, seeds=request.seeds)
     lines = header(scenario, request, slo, sim)
     loads = request.sweep or (request.streams,)
     if request.llm_replicas is not None:  # this cluster under each load: where its bottleneck moves

@@ -10,7 +10,7 @@ misses, one more LLM replica, up to `max_retries`. One LLM or detok replica = on
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -126,8 +126,21 @@ def fewest_llm_replicas(scenario: Scenario, streams: int, slo: Slo, options: Sea
 
 def _llm_meets(scenario: Scenario, streams: int, replicas: int, slo: Slo, options: SearchOptions) -> bool:
     part = min(replicas, options.slice_replicas)
-    prediction = predict(scenario, streams * part / replicas, _shape(scenario, part, 0, options), options.sim)
-    return prediction.meets(slo.ttfa_p90_s, slo.min_viable_pct)
+    return meets_slo(scenario, streams * part / replicas, _shape(scenario, part, 0, options), slo, options.sim)
+
+
+def meets_slo(scenario: Scenario, streams: float, shape: ClusterShape, slo: Slo, sim: SimOptions) -> bool:
+    """Whether `shape` meets `slo` at `streams` concurrent streams in most of `sim.seeds` Poisson draws
+    (seeds `sim.seed`, `sim.seed + 1`, ...; stops once the majority is decided). One draw is one sweep's
+    worth of arrivals: whether its few bursts land near capacity decides its p90, not the load."""
+    needed, met = sim.seeds // 2 + 1, 0
+    for tried in range(sim.seeds):
+        if predict(scenario, streams, shape, replace(sim, seed=sim.seed + tried)).meets(slo.ttfa_p90_s,
+                                                                                        slo.min_viable_pct):
+            met += 1
+        if met >= needed or met + (sim.seeds - tried - 1) < needed:
+            break
+    return met >= needed
 
 
 def _fewest_detok_replicas(scenario: Scenario, run: LLMRun, streams: int, llm_replicas: int, slo: Slo,
@@ -155,12 +168,12 @@ def _fewest_detok_replicas(scenario: Scenario, run: LLMRun, streams: int, llm_re
 
 def capacity_streams(scenario: Scenario, shape: ClusterShape, slo: Slo, high: int, sim: SimOptions = SimOptions(),
                      tolerance: float = 0.05) -> int:  # fmt: skip
-    """The most concurrent streams `shape` carries at `slo`: bisection below `high` to within `tolerance`
-    (0 if none of the loads tried meets it)."""
+    """The most concurrent streams `shape` carries at `slo` (in most of `sim.seeds` draws): bisection below
+    `high` to within `tolerance` (0 if none of the loads tried meets it)."""
     low = 0
     while high - low > max(1, tolerance * low):
         middle = (low + high) // 2
-        if predict(scenario, middle, shape, sim).meets(slo.ttfa_p90_s, slo.min_viable_pct):
+        if meets_slo(scenario, middle, shape, slo, sim):
             low = middle
         else:
             high = middle

@@ -53,6 +53,9 @@ class SimOptions:
     # delivery the pass before measured (a slot and a start are held until audio is delivered) and, with
     # shared cores, the other stage's busy time; 0: 2, or 3 with shared cores (the stages' contention settles)
     passes: int = 0
+    # Poisson draws per load that must mostly meet the SLO (`search.meets_slo`): one draw of ~100 streams
+    # swings the p90 TTFA by 5x near capacity (cpu-1x1-cap4 at 1.71 req/s: 0.33-1.68 s over 8 seeds)
+    seeds: int = 1
 
     def passes_for(self, shared_cores: bool) -> int:
         return self.passes or (3 if shared_cores else 2)

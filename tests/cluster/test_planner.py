@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import copy
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from cluster.planner import search
 from cluster.planner.calibration import CALIBRATION_DIR, available, find_calibration, parse_calibration
 from cluster.planner.predict import Scenario, predict
-from cluster.planner.search import Slo, capacity_streams, size_cluster, zero_load_ttfa_s
+from cluster.planner.search import Slo, capacity_streams, meets_slo, size_cluster, zero_load_ttfa_s
 from cluster.planner.simulate import ClusterShape, SimOptions
 from cluster.planner.workload import ChunkRule, ModelRates, Workload
 from core.config import DetokConfig
@@ -132,6 +134,28 @@ def test_more_streams_take_longer_to_first_audio():
     light, heavy = (predict(scenario, n, shape, FAST) for n in (2, 14))
     assert heavy.p90_ttfa_s > light.p90_ttfa_s
     assert heavy.llm_load > light.llm_load and heavy.slot_use > light.slot_use
+
+
+def test_a_load_meets_the_slo_when_most_poisson_draws_do(monkeypatch):
+    """One draw's p90 swings with its bursts: a load is met when most of `seeds` draws meet the SLO,
+    and the draws stop once the majority is decided."""
+    tried: list[int] = []
+
+    def fake_predict(scenario, streams, shape, sim):
+        tried.append(sim.seed)
+        return SimpleNamespace(meets=lambda ttfa_s, viable_pct: sim.seed in meeting)
+
+    monkeypatch.setattr(search, "predict", fake_predict)
+    shape, slo = ClusterShape(1, 1, 4), Slo(1.0)
+    meeting = {10, 12, 13}  # seeds 10..14: 3 of 5 meet
+    assert meets_slo(None, 4.0, shape, slo, SimOptions(seed=10, seeds=5))
+    assert tried == [10, 11, 12, 13]  # the third met at seed 13: decided
+    tried.clear()
+    meeting = {10}
+    assert not meets_slo(None, 4.0, shape, slo, SimOptions(seed=10, seeds=5)) and tried == [10, 11, 12, 13]
+    tried.clear()
+    meeting = set()  # one seed: that draw alone
+    assert not meets_slo(None, 4.0, shape, slo, SimOptions(seed=10)) and tried == [10]
 
 
 def test_doubling_replicas_doubles_capacity():
