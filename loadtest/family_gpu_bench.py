@@ -50,11 +50,11 @@ from loadtest.family_voxserve import voxserve_section
 from loadtest.gpu_bench import run_environment
 
 SECTIONS: tuple[tuple[str, float, Callable], ...] = (  # name, end as a share of the entry's time, body
-    ("gpu_check", 0.08, parity_section),
-    ("step_ms", 0.40, step_ms_section),
-    ("detok_cost", 0.48, detok_section),
-    ("streaming", 0.78, streaming_section),
-    ("throughput", 0.86, throughput_section),
+    ("gpu_check", 0.07, parity_section),
+    ("step_ms", 0.33, step_ms_section),
+    ("detok_cost", 0.40, detok_section),
+    ("streaming", 0.84, streaming_section),  # c=1, one stream, then rates of `rate_needs_s` each
+    ("throughput", 0.92, throughput_section),
     ("cfg_retention", 1.0, cfg_section),
 )
 # name, the entry it runs for, the argument naming its seconds (taken off `--budget-s` before the split), body
@@ -277,9 +277,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--detok-window-s", type=float, help="audio per decoded window (default 1.0)")
     p.add_argument("--detok-repeats", type=int)
     p.add_argument("--rates", type=float, nargs="+", help="Poisson req/s, lowest first")
-    p.add_argument("--arrival-s", type=float, help="arrivals per rate last this long (default 6)")
+    p.add_argument("--arrival-s", type=float, help="arrivals per rate last this long (default 4)")
     p.add_argument("--rate-cap-s", type=float, help="wall time per rate at most (default 15)")
-    p.add_argument("--stream-audio-s", type=float, help="audio per stream, sets max_tokens (default 6)")
+    p.add_argument("--stream-audio-s", type=float, help="audio per stream, sets max_tokens (default 5)")
     p.add_argument("--batch", type=int, help="pipeline max_batch_size (default 128)")
     p.add_argument("--throughput-requests", type=int, help="default 128")
     p.add_argument("--cfg-streams", type=int, nargs="+")
@@ -289,8 +289,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--voxserve-s", type=float, help="voxserve_setting's seconds, off --budget-s (default 50)")
     p.add_argument("--voxserve-chunk-tokens", type=int, default=15, help="voxserve_setting's chunk (VoxServe: 15)")
     args = p.parse_args(argv)
-    defaults = {"budget_s": 420.0, "detok_window_s": 1.0, "detok_repeats": 5, "arrival_s": 6.0, "rate_cap_s": 15.0,
-                "stream_audio_s": 6.0, "batch": 128, "throughput_requests": 128, "cfg_tokens": 64, "c1_repeats": 3,
+    defaults = {"budget_s": 420.0, "detok_window_s": 1.0, "detok_repeats": 5, "arrival_s": 4.0, "rate_cap_s": 15.0,
+                "stream_audio_s": 5.0, "batch": 128, "throughput_requests": 128, "cfg_tokens": 64, "c1_repeats": 3,
                 **GPU_DEFAULTS, **(SMALL_DEFAULTS if args.small else {})}  # fmt: skip
     for name, value in defaults.items():
         if getattr(args, name) is None:

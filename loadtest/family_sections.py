@@ -164,20 +164,31 @@ class SloRule:
 FAMILY_SLO = SloRule(p90_ttfa_s=0.5, viable_pct=99.0)  # DESIGN §1: capacity at SLO on a GPU
 
 
+def rate_needs_s(args: argparse.Namespace) -> float:
+    """A rate's wall time for its last arrival's stream to play out: the arrivals, one stream's audio at
+    real time, and a second for its first chunk and the last decode."""
+    return args.arrival_s + args.stream_audio_s + 1.0
+
+
 def rates_at(
     run: FamilyRun, pipe: InProcessPipeline, rates: list[float] | None = None, rule: SloRule = FAMILY_SLO,
     stop_after_miss: bool = False,
 ) -> dict:  # fmt: skip
     """Each rate of `rates` (default `--rates`), lowest first, within the section's time; the capacity is the
-    highest rate meeting `rule` with every lower one meeting it. `stop_after_miss`: rates above a miss are skipped."""
+    highest rate meeting `rule` with every lower one meeting it. `stop_after_miss`: rates above a miss are skipped.
+    A rate runs only with the time its last stream needs to play out (`rate_needs_s`): cut short, its streams
+    would count as not viable and read as a capacity of 0. The lower rates take the time first; the higher
+    ones left without it are skipped, saying so."""
     rates, out, points = list(run.args.rates if rates is None else rates), {}, []
+    needs_s = rate_needs_s(run.args)
     for index, rate in enumerate(rates):
-        cap_s = min(run.args.rate_cap_s, run.time_left_s() / (len(rates) - index))
+        left_s = run.time_left_s()
+        cap_s = min(run.args.rate_cap_s, max(left_s / (len(rates) - index), needs_s))
         if points and stop_after_miss and not rule.met(points[-1]):
             out[f"{rate:g}"] = {"skipped": "a lower rate missed the SLO"}
             continue
-        if cap_s < 2:
-            out[f"{rate:g}"] = {"skipped": "out of time"}
+        if left_s < needs_s:
+            out[f"{rate:g}"] = {"skipped": f"out of time: a rate needs {needs_s:.0f} s, {left_s:.0f} s left"}
             continue
         figures = rate_summary(*play_rate(pipe, rate, run.args, cap_s), cap_s)
         out[f"{rate:g}"] = figures

@@ -95,11 +95,34 @@ def test_rates_above_a_miss_are_skipped(monkeypatch):
     monkeypatch.setattr(family_sections, "play_rate", lambda pipe, rate, args, cap_s: (played.append(rate), rate))
     figures = {rate: {"p90_ttfa_s": 0.3, "viable_pct": pct} for rate, pct in viable.items()}
     monkeypatch.setattr(family_sections, "rate_summary", lambda _, rate, cap_s: figures[rate])
-    run = SimpleNamespace(args=SimpleNamespace(rate_cap_s=15.0), time_left_s=lambda: 60.0, say=lambda text: None,
+    run = SimpleNamespace(args=SimpleNamespace(rate_cap_s=15.0, arrival_s=4.0, stream_audio_s=5.0),
+                          time_left_s=lambda: 60.0, say=lambda text: None,
                           entry=SimpleNamespace(key="cosyvoice2-0.5b"))  # fmt: skip
     out = rates_at(run, None, [4.0, 8.0, 12.0], VOXSERVE_SLO, stop_after_miss=True)
     assert played == [4.0, 8.0] and out["rates"]["12"] == {"skipped": "a lower rate missed the SLO"}
     assert out["capacity_at_slo_rps"] == 4.0
+
+
+def test_a_rate_runs_only_with_the_time_its_streams_need_to_play_out(monkeypatch):
+    """16 s left for three rates of 10 s each (4 s of arrivals, 5 s streams): the lowest gets its 10 s, not a
+    third of what is left (its streams cut short would read as not viable), the others are skipped."""
+    clock = {"left_s": 16.0}
+    caps = []
+
+    def fake_play(pipe, rate, args, cap_s):
+        caps.append(cap_s)
+        clock["left_s"] -= cap_s
+        return rate, cap_s
+
+    monkeypatch.setattr(family_sections, "play_rate", fake_play)
+    monkeypatch.setattr(family_sections, "rate_summary", lambda rate, wall_s, cap_s: {"p90_ttfa_s": 0.2,
+                                                                                      "viable_pct": 100.0})
+    run = SimpleNamespace(args=SimpleNamespace(rate_cap_s=15.0, arrival_s=4.0, stream_audio_s=5.0),
+                          time_left_s=lambda: clock["left_s"], say=lambda text: None,
+                          entry=SimpleNamespace(key="csm-1b"))  # fmt: skip
+    out = rates_at(run, None, [2.0, 4.0, 8.0], FAMILY_SLO)
+    assert caps == [10.0] and out["capacity_at_slo_rps"] == 2.0
+    assert out["rates"]["4"] == out["rates"]["8"] == {"skipped": "out of time: a rate needs 10 s, 6 s left"}
 
 
 def test_audio_leaves_where_the_real_codec_lets_it_out():
