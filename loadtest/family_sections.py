@@ -24,6 +24,7 @@ import torch
 from cluster.batch import BatchItem, run_batch
 from cluster.pipeline import InProcessPipeline
 from core.config import CacheConfig, SchedulerConfig
+from core.graphs import GraphCache, graphs_available
 from llm_stage.engine import LLMEngine
 from llm_stage.models.base import LMAdapter
 from loadtest.cfg_bench import run_once
@@ -105,9 +106,12 @@ def step_ms_section(run: FamilyRun) -> dict:
 
 
 def detok_section(run: FamilyRun) -> dict:
-    """`codec.decode` of windows of `--detok-window-s` of audio, per batch: ms, and ms per second of audio."""
+    """`codec.decode` of windows of `--detok-window-s` of audio, per batch: ms, and ms per second of audio;
+    on CUDA, for a stateless codec, also its CUDA graph of that window (what a detok replica replays,
+    `detok_stage.graphs`): ms and the largest difference from the eager audio."""
     codec, out = run.codec, {}
     frames = max(1, round(run.args.detok_window_s / run.frame_s))
+    graphs = window_graphs(run)
     for batch in run.args.detok_batches:
         if run.time_left_s() < 0.5:
             out[str(batch)] = {"skipped": "out of time"}
@@ -117,7 +121,28 @@ def detok_section(run: FamilyRun) -> dict:
         audio_s = batch * frames * run.frame_s
         per_audio_s = round(ms / audio_s, 3)
         out[str(batch)] = {"ms": round(ms, 2), "ms_per_audio_s": per_audio_s, "x_rt": round(audio_s / ms * 1e3, 1)}
-    return {"window_frames": frames, "by_batch": out}
+        if graphs is not None:
+            out[str(batch)] |= graph_figures(run, graphs, codes, audio_s)
+    return {"window_frames": frames, "by_batch": out, "graphs": graphs is not None}
+
+
+def window_graphs(run: FamilyRun) -> GraphCache | None:
+    """The codec's device decode as CUDA graphs (None: not on CUDA, or a stateful codec: it decodes eagerly)."""
+    codec = run.codec
+    if not (graphs_available(run.args.device) and not codec.is_stateful):
+        return None
+    probe = torch.zeros(1, 1, codec.codes_per_frame, dtype=torch.long, device=run.args.device)
+    return GraphCache(codec.decode_on_device, "bench detok") if codec.decode_on_device(probe) is not None else None
+
+
+def graph_figures(run: FamilyRun, graphs: GraphCache, codes: torch.Tensor, audio_s: float) -> dict:
+    """One window batch replayed from its graph: ms, ms per audio second, max |graph - eager|."""
+    on_device = codes.to(run.args.device)
+    if not graphs.capture([on_device]):
+        return {"graphs": "capture failed (logged)"}
+    ms = timed_ms(run, lambda: graphs(on_device), repeats=run.args.detok_repeats)
+    diff = (graphs(on_device).float().cpu() - run.codec.decode(codes)).abs().max().item()
+    return {"graphs_ms": round(ms, 2), "graphs_ms_per_audio_s": round(ms / audio_s, 3), "graphs_max_abs_diff": diff}
 
 
 # --- the in-process pipeline: c=1, one stream, rates, throughput ----------------------------------------------

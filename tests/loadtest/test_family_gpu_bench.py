@@ -122,3 +122,34 @@ def test_presets_made_on_a_device_go_through_every_preset_caller(monkeypatch):
     for ours, theirs in zip((made[0].model, made[1].model), (plain[0].model, plain[1].model), strict=True):
         for (name, a), (_, b) in zip(ours.state_dict().items(), theirs.state_dict().items(), strict=True):
             assert torch.equal(a, b), name
+
+
+def test_a_stateless_codecs_window_graph_is_timed_beside_eager_and_compared(monkeypatch):
+    """detok_cost on CUDA also replays the codec's window graph (what a detok replica serves): its ms and
+    its largest difference from eager. On the CPU no graph is built; the figures come from a stand-in cache
+    that runs the function it would capture."""
+    from types import SimpleNamespace
+
+    from detok_stage.codecs.dac_codec import DacCodec
+    from loadtest import family_sections
+
+    codec = DacCodec(DacCodec.preset())
+    run = SimpleNamespace(codec=codec, args=SimpleNamespace(device="cpu", detok_repeats=1), synchronize=lambda: None)
+    assert family_sections.window_graphs(run) is None  # CPU: eager only
+
+    class StandIn:
+        def __init__(self, fn, name):
+            self.fn = fn
+
+        def capture(self, inputs):
+            return True
+
+        def __call__(self, frames):
+            return self.fn(frames)
+
+    monkeypatch.setattr(family_sections, "graphs_available", lambda device: True)
+    monkeypatch.setattr(family_sections, "GraphCache", StandIn)
+    graphs = family_sections.window_graphs(run)
+    codes = torch.randint(0, codec.codebook_size, (2, 5, codec.codes_per_frame))
+    figures = family_sections.graph_figures(run, graphs, codes, audio_s=1.0)
+    assert figures["graphs_max_abs_diff"] == 0.0 and figures["graphs_ms"] > 0
