@@ -26,6 +26,9 @@ from loadtest.sweep import wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = 240.0
+READY_POLL_S = 10.0  # readiness is tried this long at a time, the process checked between
+START_ATTEMPTS = 2
+RAY_START_TIMED_OUT = "timed out during startup"  # ray.init's error when its raylet or GCS came up late
 STOP_GRACE_S = 60.0  # SIGTERM drains (idle: ~1 s) and stops Ray; then the tree is SIGKILLed
 PROMETHEUS_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? ([0-9.eE+-]+|NaN|[+-]Inf)$")
 
@@ -59,8 +62,37 @@ class ServerProcess:
         return f"ws://127.0.0.1:{self.config.http_port}/v1/audio/speech/stream"
 
 
+class ServerExited(RuntimeError):
+    """The server process ended before it served; `log_tail` is the end of its log."""
+
+    def __init__(self, code: int | None, log_tail: str) -> None:
+        super().__init__(f"voxray serve exited ({code}) before it served; its log ends:\n{log_tail}")
+        self.log_tail = log_tail
+
+
 def start_server(config: ServeConfig, scratch: Path, ready_timeout_s: float = READY_TIMEOUT_S) -> ServerProcess:
-    """`voxray serve --config` in a new session (its log under `scratch`); returns once it streams audio."""
+    """`voxray serve --config` in a new session (its log under `scratch`); returns once it streams audio.
+    A server whose Ray timed out in its own start (`RAY_START_TIMED_OUT`: raylet or GCS late on a loaded box,
+    seen beside a test session's cluster) is started once more; any other early exit fails at once."""
+    attempt = 1
+    while True:
+        server = launch_server(config, scratch)
+        try:
+            wait_serving(server, ready_timeout_s)
+            return server
+        except ServerExited as err:
+            stop_server(server)
+            if attempt >= START_ATTEMPTS or RAY_START_TIMED_OUT not in err.log_tail:
+                raise
+        except BaseException:
+            stop_server(server)
+            raise
+        print(f"voxray serve: Ray timed out in its start (attempt {attempt}); starting it again", flush=True)
+        attempt += 1
+
+
+def launch_server(config: ServeConfig, scratch: Path) -> ServerProcess:
+    """The `voxray serve` process, its config and log under `scratch` (a later launch rewrites both)."""
     scratch.mkdir(parents=True, exist_ok=True)
     config_path = scratch / "serve.yaml"
     config_path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_defaults=True)))
@@ -70,13 +102,24 @@ def start_server(config: ServeConfig, scratch: Path, ready_timeout_s: float = RE
     with log_path.open("w") as log:
         proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)  # fmt: skip
-    server = ServerProcess(proc, config, log_path)
-    try:
-        wait_ready(server.grpc_target, config.app_name, ready_timeout_s)
-    except BaseException:
-        stop_server(server)
-        raise
-    return server
+    return ServerProcess(proc, config, log_path)
+
+
+def wait_serving(server: ServerProcess, timeout_s: float) -> None:
+    """Until the server streams audio (`wait_ready`, a few seconds at a time), `ServerExited` as soon as its
+    process ends, TimeoutError after `timeout_s`."""
+    deadline, last = time.monotonic() + timeout_s, ""
+    while True:
+        if server.proc.poll() is not None:
+            raise ServerExited(server.proc.returncode, server.log_path.read_text(errors="replace")[-3000:])
+        left_s = deadline - time.monotonic()
+        if left_s <= 0:
+            raise TimeoutError(f"{server.grpc_target} not ready after {timeout_s:.0f} s ({last})")
+        try:
+            wait_ready(server.grpc_target, server.config.app_name, min(left_s, READY_POLL_S))
+            return
+        except TimeoutError as err:
+            last = str(err)
 
 
 def stop_server(server: ServerProcess, grace_s: float = STOP_GRACE_S) -> int | None:

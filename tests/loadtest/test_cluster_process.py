@@ -1,0 +1,42 @@
+"""loadtest/cluster_process.py's start: a server process that ends before it serves fails at once with its
+log's end, and one whose Ray timed out in its own start (a loaded box) is started once more."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from core.config import ServeConfig
+from loadtest import cluster_process
+from loadtest.cluster_process import RAY_START_TIMED_OUT, ServerExited, ServerProcess, start_server, wait_serving
+
+
+def exited_server(tmp_path, log_text: str, name: str = "serve") -> ServerProcess:
+    log = tmp_path / f"{name}.log"
+    log.write_text(log_text)
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+    proc.wait()
+    return ServerProcess(proc, ServeConfig(), log)
+
+
+def test_a_server_that_ends_before_it_serves_fails_at_once_with_its_log(tmp_path):
+    server = exited_server(tmp_path, "starting\nValueError: engine.cache.num_slots must be > 0\n")
+    with pytest.raises(ServerExited, match="num_slots must be > 0"):
+        wait_serving(server, timeout_s=60.0)  # not the 60 s: the process is already gone
+
+
+@pytest.mark.parametrize("error, launches", [(f"Exception: The current node {RAY_START_TIMED_OUT}.", 2),
+                                             ("ValueError: a bad config", 1)])  # fmt: skip
+def test_only_a_ray_start_that_timed_out_is_started_again(tmp_path, monkeypatch, error, launches):
+    launched = []
+
+    def launch(config, scratch):
+        launched.append(config)
+        return exited_server(tmp_path, f"Traceback ...\n{error}\n", name=f"serve-{len(launched)}")
+
+    monkeypatch.setattr(cluster_process, "launch_server", launch)
+    with pytest.raises(ServerExited):
+        start_server(ServeConfig(), tmp_path / "scratch", ready_timeout_s=30.0)
+    assert len(launched) == launches
