@@ -66,9 +66,10 @@ class MeasuredSteps:
 
 def stream_limit(slots: int, real_time: np.ndarray, measured_rows: np.ndarray,
                  margin: float = REAL_TIME_MARGIN) -> np.ndarray:  # fmt: skip
-    """`router.admission.stream_limit` vectorised (no detok cap, no starving streams): the slots until a
-    pace is measured; then one past the largest measured batch while it keeps real time with the margin to
-    spare (a probe), else the margin under what it keeps at real time; at least 1, at most the slots."""
+    """`router.admission.stream_limit` vectorised, without the detok cap and the starving streams' rule (the
+    simulation applies that one: `simulate.starving`): the slots until a pace is measured; then one past the
+    largest measured batch while it keeps real time with the margin to spare (a probe), else the margin under
+    what it keeps at real time; at least 1, at most the slots."""
     spare = margin * real_time
     paced = np.where(spare >= measured_rows, measured_rows + 1, np.floor(spare)).astype(np.int64)
     return np.clip(np.where(real_time > 0, paced, slots), 1, slots)

@@ -11,8 +11,8 @@ a second pass over the chunks' cut times (the LLM does not wait for it, as in se
 batches what has arrived (FIFO, at most `max_batch_chunks`) and costs by the frames in the batch.
 Admission: a stream waits FCFS at its replica (the router picks the one with the fewest open streams) for
 one of `max_streams_per_replica` slots, under the stream and start limits the replica's own measured steps
-give (`paced_admission`: starts go in waves of `max_starting_per_replica`, fewer beside playing streams), and
-is refused after `admission_wait_s`. Metrics follow DESIGN §1.
+give (`paced_admission`: starts go in waves of `max_starting_per_replica`, fewer beside playing streams; none
+while a stream is behind), and is refused after `admission_wait_s`. Metrics follow DESIGN §1.
 """
 
 from __future__ import annotations
@@ -176,6 +176,15 @@ def _queues(streams: Streams, choice: np.ndarray, replicas: int) -> _Queues:
     return _Queues(ids, arrival, counts, np.zeros(replicas, np.int64))
 
 
+def starving(state: _Replicas, clock: np.ndarray, rates: ModelRates) -> np.ndarray:
+    """Per replica, whether a generating stream's client buffer is spent (`LLMSide.num_starving`): it played
+    since its first chunk's cut all the audio cut so far."""
+    played_s = clock[:, None] - state.first_cut_s  # nan before the first chunk: not starving
+    with np.errstate(invalid="ignore"):
+        behind = (state.stream >= 0) & (state.emitted * rates.frame_s - played_s <= 0)
+    return behind.any(axis=1)
+
+
 def _admit_room(state: _Replicas, shape: ClusterShape, steps: MeasuredSteps, clock: np.ndarray,
                 rates: ModelRates) -> np.ndarray:  # fmt: skip
     """Per replica, how many more streams may start now: under the stream limit and the start limit the
@@ -185,6 +194,8 @@ def _admit_room(state: _Replicas, shape: ClusterShape, steps: MeasuredSteps, clo
     if shape.paced:
         real_time, measured_rows = steps.real_time_streams(clock, rates.real_time_step_s)
         limit = stream_limit(slots, real_time, measured_rows)
+        # a stream already behind: nothing new starts until it catches up (`router.admission.stream_limit`)
+        limit = np.where(starving(state, clock, rates), np.maximum(1, np.minimum(limit, num_open)), limit)
         room_under = np.maximum(limit, sustained_streams(slots, real_time))
     else:
         limit = room_under = np.full(len(num_open), slots)

@@ -24,6 +24,7 @@ from core.checkpoints import load_or_preset, load_prefixed_state, read_config, r
 from core.config import ModelConfig
 from core.errors import InvalidArgumentError
 from core.messages import Job, SamplingParams
+from core.transfer import to_device
 from detok_stage.codecs.qwen3_tts_codec import Qwen3TTSCodec
 from llm_stage.inner_loop import InnerLoop
 from llm_stage.models.base import Draws, FrameBuilder, LMAdapter, ModelFamily
@@ -261,9 +262,10 @@ class Qwen3TTSAdapter(LMAdapter):
     def constrain(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """Special codec ids never (but EOS); EOS not before the `MIN_NEW_FRAMES`th frame."""
         logits = logits.masked_fill(self.suppressed.to(logits.device), float("-inf"))
-        early = [b for b, req in enumerate(reqs) if len(req.output_ids) < MIN_NEW_FRAMES]
-        if early:
-            logits[early, self.eos_code] = float("-inf")
+        early = [len(req.output_ids) < MIN_NEW_FRAMES for req in reqs]
+        if any(early):  # the rows as a mask copied without waiting (a list index is a blocking upload)
+            rows = to_device(torch.tensor(early), logits.device)
+            logits[: len(early), self.eos_code].masked_fill_(rows, float("-inf"))
         return logits
 
     def sample_tokens(

@@ -290,6 +290,23 @@ def test_a_replica_whose_measured_steps_fall_behind_admits_fewer_streams():
     assert paced.viable_pct > slots_only.viable_pct
 
 
+def test_nothing_new_starts_while_a_stream_is_behind():
+    """As `router.admission.stream_limit`: a replica with a stream whose client buffer is spent admits no new
+    stream until it catches up; its other replica, all streams ahead, keeps its room."""
+    from cluster.planner.paced_admission import MeasuredSteps
+    from cluster.planner.simulate import _admit_room, _Replicas, starving
+
+    state = _Replicas.empty(2, 4)
+    state.stream[:, 0], state.first_cut_s[:, 0] = [0, 1], 0.0  # one stream each, first chunk cut at 0
+    state.emitted[:, 0] = [4, 40]  # 4 frames (0.34 s) vs 40 frames (3.4 s) of audio cut
+    clock = np.asarray([1.0, 1.0])  # 1 s of playback since
+    assert starving(state, clock, ORPHEUS).tolist() == [True, False]
+    room = _admit_room(state, ClusterShape(2, 2, 4), MeasuredSteps.empty(2, 4), clock, ORPHEUS)
+    assert room.tolist() == [0, 3]
+    state.first_cut_s[0, 0] = np.nan  # before its first chunk a stream is starting, not starving
+    assert not starving(state, clock, ORPHEUS)[0]
+
+
 def test_a_start_limit_of_one_spaces_a_bursts_starts():
     scenario = small_scenario()
     options = SimOptions(min_measured=60, admission_wait_s=30.0)

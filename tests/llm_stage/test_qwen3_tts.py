@@ -158,6 +158,8 @@ def test_special_ids_are_never_sampled_and_eos_waits_two_frames():
     assert allowed[0] == list(range(vocab - 1024)) and allowed[1] == [*range(vocab - 1024), ad.eos_code]
     assert ad.is_stop(reqs[0], (ad.eos_code, 0, 0, 0)) and not ad.is_stop(reqs[0], (0, ad.eos_code, 0, 0))
     assert ad.penalty_history(reqs[1], 0) == [1, 1] and ad.penalty_history(reqs[1], 2) == []
+    padded = ad.constrain(torch.zeros(3, vocab), reqs)  # a graph's padding row past the requests: untouched
+    assert torch.equal(padded[:2], logits) and torch.isfinite(padded[2, ad.eos_code])
 
 
 def test_preset_builds_from_its_config_and_synthesizes_with_default_sampling():
