@@ -8,20 +8,25 @@ import torch
 from core.config import DetokConfig
 from detok_stage.codecs.base import CodecAdapter
 from detok_stage.engine import DetokEngine, pcm16_to_float
+from detok_stage.graphs import ChunkGraphs
 from llm_stage.chunking import Chunker, ChunkSchedule
 
 
 def stream_interleaved(
-    codec: CodecAdapter, frames_by_req: dict[str, torch.Tensor], config: DetokConfig
-) -> dict[str, torch.Tensor]:
+    codec: CodecAdapter, frames_by_req: dict[str, torch.Tensor], config: DetokConfig,
+    graphs: ChunkGraphs | None = None, frames_per_push: int = 1,
+) -> dict[str, torch.Tensor]:  # fmt: skip
+    """`frames_per_push` frames of each request in turn, then an engine step; `graphs`: the engine's window
+    graphs (None: it decodes eagerly)."""
     engine = DetokEngine(codec, config)
+    engine.graphs = graphs
     chunkers = {rid: Chunker(rid, ChunkSchedule.from_config(config)) for rid in frames_by_req}
     pcm: dict[str, list[bytes]] = {rid: [] for rid in frames_by_req}
-    for t in range(max(len(f) for f in frames_by_req.values())):
+    for t in range(0, max(len(f) for f in frames_by_req.values()), frames_per_push):
         for rid, frames in frames_by_req.items():
             if t < len(frames):
-                chunks = chunkers[rid].push([frames[t].tolist()])
-                chunks += chunkers[rid].finish() if t == len(frames) - 1 else []
+                chunks = chunkers[rid].push(frames[t : t + frames_per_push].tolist())
+                chunks += chunkers[rid].finish() if t + frames_per_push >= len(frames) else []
                 for chunk in chunks:
                     engine.submit(chunk)
         for out in engine.step():

@@ -21,9 +21,8 @@ from detok_stage.codecs.dac_codec import RECEPTIVE_FIELD_FRAMES, DacCodec
 from detok_stage.codecs.hf_codec import HFCodec
 from detok_stage.codecs.snac_codec import SnacCodec
 from detok_stage.codecs.xcodec_codec import XcodecCodec
-from detok_stage.engine import DetokEngine, pcm16_to_float
 from detok_stage.graphs import ChunkGraphs
-from llm_stage.chunking import Chunker, ChunkSchedule
+from tests.detok_stage.interleaved import stream_interleaved
 from tests.graph_capture import OpNames
 
 HF_CODECS = {"dac": (DacCodec, "dia-tiny"), "xcodec": (XcodecCodec, "parallel-heads-tiny")}
@@ -127,27 +126,6 @@ class Replayed:
         return self.fn(padded)
 
 
-def stream_audio(adapter, config: DetokConfig, streams: list[torch.Tensor], graphs: ChunkGraphs | None) -> list:
-    """Each stream's audio (float, from PCM16) through one engine, streams pushed side by side."""
-    engine = DetokEngine(adapter, config)
-    engine.graphs = graphs
-    chunkers = [Chunker(f"r{i}", ChunkSchedule.from_config(config)) for i in range(len(streams))]
-    pcm: dict[str, list[bytes]] = {c.req_id: [] for c in chunkers}
-    for start in range(0, max(len(s) for s in streams), 3):
-        for chunker, frames in zip(chunkers, streams, strict=True):
-            if start < len(frames):
-                chunks = chunker.push(frames[start : start + 3].tolist())
-                chunks += chunker.finish() if start + 3 >= len(frames) else []
-                for chunk in chunks:
-                    engine.submit(chunk)
-        for out in engine.step():
-            pcm[out.req_id].append(out.pcm16)
-    while engine.has_work:
-        for out in engine.step():
-            pcm[out.req_id].append(out.pcm16)
-    return [torch.from_numpy(pcm16_to_float(b"".join(pcm[c.req_id]))) for c in chunkers]
-
-
 @pytest.mark.parametrize("name", HF_CODECS)
 def test_streams_through_padded_graph_batches_give_eagers_audio(name):
     """Several streams' chunks (first chunks, steady ones, ends: windows of several lengths) decoded as
@@ -157,8 +135,9 @@ def test_streams_through_padded_graph_batches_give_eagers_audio(name):
     graphs = ChunkGraphs(adapter, window, [2, 4], "cpu")
     graphs.graphs = replayed = Replayed(adapter.decode_on_device)
     streams = [random_frames(adapter, 1, length, seed=length)[0] for length in (1, 11, 23, 23, 23)]
-    through_graphs = stream_audio(adapter, config, streams, graphs)
-    eager = stream_audio(adapter, config, streams, None)
+    by_req = {f"r{i}": frames for i, frames in enumerate(streams)}
+    through_graphs = list(stream_interleaved(adapter, by_req, config, graphs, frames_per_push=3).values())
+    eager = list(stream_interleaved(adapter, by_req, config, None, frames_per_push=3).values())
     assert {shape[0] for shape in replayed.shapes} == {2, 4} and len({shape[1] for shape in replayed.shapes}) > 2
     for frames, got, want in zip(streams, through_graphs, eager, strict=True):
         assert got.shape == want.shape == (len(frames) * adapter.samples_per_frame,)
