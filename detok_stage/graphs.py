@@ -7,7 +7,8 @@ launches, against 1.6-1.8 ms replayed). A smaller group is padded with copies of
 (codec rows are independent). What is captured is the codec's `decode_on_device`, offered by the
 stateless codecs: SNAC, DAC and X-Codec (`codecs/hf_codec.py`); a DAC window carries its receptive
 field as context frames, so each window length's graph decodes it as the eager forward does.
-Stateful codecs (Mimi, Qwen3-TTS, S3Gen, GLM-4-Voice) decode eagerly. Built by `DetokEngine`.
+Stateful codecs (Mimi, Qwen3-TTS, S3Gen, GLM-4-Voice) decode eagerly (`CodecAdapter.captures_windows`).
+Built by `DetokEngine`.
 """
 
 from __future__ import annotations
@@ -42,9 +43,9 @@ class ChunkGraphs:
         if not graphs_available(config.device):
             logger.warning("CUDA graphs requested on %s: the detokenizer decodes eagerly", config.device)
             return None
-        if codec.is_stateful or config.schedule == "reference":
+        if not codec.captures_windows or config.schedule == "reference":
             log = logger.warning if explicit else logger.info
-            log("CUDA graphs need a stateless codec and the wide schedule: decoding eagerly")
+            log("CUDA graphs need a stateless codec with a device decode and the wide schedule: decoding eagerly")
             return None
         window = config.left_context_frames + config.chunk_frames + config.right_context_frames
         sizes = config.cuda_graph_batch_sizes or default_capture_sizes(config.max_batch_chunks)

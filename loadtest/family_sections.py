@@ -128,11 +128,9 @@ def detok_section(run: FamilyRun) -> dict:
 
 def window_graphs(run: FamilyRun) -> GraphCache | None:
     """The codec's device decode as CUDA graphs (None: not on CUDA, or a stateful codec: it decodes eagerly)."""
-    codec = run.codec
-    if not (graphs_available(run.args.device) and not codec.is_stateful):
+    if not (graphs_available(run.args.device) and run.codec.captures_windows):
         return None
-    probe = torch.zeros(1, 1, codec.codes_per_frame, dtype=torch.long, device=run.args.device)
-    return GraphCache(codec.decode_on_device, "bench detok") if codec.decode_on_device(probe) is not None else None
+    return GraphCache(run.codec.decode_on_device, "bench detok")
 
 
 def graph_figures(run: FamilyRun, graphs: GraphCache, codes: torch.Tensor, audio_s: float) -> dict:

@@ -44,6 +44,11 @@ class CodecAdapter(ABC):
         graph captures). None = this codec does not offer it, so it always decodes eagerly."""
         return None
 
+    @property
+    def captures_windows(self) -> bool:
+        """Whether its windows can replay as CUDA graphs: stateless, and offering `decode_on_device`."""
+        return not self.is_stateful and type(self).decode_on_device is not CodecAdapter.decode_on_device
+
     def decode_stream(self, chunks: list[TokenChunk]) -> list[torch.Tensor]:
         """Stateful codecs: audio [keep frames * samples_per_frame] per chunk, chunks of a request in seq order."""
         raise NotImplementedError(f"{type(self).__name__} decodes stateless windows")

@@ -86,6 +86,23 @@ def test_what_chunk_graphs_capture_runs_no_op_that_waits_for_the_host(name):
         assert "conv_transpose1d" in ops.names and not ops.host_waiting
 
 
+def test_only_stateless_codecs_with_a_device_decode_capture_windows():
+    from detok_stage.codecs.base import CodecAdapter
+
+    class HostOnly(CodecAdapter):  # stateless, no `decode_on_device`
+        def decode(self, frames):
+            return frames
+
+    class Stateful(HostOnly):
+        is_stateful = True
+
+        def decode_on_device(self, frames):
+            return frames
+
+    assert codec("dac").captures_windows and codec("xcodec").captures_windows
+    assert not HostOnly().captures_windows and not Stateful().captures_windows
+
+
 @pytest.mark.parametrize("name", HF_CODECS)
 def test_chunk_graphs_decode_eagerly_on_a_cpu(name, caplog):
     assert ChunkGraphs.build(codec(name), schedule(name)) is None  # by default: no graphs off CUDA
