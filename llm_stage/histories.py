@@ -18,22 +18,20 @@ from llm_stage.models.base import LMAdapter
 from llm_stage.request import Request, Token
 
 
+def _default_penalty(adapter: LMAdapter) -> bool:
+    """One codebook, penalised over `history_ids` by the default `penalty_history`."""
+    return adapter.num_codebooks == 1 and type(adapter).penalty_history is LMAdapter.penalty_history
+
+
 def uses_default_history(adapter: LMAdapter) -> bool:
     """Whether the adapter's penalty looks at its requests' plain prompt + output ids."""
-    kind = type(adapter)
-    return (
-        adapter.num_codebooks == 1
-        and kind.penalty_history is LMAdapter.penalty_history
-        and kind.history_ids is LMAdapter.history_ids
-    )
+    return _default_penalty(adapter) and type(adapter).history_ids is LMAdapter.history_ids
 
 
 def uses_incremental_history(adapter: LMAdapter) -> bool:
     """Whether `PenaltyHistories` can keep the adapter's histories: the default penalty history, one
     codebook, and `history_ids` the default or a map of each token on its own."""
-    kind = type(adapter)
-    per_token = kind.history_ids is LMAdapter.history_ids or adapter.history_ids_per_token
-    return adapter.num_codebooks == 1 and kind.penalty_history is LMAdapter.penalty_history and per_token
+    return uses_default_history(adapter) or (_default_penalty(adapter) and adapter.history_ids_per_token)
 
 
 def incremental_histories(adapter: LMAdapter) -> PenaltyHistories | None:

@@ -34,6 +34,7 @@ from core.voices import VOICE_ID_PREFIX, VoicePrompt
 from detok_stage.codecs.s3gen_codec import STREAM_CHUNK_TOKENS, S3GenCodec
 from detok_stage.flow.hift import F0_RADIUS
 from llm_stage.chunking import WHOLE_STREAM_FRAMES, ChunkSchedule
+from llm_stage.histories import uses_incremental_history
 from llm_stage.models.cosyvoice2 import FRAME_RATE_HZ, S3GEN_SCHEDULE
 from llm_stage.models.cosyvoice2_lm import SPEECH_TOKEN_SIZE
 from loadtest.family_sections import SloRule, rates_at
@@ -160,7 +161,7 @@ def sampler_report(run: FamilyRun, pipe: InProcessPipeline, resolved: SamplingPa
     """Where this sampling runs (item 2): on a GPU the draw is `sampler.sample_on_device` (penalty, temperature,
     top-k / top-p race, no read-back but the ids) unless a row is repetition-aware; the penalty's histories are
     the host's part, kept incrementally (`llm_stage.histories`) or walked per row per step."""
-    incremental = getattr(pipe.llm.engine, "_histories", None) is not None
+    incremental = uses_incremental_history(pipe.llm.engine.adapter)
     if resolved.is_repetition_aware:
         draw = "llm_stage.ras (repetition-aware rows)"
     elif run.is_cuda:
