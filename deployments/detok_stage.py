@@ -26,6 +26,7 @@ from core.autoscaling import DETOK_BUSY_SHARE, DETOK_MIN_SLACK_S, NO_DEADLINE_SL
 from core.config import CHECK_FILES, ServeConfig
 from core.messages import AudioChunk, AudioRef, TokenChunk
 from deployments.engine_loop import EngineLoop, finish_on_thread, replica_tag
+from deployments.loop_trace import StepReport, watch_gc
 from deployments.metrics import StageMetrics
 from deployments.voices import DetokVoices, check_voice_encoders
 from detok_stage.warm_up import warm_up
@@ -65,6 +66,7 @@ class DetokStage:
             on_start=self._warm_up,
         )  # fmt: skip
         self.loop.start()
+        watch_gc()
 
     def _warm_up(self) -> None:
         """(Engine thread, before serving) one batch of the longest windows the LLM side cuts
@@ -80,7 +82,8 @@ class DetokStage:
             release_cached_memory()
             logger.warning("detokenizer warm-up ran out of memory (%s): lower detok.max_batch_chunks", err)
 
-    def _step(self) -> None:
+    def _step(self) -> StepReport:
+        """One batch decoded and each chunk's waiter resolved; the chunks it decoded (the loop's trace)."""
         started_s = time.perf_counter()
         decoded = self.engine.step()
         elapsed_s = time.perf_counter() - started_s
@@ -91,6 +94,7 @@ class DetokStage:
             self._resolve((audio.req_id, audio.seq), audio)
         self.metrics.batch_size.observe(len(decoded))
         self._publish_gauges()
+        return StepReport(len(decoded))
 
     def _publish_gauges(self) -> None:
         """Queued chunks and streams waiting here, after every step and after a drop (cancelled
@@ -193,6 +197,11 @@ class DetokStage:
     def voice_bank(self):
         """The app's VoiceBank (this stage's deployment actor), for the Router and the LLM replicas."""
         return self.voices.bank_handle()
+
+    def loop_trace(self, since_s: float = 0.0) -> dict[str, list | float]:
+        """The serving loop's steps (chunks each) and this process's collections since `since_s`
+        (monotonic; `deployments.loop_trace`)."""
+        return self.loop.trace.snapshot(since_s)
 
     def stats(self) -> dict:
         return {

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from deployments.loop_trace import LoopTrace, StepReport
 from llm_stage.faults import is_device_lost, is_out_of_memory
 
 logger = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ def replica_tag() -> str:
 class EngineLoop:
     def __init__(
         self,
-        step: Callable[[], None],
+        step: Callable[[], StepReport | None],
         has_work: Callable[[], bool],
         on_error: Callable[[BaseException], None],
         name: str,
@@ -111,6 +112,7 @@ class EngineLoop:
         self._idle_report_s = idle_report_s
         self._last_idle_report_s = 0.0
         self.step_time_ema_s = 0.0
+        self.trace = LoopTrace()  # every step's wall time and the gap before it (`loop_trace()`)
         self._on_device_lost = on_device_lost
         self.device_error: str | None = None  # set once a step lost the device: the replica is unhealthy
         self._on_start = on_start
@@ -168,6 +170,7 @@ class EngineLoop:
                 if busy:
                     self._timed_step()
             if not busy:
+                self.trace.idled()
                 self._report_idle()
                 self._wake.wait(self._idle_wait_s)
                 self._wake.clear()
@@ -192,9 +195,10 @@ class EngineLoop:
             time.sleep(0.0005)
 
     def _timed_step(self) -> None:
-        start = time.perf_counter()
+        """One step, timed: the EMA, and the trace (monotonic stamps, the step's `StepReport`)."""
+        start, started_s, report = time.perf_counter(), time.monotonic(), None
         try:
-            self._step()
+            report = self._step()
         except Exception as err:
             if is_device_lost(err):  # the CUDA context is unusable: never step again here
                 self._lose_device(err)
@@ -205,6 +209,7 @@ class EngineLoop:
                 logger.exception("engine step failed")
             self._on_error(err)
         elapsed = time.perf_counter() - start
+        self.trace.record(started_s, started_s + elapsed, report)
         self.step_time_ema_s = elapsed if self.step_time_ema_s == 0 else 0.9 * self.step_time_ema_s + 0.1 * elapsed
 
     def _lose_device(self, err: BaseException) -> None:

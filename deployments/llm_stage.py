@@ -54,6 +54,7 @@ from core.messages import (
 from core.voices import is_voice_id
 from deployments.engine_loop import EngineLoop, finish_on_thread, replica_tag
 from deployments.kv_courier import KVMoves
+from deployments.loop_trace import StepReport, watch_gc
 from deployments.metrics import StageMetrics
 from deployments.voices import LLMVoices
 from llm_stage.faults import StepOutOfMemory, is_out_of_memory, release_cached_memory
@@ -179,6 +180,7 @@ class LLMStage:
             on_idle=self._publish_gauges, on_start=self._warm_up,
         )  # fmt: skip
         self.loop.start()
+        watch_gc()
         threading.Thread(target=self._watch_move_out, name="llm-move-out", daemon=True).start()
         if self.detok_pins is not None:
             threading.Thread(target=self._list_detok_replicas, name="llm-detok-list", daemon=True).start()
@@ -217,7 +219,8 @@ class LLMStage:
             pass
 
     # ---- engine thread -------------------------------------------------------------------
-    def _step(self) -> None:
+    def _step(self) -> StepReport:
+        """One engine step and its chunks handed to the event loop; the rows it ran (the loop's trace)."""
         chunks = self.side.step()
         # speech in: the answer's text (a final delta, even empty, ends a text-only stream)
         text = [delta for delta in self.side.take_text() if delta.text or delta.is_final]
@@ -227,6 +230,8 @@ class LLMStage:
             self.event_loop.call_soon_threadsafe(self._send, chunks, self.side.take_checkpoints())
         self.metrics.batch_size.observe(self.side.engine.last_batch_size)
         self._publish_gauges()
+        engine = self.side.engine
+        return StepReport(engine.last_batch_size, not engine.last_step_prefilled)
 
     def _publish_gauges(self) -> None:
         """The stage's gauges as they are now: after every engine step, and whenever a stream leaves
@@ -477,6 +482,11 @@ class LLMStage:
         TTFA here, and the share of the streams it admits (KV slots, measured pace) in use."""
         load = self.load()
         return {LLM_PREDICTED_TTFA_S: predict_ttfa_s(load), LLM_STREAM_USE: load.num_active / stream_limit(load)}
+
+    def loop_trace(self, since_s: float = 0.0) -> dict[str, list | float]:
+        """The serving loop's steps (rows each) and this process's collections since `since_s`
+        (monotonic; `deployments.loop_trace`)."""
+        return self.loop.trace.snapshot(since_s)
 
     def stats(self) -> dict:
         engine = self.side.engine

@@ -111,6 +111,7 @@ class LLMEngine:
         capture_inner_loop(adapter, inner_sizes if chains else ())
         self.requests: dict[str, Request] = {}
         self.last_batch_size = 0
+        self.last_step_prefilled = False  # the last step ran prompt work beside its decodes
 
     @property
     def has_work(self) -> bool:
@@ -279,6 +280,7 @@ class LLMEngine:
         if plan.is_empty:
             return []
         self.last_batch_size = len(plan.decodes) + len(plan.prefills)
+        self.last_step_prefilled = bool(plan.prefills)
         is_sync = self._forward_thread is None
         try:  # on any failure the scheduler is as before this step
             sampled = self._compute(plan) if is_sync else self._compute_ahead(plan)

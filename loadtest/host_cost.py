@@ -14,7 +14,8 @@ set, plus the tree's CPU over an idle spell (Ray's daemons, Serve's controller: 
 - the time to first audio, p50.
 
 Solving the two sets for (per stream, per chunk) splits the host's CPU into a start's cost and a chunk's.
-Then closed-loop clients at 2, 4, 8 and 12 at once: the LLM replica's serving-loop step by rows, and over
+Then closed-loop clients at 2, 4, 8 and 12 at once: the LLM replica's serving-loop step by rows (each size's
+mean cycle in its loop trace), and over
 the last (saturated) level the host's CPU against the chunks it served: its CPU per chunk at load, the
 per-stream cost of the c=1 sets taken off (`saturated_host_ms_per_chunk`).
 `calibration_host` turns that into the calibration's `host` section (`cluster.planner.calibration.HostCost`).
@@ -83,7 +84,7 @@ class HostCost:
     ttfa_p50_s: float  # c=1, the short set's
     sets: tuple[SetCost, ...]
     detok_windows: tuple[int, ...]  # every chunk's window frames, both sets
-    # the LLM replica's serving-loop step (ms) by batch rows under closed-loop load, as it reports them
+    # the LLM replica's serving-loop step (ms) by batch rows under closed-loop load: each size's mean cycle
     loaded_step_ms_by_rows: dict[int, float]
     saturated: SaturatedLoad | None = None  # the last closed-loop level's chunks and host CPU (None: not read)
 
@@ -190,20 +191,22 @@ def closed_loop(target: str, clients: int, duration_s: float, cfg: SweepConfig, 
 
 def loaded_steps(server, cfg: SweepConfig, background: float, levels: tuple[int, ...] = LOAD_LEVELS,
                  level_s: float = LEVEL_S) -> tuple[dict[int, float], SaturatedLoad]:  # fmt: skip
-    """The LLM replica's serving-loop step by rows (`stats()["step_ms_by_rows"]`: medians of recent steps),
-    read after each closed-loop level (a later level's reading of a size replaces an earlier one's), and the
-    last level's chunks and CPU by group (`SaturatedLoad`)."""
+    """The LLM replica's serving-loop step by rows over the closed-loop levels: per batch size, the mean of
+    its cycles (gap + step) in the replica's loop trace (`deployments.loop_trace`; the mean, not the median
+    admission paces by, since the streams pay the slow tails too), and the last level's chunks and CPU by
+    group (`SaturatedLoad`)."""
     from ray import serve
+
+    from loadtest.loop_stalls import mean_cycle_ms_by_size
 
     join_cluster(server)
     try:
         handle = serve.get_deployment_handle("LLMStage", cfg.app_name)
-        steps: dict[int, float] = {}
+        since_s = time.monotonic()
         for level in levels:
             saturated = _level(server, level, level_s, cfg, background)
-            reading = handle.stats.remote().result()["step_ms_by_rows"]
-            steps |= {int(rows): float(ms) for rows, ms in reading.items()}
-        return dict(sorted(steps.items())), saturated
+        trace = handle.loop_trace.remote(since_s).result(timeout_s=60)
+        return mean_cycle_ms_by_size(trace), saturated
     finally:
         leave_cluster()
 

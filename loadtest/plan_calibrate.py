@@ -30,7 +30,7 @@ ASSUMPTIONS = (
     "runnable thread a busy replica); the idle server takes `host.background_cores`",
     "the host (Router, proxy, controller, GCS, raylet, the client) costs `host.cpu_ms_per_stream` a stream "
     "(c=1 sets) and `host.cpu_ms_per_chunk` a chunk (the saturated closed-loop level), spread over 0.2 s",
-    "the LLM step is the serving loop's own median by rows under closed-loop load, a line in rows (its "
+    "the LLM step is the serving loop's mean cycle by rows under closed-loop load, from its loop trace (its "
     "contention at those loads is in it; the planner's core share slows it again: the two may overlap)",
     "the detokenizer's batch cost is the table's shape scaled to the replica's CPU per chunk at c=1",
     "hops and the chunk schedule as in the base file; one cache column (no cache-length dependence on CPU)",
@@ -61,8 +61,8 @@ def calibration_with_steps(base: dict, step_ms_by_rows: dict[int, float], source
 
 
 def serving_loop_line(step_ms_by_rows: dict[int, float]) -> tuple[float, float] | None:
-    """(ms at 0 rows, ms per row): a least-squares line through the serving loop's step by rows (each size
-    a median of its recent steps, noisy alone); None with fewer than 3 sizes measured."""
+    """(ms at 0 rows, ms per row): a least-squares line through the serving loop's step by rows; None with
+    fewer than 3 sizes measured."""
     if len(step_ms_by_rows) < 3:
         return None
     rows = np.asarray(list(step_ms_by_rows), np.float64)
@@ -70,29 +70,44 @@ def serving_loop_line(step_ms_by_rows: dict[int, float]) -> tuple[float, float] 
     return max(0.0, float(intercept)), max(0.0, float(slope))
 
 
+def serving_loop_table(step_ms_by_rows: dict[int, float], top: int) -> dict[int, float] | None:
+    """The serving loop's step by rows as the planner's table: the measured sizes (a size never cheaper
+    than a smaller one: a few noisy steps must not make a batch cheaper than the one below it), carried on
+    to `top` rows along the line's slope through them; None with fewer than 3 sizes measured. Not a line
+    alone: on CPU a step's fixed cost (the policy, chunk cutting, the loop) is most of a small batch's."""
+    line = serving_loop_line(step_ms_by_rows)
+    if line is None:
+        return None
+    rows = sorted(step_ms_by_rows)
+    ms = np.maximum.accumulate([step_ms_by_rows[n] for n in rows])
+    table = {n: round(float(v), 3) for n, v in zip(rows, ms, strict=True)}
+    if top > rows[-1]:
+        table[top] = round(float(ms[-1]) + line[1] * (top - rows[-1]), 3)
+    return table
+
+
 def calibration_with_host(data: dict, cost: HostCost, cores: int, source: str) -> dict:
     """A copy of `data` (its step table measured alone on this box) with what the served cluster measured
-    (`cost`): the LLM step as the serving loop measured it by rows under closed-loop load, as a line (it adds
-    per row what the engine alone does not: the policy, chunk cutting, the replica's other threads), else
+    (`cost`): the LLM step as the serving loop measured it by rows under closed-loop load (`serving_loop_table`:
+    it adds what the engine alone does not: the policy, chunk cutting, the replica's other threads), else
     the engine's table x the serving loop's CPU per token at one row over it; the detok table scaled to the
     replica's CPU per chunk at c=1; and the host's CPU at c=1 as the `host` section."""
     out = copy.deepcopy(data)
     calib = parse_calibration(data)
     one_row_ms = float(calib.llm_step.step_ms(np.ones(1), np.full(1, float(calib.llm_step.cache_tokens[0])))[0])
     sources = out["sources"]
-    line = serving_loop_line(cost.loaded_step_ms_by_rows)
-    if line is not None:
-        base_ms, per_row_ms = line
-        top = max(calib.max_streams_per_replica, max(cost.loaded_step_ms_by_rows))
+    top = max(calib.max_streams_per_replica, max(cost.loaded_step_ms_by_rows, default=0))
+    table = serving_loop_table(cost.loaded_step_ms_by_rows, top)
+    if table is not None:
         column = out["llm"]["step_ms"]["cache_tokens"]
-        ends_ms = [[round(base_ms + per_row_ms * rows, 3)] for rows in (1, top)]
-        out["llm"]["step_ms"] = {"rows": [1, top], "cache_tokens": column, "ms": ends_ms}
+        out["llm"]["step_ms"] = {"rows": list(table), "cache_tokens": column, "ms": [[ms] for ms in table.values()]}
         out["llm"]["pipeline_step_factor"] = 1.0
-        table = data["llm"]["step_ms"]
-        alone = ", ".join(f"{r}: {ms[0]:.2f}" for r, ms in zip(table["rows"], table["ms"], strict=True))
-        sources["llm.step_ms"] = (f"{source}: the LLM replica's serving-loop step by rows under closed-loop load "
-                                  f"(its own medians), fitted {base_ms:.2f} + {per_row_ms:.2f} ms a row; the engine "
-                                  f"alone (step_bench) {alone} ms")  # fmt: skip
+        alone_table = data["llm"]["step_ms"]
+        alone = ", ".join(f"{r}: {ms[0]:.2f}" for r, ms in zip(alone_table["rows"], alone_table["ms"], strict=True))
+        sources["llm.step_ms"] = (f"{source}: the LLM replica's serving loop under closed-loop load, each batch "
+                                  f"size's mean cycle (gap + step) in its loop trace, never below a smaller size's, "
+                                  f"past the largest along the line through them; the engine alone (step_bench) "
+                                  f"{alone} ms")  # fmt: skip
     else:
         out["llm"]["pipeline_step_factor"] = round(max(1.0, cost.llm_ms_per_token / one_row_ms), 3)
         sources["llm.pipeline_step_factor"] = (

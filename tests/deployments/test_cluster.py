@@ -102,6 +102,20 @@ def test_llm_replica_reports_the_detok_stages_measured_pace(cluster):
     assert any(load["detok_real_time_streams"] > 0 for load in loads), loads
 
 
+def test_both_stages_trace_their_serving_loops_steps(cluster):
+    """`loop_trace()` (the planner's stall measurement reads it): a stream's steps, each with its batch size,
+    on the replica that served it; the detokenizer's batches likewise."""
+    ep = cluster["dp"]
+    since_s = time.monotonic()  # one box: the replicas' monotonic clock is this one
+    assert run_stream(ep.grpc_target, ep.app_name, "loop trace", sampling={"max_tokens": 70}).code == grpc.StatusCode.OK
+    for stage, least in (("LLMStage", 60), ("DetokStage", 1)):
+        handle = serve.get_deployment_handle(stage, ep.app_name)
+        traces = [handle.loop_trace.remote(since_s).result() for _ in range(6)]  # the replicas answer in turn
+        busiest = max(traces, key=lambda t: len(t["size"]))
+        assert len(busiest["size"]) >= least and min(busiest["size"]) >= 1, (stage, busiest["size"][:10])
+        assert all(start >= since_s for start in busiest["start_s"]) and busiest["now_s"] > since_s
+
+
 def test_both_stages_warmed_up_at_their_largest_shapes_before_serving(cluster):
     """Each replica ran its engine once at its largest shapes before it took a request
     (`engine.warm_up`): its memory's high water is reached at start, not under traffic."""

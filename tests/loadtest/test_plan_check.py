@@ -25,6 +25,7 @@ from loadtest.plan_calibrate import (
     calibration_with_host,
     calibration_with_steps,
     serving_loop_line,
+    serving_loop_table,
     with_assumptions,
 )
 from loadtest.plan_check import (
@@ -32,6 +33,7 @@ from loadtest.plan_check import (
     ORPHEUS_TINY,
     BoxCpu,
     CheckResult,
+    majority_meets,
     predicted_rps,
     report,
     sweep_workload,
@@ -116,19 +118,22 @@ def test_the_served_c1_costs_enter_the_calibration_with_their_sources():
     assert alone.p50_ttfa_s < shared.p50_ttfa_s < float("inf")  # the shared cores and the served loop cost time
 
 
-def test_the_serving_loops_step_by_rows_becomes_a_line_the_planner_steps_by():
-    steps = {1: 1.6, 2: 2.4, 4: 3.9, 6: 5.7, 8: 7.1, 10: 8.8}  # ~0.8 ms a row, noisy
+def test_the_serving_loops_step_by_rows_becomes_the_table_the_planner_steps_by():
+    steps = {1: 2.1, 2: 2.8, 3: 3.6, 4: 3.5, 6: 5.7, 8: 7.1}  # a fixed cost, then ~0.7 ms a row, noisy
     base_ms, per_row_ms = serving_loop_line(steps)
-    assert base_ms == pytest.approx(0.83, abs=0.1) and per_row_ms == pytest.approx(0.8, abs=0.05)
     assert serving_loop_line({1: 2.0, 4: 3.0}) is None  # too few sizes to fit
+    table = serving_loop_table(steps, top=12)
+    assert list(table) == [1, 2, 3, 4, 6, 8, 12]
+    assert table[4] == 3.6  # never cheaper than the size below it
+    assert table[12] == pytest.approx(7.1 + 4 * per_row_ms, abs=1e-3)  # past the largest, along the line
     base = calibration_with_steps(json.loads(CPU_CALIBRATION.read_text()), {1: 2.0, 4: 3.0}, "here")
     cost = HostCost(background_cores=0.1, host_ms_per_stream=10.0, host_ms_per_chunk=2.0, llm_ms_per_token=2.5,
                     detok_ms_per_chunk=12.0, ttfa_p50_s=0.2, sets=(), loaded_step_ms_by_rows=steps,
                     detok_windows=(14,) * 10)  # fmt: skip
     calib = parse_calibration(calibration_with_host(base, cost, 2, "host_cost here"))
-    at = calib.llm_step.step_ms(np.asarray([1, 12]), np.full(2, 200.0))
-    assert at.tolist() == pytest.approx([base_ms + per_row_ms, base_ms + 12 * per_row_ms], abs=1e-3)
-    assert calib.pipeline_step_factor == 1.0 and "serving-loop step" in calib.sources["llm.step_ms"]
+    at = calib.llm_step.step_ms(np.asarray([1, 2, 5, 12]), np.full(4, 200.0))
+    assert at.tolist() == pytest.approx([2.1, 2.8, (3.6 + 5.7) / 2, table[12]], abs=1e-3)  # not a line: 1 row is dear
+    assert calib.pipeline_step_factor == 1.0 and "mean cycle" in calib.sources["llm.step_ms"]
 
 
 def test_the_saturated_level_prices_a_chunk_and_replaces_the_c1_difference():
@@ -167,3 +172,13 @@ def test_the_other_tenants_cores_are_the_boxs_busy_cpu_less_ours():
     assert before.others_cores_since(before) == 0.0
     table = report([CheckResult("cpu-1x1", 2.0, 1.0, (1.0, 2.0), others_cores=1.8)])
     assert table[-1].endswith("| 1.80 |")
+
+
+def test_a_rate_is_decided_by_most_of_its_draws_as_soon_as_they_agree():
+    assert majority_meets([], 3) is None
+    assert majority_meets([True], 3) is None
+    assert majority_meets([True, True], 3) is True  # the third draw would not change it
+    assert majority_meets([False, False], 3) is False
+    assert majority_meets([True, False], 3) is None
+    assert majority_meets([True, False, False], 3) is False
+    assert majority_meets([False], 1) is False and majority_meets([True], 1) is True

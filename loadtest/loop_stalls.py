@@ -1,0 +1,190 @@
+"""Where a served replica's time goes under open-loop load: its serving loop's steps, the gaps between them
+and its process's collections, per swept rate (issue 40: what the planner's model of a replica lacks).
+
+Serves a plan_check configuration (`voxray serve` as a process), sweeps Poisson rates with the sweep's
+prompts, and after each rate reads both stages' `loop_trace()` for the rate's seconds. Per rate and stage:
+the share of the time in steps, in gaps while work waited and idle; each batch size's step (median, mean,
+p99) against the calibration's line where one is given; and stalls: cycles (gap + step) longer than
+`STALL_FACTOR` x their size's median step, with their excess over that median per second of load.
+Starts Ray: never run it beside another benchmark.
+Usage: python -m loadtest.loop_stalls --out bench_out/loop_stalls --rates 1.1 1.4 1.8 [--calibration F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+STALL_FACTOR = 3.0  # a cycle this many times its size's median step is a stall
+MIN_STALL_S = 0.01  # and at least this much longer than the median (1-row CPU steps are ~1 ms)
+MIN_STEPS_PER_SIZE = 50  # a batch size's mean cycle counts once it stepped this often
+
+
+@dataclass(frozen=True)
+class SizeSteps:
+    size: int
+    count: int
+    median_ms: float
+    mean_ms: float
+    p99_ms: float
+    mean_cycle_ms: float  # gap + step: what one more step costs the streams
+    line_ms: float | None = None  # the calibration's serving-loop step at this size
+
+
+@dataclass(frozen=True)
+class LoopShare:
+    """One stage's loop over one rate's seconds."""
+
+    span_s: float
+    steps: int
+    step_share: float  # of the span
+    gap_share: float
+    stalls_per_s: float
+    stall_excess_share: float  # the stalls' time past their size's median, of the span
+    stall_excess_ms: tuple[float, ...]  # each stall's excess, descending (the 20 longest)
+    gc_pauses_per_s: float
+    gc_share: float
+    gc_longest_ms: float
+    by_size: tuple[SizeSteps, ...]
+
+
+def loop_share(trace: dict, start_s: float, end_s: float, line_ms=None) -> LoopShare:
+    """Summarize `trace` (a `LoopTrace.snapshot`) between two monotonic stamps; `line_ms(size)` gives the
+    calibration's step for a size (None: no comparison)."""
+    starts = np.asarray(trace["start_s"], np.float64)
+    keep = (starts >= start_s) & (starts < end_s)
+    step = np.asarray(trace["step_s"], np.float64)[keep]
+    gap = np.asarray(trace["gap_s"], np.float64)[keep]
+    size = np.asarray(trace["size"], np.int64)[keep]
+    span_s = max(end_s - start_s, 1e-9)
+    medians = {int(n): float(np.median(step[size == n])) for n in np.unique(size)}
+    median_of = np.asarray([medians[int(n)] for n in size], np.float64)
+    excess = gap + step - median_of
+    stalls = excess[(gap + step > STALL_FACTOR * median_of) & (excess > MIN_STALL_S)]
+    gc_start = np.asarray(trace["gc_start_s"], np.float64)
+    gc_pause = np.asarray(trace["gc_pause_s"], np.float64)[(gc_start >= start_s) & (gc_start < end_s)]
+    return LoopShare(
+        span_s=round(span_s, 2), steps=int(keep.sum()),
+        step_share=float(step.sum() / span_s), gap_share=float(gap.sum() / span_s),
+        stalls_per_s=len(stalls) / span_s, stall_excess_share=float(stalls.sum() / span_s),
+        stall_excess_ms=tuple(round(1e3 * float(x), 1) for x in sorted(stalls, reverse=True)[:20]),
+        gc_pauses_per_s=len(gc_pause) / span_s, gc_share=float(gc_pause.sum() / span_s),
+        gc_longest_ms=float(1e3 * gc_pause.max()) if len(gc_pause) else 0.0,
+        by_size=tuple(_size_steps(n, step[size == n], gap[size == n], line_ms) for n in sorted(medians)),
+    )  # fmt: skip
+
+
+def _size_steps(size: int, step: np.ndarray, gap: np.ndarray, line_ms) -> SizeSteps:
+    return SizeSteps(
+        size=size, count=len(step), median_ms=1e3 * float(np.median(step)), mean_ms=1e3 * float(step.mean()),
+        p99_ms=1e3 * float(np.percentile(step, 99)), mean_cycle_ms=1e3 * float((gap + step).mean()),
+        line_ms=None if line_ms is None else float(line_ms(size)),
+    )  # fmt: skip
+
+
+def mean_cycle_ms_by_size(trace: dict, min_steps: int = MIN_STEPS_PER_SIZE) -> dict[int, float]:
+    """Per batch size stepped at least `min_steps` times in decode-only steps, the mean of their cycles (the
+    gap before a step and the step) in ms: what a step of that size costs the streams, its stalls and slow
+    tails included (a step with prompt work is priced apart: the planner adds a prompt's prefill)."""
+    size = np.where(np.asarray(trace["decode_only"], bool), np.asarray(trace["size"], np.int64), 0)
+    cycle = np.asarray(trace["gap_s"], np.float64) + np.asarray(trace["step_s"], np.float64)
+    sizes, counts = np.unique(size[size > 0], return_counts=True)
+    return {int(n): round(1e3 * float(cycle[size == n].mean()), 3) for n, c in zip(sizes, counts, strict=True)
+            if c >= min_steps}  # fmt: skip
+
+
+def calibration_line(path: Path):
+    """The calibration's serving-loop step by rows (its table at the first cache column x its pipeline
+    factor), as a function of the batch size."""
+    from cluster.planner.calibration import load_calibration
+
+    calib = load_calibration(path)
+    column = calib.llm_step.cache_tokens[0]
+    return lambda rows: float(calib.llm_step.step_ms(np.asarray([rows]), np.asarray([column]))[0]
+                              * calib.pipeline_step_factor)  # fmt: skip
+
+
+def read_traces(since_s: float, app_name: str = "voxray") -> dict[str, dict]:
+    """Both stages' loop traces from `since_s` on (one replica each; call inside `join_cluster`)."""
+    from ray import serve
+
+    return {
+        stage: serve.get_deployment_handle(stage, app_name).loop_trace.remote(since_s).result(timeout_s=60)
+        for stage in ("LLMStage", "DetokStage")
+    }
+
+
+def measure(config_name: str, rates: tuple[float, ...], duration_s: float, out: Path, line_ms=None) -> list[dict]:
+    """Serve `config_name` (a plan_check configuration), sweep each rate alone and summarize the loops."""
+    from loadtest.cluster_process import join_cluster, leave_cluster, running_server
+    from loadtest.plan_check import CONFIGS, serve_config
+    from loadtest.sweep import SweepConfig, run_sweep, wait_ready
+
+    config = next(c for c in CONFIGS if c.name == config_name)
+    rows = []
+    with running_server(serve_config(config, 19320, 19321), out / config_name) as server:
+        wait_ready(server.grpc_target, "voxray")
+        join_cluster(server)
+        try:
+            for index, rate in enumerate(rates):  # in the order given: a rate may repeat (does the server age?)
+                cfg = SweepConfig(rates_rps=(rate,), duration_s=duration_s, max_requests=int(duration_s * rate) + 8)
+                start_s = time.monotonic()
+                result = run_sweep(server.grpc_target, cfg, label=f"{config_name}@{rate}")
+                end_s = time.monotonic()
+                traces = read_traces(start_s)
+                rows.append({
+                    "rate_rps": rate, "summary": result.steps[0]["summary"],
+                    "llm": asdict(loop_share(traces["LLMStage"], start_s, end_s, line_ms)),
+                    "detok": asdict(loop_share(traces["DetokStage"], start_s, end_s)),
+                })  # fmt: skip
+                (out / f"trace-{index}-{rate}.json").write_text(json.dumps(traces))
+                print(report_rate(rows[-1]), flush=True)
+        finally:
+            leave_cluster()
+    return rows
+
+
+def report_rate(row: dict) -> str:
+    summary = row["summary"]
+    lines = [f"rate {row['rate_rps']} req/s: p90 TTFA {summary.get('ttfa_p90_s')} s, viable "
+             f"{summary.get('pct_viable')}%, stream speed p50 {summary.get('stream_speed_p50_x')}x"]  # fmt: skip
+    for stage in ("llm", "detok"):
+        s = row[stage]
+        lines.append(
+            f"  {stage}: steps {100 * s['step_share']:.0f}% gaps {100 * s['gap_share']:.1f}% of {s['span_s']} s; "
+            f"stalls {s['stalls_per_s']:.2f}/s ({100 * s['stall_excess_share']:.1f}% past the median; longest "
+            f"{[float(x) for x in s['stall_excess_ms'][:5]]} ms); "
+            f"gc {s['gc_pauses_per_s']:.1f}/s {100 * s['gc_share']:.2f}% longest {s['gc_longest_ms']:.1f} ms"
+        )
+        for size in s["by_size"]:
+            if size["count"] < 20:
+                continue
+            line = f" line {size['line_ms']:.2f}" if size["line_ms"] is not None else ""
+            lines.append(f"    size {size['size']}: n {size['count']} median {size['median_ms']:.2f} mean "
+                         f"{size['mean_ms']:.2f} p99 {size['p99_ms']:.2f} cycle {size['mean_cycle_ms']:.2f} ms"
+                         f"{line}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("bench_out/loop_stalls"))
+    parser.add_argument("--config", default="cpu-1x1", help="a loadtest.plan_check configuration")
+    parser.add_argument("--rates", type=float, nargs="+", default=[1.1, 1.4, 1.8])
+    parser.add_argument("--duration-s", type=float, default=45.0, help="seconds of arrivals per rate")
+    parser.add_argument("--calibration", type=Path, default=None, help="compare steps with its serving-loop line")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    line_ms = calibration_line(args.calibration) if args.calibration else None
+    rows = measure(args.config, tuple(args.rates), args.duration_s, args.out, line_ms)
+    (args.out / "loop_stalls.json").write_text(json.dumps(rows, indent=2))
+    print(f"files in {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""The loop-stall summary (`loadtest.loop_stalls.loop_share`) on a hand-built trace."""
+
+from __future__ import annotations
+
+import pytest
+
+from loadtest.loop_stalls import loop_share, mean_cycle_ms_by_size
+
+
+def trace(steps: list[tuple], gc: list[tuple[float, float]] = ()) -> dict:
+    """(start, step, gap, size[, decode only]) per step."""
+    return {
+        "start_s": [s[0] for s in steps], "step_s": [s[1] for s in steps], "gap_s": [s[2] for s in steps],
+        "size": [s[3] for s in steps], "decode_only": [s[4] if len(s) > 4 else True for s in steps],
+        "gc_start_s": [g[0] for g in gc], "gc_pause_s": [g[1] for g in gc],
+        "gc_generation": [2 for _ in gc], "now_s": 100.0,
+    }  # fmt: skip
+
+
+def test_a_cycle_far_past_its_sizes_median_is_a_stall_with_its_excess_counted():
+    steps = [(1.0 + 0.01 * i, 0.002, 0.0, 2) for i in range(40)]
+    steps.append((2.0, 0.002, 0.05, 2))  # a 50 ms gap before a 2 ms step
+    steps.append((2.1, 0.030, 0.0, 2))  # a 30 ms step
+    steps += [(3.0 + 0.01 * i, 0.004, 0.0, 4) for i in range(10)]
+    share = loop_share(trace(steps, gc=[(2.05, 0.02), (9.0, 0.5)]), 1.0, 5.0, line_ms=lambda n: 1.0 * n)
+    assert share.steps == 52
+    assert share.stall_excess_ms == (50.0, 28.0)
+    assert share.stalls_per_s == pytest.approx(2 / 4.0)
+    assert share.gap_share == pytest.approx(0.05 / 4.0)
+    assert share.gc_pauses_per_s == pytest.approx(1 / 4.0)  # the one at 9.0 s is outside
+    assert share.gc_longest_ms == pytest.approx(20.0)
+    two, four = share.by_size
+    assert (two.size, two.count, two.median_ms, two.line_ms) == (2, 42, pytest.approx(2.0), 2.0)
+    assert two.mean_cycle_ms == pytest.approx(1e3 * (42 * 0.002 + 0.05 + 0.028) / 42)
+    assert (four.size, four.count) == (4, 10)
+
+
+def test_steps_outside_the_window_are_left_out():
+    steps = [(0.5, 0.002, 0.0, 1), (1.5, 0.002, 0.0, 1), (6.0, 0.002, 0.0, 1)]
+    share = loop_share(trace(steps), 1.0, 5.0)
+    assert share.steps == 1 and share.by_size[0].line_ms is None
+
+
+def test_each_sizes_mean_cycle_counts_its_gaps_and_tails_once_it_stepped_often_enough():
+    steps = [(float(i), 0.002, 0.0, 1) for i in range(9)] + [(9.0, 0.012, 0.006, 1)]
+    steps += [(20.0, 0.004, 0.0, 2)] * 3  # too few
+    steps += [(30.0, 0.050, 0.0, 1, False)] * 6  # steps that prefilled: priced apart
+    assert mean_cycle_ms_by_size(trace(steps), min_steps=5) == {1: pytest.approx((9 * 2 + 18) / 10)}
+
