@@ -14,7 +14,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-TRACE_STEPS = 20_000  # steps kept: ~1-2 minutes of a loaded CPU replica, ~10 s of a fast GPU one
+TRACE_STEPS = 50_000  # steps kept (~5 MB): ~3 minutes of a loaded CPU replica, ~30 s of a fast GPU one
 TRACE_GC_PAUSES = 2_000
 
 

@@ -189,11 +189,13 @@ def closed_loop(target: str, clients: int, duration_s: float, cfg: SweepConfig, 
     return served[0], chunks[0]
 
 
-def loaded_steps(server, cfg: SweepConfig, background: float, levels: tuple[int, ...] = LOAD_LEVELS,
+def loaded_steps(server, cfg: SweepConfig, background: float, since_s: float, levels: tuple[int, ...] = LOAD_LEVELS,
                  level_s: float = LEVEL_S) -> tuple[dict[int, float], SaturatedLoad]:  # fmt: skip
-    """The LLM replica's serving-loop step by rows over the closed-loop levels: per batch size, the mean of
-    its cycles (gap + step) in the replica's loop trace (`deployments.loop_trace`; the mean, not the median
-    admission paces by, since the streams pay the slow tails too), and the last level's chunks and CPU by
+    """The LLM replica's serving-loop step by rows from `since_s` (monotonic: the c=1 sets, whose steady
+    one-row steps price a lone stream) through the closed-loop levels (larger batches): per batch size, the
+    mean of its decode-only cycles (gap + step) in the replica's loop trace (`deployments.loop_trace`; the
+    mean, not the median admission paces by, since the streams pay the slow tails too; one-row steps in a
+    level fall where streams end and start, its busiest moments); and the last level's chunks and CPU by
     group (`SaturatedLoad`)."""
     from ray import serve
 
@@ -202,7 +204,6 @@ def loaded_steps(server, cfg: SweepConfig, background: float, levels: tuple[int,
     join_cluster(server)
     try:
         handle = serve.get_deployment_handle("LLMStage", cfg.app_name)
-        since_s = time.monotonic()
         for level in levels:
             saturated = _level(server, level, level_s, cfg, background)
         trace = handle.loop_trace.remote(since_s).result(timeout_s=60)
@@ -270,9 +271,10 @@ def measure(config, scratch: Path, requests: int) -> HostCost:  # config: core.c
                 run_one(stub, text, i, cfg)
         root = server.proc.pid
         background = background_cores(root)
+        since_s = time.monotonic()
         short = run_set("short", short_texts, server.grpc_target, root, background, cfg)
         long = run_set("long", long_texts, server.grpc_target, root, background, cfg)
-        steps, saturated = loaded_steps(server, cfg, background)
+        steps, saturated = loaded_steps(server, cfg, background, since_s)
     per_stream, per_chunk = split_host(short, long)
     sets = (short, long)
     return HostCost(

@@ -5,7 +5,8 @@ Serves a plan_check configuration (`voxray serve` as a process), sweeps Poisson 
 prompts, and after each rate reads both stages' `loop_trace()` for the rate's seconds. Per rate and stage:
 the share of the time in steps, in gaps while work waited and idle; each batch size's step (median, mean,
 p99) against the calibration's line where one is given; and stalls: cycles (gap + step) longer than
-`STALL_FACTOR` x their size's median step, with their excess over that median per second of load.
+`STALL_FACTOR` x their size's median step, with their excess over that median per second of load. And what
+held new streams back: the LLM replica's load read every `SAMPLE_S`, run through `router.admission`.
 Starts Ray: never run it beside another benchmark.
 Usage: python -m loadtest.loop_stalls --out bench_out/loop_stalls --rates 1.1 1.4 1.8 [--calibration F]
 """
@@ -23,6 +24,7 @@ import numpy as np
 STALL_FACTOR = 3.0  # a cycle this many times its size's median step is a stall
 MIN_STALL_S = 0.01  # and at least this much longer than the median (1-row CPU steps are ~1 ms)
 MIN_STEPS_PER_SIZE = 50  # a batch size's mean cycle counts once it stepped this often
+SAMPLE_S = 0.25  # the LLM replica's load is read this often over a rate
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,79 @@ def calibration_line(path: Path):
                               * calib.pipeline_step_factor)  # fmt: skip
 
 
+@dataclass(frozen=True)
+class AdmissionShare:
+    """What held new streams back on the LLM replica over one rate, from its load sampled every
+    `SAMPLE_S` (`router.admission` on each sample): the share of samples at each state."""
+
+    samples: int
+    full: float  # open streams >= the stream limit
+    full_by_detok: float  # ... where the detok stage's cap set that limit
+    full_by_pace: float  # ... where the LLM's own measured pace did
+    full_by_starving: float  # ... where a stream behind froze it
+    starts_full: float  # as many starting as `starting_allowed`
+    mean_limit: float
+    mean_detok_limit: float | None  # the detok cap's mean where measured
+    mean_active: float
+
+
+def admission_share(loads: list[dict]) -> AdmissionShare:
+    """Summarize sampled `LLMStage.stats()` readings."""
+    from router.admission import ReplicaLoad, detok_stream_limit, limits_startups, starting_allowed, stream_limit
+
+    rows = []
+    for stats in loads:
+        load = ReplicaLoad.from_stats(stats)
+        if load is None:
+            continue
+        limit, detok = stream_limit(load), detok_stream_limit(load)
+        full = load.num_active >= limit
+        starts_full = limits_startups(load) and load.num_starting >= starting_allowed(load)
+        rows.append((full, full and detok is not None and detok <= limit, full and load.num_starving > 0,
+                     starts_full, limit, detok, load.num_active))  # fmt: skip
+    if not rows:
+        return AdmissionShare(0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, None, 0.0)
+    n = len(rows)
+    full = [r for r in rows if r[0]]
+    by_detok, by_starving = sum(r[1] for r in rows), sum(r[2] for r in rows)
+    detoks = [r[5] for r in rows if r[5] is not None]
+    return AdmissionShare(
+        samples=n, full=len(full) / n, full_by_detok=by_detok / n, full_by_starving=by_starving / n,
+        full_by_pace=sum(1 for r in full if not r[1] and not r[2]) / n, starts_full=sum(r[3] for r in rows) / n,
+        mean_limit=sum(r[4] for r in rows) / n, mean_detok_limit=sum(detoks) / len(detoks) if detoks else None,
+        mean_active=sum(r[6] for r in rows) / n,
+    )  # fmt: skip
+
+
+class LoadSampler:
+    """Reads the LLM replica's `stats()` every `SAMPLE_S` on a thread (call inside `join_cluster`)."""
+
+    def __init__(self, app_name: str = "voxray") -> None:
+        import threading
+
+        from ray import serve
+
+        self._handle = serve.get_deployment_handle("LLMStage", app_name)
+        self.loads: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="load-sampler", daemon=True)
+
+    def __enter__(self) -> LoadSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self._stop.wait(SAMPLE_S):
+            try:
+                self.loads.append(self._handle.stats.remote().result(timeout_s=5))
+            except Exception:  # a reading lost under load is a sample fewer
+                pass
+
+
 def read_traces(since_s: float, app_name: str = "voxray") -> dict[str, dict]:
     """Both stages' loop traces from `since_s` on (one replica each; call inside `join_cluster`)."""
     from ray import serve
@@ -134,13 +209,15 @@ def measure(config_name: str, rates: tuple[float, ...], duration_s: float, out: 
             for index, rate in enumerate(rates):  # in the order given: a rate may repeat (does the server age?)
                 cfg = SweepConfig(rates_rps=(rate,), duration_s=duration_s, max_requests=int(duration_s * rate) + 8)
                 start_s = time.monotonic()
-                result = run_sweep(server.grpc_target, cfg, label=f"{config_name}@{rate}")
+                with LoadSampler() as sampler:
+                    result = run_sweep(server.grpc_target, cfg, label=f"{config_name}@{rate}")
                 end_s = time.monotonic()
                 traces = read_traces(start_s)
                 rows.append({
                     "rate_rps": rate, "summary": result.steps[0]["summary"],
                     "llm": asdict(loop_share(traces["LLMStage"], start_s, end_s, line_ms)),
                     "detok": asdict(loop_share(traces["DetokStage"], start_s, end_s)),
+                    "admission": asdict(admission_share(sampler.loads)),
                 })  # fmt: skip
                 (out / f"trace-{index}-{rate}.json").write_text(json.dumps(traces))
                 print(report_rate(rows[-1]), flush=True)
@@ -153,6 +230,12 @@ def report_rate(row: dict) -> str:
     summary = row["summary"]
     lines = [f"rate {row['rate_rps']} req/s: p90 TTFA {summary.get('ttfa_p90_s')} s, viable "
              f"{summary.get('pct_viable')}%, stream speed p50 {summary.get('stream_speed_p50_x')}x"]  # fmt: skip
+    a = row["admission"]
+    detok_limit = "-" if a["mean_detok_limit"] is None else f"{a['mean_detok_limit']:.1f}"
+    lines.append(f"  admission ({a['samples']} samples): full {100 * a['full']:.0f}% (detok cap "
+                 f"{100 * a['full_by_detok']:.0f}%, pace or slots {100 * a['full_by_pace']:.0f}%, starving "
+                 f"{100 * a['full_by_starving']:.0f}%), starts full {100 * a['starts_full']:.0f}%; mean limit "
+                 f"{a['mean_limit']:.1f}, detok cap {detok_limit}, open {a['mean_active']:.1f}")  # fmt: skip
     for stage in ("llm", "detok"):
         s = row[stage]
         lines.append(

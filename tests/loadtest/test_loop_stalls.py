@@ -47,3 +47,20 @@ def test_each_sizes_mean_cycle_counts_its_gaps_and_tails_once_it_stepped_often_e
     steps += [(30.0, 0.050, 0.0, 1, False)] * 6  # steps that prefilled: priced apart
     assert mean_cycle_ms_by_size(trace(steps), min_steps=5) == {1: pytest.approx((9 * 2 + 18) / 10)}
 
+
+
+def test_what_held_streams_back_is_read_from_the_replicas_sampled_load():
+    from loadtest.loop_stalls import admission_share
+    from router.admission import ReplicaLoad
+
+    base = ReplicaLoad(num_active=2, max_streams=12, max_queued=2, step_s=0.002, first_chunk_tokens=28,
+                       avg_stream_s=3.0, real_time_streams=20.0, measured_streams=8)  # fmt: skip
+    room = base.to_stats()
+    detok_full = {**room, "num_active": 4, "detok_real_time_streams": 5.0}  # floor(0.85 * 5) = 4
+    starving = {**room, "num_active": 3, "num_starving": 1}
+    starts_full = {**room, "num_active": 1, "num_starting": 1, "startup_limit": 1}
+    share = admission_share([room, detok_full, starving, starts_full, {"not": "a load"}])
+    assert share.samples == 4
+    assert (share.full, share.full_by_detok, share.full_by_starving, share.full_by_pace) == (0.5, 0.25, 0.25, 0.0)
+    assert share.starts_full == 0.25 and share.mean_detok_limit == 4.0
+    assert admission_share([]).samples == 0
