@@ -184,6 +184,13 @@ class LoadSampler:
                 pass
 
 
+def stolen_s() -> float:
+    """CPU seconds the hypervisor gave other machines while this one's wanted them, since boot."""
+    import psutil
+
+    return float(getattr(psutil.cpu_times(), "steal", 0.0))
+
+
 def read_traces(since_s: float, app_name: str = "voxray") -> dict[str, dict]:
     """Both stages' loop traces from `since_s` on (one replica each; call inside `join_cluster`)."""
     from ray import serve
@@ -208,13 +215,14 @@ def measure(config_name: str, rates: tuple[float, ...], duration_s: float, out: 
         try:
             for index, rate in enumerate(rates):  # in the order given: a rate may repeat (does the server age?)
                 cfg = SweepConfig(rates_rps=(rate,), duration_s=duration_s, max_requests=int(duration_s * rate) + 8)
-                start_s = time.monotonic()
+                start_s, steal_before_s = time.monotonic(), stolen_s()
                 with LoadSampler() as sampler:
                     result = run_sweep(server.grpc_target, cfg, label=f"{config_name}@{rate}")
                 end_s = time.monotonic()
+                steal_cores = (stolen_s() - steal_before_s) / (end_s - start_s)
                 traces = read_traces(start_s)
                 rows.append({
-                    "rate_rps": rate, "summary": result.steps[0]["summary"],
+                    "rate_rps": rate, "summary": result.steps[0]["summary"], "steal_cores": round(steal_cores, 3),
                     "llm": asdict(loop_share(traces["LLMStage"], start_s, end_s, line_ms)),
                     "detok": asdict(loop_share(traces["DetokStage"], start_s, end_s)),
                     "admission": asdict(admission_share(sampler.loads)),
@@ -229,7 +237,8 @@ def measure(config_name: str, rates: tuple[float, ...], duration_s: float, out: 
 def report_rate(row: dict) -> str:
     summary = row["summary"]
     lines = [f"rate {row['rate_rps']} req/s: p90 TTFA {summary.get('ttfa_p90_s')} s, viable "
-             f"{summary.get('pct_viable')}%, stream speed p50 {summary.get('stream_speed_p50_x')}x"]  # fmt: skip
+             f"{summary.get('pct_viable')}%, stream speed p50 {summary.get('stream_speed_p50_x')}x, "
+             f"stolen cores {row.get('steal_cores', 0.0):.2f}"]  # fmt: skip
     a = row["admission"]
     detok_limit = "-" if a["mean_detok_limit"] is None else f"{a['mean_detok_limit']:.1f}"
     lines.append(f"  admission ({a['samples']} samples): full {100 * a['full']:.0f}% (detok cap "

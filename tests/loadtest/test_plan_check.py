@@ -170,8 +170,10 @@ def test_the_other_tenants_cores_are_the_boxs_busy_cpu_less_ours():
     assert after.others_cores_since(before) == pytest.approx(1.8)
     assert BoxCpu(105.0, 20.0, 10.0).others_cores_since(before) == 0.0  # ours counted past the box's: never < 0
     assert before.others_cores_since(before) == 0.0
-    table = report([CheckResult("cpu-1x1", 2.0, 1.0, (1.0, 2.0), others_cores=1.8)])
-    assert table[-1].endswith("| 1.80 |")
+    stolen = BoxCpu(box_busy_s=130.0, ours_s=22.0, at_s=10.0, steal_s=3.0)
+    assert stolen.steal_cores_since(before) == pytest.approx(0.3)
+    table = report([CheckResult("cpu-1x1", 2.0, 1.0, (1.0, 2.0), others_cores=1.8, steal_cores=0.3)])
+    assert table[-1].endswith("| 1.80 | 0.30 |")
 
 
 def test_a_rate_is_decided_by_most_of_its_draws_as_soon_as_they_agree():
