@@ -200,8 +200,8 @@ class DetokStage:
 
     def loop_trace(self, since_s: float = 0.0) -> dict[str, list | float]:
         """The serving loop's steps (chunks each) and this process's collections since `since_s`
-        (monotonic; `deployments.loop_trace`)."""
-        return self.loop.trace.snapshot(since_s)
+        (monotonic; `deployments.loop_trace`), tagged with this replica."""
+        return {**self.loop.trace.snapshot(since_s), "replica": self.replica_tag}
 
     def stats(self) -> dict:
         return {

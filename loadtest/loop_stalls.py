@@ -2,11 +2,12 @@
 and its process's collections, per swept rate (issue 40: what the planner's model of a replica lacks).
 
 Serves a plan_check configuration (`voxray serve` as a process), sweeps Poisson rates with the sweep's
-prompts, and after each rate reads both stages' `loop_trace()` for the rate's seconds. Per rate and stage:
+prompts, and after each rate reads every replica's `loop_trace()` for the rate's seconds. Per rate and loop:
 the share of the time in steps, in gaps while work waited and idle; each batch size's step (median, mean,
 p99) against the calibration's line where one is given; and stalls: cycles (gap + step) longer than
 `STALL_FACTOR` x their size's median step, with their excess over that median per second of load. And what
-held new streams back: the LLM replica's load read every `SAMPLE_S`, run through `router.admission`.
+held new streams back: an LLM replica's load (whichever answers) read every `SAMPLE_S`, run through
+`router.admission`.
 Starts Ray: never run it beside another benchmark.
 Usage: python -m loadtest.loop_stalls --out bench_out/loop_stalls --rates 1.1 1.4 1.8 [--calibration F]
 """
@@ -25,6 +26,7 @@ STALL_FACTOR = 3.0  # a cycle this many times its size's median step is a stall
 MIN_STALL_S = 0.01  # and at least this much longer than the median (1-row CPU steps are ~1 ms)
 MIN_STEPS_PER_SIZE = 50  # a batch size's mean cycle counts once it stepped this often
 SAMPLE_S = 0.25  # the LLM replica's load is read this often over a rate
+READ_CALLS = 8  # calls to a stage's handle for its replicas' traces (each reaches one replica)
 
 
 @dataclass(frozen=True)
@@ -191,14 +193,18 @@ def stolen_s() -> float:
     return float(getattr(psutil.cpu_times(), "steal", 0.0))
 
 
-def read_traces(since_s: float, app_name: str = "voxray") -> dict[str, dict]:
-    """Both stages' loop traces from `since_s` on (one replica each; call inside `join_cluster`)."""
+def read_traces(since_s: float, app_name: str = "voxray", calls: int = READ_CALLS) -> dict[str, dict[str, dict]]:
+    """Every replica's loop trace from `since_s` on, per stage: {stage: {replica: trace}} (call inside
+    `join_cluster`). A handle's call reaches one replica of its choosing, so each stage is asked `calls`
+    times and every replica that answered is kept."""
     from ray import serve
 
-    return {
-        stage: serve.get_deployment_handle(stage, app_name).loop_trace.remote(since_s).result(timeout_s=60)
-        for stage in ("LLMStage", "DetokStage")
-    }
+    traces: dict[str, dict[str, dict]] = {}
+    for stage in ("LLMStage", "DetokStage"):
+        handle = serve.get_deployment_handle(stage, app_name)
+        answers = [handle.loop_trace.remote(since_s) for _ in range(calls)]
+        traces[stage] = {trace["replica"]: trace for trace in (a.result(timeout_s=60) for a in answers)}
+    return traces
 
 
 def measure(config_name: str, rates: tuple[float, ...], duration_s: float, out: Path, line_ms=None) -> list[dict]:
@@ -223,8 +229,10 @@ def measure(config_name: str, rates: tuple[float, ...], duration_s: float, out: 
                 traces = read_traces(start_s)
                 rows.append({
                     "rate_rps": rate, "summary": result.steps[0]["summary"], "steal_cores": round(steal_cores, 3),
-                    "llm": asdict(loop_share(traces["LLMStage"], start_s, end_s, line_ms)),
-                    "detok": asdict(loop_share(traces["DetokStage"], start_s, end_s)),
+                    "llm": {replica: asdict(loop_share(trace, start_s, end_s, line_ms))
+                            for replica, trace in sorted(traces["LLMStage"].items())},
+                    "detok": {replica: asdict(loop_share(trace, start_s, end_s))
+                              for replica, trace in sorted(traces["DetokStage"].items())},
                     "admission": asdict(admission_share(sampler.loads)),
                 })  # fmt: skip
                 (out / f"trace-{index}-{rate}.json").write_text(json.dumps(traces))
@@ -245,10 +253,11 @@ def report_rate(row: dict) -> str:
                  f"{100 * a['full_by_detok']:.0f}%, pace or slots {100 * a['full_by_pace']:.0f}%, starving "
                  f"{100 * a['full_by_starving']:.0f}%), starts full {100 * a['starts_full']:.0f}%; mean limit "
                  f"{a['mean_limit']:.1f}, detok cap {detok_limit}, open {a['mean_active']:.1f}")  # fmt: skip
-    for stage in ("llm", "detok"):
-        s = row[stage]
+    loops = [(stage, replica.split("#")[-1], s) for stage in ("llm", "detok") for replica, s in row[stage].items()]
+    for stage, replica, s in loops:
         lines.append(
-            f"  {stage}: steps {100 * s['step_share']:.0f}% gaps {100 * s['gap_share']:.1f}% of {s['span_s']} s; "
+            f"  {stage} {replica}: steps {100 * s['step_share']:.0f}% gaps {100 * s['gap_share']:.1f}% of "
+            f"{s['span_s']} s; "
             f"stalls {s['stalls_per_s']:.2f}/s ({100 * s['stall_excess_share']:.1f}% past the median; longest "
             f"{[float(x) for x in s['stall_excess_ms'][:5]]} ms); "
             f"gc {s['gc_pauses_per_s']:.1f}/s {100 * s['gc_share']:.2f}% longest {s['gc_longest_ms']:.1f} ms"

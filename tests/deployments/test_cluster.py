@@ -114,6 +114,7 @@ def test_both_stages_trace_their_serving_loops_steps(cluster):
         busiest = max(traces, key=lambda t: len(t["size"]))
         assert len(busiest["size"]) >= least and min(busiest["size"]) >= 1, (stage, busiest["size"][:10])
         assert all(start >= since_s for start in busiest["start_s"]) and busiest["now_s"] > since_s
+        assert busiest["replica"].startswith(f"{stage}#")  # loadtest.loop_stalls tells the replicas apart by it
 
 
 def test_both_stages_warmed_up_at_their_largest_shapes_before_serving(cluster):
