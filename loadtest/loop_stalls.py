@@ -186,6 +186,31 @@ class LoadSampler:
                 pass
 
 
+def stage_cpu(spent_s: dict[str, float], wall_s: float, loops: dict[str, dict[str, dict]]) -> dict[str, float]:
+    """Each stage's processes' CPU over a rate (`spent_s`: CPU seconds by `host_cost` role, the client's
+    under "client") in cores, and per second its loops were busy (every replica's steps summed): what a
+    busy replica costs the shared cores beyond its engine thread (its event loop, Ray's threads). `loops`:
+    {"llm" / "detok": {replica: `LoopShare` as a dict}}."""
+    from loadtest.host_cost import DETOK_ROLE, LLM_ROLE
+
+    out = {}
+    for stage, role in (("llm", LLM_ROLE), ("detok", DETOK_ROLE)):
+        busy_s = sum(share["step_share"] * share["span_s"] for share in loops[stage].values())
+        cpu_s = spent_s.get(role, 0.0)
+        out[f"{stage}_cores"] = round(cpu_s / wall_s, 3)
+        out[f"{stage}_cpu_per_busy_s"] = round(cpu_s / busy_s, 3) if busy_s > 0 else 0.0
+    rest_s = sum(v for role, v in spent_s.items() if role not in (LLM_ROLE, DETOK_ROLE))
+    out["other_cores"] = round(rest_s / wall_s, 3)  # the Router, proxy, Ray's daemons and this client
+    return out
+
+
+def cpu_by_role_s(server_pid: int) -> dict[str, float]:
+    """CPU seconds so far of the server's processes by role, and this client's under "client"."""
+    from loadtest.host_cost import client_cpu_s, cpu_seconds_by_role
+
+    return {**cpu_seconds_by_role(server_pid), "client": client_cpu_s()}
+
+
 def stolen_s() -> float:
     """CPU seconds the hypervisor gave other machines while this one's wanted them, since boot."""
     import psutil
@@ -221,20 +246,23 @@ def measure(config_name: str, rates: tuple[float, ...], duration_s: float, out: 
         try:
             for index, rate in enumerate(rates):  # in the order given: a rate may repeat (does the server age?)
                 cfg = SweepConfig(rates_rps=(rate,), duration_s=duration_s, max_requests=int(duration_s * rate) + 8)
-                start_s, steal_before_s = time.monotonic(), stolen_s()
+                start_s, steal_before_s, cpu_before = time.monotonic(), stolen_s(), cpu_by_role_s(server.proc.pid)
                 with LoadSampler() as sampler:
                     result = run_sweep(server.grpc_target, cfg, label=f"{config_name}@{rate}")
                 end_s = time.monotonic()
+                cpu_after = cpu_by_role_s(server.proc.pid)
                 steal_cores = (stolen_s() - steal_before_s) / (end_s - start_s)
                 traces = read_traces(start_s)
-                rows.append({
+                row = {
                     "rate_rps": rate, "summary": result.steps[0]["summary"], "steal_cores": round(steal_cores, 3),
                     "llm": {replica: asdict(loop_share(trace, start_s, end_s, line_ms))
                             for replica, trace in sorted(traces["LLMStage"].items())},
                     "detok": {replica: asdict(loop_share(trace, start_s, end_s))
                               for replica, trace in sorted(traces["DetokStage"].items())},
                     "admission": asdict(admission_share(sampler.loads)),
-                })  # fmt: skip
+                }  # fmt: skip
+                spent_s = {role: cpu_after[role] - cpu_before.get(role, 0.0) for role in cpu_after}
+                rows.append(row | {"cpu": stage_cpu(spent_s, end_s - start_s, row)})
                 (out / f"trace-{index}-{rate}.json").write_text(json.dumps(traces))
                 print(report_rate(rows[-1]), flush=True)
         finally:
@@ -247,6 +275,11 @@ def report_rate(row: dict) -> str:
     lines = [f"rate {row['rate_rps']} req/s: p90 TTFA {summary.get('ttfa_p90_s')} s, viable "
              f"{summary.get('pct_viable')}%, stream speed p50 {summary.get('stream_speed_p50_x')}x, "
              f"stolen cores {row.get('steal_cores', 0.0):.2f}"]  # fmt: skip
+    cpu = row.get("cpu")
+    if cpu:
+        lines.append(f"  cpu: llm {cpu['llm_cores']:.2f} cores ({cpu['llm_cpu_per_busy_s']:.2f} a busy loop second), "
+                     f"detok {cpu['detok_cores']:.2f} ({cpu['detok_cpu_per_busy_s']:.2f}), "
+                     f"the rest {cpu['other_cores']:.2f}")  # fmt: skip
     a = row["admission"]
     detok_limit = "-" if a["mean_detok_limit"] is None else f"{a['mean_detok_limit']:.1f}"
     lines.append(f"  admission ({a['samples']} samples): full {100 * a['full']:.0f}% (detok cap "

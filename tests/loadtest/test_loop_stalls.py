@@ -64,3 +64,16 @@ def test_what_held_streams_back_is_read_from_the_replicas_sampled_load():
     assert (share.full, share.full_by_detok, share.full_by_starving, share.full_by_pace) == (0.5, 0.25, 0.25, 0.0)
     assert share.starts_full == 0.25 and share.mean_detok_limit == 4.0
     assert admission_share([]).samples == 0
+
+
+def test_a_stages_cpu_is_counted_per_second_its_loops_were_busy():
+    from loadtest.host_cost import DETOK_ROLE, LLM_ROLE
+    from loadtest.loop_stalls import stage_cpu
+
+    loops = {"llm": {"a": {"step_share": 0.5, "span_s": 10.0}, "b": {"step_share": 0.3, "span_s": 10.0}},
+             "detok": {"c": {"step_share": 0.0, "span_s": 10.0}}}  # fmt: skip
+    spent_s = {LLM_ROLE: 12.0, DETOK_ROLE: 1.0, "router": 2.0, "client": 1.0}
+    cpu = stage_cpu(spent_s, 10.0, loops)
+    assert cpu["llm_cores"] == 1.2 and cpu["llm_cpu_per_busy_s"] == 1.5  # 12 CPU s over 8 busy loop seconds
+    assert cpu["detok_cores"] == 0.1 and cpu["detok_cpu_per_busy_s"] == 0.0  # never busy: no ratio
+    assert cpu["other_cores"] == 0.3
