@@ -87,6 +87,7 @@ class HostCost:
     # the LLM replica's serving-loop step (ms) by batch rows under closed-loop load: each size's mean cycle
     loaded_step_ms_by_rows: dict[int, float]
     saturated: SaturatedLoad | None = None  # the last closed-loop level's chunks and host CPU (None: not read)
+    levels: tuple[SaturatedLoad, ...] = ()  # every closed-loop level, the last one included
 
 
 @dataclass(frozen=True)
@@ -190,13 +191,13 @@ def closed_loop(target: str, clients: int, duration_s: float, cfg: SweepConfig, 
 
 
 def loaded_steps(server, cfg: SweepConfig, background: float, since_s: float, levels: tuple[int, ...] = LOAD_LEVELS,
-                 level_s: float = LEVEL_S) -> tuple[dict[int, float], SaturatedLoad]:  # fmt: skip
+                 level_s: float = LEVEL_S) -> tuple[dict[int, float], tuple[SaturatedLoad, ...]]:  # fmt: skip
     """The LLM replica's serving-loop step by rows from `since_s` (monotonic: the c=1 sets, whose steady
     one-row steps price a lone stream) through the closed-loop levels (larger batches): per batch size, the
     mean of its decode-only cycles (gap + step) in the replica's loop trace (`deployments.loop_trace`; the
     mean, not the median admission paces by, since the streams pay the slow tails too; one-row steps in a
-    level fall where streams end and start, its busiest moments); and the last level's chunks and CPU by
-    group (`SaturatedLoad`)."""
+    level fall where streams end and start, its busiest moments); and each level's chunks and CPU by group
+    (`SaturatedLoad`, the last one saturated)."""
     from ray import serve
 
     from loadtest.loop_stalls import mean_cycle_ms_by_size
@@ -204,10 +205,9 @@ def loaded_steps(server, cfg: SweepConfig, background: float, since_s: float, le
     join_cluster(server)
     try:
         handle = serve.get_deployment_handle("LLMStage", cfg.app_name)
-        for level in levels:
-            saturated = _level(server, level, level_s, cfg, background)
+        loads = tuple(_level(server, level, level_s, cfg, background) for level in levels)
         trace = handle.loop_trace.remote(since_s).result(timeout_s=60)
-        return mean_cycle_ms_by_size(trace), saturated
+        return mean_cycle_ms_by_size(trace), loads
     finally:
         leave_cluster()
 
@@ -236,6 +236,25 @@ def chunk_windows(durations_s: list[float], context: DetokConfig = DetokConfig()
         windows.append(frames + min(context.left_context_frames, before) + min(context.right_context_frames, after))
         before += frames
     return windows
+
+
+def split_host_at_load(levels: tuple[SaturatedLoad, ...]) -> tuple[float, float] | None:
+    """(ms per stream, ms per chunk): the least-squares fit of host CPU = a x streams + b x chunks over the
+    closed-loop levels (none negative), or None with fewer than two levels. At load, not from the difference
+    of the two c=1 sums (which gave 0 ms a stream on 2026-12-06, and the 2x2's host work came out 3-4x short)."""
+    import numpy as np
+
+    if len(levels) < 2:
+        return None
+    a = np.asarray([[lv.streams, lv.chunks] for lv in levels], np.float64)
+    b = np.asarray([lv.host_cpu_s for lv in levels], np.float64)
+    per_stream_s, per_chunk_s = np.linalg.lstsq(a, b, rcond=None)[0]
+    if per_stream_s < 0 or per_chunk_s < 0:  # one term alone, the one that fits better
+        fits = [(float(np.sum((b - a[:, k] * c) ** 2)), k, c)
+                for k in (0, 1) for c in [max(0.0, float(a[:, k] @ b / max(a[:, k] @ a[:, k], 1e-12)))]]  # fmt: skip
+        _, k, c = min(fits)
+        per_stream_s, per_chunk_s = (c, 0.0) if k == 0 else (0.0, c)
+    return 1e3 * float(per_stream_s), 1e3 * float(per_chunk_s)
 
 
 def split_host(short: SetCost, long: SetCost) -> tuple[float, float]:
@@ -274,7 +293,7 @@ def measure(config, scratch: Path, requests: int) -> HostCost:  # config: core.c
         since_s = time.monotonic()
         short = run_set("short", short_texts, server.grpc_target, root, background, cfg)
         long = run_set("long", long_texts, server.grpc_target, root, background, cfg)
-        steps, saturated = loaded_steps(server, cfg, background, since_s)
+        steps, loads = loaded_steps(server, cfg, background, since_s)
     per_stream, per_chunk = split_host(short, long)
     sets = (short, long)
     return HostCost(
@@ -282,7 +301,7 @@ def measure(config, scratch: Path, requests: int) -> HostCost:  # config: core.c
         llm_ms_per_token=1e3 * sum(s.llm_cpu_s for s in sets) / sum(s.tokens for s in sets),
         detok_ms_per_chunk=1e3 * sum(s.detok_cpu_s for s in sets) / sum(s.chunks for s in sets),
         ttfa_p50_s=short.ttfa_p50_s, sets=sets, loaded_step_ms_by_rows=steps,
-        detok_windows=short.windows + long.windows, saturated=saturated,
+        detok_windows=short.windows + long.windows, saturated=loads[-1] if loads else None, levels=loads,
     )  # fmt: skip
 
 
@@ -316,6 +335,12 @@ def report(cost: HostCost) -> str:
         lines.append(f"saturated ({sat.clients} clients, {sat.wall_s:.1f} s): {sat.streams} streams, "
                      f"{sat.chunks_per_s:.1f} chunks/s, host {sat.host_cpu_s:.2f} CPU s = {per_chunk:.2f} ms a chunk; "
                      f"LLM {sat.llm_cpu_s:.2f}, detok {sat.detok_cpu_s:.2f} CPU s")  # fmt: skip
+    at_load = split_host_at_load(cost.levels)
+    if at_load is not None:  # reported, not yet what the calibration uses
+        levels = ", ".join(f"{lv.clients}: {lv.host_cpu_s:.2f} CPU s / {lv.streams} streams / {lv.chunks} chunks"
+                           for lv in cost.levels)  # fmt: skip
+        lines.append(f"host at load (closed-loop levels {levels}): {at_load[0]:.1f} ms a stream + "
+                     f"{at_load[1]:.2f} ms a chunk")  # fmt: skip
     return "\n".join(lines)
 
 

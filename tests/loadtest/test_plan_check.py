@@ -184,3 +184,22 @@ def test_a_rate_is_decided_by_most_of_its_draws_as_soon_as_they_agree():
     assert majority_meets([True, False], 3) is None
     assert majority_meets([True, False, False], 3) is False
     assert majority_meets([False], 1) is False and majority_meets([True], 1) is True
+
+
+def test_the_hosts_cpu_at_load_splits_into_a_streams_and_a_chunks_cost_over_the_levels():
+    from loadtest.host_cost import split_host_at_load
+
+    def level(streams: int, chunks: int, per_stream_ms: float, per_chunk_ms: float) -> SaturatedLoad:
+        host_s = (streams * per_stream_ms + chunks * per_chunk_ms) / 1e3
+        return SaturatedLoad(clients=2, wall_s=10.0, streams=streams, chunks=chunks, host_cpu_s=host_s,
+                             llm_cpu_s=1.0, detok_cpu_s=1.0)  # fmt: skip
+
+    levels = (level(10, 100, 20.0, 3.0), level(20, 150, 20.0, 3.0), level(40, 400, 20.0, 3.0))
+    per_stream, per_chunk = split_host_at_load(levels)
+    assert (per_stream, per_chunk) == (pytest.approx(20.0), pytest.approx(3.0))
+    only_chunks = (level(10, 100, 0.0, 4.0), level(20, 150, 0.0, 4.0), level(40, 400, 0.0, 4.0))
+    assert split_host_at_load(only_chunks) == (pytest.approx(0.0, abs=1e-6), pytest.approx(4.0))
+    assert split_host_at_load(levels[:1]) is None
+    negative = (level(10, 100, -1.0, 4.0), level(20, 150, -1.0, 4.0), level(40, 400, -1.0, 4.0))
+    per_stream, per_chunk = split_host_at_load(negative)  # a negative start cost is no cost: chunks alone
+    assert per_stream == 0.0 and 3.0 < per_chunk < 4.0
