@@ -211,13 +211,6 @@ def cpu_by_role_s(server_pid: int) -> dict[str, float]:
     return {**cpu_seconds_by_role(server_pid), "client": client_cpu_s()}
 
 
-def stolen_s() -> float:
-    """CPU seconds the hypervisor gave other machines while this one's wanted them, since boot."""
-    import psutil
-
-    return float(getattr(psutil.cpu_times(), "steal", 0.0))
-
-
 def read_traces(since_s: float, app_name: str = "voxray", calls: int = READ_CALLS) -> dict[str, dict[str, dict]]:
     """Every replica's loop trace from `since_s` on, per stage: {stage: {replica: trace}} (call inside
     `join_cluster`). A handle's call reaches one replica of its choosing, so each stage is asked `calls`
@@ -235,7 +228,7 @@ def read_traces(since_s: float, app_name: str = "voxray", calls: int = READ_CALL
 def measure(config_name: str, rates: tuple[float, ...], duration_s: float, out: Path, line_ms=None) -> list[dict]:
     """Serve `config_name` (a plan_check configuration), sweep each rate alone and summarize the loops."""
     from loadtest.cluster_process import join_cluster, leave_cluster, running_server
-    from loadtest.plan_check import CONFIGS, serve_config
+    from loadtest.plan_check import CONFIGS, BoxCpu, serve_config
     from loadtest.sweep import SweepConfig, run_sweep, wait_ready
 
     config = next(c for c in CONFIGS if c.name == config_name)
@@ -246,12 +239,13 @@ def measure(config_name: str, rates: tuple[float, ...], duration_s: float, out: 
         try:
             for index, rate in enumerate(rates):  # in the order given: a rate may repeat (does the server age?)
                 cfg = SweepConfig(rates_rps=(rate,), duration_s=duration_s, max_requests=int(duration_s * rate) + 8)
-                start_s, steal_before_s, cpu_before = time.monotonic(), stolen_s(), cpu_by_role_s(server.proc.pid)
+                box_before, cpu_before = BoxCpu.read(server.proc.pid), cpu_by_role_s(server.proc.pid)
+                start_s = time.monotonic()
                 with LoadSampler() as sampler:
                     result = run_sweep(server.grpc_target, cfg, label=f"{config_name}@{rate}")
                 end_s = time.monotonic()
                 cpu_after = cpu_by_role_s(server.proc.pid)
-                steal_cores = (stolen_s() - steal_before_s) / (end_s - start_s)
+                steal_cores = BoxCpu.read(server.proc.pid).steal_cores_since(box_before)
                 traces = read_traces(start_s)
                 row = {
                     "rate_rps": rate, "summary": result.steps[0]["summary"], "steal_cores": round(steal_cores, 3),

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from cluster.planner.calibration import load_calibration
 from cluster.planner.predict import Scenario
-from cluster.planner.search import DEFAULT_MAX_STARTING, Slo, capacity_streams
+from cluster.planner.search import DEFAULT_MAX_STARTING, Slo, capacity_streams, majority_meets
 from cluster.planner.simulate import ClusterShape, SimOptions
 from cluster.planner.workload import ModelRates, Workload
 from loadtest.workload import MAX_FRAMES, MIN_FRAMES, load_prompts
@@ -128,16 +128,6 @@ class BoxCpu:
     def steal_cores_since(self, before: BoxCpu) -> float:
         wall_s = self.at_s - before.at_s
         return max(0.0, (self.steal_s - before.steal_s) / wall_s) if wall_s > 0 else 0.0
-
-
-def majority_meets(verdicts: list[bool], draws: int) -> bool | None:
-    """True / False once most of `draws` Poisson draws met / missed the SLO; None while undecided."""
-    need = draws // 2 + 1
-    if sum(verdicts) >= need:
-        return True
-    if len(verdicts) - sum(verdicts) > draws - need:
-        return False
-    return None
 
 
 def sweep_by_majority(target: str, cfg, draws: int, label: str) -> tuple[float, list[dict]]:

@@ -129,18 +129,26 @@ def _llm_meets(scenario: Scenario, streams: int, replicas: int, slo: Slo, option
     return meets_slo(scenario, streams * part / replicas, _shape(scenario, part, 0, options), slo, options.sim)
 
 
+def majority_meets(verdicts: list[bool], draws: int) -> bool | None:
+    """True / False once most of `draws` Poisson draws met / missed the SLO; None while undecided (the
+    planner's loads here, `loadtest.plan_check`'s swept rates on the real cluster)."""
+    need = draws // 2 + 1
+    if sum(verdicts) >= need:
+        return True
+    if len(verdicts) - sum(verdicts) > draws - need:
+        return False
+    return None
+
+
 def meets_slo(scenario: Scenario, streams: float, shape: ClusterShape, slo: Slo, sim: SimOptions) -> bool:
     """Whether `shape` meets `slo` at `streams` concurrent streams in most of `sim.seeds` Poisson draws
     (seeds `sim.seed`, `sim.seed + 1`, ...; stops once the majority is decided). One draw is one sweep's
     worth of arrivals: whether its few bursts land near capacity decides its p90, not the load."""
-    needed, met = sim.seeds // 2 + 1, 0
-    for tried in range(sim.seeds):
-        if predict(scenario, streams, shape, replace(sim, seed=sim.seed + tried)).meets(slo.ttfa_p90_s,
-                                                                                        slo.min_viable_pct):
-            met += 1
-        if met >= needed or met + (sim.seeds - tried - 1) < needed:
-            break
-    return met >= needed
+    verdicts: list[bool] = []
+    while (verdict := majority_meets(verdicts, sim.seeds)) is None:
+        draw = replace(sim, seed=sim.seed + len(verdicts))
+        verdicts.append(predict(scenario, streams, shape, draw).meets(slo.ttfa_p90_s, slo.min_viable_pct))
+    return verdict
 
 
 def _fewest_detok_replicas(scenario: Scenario, run: LLMRun, streams: int, llm_replicas: int, slo: Slo,

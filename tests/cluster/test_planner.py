@@ -12,7 +12,7 @@ import pytest
 from cluster.planner import search
 from cluster.planner.calibration import CALIBRATION_DIR, available, find_calibration, parse_calibration
 from cluster.planner.predict import Scenario, predict
-from cluster.planner.search import Slo, capacity_streams, meets_slo, size_cluster, zero_load_ttfa_s
+from cluster.planner.search import Slo, capacity_streams, majority_meets, meets_slo, size_cluster, zero_load_ttfa_s
 from cluster.planner.simulate import ClusterShape, SimOptions
 from cluster.planner.workload import ChunkRule, ModelRates, Workload
 from core.config import DetokConfig
@@ -368,3 +368,13 @@ def test_stages_sharing_few_cores_carry_less_than_stages_on_their_own():
     shared = capacity_streams(Scenario(parse_calibration(data), ORPHEUS, SHORT_TEXTS), ClusterShape(1, 1, 8), Slo(0.6),
                               high=32, sim=FAST)  # fmt: skip
     assert 0 < shared < own
+
+
+def test_a_load_or_a_rate_is_decided_by_most_of_its_draws_as_soon_as_they_agree():
+    assert majority_meets([], 3) is None
+    assert majority_meets([True], 3) is None
+    assert majority_meets([True, True], 3) is True  # the third draw would not change it
+    assert majority_meets([False, False], 3) is False
+    assert majority_meets([True, False], 3) is None
+    assert majority_meets([True, False, False], 3) is False
+    assert majority_meets([False], 1) is False and majority_meets([True], 1) is True

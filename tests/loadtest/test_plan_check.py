@@ -33,7 +33,6 @@ from loadtest.plan_check import (
     ORPHEUS_TINY,
     BoxCpu,
     CheckResult,
-    majority_meets,
     predicted_rps,
     report,
     sweep_workload,
@@ -174,16 +173,6 @@ def test_the_other_tenants_cores_are_the_boxs_busy_cpu_less_ours():
     assert stolen.steal_cores_since(before) == pytest.approx(0.3)
     table = report([CheckResult("cpu-1x1", 2.0, 1.0, (1.0, 2.0), others_cores=1.8, steal_cores=0.3)])
     assert table[-1].endswith("| 1.80 | 0.30 |")
-
-
-def test_a_rate_is_decided_by_most_of_its_draws_as_soon_as_they_agree():
-    assert majority_meets([], 3) is None
-    assert majority_meets([True], 3) is None
-    assert majority_meets([True, True], 3) is True  # the third draw would not change it
-    assert majority_meets([False, False], 3) is False
-    assert majority_meets([True, False], 3) is None
-    assert majority_meets([True, False, False], 3) is False
-    assert majority_meets([False], 1) is False and majority_meets([True], 1) is True
 
 
 def test_the_hosts_cpu_at_load_splits_into_a_streams_and_a_chunks_cost_over_the_levels():
