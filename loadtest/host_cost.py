@@ -30,7 +30,7 @@ import random
 import statistics
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import grpc
@@ -88,6 +88,8 @@ class HostCost:
     loaded_step_ms_by_rows: dict[int, float]
     saturated: SaturatedLoad | None = None  # the last closed-loop level's chunks and host CPU (None: not read)
     levels: tuple[SaturatedLoad, ...] = ()  # every closed-loop level, the last one included
+    # idle cores by the served cluster's stage replicas (LLM + detok): the 1x1 here, more where measured
+    background_by_replicas: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,40 @@ def background_cores(root_pid: int, idle_s: float = IDLE_S) -> float:
     before, t0 = sum(cpu_seconds_by_role(root_pid).values()), time.monotonic()
     time.sleep(idle_s)
     return (sum(cpu_seconds_by_role(root_pid).values()) - before) / (time.monotonic() - t0)
+
+
+def idle_background(config, scratch: Path) -> float:  # config: core.config.ServeConfig
+    """The idle cores of `config` served (its replicas warmed by a few streams first): a cluster of more
+    replicas idles at more (each replica's process, the controller's and GCS's upkeep of it)."""
+    cfg = SweepConfig(app_name=config.app_name, request_timeout_s=60.0)
+    with running_server(config, scratch) as server:
+        wait_ready(server.grpc_target, config.app_name)
+        warm(server.grpc_target, prompt_sets(2)[0] * 2, cfg)
+        return background_cores(server.proc.pid)
+
+
+def background_split(by_replicas: dict[int, float]) -> tuple[float, float]:
+    """(fixed cores, cores per stage replica): the line through the idle background measured at two or more
+    cluster sizes (least squares; per replica never below 0); one size: all of it fixed."""
+    import numpy as np
+
+    if len(by_replicas) < 2:
+        return (next(iter(by_replicas.values()), 0.0), 0.0)
+    replicas = np.asarray(list(by_replicas), np.float64)
+    cores = np.asarray(list(by_replicas.values()), np.float64)
+    slope, intercept = np.polyfit(replicas, cores, 1)
+    if slope <= 0:
+        return float(cores.mean()), 0.0
+    if intercept < 0:  # all of it by replica
+        return 0.0, float(cores @ replicas / (replicas @ replicas))
+    return float(intercept), float(slope)
+
+
+def warm(target: str, texts: list[str], cfg: SweepConfig) -> None:
+    with grpc.insecure_channel(target) as channel:
+        stub = voxray_pb2_grpc.SpeechStub(channel)
+        for i, text in enumerate(texts):
+            run_one(stub, text, i, cfg)
 
 
 def run_set(name: str, texts: list[str], target: str, root_pid: int, background: float, cfg: SweepConfig) -> SetCost:
@@ -284,10 +320,7 @@ def measure(config, scratch: Path, requests: int) -> HostCost:  # config: core.c
     short_texts, long_texts = prompt_sets(requests)
     with running_server(config, scratch) as server:
         wait_ready(server.grpc_target, config.app_name)
-        with grpc.insecure_channel(server.grpc_target) as channel:  # warm both paths
-            stub = voxray_pb2_grpc.SpeechStub(channel)
-            for i, text in enumerate(short_texts[:2] + long_texts[:2]):
-                run_one(stub, text, i, cfg)
+        warm(server.grpc_target, short_texts[:2] + long_texts[:2], cfg)  # both paths
         root = server.proc.pid
         background = background_cores(root)
         since_s = time.monotonic()
@@ -302,19 +335,28 @@ def measure(config, scratch: Path, requests: int) -> HostCost:  # config: core.c
         detok_ms_per_chunk=1e3 * sum(s.detok_cpu_s for s in sets) / sum(s.chunks for s in sets),
         ttfa_p50_s=short.ttfa_p50_s, sets=sets, loaded_step_ms_by_rows=steps,
         detok_windows=short.windows + long.windows, saturated=loads[-1] if loads else None, levels=loads,
+        background_by_replicas={config.llm.num_replicas + config.detok.num_replicas: background},
     )  # fmt: skip
 
 
 def calibration_host(cost: HostCost, cores: int) -> dict:
-    """The calibration's `host` section from a measurement (see `cluster.planner.calibration.HostCost`): the
-    start's CPU from the c=1 sets; a chunk's from the saturated level when it served chunks (many more than
-    the c=1 sets: the difference of two small sums there is noise), else from the c=1 sets."""
-    per_chunk = cost.host_ms_per_chunk
-    if cost.saturated is not None and cost.saturated.chunks > 0:
+    """The calibration's `host` section from a measurement (see `cluster.planner.calibration.HostCost`):
+
+    - a start's and a chunk's CPU fitted together over the closed-loop levels (`split_host_at_load`: many
+      streams and chunks, where the difference of the two c=1 sums is noise); with one level, a chunk's from
+      the saturated level less the c=1 start cost; with none, both from the c=1 sets;
+    - the idle background split into a fixed part and a part per stage replica (`background_split`) where
+      more than one cluster size was measured idle."""
+    per_stream, per_chunk = cost.host_ms_per_stream, cost.host_ms_per_chunk
+    at_load = split_host_at_load(cost.levels)
+    if at_load is not None:
+        per_stream, per_chunk = at_load
+    elif cost.saturated is not None and cost.saturated.chunks > 0:
         per_chunk = saturated_host_ms_per_chunk(cost.saturated, cost.host_ms_per_stream)
+    fixed, per_replica = background_split(cost.background_by_replicas or {2: cost.background_cores})
     return {
-        "cores": cores, "background_cores": round(cost.background_cores, 4),
-        "cpu_ms_per_stream": round(cost.host_ms_per_stream, 3), "cpu_ms_per_chunk": round(per_chunk, 3),
+        "cores": cores, "background_cores": round(fixed, 4), "background_cores_per_replica": round(per_replica, 4),
+        "cpu_ms_per_stream": round(per_stream, 3), "cpu_ms_per_chunk": round(per_chunk, 3),
     }  # fmt: skip
 
 
@@ -336,7 +378,7 @@ def report(cost: HostCost) -> str:
                      f"{sat.chunks_per_s:.1f} chunks/s, host {sat.host_cpu_s:.2f} CPU s = {per_chunk:.2f} ms a chunk; "
                      f"LLM {sat.llm_cpu_s:.2f}, detok {sat.detok_cpu_s:.2f} CPU s")  # fmt: skip
     at_load = split_host_at_load(cost.levels)
-    if at_load is not None:  # reported, not yet what the calibration uses
+    if at_load is not None:  # what the calibration uses
         levels = ", ".join(f"{lv.clients}: {lv.host_cpu_s:.2f} CPU s / {lv.streams} streams / {lv.chunks} chunks"
                            for lv in cost.levels)  # fmt: skip
         lines.append(f"host at load (closed-loop levels {levels}): {at_load[0]:.1f} ms a stream + "

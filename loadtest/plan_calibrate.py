@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -27,9 +27,10 @@ CPU_CALIBRATION = CALIBRATION_DIR / "cpu-orpheus-tiny.json"
 CALIBRATION_ROWS = (1, 2, 4, 8, 12)
 ASSUMPTIONS = (
     "every stage replica and the host's processes share `host.cores` cores by processor sharing (one "
-    "runnable thread a busy replica); the idle server takes `host.background_cores`",
+    "runnable thread a busy replica); the idle server takes `host.background_cores` + "
+    "`host.background_cores_per_replica` a stage replica (idle 1x1 and 2x2 servers)",
     "the host (Router, proxy, controller, GCS, raylet, the client) costs `host.cpu_ms_per_stream` a stream "
-    "(c=1 sets) and `host.cpu_ms_per_chunk` a chunk (the saturated closed-loop level), spread over 0.2 s",
+    "and `host.cpu_ms_per_chunk` a chunk (fitted over the closed-loop levels), spread over 0.2 s",
     "the LLM step is the serving loop's mean cycle by rows under closed-loop load, from its loop trace (its "
     "contention at those loads is in it; the planner's core share slows it again: the two may overlap)",
     "the detokenizer's batch cost is the table's shape scaled to the replica's CPU per chunk at c=1",
@@ -126,18 +127,23 @@ def calibration_with_host(data: dict, cost: HostCost, cores: int, source: str) -
     return out
 
 
-def calibrate(serve_cfg, scratch: Path, cores: int, host_requests: int,
-              use_host: bool = True) -> tuple[dict, HostCost | None]:  # fmt: skip
-    """The calibration for this box now (`serve_cfg`: the 1x1 `core.config.ServeConfig` host_cost serves)
-    and the host measurement it came from (None with `use_host` False: every stage on its own core)."""
+def calibrate(serve_cfg, scratch: Path, cores: int, host_requests: int, use_host: bool = True,
+              idle_cfg=None) -> tuple[dict, HostCost | None]:  # fmt: skip
+    """The calibration for this box now (`serve_cfg`: the 1x1 `core.config.ServeConfig` host_cost serves;
+    `idle_cfg`: a larger cluster served idle, for the background's part per replica) and the host
+    measurement it came from (None with `use_host` False: every stage on its own core)."""
     steps = measured_step_ms()
     base = json.loads(CPU_CALIBRATION.read_text())
     data = calibration_with_steps(base, steps, f"loadtest.step_bench.ms_per_step on this box, rows {CALIBRATION_ROWS}")
     if not use_host:
         return data, None
-    from loadtest.host_cost import measure
+    from loadtest.host_cost import idle_background, measure
 
     cost = measure(serve_cfg, scratch, host_requests)
+    if idle_cfg is not None:
+        replicas = idle_cfg.llm.num_replicas + idle_cfg.detok.num_replicas
+        idle = idle_background(idle_cfg, scratch / "idle")
+        cost = replace(cost, background_by_replicas={**cost.background_by_replicas, replicas: idle})
     data = calibration_with_host(data, cost, cores, "loadtest.host_cost on this box")
     return data, cost
 
@@ -169,7 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     scratch = args.out.with_suffix("")
     data, cost = calibrate(serve_config(CONFIGS[0], 19312, 19313), scratch, args.cores, args.host_requests,
-                           use_host=not args.no_host)  # fmt: skip
+                           use_host=not args.no_host, idle_cfg=serve_config(CONFIGS[1], 19312, 19313))  # fmt: skip
     if cost is not None:
         scratch.mkdir(parents=True, exist_ok=True)
         (scratch / "host_cost.json").write_text(json.dumps(asdict(cost), indent=2))

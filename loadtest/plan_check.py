@@ -258,7 +258,8 @@ def _calibration(args: argparse.Namespace):  # -> Calibration
         from loadtest.plan_calibrate import calibrate
 
         data, cost = calibrate(serve_config(CONFIGS[0], 19312, 19313), args.out / "host_cost", args.cores,
-                               args.host_requests, use_host=not args.no_host)  # fmt: skip
+                               args.host_requests, use_host=not args.no_host,
+                               idle_cfg=serve_config(CONFIGS[1], 19312, 19313))  # fmt: skip
         if cost is not None:
             (args.out / "host_cost.json").write_text(json.dumps(asdict(cost), indent=2))
     (args.out / "calibration.json").write_text(json.dumps(data, indent=2))

@@ -78,9 +78,16 @@ class HostCost:
     replica owns its device (a GPU fleet) and nothing below counts."""
 
     cores: float = 0.0
-    background_cores: float = 0.0  # what the idle server's processes take
+    background_cores: float = 0.0  # what the idle server's processes take, less the per-replica part below
     cpu_ms_per_stream: float = 0.0  # a stream's start and end beside the engines (Router, proxy, Ray, client)
     cpu_ms_per_chunk: float = 0.0  # a chunk's trip beside the engines
+    # each stage replica's idle share (its own process, the controller's and GCS's upkeep of it): a 2x2
+    # idles at more than a 1x1 (0.20 vs 0.14 cores on the 2-core box, 2026-12-06)
+    background_cores_per_replica: float = 0.0
+
+    def background_for(self, stage_replicas: int) -> float:
+        """The idle server's cores with `stage_replicas` LLM and detok replicas in all."""
+        return self.background_cores + self.background_cores_per_replica * stage_replicas
 
 
 @dataclass(frozen=True)
@@ -185,7 +192,11 @@ def _host(host: Any) -> HostCost:
     if not isinstance(host, dict):
         raise InvalidArgumentError("host", "not an object")
     names = ("cores", "background_cores", "cpu_ms_per_stream", "cpu_ms_per_chunk")
-    return HostCost(**{name: _number(host, name, "host.", allow_zero=True) for name in names})
+    values = {name: _number(host, name, "host.", allow_zero=True) for name in names}
+    if "background_cores_per_replica" in host:  # optional: older calibrations priced one idle server
+        values["background_cores_per_replica"] = _number(host, "background_cores_per_replica", "host.",
+                                                         allow_zero=True)  # fmt: skip
+    return HostCost(**values)
 
 
 def _step_table(step: dict[str, Any], llm: dict[str, Any]) -> StepTable:

@@ -39,6 +39,7 @@ class LLMRun:
     llm: LLMPass
     window_s: tuple[float, float]
     share: CoreShare | None = None  # the host's cores as the LLM pass left them (None: not shared)
+    llm_replicas: int = 1
 
 
 def predict(scenario: Scenario, streams_in_flight: float, shape: ClusterShape,
@@ -58,7 +59,7 @@ def run_llm(scenario: Scenario, streams_in_flight: float, shape: ClusterShape, o
     delivery_s, share = None, None
     if scenario.calib.host.cores > 0:
         horizon_s = float(streams.arrival_s[-1]) + 60.0 * float(streams.frames.max()) * scenario.rates.frame_s
-        share = CoreShare.empty(scenario.calib.host, horizon_s)
+        share = CoreShare.empty(scenario.calib.host, horizon_s, shape.llm_replicas + shape.detok_replicas)
     passes = options.passes_for(share is not None)
     for done in range(passes):
         llm = run_llm_stage(streams, shape, scenario.calib, scenario.rates, scenario.chunk_rule(), options, window_s,
@@ -66,7 +67,7 @@ def run_llm(scenario: Scenario, streams_in_flight: float, shape: ClusterShape, o
         if share is not None:
             share = share.with_host_work(llm.admitted_s, llm.chunk_cut_s)
             share.llm_busy = llm.llm_busy if llm.llm_busy is not None else np.zeros_like(share.llm_busy)
-        run = LLMRun(streams, llm, window_s, share)
+        run = LLMRun(streams, llm, window_s, share, shape.llm_replicas)
         if done + 1 < passes:
             heard, _ = heard_s(scenario, run, shape.detok_replicas, options)
             delivery_s = stream_delivery_s(streams.count, llm, heard)
@@ -78,6 +79,8 @@ def heard_s(scenario: Scenario, run: LLMRun, detok_replicas: int, options: SimOp
     with shared cores, the detok pass's busy time is left in `run.share` for the next LLM pass."""
     calib, llm = scenario.calib, run.llm
     arrive_s = llm.chunk_cut_s + calib.llm_to_detok_s
+    if run.share is not None:  # the detok stage may be re-sized over one LLM pass: the background follows it
+        run.share.stage_replicas = run.llm_replicas + detok_replicas
     done_s, detok_load = detok_stage(arrive_s, llm.chunk_window, llm.chunk_stream, detok_replicas, calib,
                                      options.detok_scale, run.window_s, run.share)  # fmt: skip
     return done_s + calib.detok_to_client_s, detok_load

@@ -4,9 +4,10 @@
 On a GPU fleet each stage replica owns its device and this model is off (`HostCost.cores` 0). On a CPU box
 (the CPU preset, the planner-vs-cluster check) every LLM and detok replica steps on the same few cores: a
 replica with work is one runnable thread, the host's work takes CPU seconds per stream started and per chunk
-cut, and the box's idle background a fixed share. Processor sharing: the host's work and the background come
-off the top, and the runnable stage processes split what is left, none faster than one core. Each stage's
-step or batch lasts its calibrated cost / that speed.
+cut, and the box's idle background a share fixed for the cluster's size (`HostCost.background_for`).
+Processor sharing: the host's work and the background come off the top, and the runnable stage processes
+split what is left, none faster than one core. Each stage's step or batch lasts its calibrated cost / that
+speed.
 
 The timeline is a grid of `BIN_S` bins. A pass through one stage reads the other stage's busy time from the
 pass before (`cluster.planner.predict.run_llm` runs the stages more than once) and the host's work from the
@@ -15,7 +16,7 @@ starts and chunks the last LLM pass made, so the two stages' contention is settl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -34,11 +35,12 @@ class CoreShare:
     llm_busy: np.ndarray
     detok_busy: np.ndarray
     host_cores: np.ndarray
+    stage_replicas: int = 2  # LLM and detok replicas in all: the idle background grows with them
 
     @classmethod
-    def empty(cls, host: HostCost, horizon_s: float) -> CoreShare:
+    def empty(cls, host: HostCost, horizon_s: float, stage_replicas: int = 2) -> CoreShare:
         bins = int(horizon_s / BIN_S) + 2
-        return cls(host, np.zeros(bins), np.zeros(bins), np.zeros(bins))
+        return cls(host, np.zeros(bins), np.zeros(bins), np.zeros(bins), stage_replicas)
 
     @property
     def enabled(self) -> bool:
@@ -60,7 +62,7 @@ class CoreShare:
             llm = np.maximum(llm, 1.0)
         else:
             detok = np.maximum(detok, 1.0)
-        left = self.host.cores - self.host.background_cores - self.host_cores[b]
+        left = self.host.cores - self.host.background_for(self.stage_replicas) - self.host_cores[b]
         return np.clip(left / (llm + detok), MIN_SPEED, 1.0)
 
     def with_host_work(self, starts_s: np.ndarray, chunks_s: np.ndarray) -> CoreShare:
@@ -72,7 +74,7 @@ class CoreShare:
         np.add.at(cpu_s, self.bins(chunks_s), self.host.cpu_ms_per_chunk / 1e3)
         width = max(1, int(round(HOST_SPREAD_S / BIN_S)))
         spread = np.convolve(cpu_s, np.ones(width) / width, mode="full")[: len(cpu_s)]
-        return CoreShare(self.host, self.llm_busy, self.detok_busy, spread / BIN_S)
+        return replace(self, host_cores=spread / BIN_S)
 
     def busy_series(self, starts_s: np.ndarray, durations_s: np.ndarray) -> np.ndarray:
         """Processes busy per bin (fractional) for work running from `starts_s` for `durations_s`."""

@@ -334,6 +334,14 @@ def test_host_section_parses_and_names_a_bad_field():
     data["host"] = {"cores": 2, "background_cores": 0.1, "cpu_ms_per_stream": 20, "cpu_ms_per_chunk": 3}
     host = parse_calibration(data).host
     assert (host.cores, host.background_cores, host.cpu_ms_per_stream, host.cpu_ms_per_chunk) == (2, 0.1, 20, 3)
+    assert host.background_for(4) == 0.1  # no part per replica: older calibrations priced one idle server
+    data["host"]["background_cores_per_replica"] = 0.03
+    assert parse_calibration(data).host.background_for(4) == pytest.approx(0.1 + 4 * 0.03)
+    data["host"]["background_cores_per_replica"] = "x"
+    with pytest.raises(InvalidArgumentError) as err:
+        parse_calibration(data)
+    assert err.value.field == "host.background_cores_per_replica"
+    data["host"]["background_cores_per_replica"] = 0.03
     data["host"]["cpu_ms_per_chunk"] = -1
     with pytest.raises(InvalidArgumentError) as err:
         parse_calibration(data)
@@ -357,6 +365,28 @@ def test_the_core_share_splits_what_the_host_leaves_among_busy_processes():
     assert loaded.host_cores.sum() * BIN_S == pytest.approx(0.5)  # 10 x 50 ms of CPU
     assert loaded.speed(np.asarray([0.45]), "llm")[0] < share.speed(np.asarray([0.45]), "llm")[0]
     assert CoreShare.empty(HostCost(), 1.0).speed(t, "llm")[0] == 1.0  # cores 0: not shared
+
+
+def test_a_larger_cluster_idles_at_more_and_its_busy_processes_get_less():
+    from cluster.planner.calibration import HostCost
+    from cluster.planner.shared_cores import CoreShare
+
+    host = HostCost(cores=2, background_cores=0.06, background_cores_per_replica=0.035)
+    t = np.asarray([0.5])
+    small, large = CoreShare.empty(host, 1.0, stage_replicas=2), CoreShare.empty(host, 1.0, stage_replicas=4)
+    for share in (small, large):
+        share.llm_busy = share.busy_series(np.asarray([0.0, 0.0, 0.0]), np.ones(3))  # three loops busy
+    assert small.speed(t, "llm")[0] == pytest.approx((2 - 0.06 - 2 * 0.035) / 3)
+    assert large.speed(t, "llm")[0] == pytest.approx((2 - 0.06 - 4 * 0.035) / 3)
+    data = copy.deepcopy(SMALL)
+    data["detok"]["ms"] = [10.0, 100.0]
+    data["host"] = {"cores": 2, "background_cores": 0.06, "background_cores_per_replica": 0.2,
+                    "cpu_ms_per_stream": 30, "cpu_ms_per_chunk": 5}  # fmt: skip
+    scenario = Scenario(parse_calibration(data), ORPHEUS, SHORT_TEXTS)
+    upkeep = predict(scenario, 4.0, ClusterShape(1, 2, 8), FAST)
+    data["host"]["background_cores_per_replica"] = 0.0
+    flat = predict(Scenario(parse_calibration(data), ORPHEUS, SHORT_TEXTS), 4.0, ClusterShape(1, 2, 8), FAST)
+    assert flat.p50_ttfa_s < upkeep.p50_ttfa_s < float("inf")  # each replica's idle upkeep slows the busy ones
 
 
 def test_stages_sharing_few_cores_carry_less_than_stages_on_their_own():

@@ -15,6 +15,7 @@ from loadtest.host_cost import (
     HostCost,
     SaturatedLoad,
     SetCost,
+    background_split,
     calibration_host,
     chunk_windows,
     saturated_host_ms_per_chunk,
@@ -192,3 +193,22 @@ def test_the_hosts_cpu_at_load_splits_into_a_streams_and_a_chunks_cost_over_the_
     negative = (level(10, 100, -1.0, 4.0), level(20, 150, -1.0, 4.0), level(40, 400, -1.0, 4.0))
     per_stream, per_chunk = split_host_at_load(negative)  # a negative start cost is no cost: chunks alone
     assert per_stream == 0.0 and 3.0 < per_chunk < 4.0
+    cost = HostCost(background_cores=0.1, host_ms_per_stream=0.0, host_ms_per_chunk=9.0, llm_ms_per_token=2.5,
+                    detok_ms_per_chunk=12.0, ttfa_p50_s=0.2, sets=(), loaded_step_ms_by_rows={},
+                    detok_windows=(14,), saturated=levels[-1], levels=levels)  # fmt: skip
+    host = calibration_host(cost, 2)  # the levels' fit, not the c=1 split (0 a stream) nor the last level alone
+    assert (host["cpu_ms_per_stream"], host["cpu_ms_per_chunk"]) == (pytest.approx(20.0), pytest.approx(3.0))
+
+
+def test_the_idle_background_splits_into_a_fixed_part_and_a_part_per_replica():
+    assert background_split({2: 0.136, 4: 0.204}) == (pytest.approx(0.068), pytest.approx(0.034))  # 2026-12-06
+    assert background_split({2: 0.14}) == (0.14, 0.0)  # one size: all of it fixed
+    assert background_split({}) == (0.0, 0.0)
+    assert background_split({2: 0.2, 4: 0.15}) == (pytest.approx(0.175), 0.0)  # fewer at more replicas: noise
+    assert background_split({2: 0.05, 4: 0.2}) == (0.0, pytest.approx(0.045))  # through zero, never below it
+    cost = HostCost(background_cores=0.136, host_ms_per_stream=10.0, host_ms_per_chunk=2.0, llm_ms_per_token=2.5,
+                    detok_ms_per_chunk=12.0, ttfa_p50_s=0.2, sets=(), loaded_step_ms_by_rows={},
+                    detok_windows=(14,), background_by_replicas={2: 0.136, 4: 0.204})  # fmt: skip
+    host = parse_calibration({**calibration_with_steps(json.loads(CPU_CALIBRATION.read_text()), {1: 2.0}, "here"),
+                              "host": calibration_host(cost, 2)}).host  # fmt: skip
+    assert (host.background_for(2), host.background_for(4)) == (pytest.approx(0.136), pytest.approx(0.204))
