@@ -2,11 +2,13 @@
 
 Measurements only, none of them the planner-vs-cluster check (issue 40 item 3): (1) the CPU preset's LLM step
 alone by rows (`loadtest.step_bench.ms_per_step`); (2) a served 1x1 `voxray serve` (`loadtest.host_cost`):
-c=1 streams in two prompt sets (every process's CPU: the host's cost per start, the detok replica's per
-chunk, the idle background), closed-loop clients at 2-12 (the LLM replica's serving-loop step by rows), and
-the last, saturated level's host CPU against the chunks it served (the host's cost per chunk at load).
-The JSON carries, beside each number's source, the `assumptions` it rests on and the c=1 TTFA against the
-planner's zero-load TTFA on it. Starts Ray (unless --no-host): never beside another benchmark.
+c=1 streams in two prompt sets (every process's CPU: the detok replica's per chunk, the idle background),
+closed-loop clients at 2-12 (the LLM replica's serving-loop step by rows, and the host's CPU against the
+streams and chunks each level served: its cost per start and per chunk at load); (3) an idle 2x2 server
+(the idle background's part per stage replica); (4) the box's speed before and after (`box_speed`: this
+VM's cores change speed by minutes, and `plan_check` compares its draws' speed with it). The JSON carries,
+beside each number's source, the `assumptions` it rests on and the c=1 TTFA against the planner's zero-load
+TTFA on it. Starts Ray (unless --no-host): never beside another benchmark.
 Usage: python -m loadtest.plan_calibrate --out bench_out/plan_calibration.json [--cores 2]
 """
 
@@ -21,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from cluster.planner.calibration import CALIBRATION_DIR, parse_calibration
+from loadtest.box_speed import box_units_per_s
 from loadtest.host_cost import HostCost, calibration_host
 
 CPU_CALIBRATION = CALIBRATION_DIR / "cpu-orpheus-tiny.json"
@@ -132,19 +135,22 @@ def calibrate(serve_cfg, scratch: Path, cores: int, host_requests: int, use_host
     """The calibration for this box now (`serve_cfg`: the 1x1 `core.config.ServeConfig` host_cost serves;
     `idle_cfg`: a larger cluster served idle, for the background's part per replica) and the host
     measurement it came from (None with `use_host` False: every stage on its own core)."""
+    speeds = [box_units_per_s()]
     steps = measured_step_ms()
     base = json.loads(CPU_CALIBRATION.read_text())
     data = calibration_with_steps(base, steps, f"loadtest.step_bench.ms_per_step on this box, rows {CALIBRATION_ROWS}")
-    if not use_host:
-        return data, None
-    from loadtest.host_cost import idle_background, measure
+    cost = None
+    if use_host:
+        from loadtest.host_cost import idle_background, measure
 
-    cost = measure(serve_cfg, scratch, host_requests)
-    if idle_cfg is not None:
-        replicas = idle_cfg.llm.num_replicas + idle_cfg.detok.num_replicas
-        idle = idle_background(idle_cfg, scratch / "idle")
-        cost = replace(cost, background_by_replicas={**cost.background_by_replicas, replicas: idle})
-    data = calibration_with_host(data, cost, cores, "loadtest.host_cost on this box")
+        cost = measure(serve_cfg, scratch, host_requests)
+        if idle_cfg is not None:
+            replicas = idle_cfg.llm.num_replicas + idle_cfg.detok.num_replicas
+            idle = idle_background(idle_cfg, scratch / "idle")
+            cost = replace(cost, background_by_replicas={**cost.background_by_replicas, replicas: idle})
+        data = calibration_with_host(data, cost, cores, "loadtest.host_cost on this box")
+    speeds.append(box_units_per_s())
+    data["box_speed"] = {"units_per_s": round(float(np.mean(speeds)), 2), "probes": [round(v, 2) for v in speeds]}
     return data, cost
 
 

@@ -9,7 +9,9 @@ with `cluster.planner` on the sweep's own prompt mix (its frames per prompt, cla
 clamps them), in req/s = streams / mean audio seconds; (3) measure it: `voxray serve` of the configuration
 as a process (`loadtest.cluster_process`) and the sweep's open-loop rates around the prediction, each rate
 decided by most of `--draws` Poisson draws (as the planner decides a load by most of its `--seeds`); (4) the
-verdict: |predicted - measured| / measured <= 25%. Starts Ray: never run it beside another benchmark.
+verdict: |predicted - measured| / measured <= 25%, with the box's speed around the draws against the
+calibration's beside it (`loadtest.box_speed`: this VM's cores change speed by minutes).
+Starts Ray: never run it beside another benchmark.
 Run (~30 min on 2 quiet cores): .venv/bin/python -m loadtest.plan_check --out bench_out/plan_check
 """
 
@@ -25,6 +27,7 @@ from cluster.planner.predict import Scenario
 from cluster.planner.search import DEFAULT_MAX_STARTING, Slo, capacity_streams, majority_meets
 from cluster.planner.simulate import ClusterShape, SimOptions
 from cluster.planner.workload import ModelRates, Workload
+from loadtest.box_speed import speed_ratio
 from loadtest.workload import MAX_FRAMES, MIN_FRAMES, load_prompts
 
 ORPHEUS_TINY = ModelRates(24000 / 2048, 7)
@@ -57,6 +60,9 @@ class CheckResult:
     swept_rps: tuple[float, ...]
     others_cores: float = 0.0  # the box's cores other tenants kept busy over the sweep (`BoxCpu`)
     steal_cores: float = 0.0  # the cores the hypervisor gave other machines while ours wanted them
+    # the box's speed around the draws / at calibration (`loadtest.box_speed`; 0: not probed): this VM's
+    # cores change speed by minutes with no steal showing, and a capacity moves with them
+    box_speed_ratio: float = 0.0
 
     @property
     def error(self) -> float:
@@ -140,6 +146,7 @@ def sweep_by_majority(target: str, cfg, draws: int, label: str) -> tuple[float, 
 
     import grpc
 
+    from loadtest.box_speed import box_units_per_s
     from loadtest.metrics import meets_slo, summarize
     from loadtest.sweep import format_step, run_rate
     from loadtest.workload import load_prompts
@@ -152,10 +159,12 @@ def sweep_by_majority(target: str, cfg, draws: int, label: str) -> tuple[float, 
             verdicts: list[bool] = []
             while (verdict := majority_meets(verdicts, draws)) is None:
                 draw = dataclasses.replace(cfg, seed=cfg.seed + len(verdicts))
+                speed_before = box_units_per_s()  # the server idle between draws
                 summary = summarize(rate, run_rate(stub, rate, prompts, draw))
+                speed = (speed_before + box_units_per_s()) / 2
                 verdicts.append(meets_slo(summary, cfg.slo_ttfa_p90_s, cfg.min_pct_viable))
-                steps.append({"summary": summary.to_json(), "draw": draw.seed})
-                print(format_step(f"{label} draw {draw.seed}", summary, cfg), flush=True)
+                steps.append({"summary": summary.to_json(), "draw": draw.seed, "box_units_per_s": round(speed, 2)})
+                print(f"{format_step(f'{label} draw {draw.seed}', summary, cfg)}; box {speed:.0f} units/s", flush=True)
             if not verdict:
                 break
             capacity = rate
@@ -163,10 +172,10 @@ def sweep_by_majority(target: str, cfg, draws: int, label: str) -> tuple[float, 
 
 
 def measure_rps(config: CheckConfig, rates: tuple[float, ...], slo: Slo, out: Path, duration_s: float,
-                draws: int = 1) -> tuple[float, float, float]:  # fmt: skip
+                draws: int = 1) -> tuple[float, float, float, float]:  # fmt: skip
     """Serve the configuration and sweep `rates`, each in `draws` Poisson draws decided by their majority:
     (its capacity at SLO in req/s, the cores the box's other tenants kept busy over the sweep, the cores
-    stolen by the hypervisor)."""
+    stolen by the hypervisor, the box's mean speed around the draws in `loadtest.box_speed` units/s)."""
     from loadtest.cluster_process import running_server
     from loadtest.sweep import SweepConfig, wait_ready
 
@@ -183,26 +192,30 @@ def measure_rps(config: CheckConfig, rates: tuple[float, ...], slo: Slo, out: Pa
               "capacity_rps": capacity}  # fmt: skip
     (out / config.name).mkdir(parents=True, exist_ok=True)
     (out / config.name / f"{config.name}.json").write_text(json.dumps(result, indent=1))
-    return capacity, after.others_cores_since(before), after.steal_cores_since(before)
+    speeds = [step["box_units_per_s"] for step in steps]
+    box_speed = sum(speeds) / len(speeds) if speeds else 0.0
+    return capacity, after.others_cores_since(before), after.steal_cores_since(before), box_speed
 
 
 def check(
     config: CheckConfig, scenario: Scenario, slo: Slo, out: Path, duration_s: float,
     factors: tuple[float, ...] = RATE_FACTORS, sim: SimOptions = SimOptions(), draws: int = 1,
+    calibration_speed: float = 0.0,
 ) -> CheckResult:  # fmt: skip
     predicted = predicted_rps(scenario, config, slo, sim)
     rates = swept_rates(predicted, factors)
-    measured, others, steal = measure_rps(config, rates, slo, out, duration_s, draws)
-    return CheckResult(config.name, predicted, measured, rates, others, steal)
+    measured, others, steal, speed = measure_rps(config, rates, slo, out, duration_s, draws)
+    return CheckResult(config.name, predicted, measured, rates, others, steal, speed_ratio(speed, calibration_speed))
 
 
 def report(results: list[CheckResult]) -> list[str]:
-    lines = ["| config | predicted req/s | measured req/s | error | within 25% | other tenants' cores | stolen cores |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| config | predicted req/s | measured req/s | error | within 25% | other tenants' cores | stolen cores "
+             "| box speed / calibration's |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in results:
+        speed = f"{r.box_speed_ratio:.2f}" if r.box_speed_ratio > 0 else "-"
         lines.append(f"| {r.name} | {r.predicted_rps:.2f} | {r.measured_rps:.2f} | {100 * r.error:.0f}% | "
                      f"{'yes' if r.within_25_pct else 'no'} | {r.others_cores:.2f} | "
-                     f"{r.steal_cores:.2f} |")  # fmt: skip
+                     f"{r.steal_cores:.2f} | {speed} |")  # fmt: skip
     return lines
 
 
@@ -239,7 +252,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{config.name}: predicted {predicted_rps(scenario, config, slo, sim):.2f} req/s")
         return
     factors = tuple(sorted(args.rate_factors))
-    results = [check(config, scenario, slo, args.out, args.duration_s, factors, sim, args.draws) for config in chosen]
+    speed = json.loads((args.out / "calibration.json").read_text()).get("box_speed", {}).get("units_per_s", 0.0)
+    results = [check(config, scenario, slo, args.out, args.duration_s, factors, sim, args.draws, speed)
+               for config in chosen]  # fmt: skip
     summary = {"calibration": str(args.out / "calibration.json"),
                "results": [{**asdict(r), "error": r.error} for r in results]}  # fmt: skip
     (args.out / "plan_check.json").write_text(json.dumps(summary, indent=2, default=float))

@@ -173,7 +173,18 @@ def test_the_other_tenants_cores_are_the_boxs_busy_cpu_less_ours():
     stolen = BoxCpu(box_busy_s=130.0, ours_s=22.0, at_s=10.0, steal_s=3.0)
     assert stolen.steal_cores_since(before) == pytest.approx(0.3)
     table = report([CheckResult("cpu-1x1", 2.0, 1.0, (1.0, 2.0), others_cores=1.8, steal_cores=0.3)])
-    assert table[-1].endswith("| 1.80 | 0.30 |")
+    assert table[-1].endswith("| 1.80 | 0.30 | - |")  # the box's speed not probed
+    slower = report([CheckResult("cpu-1x1", 2.0, 1.0, (1.0, 2.0), box_speed_ratio=0.64)])
+    assert slower[-1].endswith("| 0.64 |")
+
+
+def test_the_box_speed_probe_counts_work_units_on_every_core():
+    from loadtest.box_speed import box_units_per_s, speed_ratio, units_per_s
+
+    assert units_per_s(0.05) > 0
+    assert box_units_per_s(0.05, cores=2) > 0  # spawned processes, summed
+    assert speed_ratio(64.0, 100.0) == pytest.approx(0.64)
+    assert speed_ratio(64.0, 0.0) == 0.0  # a calibration without a probe: unknown, not infinite
 
 
 def test_the_hosts_cpu_at_load_splits_into_a_streams_and_a_chunks_cost_over_the_levels():
