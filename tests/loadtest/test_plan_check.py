@@ -174,8 +174,13 @@ def test_the_other_tenants_cores_are_the_boxs_busy_cpu_less_ours():
     assert stolen.steal_cores_since(before) == pytest.approx(0.3)
     table = report([CheckResult("cpu-1x1", 2.0, 1.0, (1.0, 2.0), others_cores=1.8, steal_cores=0.3)])
     assert table[-1].endswith("| 1.80 | 0.30 | - |")  # the box's speed not probed
-    slower = report([CheckResult("cpu-1x1", 2.0, 1.0, (1.0, 2.0), box_speed_ratio=0.64)])
-    assert slower[-1].endswith("| 0.64 |")
+    slower = CheckResult("cpu-1x1", 2.0, 1.0, (1.0, 2.0), box_speed_ratio=0.64)
+    assert report([slower])[-1].endswith("| 0.64 |")
+    assert slower.is_off_speed and slower.verdict == "no verdict: box off speed"  # 100% off, on a slower box
+    steady = CheckResult("cpu-1x1", 2.0, 1.0, (1.0, 2.0), box_speed_ratio=0.95)
+    assert not steady.is_off_speed and steady.verdict == "no"
+    assert CheckResult("cpu-1x1", 1.1, 1.0, (1.0,), box_speed_ratio=1.08).verdict == "yes"
+    assert CheckResult("cpu-1x1", 1.1, 1.0, (1.0,)).verdict == "yes"  # not probed: judged as before
 
 
 def test_the_box_speed_probe_counts_work_units_on_every_core():
