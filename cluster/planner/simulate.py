@@ -56,6 +56,7 @@ class SimOptions:
     # Poisson draws per load that must mostly meet the SLO (`search.meets_slo`): one draw of ~100 streams
     # swings the p90 TTFA by 5x near capacity (cpu-1x1-cap4 at 1.71 req/s: 0.33-1.68 s over 8 seeds)
     seeds: int = 1
+    trace_admission: bool = False  # keep each step's admission limits (`LLMPass.admission`; `loadtest.plan_trace`)
 
     def passes_for(self, shared_cores: bool) -> int:
         return self.passes or (3 if shared_cores else 2)
@@ -72,6 +73,29 @@ class LLMPass:
     llm_load: float  # time-average of step / real-time step (>= 1: the rows fall behind playback)
     slot_use: float  # time-average of open streams / slots
     llm_busy: np.ndarray | None = None  # LLM processes busy per `CoreShare` bin (None: cores not shared)
+    admission: AdmissionTrace | None = None  # with `SimOptions.trace_admission`
+
+
+@dataclass(frozen=True)
+class AdmissionTrace:
+    """Every step of a simulated LLM pass, per replica [steps, R]: when it began and lasted, the stream limit
+    admission gave the replica, its open streams, and whether a waiting stream was held back by the limits
+    (what `loadtest.loop_stalls` samples from a real replica's load)."""
+
+    clock_s: np.ndarray
+    step_s: np.ndarray
+    limit: np.ndarray
+    num_open: np.ndarray
+    held: np.ndarray  # bool
+
+    def summary(self, window_s: tuple[float, float]) -> dict[str, float]:
+        """Time-weighted over the steps begun in `window_s`: the mean limit and open streams a replica, and
+        the share of the time a stream waited that the limits held back."""
+        weight = np.where((self.clock_s >= window_s[0]) & (self.clock_s < window_s[1]), self.step_s, 0.0)
+        total = max(float(weight.sum()), 1e-12)
+        return {name: float((values * weight).sum() / total)
+                for name, values in (("mean_limit", self.limit), ("mean_open", self.num_open),
+                                     ("held_share", self.held))}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -189,6 +213,12 @@ def _admit_room(state: _Replicas, shape: ClusterShape, steps: MeasuredSteps, clo
                 rates: ModelRates) -> np.ndarray:  # fmt: skip
     """Per replica, how many more streams may start now: under the stream limit and the start limit the
     router computes from the replica's measured steps (`paced_admission`; a large number: no limit)."""
+    return _admission(state, shape, steps, clock, rates)[0]
+
+
+def _admission(state: _Replicas, shape: ClusterShape, steps: MeasuredSteps, clock: np.ndarray,
+               rates: ModelRates) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """(`_admit_room`'s room, the stream limit it came from) per replica."""
     slots = shape.max_streams_per_replica
     num_open = state.open_streams(clock)
     if shape.paced:
@@ -201,10 +231,10 @@ def _admit_room(state: _Replicas, shape: ClusterShape, steps: MeasuredSteps, clo
         limit = room_under = np.full(len(num_open), slots)
     room = limit - num_open
     if shape.max_starting_per_replica <= 0:
-        return room
+        return room, limit
     num_starting = ((state.stream >= 0) & (state.starting_until_s > clock[:, None])).sum(axis=1)
     allowed = starting_allowed(num_open, num_starting, room_under, shape.max_starting_per_replica)
-    return np.minimum(room, allowed - num_starting)
+    return np.minimum(room, allowed - num_starting), limit
 
 
 def _admit(state: _Replicas, queues: _Queues, clock: np.ndarray, streams: Streams, tokens_per_frame: float,
@@ -313,6 +343,8 @@ def run_llm_stage(streams: Streams, shape: ClusterShape, calib: Calibration, rat
     if delivery_s is None:
         delivery_s = np.full(streams.count, detok_step_s + calib.llm_to_detok_s + calib.detok_to_client_s)
     steps = MeasuredSteps.empty(replicas, slots)
+    trace: list[tuple[np.ndarray, ...]] | None = [] if options.trace_admission else None
+    step_lengths_all: list[np.ndarray] = []
     horizon_s = float(streams.arrival_s[-1]) + 60.0 * float(streams.frames.max()) * rates.frame_s
     while True:
         open_rows = (state.stream >= 0).sum(axis=1)
@@ -324,6 +356,10 @@ def run_llm_stage(streams: Streams, shape: ClusterShape, calib: Calibration, rat
         if idle.any():
             clock = np.where(idle, np.maximum(clock, _next_start_s(state, queues, clock, room <= 0)), clock)
             room = _admit_room(state, shape, steps, clock, rates)
+        if trace is not None:
+            limit = _admission(state, shape, steps, clock, rates)[1]
+            held = (queues.head_arrival() <= clock) & ((room <= 0) | ~state.free(clock).any(axis=1))
+            trace.append((clock.copy(), limit, state.open_streams(clock), held))
         filled = _admit(state, queues, clock, streams, rates.tokens_per_frame, options.admission_wait_s, admitted_s,
                         room)  # fmt: skip
         live = state.stream >= 0
@@ -336,6 +372,8 @@ def run_llm_stage(streams: Streams, shape: ClusterShape, calib: Calibration, rat
         in_window = (clock >= window_s[0]) & (clock < window_s[1])
         load_sum += float((step_s * step_s / rates.real_time_step_s)[in_window].sum())
         slot_sum += float((step_s * live.sum(axis=1))[in_window].sum())
+        if trace is not None:
+            step_lengths_all.append(step_s)
         clock = clock + step_s
         steps.record(live.sum(axis=1), step_s, clock, ~filled.any(axis=1))
         state.generated += live
@@ -355,8 +393,12 @@ def run_llm_stage(streams: Streams, shape: ClusterShape, calib: Calibration, rat
     busy = None
     if sharing:
         busy = share.busy_series(np.concatenate(step_starts), np.concatenate(step_lengths)) if step_starts else None
+    admission = None
+    if trace:
+        clock_s, limit, num_open, held = (np.stack(part) for part in zip(*trace, strict=True))
+        admission = AdmissionTrace(clock_s, np.stack(step_lengths_all), limit, num_open, held)
     return LLMPass(as_int[0], as_int[1], cut_s.astype(np.float64), as_int[2], as_int[3], admitted_s,
-                   load_sum / span_s, slot_sum / (span_s * slots), busy)  # fmt: skip
+                   load_sum / span_s, slot_sum / (span_s * slots), busy, admission)  # fmt: skip
 
 
 def real_time_rows(calib: Calibration, rates: ModelRates, slots: int, cache_tokens: float, step_scale: float) -> int:
