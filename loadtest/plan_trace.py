@@ -55,8 +55,9 @@ def format_row(row: dict[str, float]) -> str:
     text = (f"seed {row['seed']}: p90 TTFA {row['p90_ttfa_s']:.2f} s, viable {row['viable_pct']:.1f}%, queue p90 "
             f"{row['queue_wait_p90_s']:.2f} s")  # fmt: skip
     if "mean_limit" in row:
-        text += (f"; admission: mean limit {row['mean_limit']:.2f}, open {row['mean_open']:.2f}, held a waiting "
-                 f"stream {100 * row['held_share']:.0f}% of the time")  # fmt: skip
+        text += (f"; admission: mean limit {row['mean_limit']:.2f}, open {row['mean_open']:.2f}, full "
+                 f"{100 * row['full_share']:.0f}% of the time, held a waiting stream "
+                 f"{100 * row['held_share']:.0f}%")  # fmt: skip
     if "llm_busy" in row:
         text += (f"; loops busy: LLM {row['llm_busy']:.2f}, detok {row['detok_busy']:.2f}, busy-weighted "
                  f"{row['busy_weighted_loops']:.2f}; host {row['host_cores']:.3f} cores")  # fmt: skip

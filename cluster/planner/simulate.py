@@ -89,12 +89,14 @@ class AdmissionTrace:
     held: np.ndarray  # bool
 
     def summary(self, window_s: tuple[float, float]) -> dict[str, float]:
-        """Time-weighted over the steps begun in `window_s`: the mean limit and open streams a replica, and
-        the share of the time a stream waited that the limits held back."""
+        """Time-weighted over the steps begun in `window_s`: the mean limit and open streams a replica, the
+        share of the time its open streams filled the limit (`loop_stalls`' "full"), and the share a stream
+        waited that the limits held back."""
         weight = np.where((self.clock_s >= window_s[0]) & (self.clock_s < window_s[1]), self.step_s, 0.0)
         total = max(float(weight.sum()), 1e-12)
         return {name: float((values * weight).sum() / total)
                 for name, values in (("mean_limit", self.limit), ("mean_open", self.num_open),
+                                     ("full_share", self.num_open >= self.limit),
                                      ("held_share", self.held))}  # fmt: skip
 
 

@@ -24,6 +24,7 @@ def test_admission_is_summarised_over_time_not_steps():
     assert summary["mean_limit"] == pytest.approx((2 * 1.0 + 4 * 0.1 + 6 * 0.9) / 2.0)
     assert summary["held_share"] == pytest.approx(0.1 / 2.0)
     assert summary["mean_open"] == pytest.approx((1 + 0.4 + 5.4) / 2.0)
+    assert summary["full_share"] == pytest.approx((0.1 + 0.9) / 2.0)  # open at the limit, waiting or not
 
 
 def test_a_busy_loop_sees_the_loops_busy_beside_it():
