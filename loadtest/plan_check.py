@@ -28,7 +28,7 @@ from cluster.planner.predict import Scenario
 from cluster.planner.search import DEFAULT_MAX_STARTING, Slo, capacity_streams, majority_meets
 from cluster.planner.simulate import ClusterShape, SimOptions
 from cluster.planner.workload import ModelRates, Workload
-from loadtest.box_speed import speed_ratio
+from loadtest.box_speed import box_units_per_s, speed_ratio
 from loadtest.workload import MAX_FRAMES, MIN_FRAMES, load_prompts
 
 ORPHEUS_TINY = ModelRates(24000 / 2048, 7)
@@ -162,7 +162,6 @@ def sweep_by_majority(target: str, cfg, draws: int, label: str) -> tuple[float, 
 
     import grpc
 
-    from loadtest.box_speed import box_units_per_s
     from loadtest.metrics import meets_slo, summarize
     from loadtest.sweep import format_step, run_rate
     from loadtest.workload import load_prompts

@@ -212,15 +212,10 @@ def starving(state: _Replicas, clock: np.ndarray, rates: ModelRates) -> np.ndarr
 
 
 def _admit_room(state: _Replicas, shape: ClusterShape, steps: MeasuredSteps, clock: np.ndarray,
-                rates: ModelRates) -> np.ndarray:  # fmt: skip
-    """Per replica, how many more streams may start now: under the stream limit and the start limit the
-    router computes from the replica's measured steps (`paced_admission`; a large number: no limit)."""
-    return _admission(state, shape, steps, clock, rates)[0]
-
-
-def _admission(state: _Replicas, shape: ClusterShape, steps: MeasuredSteps, clock: np.ndarray,
-               rates: ModelRates) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
-    """(`_admit_room`'s room, the stream limit it came from) per replica."""
+                rates: ModelRates) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """Per replica, (how many more streams may start now, the stream limit): room under the stream limit and
+    the start limit the router computes from the replica's measured steps (`paced_admission`; a large
+    number: no limit)."""
     slots = shape.max_streams_per_replica
     num_open = state.open_streams(clock)
     if shape.paced:
@@ -346,7 +341,6 @@ def run_llm_stage(streams: Streams, shape: ClusterShape, calib: Calibration, rat
         delivery_s = np.full(streams.count, detok_step_s + calib.llm_to_detok_s + calib.detok_to_client_s)
     steps = MeasuredSteps.empty(replicas, slots)
     trace: list[tuple[np.ndarray, ...]] | None = [] if options.trace_admission else None
-    step_lengths_all: list[np.ndarray] = []
     horizon_s = float(streams.arrival_s[-1]) + 60.0 * float(streams.frames.max()) * rates.frame_s
     while True:
         open_rows = (state.stream >= 0).sum(axis=1)
@@ -354,14 +348,13 @@ def run_llm_stage(streams: Streams, shape: ClusterShape, calib: Calibration, rat
         if not (open_rows.any() or pending.any()) or clock.min() > horizon_s:
             break
         idle = (open_rows == 0) & pending
-        room = _admit_room(state, shape, steps, clock, rates)
+        room, limit = _admit_room(state, shape, steps, clock, rates)
         if idle.any():
             clock = np.where(idle, np.maximum(clock, _next_start_s(state, queues, clock, room <= 0)), clock)
-            room = _admit_room(state, shape, steps, clock, rates)
-        if trace is not None:
-            limit = _admission(state, shape, steps, clock, rates)[1]
+            room, limit = _admit_room(state, shape, steps, clock, rates)
+        if trace is not None:  # as admission saw the replicas before this step's starts
             held = (queues.head_arrival() <= clock) & ((room <= 0) | ~state.free(clock).any(axis=1))
-            trace.append((clock.copy(), limit, state.open_streams(clock), held))
+            seen = (limit, state.open_streams(clock), held)
         filled = _admit(state, queues, clock, streams, rates.tokens_per_frame, options.admission_wait_s, admitted_s,
                         room)  # fmt: skip
         live = state.stream >= 0
@@ -375,7 +368,7 @@ def run_llm_stage(streams: Streams, shape: ClusterShape, calib: Calibration, rat
         load_sum += float((step_s * step_s / rates.real_time_step_s)[in_window].sum())
         slot_sum += float((step_s * live.sum(axis=1))[in_window].sum())
         if trace is not None:
-            step_lengths_all.append(step_s)
+            trace.append((clock.copy(), step_s, *seen))
         clock = clock + step_s
         steps.record(live.sum(axis=1), step_s, clock, ~filled.any(axis=1))
         state.generated += live
@@ -397,8 +390,7 @@ def run_llm_stage(streams: Streams, shape: ClusterShape, calib: Calibration, rat
         busy = share.busy_series(np.concatenate(step_starts), np.concatenate(step_lengths)) if step_starts else None
     admission = None
     if trace:
-        clock_s, limit, num_open, held = (np.stack(part) for part in zip(*trace, strict=True))
-        admission = AdmissionTrace(clock_s, np.stack(step_lengths_all), limit, num_open, held)
+        admission = AdmissionTrace(*(np.stack(part) for part in zip(*trace, strict=True)))
     return LLMPass(as_int[0], as_int[1], cut_s.astype(np.float64), as_int[2], as_int[3], admitted_s,
                    load_sum / span_s, slot_sum / (span_s * slots), busy, admission)  # fmt: skip
 
