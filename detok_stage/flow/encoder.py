@@ -12,14 +12,15 @@ stream's end, as offline); its state holds each block's keys/values and the two 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from detok_stage.flow.attention import AttnCall, KVBuffer, chunk_mask
+from detok_stage.flow.attention import AttnCall, chunk_mask
 from detok_stage.flow.config import EncoderConfig
+from detok_stage.flow.slots import SlotBatch
 
 
 def rel_pos_encoding(rel: torch.Tensor, d_model: int) -> torch.Tensor:
@@ -65,37 +66,34 @@ class RelPositionMultiHeadedAttention(nn.Module):
     def _split(self, x: torch.Tensor) -> torch.Tensor:
         return x.view(x.shape[0], x.shape[1], self.h, self.d_k).transpose(1, 2)  # [N, H, T, d]
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor, kpos: torch.Tensor,
-                chunk: int) -> torch.Tensor:  # fmt: skip
-        """q [n, H, Tq, d] (positions qpos), k/v [n, H, Tk, d] (positions kpos) -> [n, H, Tq, d]."""
-        rel = qpos.unsqueeze(1) - kpos.unsqueeze(0)  # [Tq, Tk]
-        lo, hi = int(rel.min()), int(rel.max())
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rel: torch.Tensor, span: tuple[int, int],
+                visible: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """q [n, H, Tq, d], k/v [n, H, Tk, d]; rel [n or 1, Tq, Tk] query minus key positions, all within
+        `span` (lo, hi); visible [n or 1, 1, Tq, Tk] -> [n, H, Tq, d]."""
+        lo, hi = span
         p = self._projected_positions(lo, hi, q.device)
         ac = torch.matmul(q + self.pos_bias_u.unsqueeze(1), k.transpose(-2, -1))
         bd_all = torch.matmul(q + self.pos_bias_v.unsqueeze(1), p.transpose(-2, -1))  # [n, H, Tq, R]
-        index = (rel - lo).expand(q.shape[0], self.h, -1, -1)
+        index = (rel - lo).unsqueeze(1).expand(q.shape[0], self.h, -1, -1)
         bd = torch.gather(bd_all, -1, index)
         scores = (ac + bd) / math.sqrt(self.d_k)
-        scores = scores.masked_fill(~chunk_mask(qpos, kpos, chunk), float("-inf"))
+        scores = scores.masked_fill(~visible, float("-inf"))
         return torch.matmul(torch.softmax(scores, dim=-1), v)
 
-    def forward(self, x: torch.Tensor, call: AttnCall, buffers: list[KVBuffer] | None, chunk: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, call: AttnCall, layer: tuple, chunk: int) -> torch.Tensor:
         n, t, _ = x.shape
         q, k, v = self._split(self.linear_q(x)), self._split(self.linear_k(x)), self._split(self.linear_v(x))
-        if not call.streamed:
+        if call.batch is None:
             pos = torch.arange(t, device=x.device)
-            out = self._attend(q, k, v, pos, pos, chunk)
+            rel = (pos.unsqueeze(1) - pos.unsqueeze(0)).unsqueeze(0)
+            out = self._attend(q, k, v, rel, (1 - t, t - 1), chunk_mask(pos, pos, chunk).view(1, 1, t, t))
         else:
-            assert buffers is not None and call.starts is not None
-            rows = n // len(buffers)
-            parts = []
-            for g, (buf, start) in enumerate(zip(buffers, call.starts, strict=True)):
-                sl = slice(g * rows, (g + 1) * rows)
-                keys, values = buf.append(k[sl], v[sl])
-                qpos = torch.arange(start, start + t, device=x.device)
-                kpos = torch.arange(start + t - keys.shape[2], start + t, device=x.device)
-                parts.append(self._attend(q[sl], keys, values, qpos, kpos, chunk))
-            out = torch.cat(parts)
+            batch = call.batch
+            keys, values = batch.keys_values(layer, k, v)  # [G, H, L, d]: one row per request
+            kpos = torch.arange(batch.num_keys, device=x.device)
+            rel = batch.query_positions.unsqueeze(2) - kpos.view(1, 1, -1)  # [G, t, L]
+            span = (min(batch.starts) - batch.num_keys + 1, max(batch.starts) + t - 1)
+            out = self._attend(q, keys, values, rel, span, batch.visible)
         return self.linear_out(out.transpose(1, 2).reshape(n, t, self.h * self.d_k))
 
 
@@ -119,8 +117,8 @@ class ConformerEncoderLayer(nn.Module):
         self.norm_ff = nn.LayerNorm(size, eps=1e-12)
         self.norm_mha = nn.LayerNorm(size, eps=1e-12)
 
-    def forward(self, x: torch.Tensor, call: AttnCall, buffers: list[KVBuffer] | None, chunk: int) -> torch.Tensor:
-        x = x + self.self_attn(self.norm_mha(x), call, buffers, chunk)
+    def forward(self, x: torch.Tensor, call: AttnCall, layer: tuple, chunk: int) -> torch.Tensor:
+        x = x + self.self_attn(self.norm_mha(x), call, layer, chunk)
         return x + self.feed_forward(self.norm_ff(x))
 
 
@@ -151,16 +149,13 @@ class Upsample1D(nn.Module):
         self.conv = nn.Conv1d(channels, out_channels, stride * 2 + 1)
 
 
-@dataclass
-class EncoderState:
-    """One request's encoder cache: blocks' keys/values and the causal convs' left inputs."""
+@dataclass(frozen=True)
+class EncoderBatch:
+    """A streamed encoder forward's requests: their token positions (25 Hz blocks, the convs' left
+    inputs) and mel-frame positions (50 Hz blocks)."""
 
-    buffers: list[KVBuffer]
-    up_buffers: list[KVBuffer]
-    look_left: torch.Tensor | None = None  # [1, D, 2] last conv1 outputs (pre-lookahead conv2's context)
-    up_left: torch.Tensor | None = None  # [1, D, 2 * stride] last upsampled frames (up_layer conv's context)
-    tokens_done: int = 0
-    extra: dict = field(default_factory=dict)
+    tokens: SlotBatch
+    frames: SlotBatch
 
 
 class UpsampleConformerEncoder(nn.Module):
@@ -181,68 +176,44 @@ class UpsampleConformerEncoder(nn.Module):
         )
         self.after_norm = nn.LayerNorm(d, eps=1e-5)
 
-    def new_state(self) -> EncoderState:
-        return EncoderState([KVBuffer() for _ in self.encoders], [KVBuffer() for _ in self.up_encoders])
-
     def forward(
-        self, emb: torch.Tensor, valid: list[int], chunk: int, states: list[EncoderState] | None = None
+        self, emb: torch.Tensor, valid: list[int], chunk: int, batch: EncoderBatch | None = None
     ) -> torch.Tensor:
         """emb [N, T + 3, input_size]: T tokens then the 3 look-ahead ones, of which the first `valid[n]`
         exist (the rest lie past the stream's end and are zeroed after the embedding, as the published
-        padding does) -> [N, 2T, D]. Offline (`states` None) the tokens are a whole stream from position
-        0; streamed, row n continues `states[n]` (from token `states[n].tokens_done`) and updates it."""
+        padding does) -> [N, 2T, D]. Offline (`batch` None) the tokens are a whole stream from position
+        0; streamed, row n continues request n of `batch` (keys, values and conv inputs kept in its slot)."""
         la = self.config.pre_lookahead_len
         t = emb.shape[1] - la
         stride = self.config.up_stride
         x = self.embed(emb)
         exists = torch.arange(t + la, device=emb.device).unsqueeze(0) < torch.tensor(valid, device=emb.device)[:, None]
         x = x * exists.unsqueeze(-1).to(x.dtype)
-        x = self._pre_lookahead(x, t, states)
-        call = AttnCall() if states is None else AttnCall([s.tokens_done for s in states], [s.buffers for s in states])
+        x = self._pre_lookahead(x, t, batch)
+        call = AttnCall(batch and batch.tokens, ("encoders",))
         for i, layer in enumerate(self.encoders):
             x = layer(x, call, call.layer(i), chunk)
-        x = self._upsample(x, states)
+        x = self._upsample(x, batch)
         x = self.up_embed(x)
-        up_call = (
-            AttnCall()
-            if states is None
-            else AttnCall([s.tokens_done * stride for s in states], [s.up_buffers for s in states])
-        )
+        up_call = AttnCall(batch and batch.frames, ("up_encoders",))
         for i, layer in enumerate(self.up_encoders):
             x = layer(x, up_call, up_call.layer(i), chunk * stride)
-        if states is not None:
-            for s in states:
-                s.tokens_done += t
         return self.after_norm(x)
 
-    def _pre_lookahead(self, x: torch.Tensor, t: int, states: list[EncoderState] | None) -> torch.Tensor:
+    def _pre_lookahead(self, x: torch.Tensor, t: int, batch: EncoderBatch | None) -> torch.Tensor:
         layer = self.pre_lookahead_layer
         h = F.leaky_relu(layer.conv1(x.transpose(1, 2)))  # [N, D, T]
-        left = self._left(states, "look_left", h, 2)
-        if states is not None:
-            joined = torch.cat([left, h], dim=2)
-            for n, s in enumerate(states):
-                s.look_left = joined[n : n + 1, :, -2:].clone()
-        out = layer.conv2(torch.cat([left, h], dim=2)).transpose(1, 2)
+        out = layer.conv2(_with_left(h, 2, batch, "encoder.look_left")).transpose(1, 2)
         return out + x[:, :t]
 
-    def _upsample(self, x: torch.Tensor, states: list[EncoderState] | None) -> torch.Tensor:
+    def _upsample(self, x: torch.Tensor, batch: EncoderBatch | None) -> torch.Tensor:
         stride = self.up_layer.stride
         up = F.interpolate(x.transpose(1, 2), scale_factor=float(stride), mode="nearest")
-        left = self._left(states, "up_left", up, 2 * stride)
-        joined = torch.cat([left, up], dim=2)
-        if states is not None:
-            for n, s in enumerate(states):
-                s.up_left = joined[n : n + 1, :, -2 * stride :].clone()
-        return self.up_layer.conv(joined).transpose(1, 2)
+        return self.up_layer.conv(_with_left(up, 2 * stride, batch, "encoder.up_left")).transpose(1, 2)
 
-    @staticmethod
-    def _left(states: list[EncoderState] | None, name: str, like: torch.Tensor, width: int) -> torch.Tensor:
-        zeros = like.new_zeros(like.shape[0], like.shape[1], width)
-        if states is None:
-            return zeros
-        for n, s in enumerate(states):
-            prev = getattr(s, name)
-            if prev is not None:
-                zeros[n : n + 1] = prev
-        return zeros
+
+def _with_left(x: torch.Tensor, width: int, batch: EncoderBatch | None, name: str) -> torch.Tensor:
+    """x [N, D, T] after `width` frames of left context: zeros offline, each request's kept ones streamed."""
+    if batch is None:
+        return F.pad(x, (width, 0))
+    return batch.tokens.conv_left(name, x, width)

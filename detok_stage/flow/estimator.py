@@ -4,8 +4,9 @@ in: x, mu, speaker, prompt-mel condition (4 x 80 channels) and the Euler time t 
 down (causal resnet + transformer blocks + causal conv) -> mid blocks -> up (skip concat, resnet,
 transformers, causal conv) -> final causal block -> 80 channels. Every conv is causal (kernel 3,
 two frames of left context) and every attention is chunk-causal over `chunk` frames, so a streamed
-chunk needs only each conv's last two input frames and each block's keys/values (`EstimatorState`,
-one per Euler step). Parameter names follow the published `flow.pt` (`decoder.estimator.*`).
+chunk needs only each conv's last two input frames and each block's keys/values, kept per Euler
+step in the request's slot (`detok_stage.flow.slots`). Parameter names follow the published
+`flow.pt` (`decoder.estimator.*`).
 """
 
 from __future__ import annotations
@@ -16,48 +17,30 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from detok_stage.flow.attention import AttnCall, KVBuffer, chunk_mask
+from detok_stage.flow.attention import AttnCall, chunk_mask
 from detok_stage.flow.config import EstimatorConfig
-
-
-class EstimatorState:
-    """One request's cache for one Euler step: rows (cond, uncond); conv left inputs by name, block KV."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.conv: dict[str, torch.Tensor] = {}
-        self.buffers = [KVBuffer() for _ in range(num_blocks)]
-        self.frames_done = 0
+from detok_stage.flow.slots import SlotBatch
 
 
 class StreamCtx:
-    """What one estimator forward needs besides its input: the attention layout and conv states.
-    Rows are grouped per request (R rows each, R = 2 with CFG); `states` None = offline."""
+    """What one estimator forward needs besides its input: the attention chunk and, streamed, the
+    requests' slots (`batch`, rows grouped per request: R = 2 with CFG) and which Euler step this is
+    (each step keeps its own keys, values and conv inputs); offline `batch` is None."""
 
-    def __init__(self, chunk: int, states: list[EstimatorState] | None) -> None:
+    def __init__(self, chunk: int, batch: SlotBatch | None = None, step: int = 0) -> None:
         self.chunk = chunk
-        self.states = states
-        self.call = (
-            AttnCall() if states is None else AttnCall([s.frames_done for s in states], [s.buffers for s in states])
-        )
+        self.batch = batch
+        self.step = step
+        self.call = AttnCall(batch, ("estimator", step))
         self.block_index = 0
 
     def causal_conv(self, conv: nn.Conv1d, x: torch.Tensor, name: str) -> torch.Tensor:
         width = conv.kernel_size[0] - 1
-        left = x.new_zeros(x.shape[0], x.shape[1], width)
-        if self.states is not None:
-            rows = x.shape[0] // len(self.states)
-            for g, s in enumerate(self.states):
-                prev = s.conv.get(name)
-                if prev is not None:
-                    left[g * rows : (g + 1) * rows] = prev
-        joined = torch.cat([left, x], dim=2)
-        if self.states is not None:
-            rows = x.shape[0] // len(self.states)
-            for g, s in enumerate(self.states):
-                s.conv[name] = joined[g * rows : (g + 1) * rows, :, -width:].clone()
-        return conv(joined)
+        if self.batch is None:
+            return conv(F.pad(x, (width, 0)))
+        return conv(self.batch.conv_left(f"estimator.{self.step}.{name}", x, width))
 
-    def next_buffers(self) -> list[KVBuffer] | None:
+    def next_layer(self) -> tuple:
         i = self.block_index
         self.block_index += 1
         return self.call.layer(i)
@@ -108,29 +91,20 @@ class Attention(nn.Module):
         self.to_v = nn.Linear(dim, inner, bias=False)
         self.to_out = nn.ModuleList([nn.Linear(inner, dim), nn.Dropout(0.0)])
 
-    def forward(self, x: torch.Tensor, ctx: StreamCtx, buffers: list[KVBuffer] | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: StreamCtx, layer: tuple) -> torch.Tensor:
         n, t, _ = x.shape
 
         def split(y: torch.Tensor) -> torch.Tensor:
             return y.view(n, t, self.heads, self.dim_head).transpose(1, 2)
 
         q, k, v = split(self.to_q(x)), split(self.to_k(x)), split(self.to_v(x))
-        if not ctx.call.streamed:
+        if ctx.batch is None:
             pos = torch.arange(t, device=x.device)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk_mask(pos, pos, ctx.chunk))
         else:
-            assert buffers is not None and ctx.call.starts is not None
-            rows = n // len(buffers)
-            parts = []
-            for g, (buf, start) in enumerate(zip(buffers, ctx.call.starts, strict=True)):
-                sl = slice(g * rows, (g + 1) * rows)
-                keys, values = buf.append(k[sl], v[sl])
-                qpos = torch.arange(start, start + t, device=x.device)
-                kpos = torch.arange(start + t - keys.shape[2], start + t, device=x.device)
-                parts.append(
-                    F.scaled_dot_product_attention(q[sl], keys, values, attn_mask=chunk_mask(qpos, kpos, ctx.chunk))
-                )
-            out = torch.cat(parts)
+            keys, values = ctx.batch.keys_values(layer, k, v)
+            mask = ctx.batch.mask_rows(n // ctx.batch.num_requests)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         return self.to_out[0](out.transpose(1, 2).reshape(n, t, self.heads * self.dim_head))
 
 
@@ -161,7 +135,7 @@ class BasicTransformerBlock(nn.Module):
         self.ff = FeedForward(dim)
 
     def forward(self, x: torch.Tensor, ctx: StreamCtx) -> torch.Tensor:
-        x = x + self.attn1(self.norm1(x), ctx, ctx.next_buffers())
+        x = x + self.attn1(self.norm1(x), ctx, ctx.next_layer())
         return x + self.ff(self.norm3(x))
 
 
@@ -211,9 +185,6 @@ class CausalConditionalDecoder(nn.Module):
     def num_attention_blocks(self) -> int:
         return self.config.n_blocks * (2 + self.config.num_mid_blocks)
 
-    def new_state(self) -> EstimatorState:
-        return EstimatorState(self.num_attention_blocks)
-
     def forward(self, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
                 ctx: StreamCtx) -> torch.Tensor:  # fmt: skip
         """x, mu, cond [N, 80, T]; t [N]; spks [N, 80] -> velocity [N, 80, T]."""
@@ -238,8 +209,4 @@ class CausalConditionalDecoder(nn.Module):
         h = transformers(resnet(h, temb, ctx, "up.resnet"), tblocks)
         h = ctx.causal_conv(up, h, "up.conv")
         h = self.final_block(h, ctx, "final")
-        out = self.final_proj(h)
-        if ctx.states is not None:
-            for s in ctx.states:
-                s.frames_done += x.shape[-1]
-        return out
+        return self.final_proj(h)

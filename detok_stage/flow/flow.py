@@ -4,10 +4,11 @@ Offline, `inference` runs the whole [prompt tokens, tokens] sequence through the
 and `n_timesteps` Euler steps of the estimator (cosine t schedule, CFG on the x-vector, prompt mel
 and encoder output), starting from the fixed noise sliced at each frame's absolute position.
 
-Streamed, `FlowStream` advances requests one attention chunk (`chunk_tokens` tokens, 2x mel frames)
-at a time, once the chunk's 3 look-ahead tokens exist (or the stream ended): the encoder continues
-from its cached keys/values and conv inputs, and each Euler step from its own estimator cache, so
-the mel of every chunk equals the offline mel and no chunk is computed twice.
+Streamed, `advance` moves requests on by one attention chunk (`chunk_tokens` tokens, 2x mel frames)
+at a time, once the chunk's 3 look-ahead tokens exist (or the stream ended), all of them in one
+forward per Euler step: the encoder continues from each request's kept keys/values and conv inputs,
+and each Euler step from its own (`detok_stage.flow.slots`), so the mel of every chunk equals the
+offline mel and no chunk is computed twice.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from detok_stage.flow.config import S3GenConfig
-from detok_stage.flow.encoder import EncoderState, UpsampleConformerEncoder
-from detok_stage.flow.estimator import CausalConditionalDecoder, EstimatorState, StreamCtx
+from detok_stage.flow.encoder import EncoderBatch, UpsampleConformerEncoder
+from detok_stage.flow.estimator import CausalConditionalDecoder, StreamCtx
+from detok_stage.flow.slots import FRAMES, TOKENS, FlowSlot, FlowSlots, SlotBatch
 
 
 class CausalConditionalCFM(nn.Module):
@@ -46,29 +48,26 @@ class Conditioning:
         self.prompt_mel = self.prompt_mel[: 2 * pairs]
 
 
-@dataclass
+@dataclass(eq=False)
 class FlowState:
-    """One request's flow cache: its tokens so far, encoder state, one estimator state per Euler step."""
+    """One request's flow stream: its voice, its tokens so far, and its slot in the flow's pools (encoder
+    and per-Euler-step estimator keys/values and conv inputs); dropping the state frees the slot."""
 
     cond: Conditioning
     spks: torch.Tensor  # [80] projected x-vector
-    encoder: EncoderState
-    steps: list[EstimatorState]
+    slot: FlowSlot
+    n_timesteps: int
     tokens: list[int] = field(default_factory=list)  # prompt tokens then stream tokens
     ended: bool = False
+    tokens_done: int = 0  # tokens the encoder and estimator have run (prompt included)
 
     @property
     def num_prompt(self) -> int:
         return int(self.cond.prompt_tokens.numel())
 
     @property
-    def tokens_done(self) -> int:
-        return self.encoder.tokens_done
-
-    @property
     def nbytes(self) -> int:
-        kv = sum(b.nbytes for b in self.encoder.buffers + self.encoder.up_buffers)
-        return kv + sum(b.nbytes for s in self.steps for b in s.buffers)
+        return self.slot.nbytes
 
 
 class CausalMaskedDiffWithXvec(nn.Module):
@@ -101,12 +100,14 @@ class CausalMaskedDiffWithXvec(nn.Module):
         t = torch.linspace(0, 1, n_timesteps + 1, device=self.rand_noise.device)
         return 1 - torch.cos(t * 0.5 * torch.pi)
 
-    def _embed(self, tokens: list[torch.Tensor], width: int) -> tuple[torch.Tensor, list[int]]:
+    def _embed(self, tokens: list[list[int]], width: int) -> tuple[torch.Tensor, list[int]]:
         """Each row's tokens embedded, zero rows after it up to `width`."""
-        out = self.rand_noise.new_zeros(len(tokens), width, self.config.encoder.input_size)
-        for n, tok in enumerate(tokens):
-            out[n, : tok.numel()] = self.input_embedding(tok.long().to(out.device))
-        return out, [int(t.numel()) for t in tokens]
+        valid = [len(t) for t in tokens]
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in tokens], dtype=torch.long)
+        device = self.rand_noise.device
+        exists = torch.arange(width).unsqueeze(0) < torch.tensor(valid).unsqueeze(1)
+        out = self.input_embedding(padded.to(device)) * exists.unsqueeze(-1).to(device, self.rand_noise.dtype)
+        return out, valid
 
     def _euler(self, z: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor, n_timesteps: int,
                ctx_for_step) -> torch.Tensor:  # fmt: skip
@@ -136,7 +137,7 @@ class CausalMaskedDiffWithXvec(nn.Module):
         prompt = cond.prompt_tokens.long().view(1, -1).expand(b, -1)
         seq = torch.cat([prompt.to(tokens.device), tokens.long()], dim=1)
         la = self.config.pre_lookahead_len
-        emb, valid = self._embed(list(seq), seq.shape[1] + la)
+        emb, valid = self._embed(seq.tolist(), seq.shape[1] + la)
         mu = self.encoder_proj(self.encoder(emb, valid, self.config.chunk_tokens)).transpose(1, 2)
         frames = mu.shape[2]
         conds = torch.zeros_like(mu)
@@ -145,18 +146,27 @@ class CausalMaskedDiffWithXvec(nn.Module):
         spks = self.project_speaker(cond.xvector).expand(b, -1)
         z = self.noise(0, frames).unsqueeze(0).expand(b, -1, -1)
         chunk = self.config.chunk_tokens * self.config.token_mel_ratio
-        mel = self._euler(z, mu, spks, conds, n_timesteps, lambda k: StreamCtx(chunk, None))
+        mel = self._euler(z, mu, spks, conds, n_timesteps, lambda k: StreamCtx(chunk))
         return mel[:, :, p_frames:]
 
     # ---- streamed -----------------------------------------------------------------------------
 
+    @property
+    def slots(self) -> FlowSlots:
+        """The pools every streamed request of this flow keeps its state in (made on the module's device)."""
+        pools = getattr(self, "_slots", None)
+        device = self.rand_noise.device
+        if pools is None or (pools.device != device and not pools.open_slots):
+            pools = FlowSlots(device, self.config.token_mel_ratio)
+            self._slots = pools
+        return pools
+
     def new_state(self, cond: Conditioning, n_timesteps: int) -> FlowState:
-        est = self.decoder.estimator
         return FlowState(
             cond=cond,
             spks=self.project_speaker(cond.xvector)[0],
-            encoder=self.encoder.new_state(),
-            steps=[est.new_state() for _ in range(n_timesteps)],
+            slot=self.slots.open(),
+            n_timesteps=n_timesteps,
             tokens=[int(t) for t in cond.prompt_tokens.tolist()],
         )
 
@@ -175,30 +185,39 @@ class CausalMaskedDiffWithXvec(nn.Module):
     @torch.inference_mode()
     def advance(self, states: list[FlowState], length: int) -> list[torch.Tensor]:
         """Run the next `length` tokens of every request (all its next chunk) -> mel [80, 2 * length] each,
-        prompt frames included (the caller drops those)."""
+        prompt frames included (the caller drops those). The requests share one forward per Euler step."""
         la = self.config.pre_lookahead_len
-        starts = [s.tokens_done for s in states]
-        windows = [
-            torch.tensor(s.tokens[st : st + length + la], dtype=torch.long)
-            for s, st in zip(states, starts, strict=True)
-        ]
-        emb, valid = self._embed(windows, length + la)
-        mu = self.encoder_proj(self.encoder(emb, valid, self.config.chunk_tokens, [s.encoder for s in states]))
-        mu = mu.transpose(1, 2)  # [G, 80, 2L]
         ratio = self.config.token_mel_ratio
-        frames = length * ratio
-        conds = torch.zeros_like(mu)
-        z = torch.empty_like(mu)
-        for g, (s, st) in enumerate(zip(states, starts, strict=True)):
-            f0 = st * ratio
-            prompt = s.cond.prompt_mel
-            if f0 < prompt.shape[0]:
-                part = prompt[f0 : f0 + frames].T.to(mu)
-                conds[g, :, : part.shape[1]] = part
-            z[g] = self.noise(f0, frames)
-        spks = torch.stack([s.spks for s in states])
-        chunk = self.config.chunk_tokens * ratio
+        starts = [s.tokens_done for s in states]
+        emb, valid = self._embed([s.tokens[st : st + length + la] for s, st in zip(states, starts, strict=True)],
+                                 length + la)  # fmt: skip
+        for s, st in zip(states, starts, strict=True):
+            s.slot.hold(st + length)
+        handles = [s.slot for s in states]
+        chunk = self.config.chunk_tokens
+        tokens = self.slots.batch(TOKENS, handles, starts, length, chunk)
+        frames = self.slots.batch(FRAMES, handles, [st * ratio for st in starts], length * ratio, chunk * ratio)
+        mu = self.encoder_proj(self.encoder(emb, valid, chunk, EncoderBatch(tokens, frames))).transpose(1, 2)
         mel = self._euler(
-            z, mu, spks, conds, len(states[0].steps), lambda k: StreamCtx(chunk, [s.steps[k] for s in states])
-        )
+            self._noise_at(frames), mu, torch.stack([s.spks for s in states]), self._prompt_mel_at(states, mu),
+            states[0].n_timesteps, lambda k: StreamCtx(chunk * ratio, frames, k),
+        )  # fmt: skip
+        for s in states:
+            s.tokens_done += length
         return list(mel)
+
+    def _noise_at(self, frames: SlotBatch) -> torch.Tensor:
+        """The fixed noise at each request's new mel frames: [G, 80, frames]."""
+        index = frames.query_positions % self.rand_noise.shape[2]  # [G, frames]
+        return self.rand_noise[0][:, index].transpose(0, 1)
+
+    def _prompt_mel_at(self, states: list[FlowState], like: torch.Tensor) -> torch.Tensor:
+        """The condition [G, 80, frames]: the voice's prompt mel where the new frames still cover it, else 0."""
+        conds = torch.zeros_like(like)
+        ratio = self.config.token_mel_ratio
+        for g, s in enumerate(states):
+            f0 = s.tokens_done * ratio
+            if f0 < s.cond.prompt_mel.shape[0]:
+                part = s.cond.prompt_mel[f0 : f0 + like.shape[2]].T.to(like)
+                conds[g, :, : part.shape[1]] = part
+        return conds
