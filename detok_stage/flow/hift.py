@@ -2,13 +2,15 @@
 and streamed exactly.
 
 The published vocoder is not causal: its convs look both ways, the F0 predictor too, and the sine
-source's phase is the running sum of F0 over the whole utterance. Streamed, `HiftStream` therefore
+source's phase is the running sum of F0 over the whole utterance. Streamed, `advance` therefore
 (1) predicts F0 only for frames whose `F0_RADIUS` right context exists, (2) extends the sine source
 from a carried phase (summed in float64, as the offline path does), with harmonic phases and noise
 fixed by seed and sample position, and (3) runs the generator on a window reaching
 `decode_radius` frames either side of the frames it emits. Every emitted sample then equals the
 offline one; the last `decode_radius + F0_RADIUS` frames wait for the next chunk (or the end).
-Parameter names follow the published `hift.pt` (chatterbox: `mel2wav.*`).
+`advance_many` runs the F0 predictor, the source and the generator once per group of requests whose
+windows match, and the NSF noise (a function of the sample position) is drawn once per replica and
+kept on the device. Parameter names follow the published `hift.pt` (chatterbox: `mel2wav.*`).
 """
 
 from __future__ import annotations
@@ -164,6 +166,7 @@ class HiFTGenerator(nn.Module):
         self.f0_predictor = ConvRNNF0Predictor(config.in_channels, config.f0_channels)
         self.register_buffer("stft_window", torch.hann_window(n_fft, periodic=True), persistent=False)
         self.register_buffer("phases", nsf_phases(nsf_seed, config.nb_harmonics).double(), persistent=False)
+        self.register_buffer("_noise", torch.zeros(config.nb_harmonics + 1, 0), persistent=False)
         self.decode_radius = self._decode_radius()
 
     @property
@@ -194,21 +197,36 @@ class HiFTGenerator(nn.Module):
 
     # ---- source ---------------------------------------------------------------------------------
 
-    def source(self, f0: torch.Tensor, start_sample: int, phase: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """f0 [frames] of one request starting at sample `start_sample`, running phase [H+1] (cycles)
-        -> (source samples [frames * hop], phase after them)."""
+    def source(
+        self, f0: torch.Tensor, start_samples: list[int], phase: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """f0 [G, frames] of G requests whose frames start at samples `start_samples`, running phases
+        [G, H+1] (cycles) -> (source samples [G, frames * hop], phases after them)."""
         c = self.config
-        f0_up = f0.repeat_interleave(self.hop).double()
-        harm = torch.arange(1, c.nb_harmonics + 2, dtype=torch.float64, device=f0.device).unsqueeze(1)
-        cycles = phase.unsqueeze(1) + torch.cumsum(f0_up.unsqueeze(0) * harm / c.sampling_rate, dim=1)
+        f0_up = f0.repeat_interleave(self.hop, dim=1).double()  # [G, S]
+        harm = torch.arange(1, c.nb_harmonics + 2, dtype=torch.float64, device=f0.device).view(1, -1, 1)
+        cycles = phase.unsqueeze(2) + torch.cumsum(f0_up.unsqueeze(1) * harm / c.sampling_rate, dim=2)
         theta = 2 * math.pi * (cycles % 1)
-        sine = c.nsf_alpha * torch.sin(theta + self.phases.unsqueeze(1))
-        uv = (f0_up > c.nsf_voiced_threshold).double()
+        sine = c.nsf_alpha * torch.sin(theta + self.phases.view(1, -1, 1))
+        uv = (f0_up > c.nsf_voiced_threshold).double().unsqueeze(1)
         noise_amp = uv * c.nsf_sigma + (1 - uv) * c.nsf_alpha / 3
-        noise = nsf_noise(self.nsf_seed, start_sample, f0_up.shape[0], c.nb_harmonics).to(f0.device).double()
-        waves = (sine * uv + noise_amp * noise).float()  # [H+1, S]
-        merged = torch.tanh(self.m_source.l_linear(waves.T)).squeeze(-1)
-        return merged, cycles[:, -1] % 1
+        noise = self._noise_at(start_samples, f0_up.shape[1]).double()
+        waves = (sine * uv + noise_amp * noise).float()  # [G, H+1, S]
+        merged = torch.tanh(self.m_source.l_linear(waves.transpose(1, 2))).squeeze(-1)
+        return merged, cycles[:, :, -1] % 1
+
+    def _noise_at(self, start_samples: list[int], length: int) -> torch.Tensor:
+        """`nsf_noise` of each request's samples [start, start + length): [G, H+1, length], gathered from
+        blocks drawn once per replica (the noise depends on the position only) and kept on the device."""
+        end = max(start_samples) + length
+        have = self._noise.shape[1]
+        if end > have:
+            blocks = -(-end // NOISE_BLOCK)
+            more = nsf_noise(self.nsf_seed, have, blocks * NOISE_BLOCK - have, self.config.nb_harmonics)
+            self._noise = torch.cat([self._noise, more.to(self._noise)], dim=1)
+        starts = torch.tensor(start_samples, dtype=torch.long).to(self._noise.device, non_blocking=True)
+        index = starts.unsqueeze(1) + torch.arange(length, device=self._noise.device)  # [G, length]
+        return self._noise[:, index].transpose(0, 1)
 
     # ---- generator ------------------------------------------------------------------------------
 
@@ -246,9 +264,8 @@ class HiFTGenerator(nn.Module):
     def inference(self, mel: torch.Tensor) -> torch.Tensor:
         """Offline: mel [B, 80, T] -> wave [B, T * hop]."""
         f0 = self.f0_predictor(mel)
-        zero = torch.zeros(self.config.nb_harmonics + 1, dtype=torch.float64, device=mel.device)
-        s = torch.stack([self.source(row, 0, zero)[0] for row in f0])
-        return self.decode(mel, s)
+        zero = torch.zeros(f0.shape[0], self.config.nb_harmonics + 1, dtype=torch.float64, device=mel.device)
+        return self.decode(mel, self.source(f0, [0] * f0.shape[0], zero)[0])
 
     # ---- streamed -------------------------------------------------------------------------------
 
@@ -262,25 +279,19 @@ class HiFTGenerator(nn.Module):
 
     @torch.inference_mode()
     def advance_many(self, items: list[tuple[HiftState, torch.Tensor, bool]]) -> list[torch.Tensor]:
-        """`advance` for many requests: F0 and source per request, the generator batched over the
-        requests whose windows have the same length (rows are independent, so batching changes nothing)."""
-        hop, r = self.hop, self.decode_radius
-        outs = [self.phases.new_zeros(0).float() for _ in items]
-        windows: dict[int, list[tuple[int, torch.Tensor, torch.Tensor, int, int]]] = {}
-        for index, (state, mel, final) in enumerate(items):
+        """`advance` for many requests, batched (rows are independent, so batching changes nothing): F0 and
+        source over the requests whose windows have the same lengths, the generator over those whose
+        windows have the same length."""
+        assert len({id(state) for state, _, _ in items}) == len(items), "one item per request"
+        for state, mel, _ in items:
             state.mel = torch.cat([state.mel, mel.to(state.mel)], dim=1)
+        self._extend_sources(items)
+        outs = [self.phases.new_zeros(0).float() for _ in items]
+        hop, r = self.hop, self.decode_radius
+        windows: dict[int, list[tuple[int, torch.Tensor, torch.Tensor, int, int]]] = {}
+        for index, (state, _, final) in enumerate(items):
             total = state.mel_base + state.mel.shape[1]
-            # 1. F0 and source of the frames whose F0 predictor context is complete
-            f0_limit = total if final else total - F0_RADIUS
-            if f0_limit > state.f0_done:
-                ws = max(0, state.f0_done - F0_RADIUS)
-                f0 = self.f0_predictor(state.mel[:, ws - state.mel_base :].unsqueeze(0))[0]
-                f0 = f0[state.f0_done - ws : f0_limit - ws]
-                phase = state.phase if state.phase is not None else self.phases.new_zeros(self.config.nb_harmonics + 1)
-                src, state.phase = self.source(f0, state.f0_done * hop, phase)
-                state.source = src if state.source is None else torch.cat([state.source, src])
-                state.f0_done = f0_limit
-            # 2. the generator's window: wide enough that the frames it emits are exact
+            # the generator's window: wide enough that the frames it emits are exact
             limit = total if final else min(total, state.f0_done) - r
             if limit > state.audio_done:
                 ws = max(0, state.audio_done - r)
@@ -290,17 +301,44 @@ class HiFTGenerator(nn.Module):
                 src = state.source[(ws - state.source_base) * hop : (we - state.source_base) * hop]
                 windows.setdefault(we - ws, []).append((index, x, src, state.audio_done - ws, limit - ws))
                 state.audio_done = limit
-            # 3. forget what no later window reaches (the windows above hold their own views)
-            keep_from = max(0, min(state.audio_done - r, state.f0_done - F0_RADIUS))
-            if keep_from > state.mel_base:
-                state.mel = state.mel[:, keep_from - state.mel_base :]
-                state.mel_base = keep_from
-            src_from = max(0, state.audio_done - r)
-            if state.source is not None and src_from > state.source_base:
-                state.source = state.source[(src_from - state.source_base) * hop :]
-                state.source_base = src_from
+            self._forget(state)
         for group in windows.values():
             waves = self.decode(torch.stack([g[1] for g in group]), torch.stack([g[2] for g in group]))
             for (index, _, _, a, b), wave in zip(group, waves, strict=True):
                 outs[index] = wave[a * hop : b * hop]
         return outs
+
+    def _extend_sources(self, items: list[tuple[HiftState, torch.Tensor, bool]]) -> None:
+        """F0 and source of each request's frames whose F0 predictor context is now complete, one F0
+        forward and one source per group of requests with equal window and frame counts."""
+        groups: dict[tuple[int, int, int], list[tuple[HiftState, int, int]]] = {}
+        for state, _, final in items:
+            total = state.mel_base + state.mel.shape[1]
+            f0_limit = total if final else total - F0_RADIUS
+            if f0_limit > state.f0_done:
+                ws = max(0, state.f0_done - F0_RADIUS)
+                key = (total - ws, state.f0_done - ws, f0_limit - state.f0_done)  # window, context, new frames
+                groups.setdefault(key, []).append((state, ws, f0_limit))
+        harmonics = self.config.nb_harmonics + 1
+        for (_, skip, count), group in groups.items():
+            mels = torch.stack([state.mel[:, ws - state.mel_base :] for state, ws, _ in group])
+            f0 = self.f0_predictor(mels)[:, skip : skip + count]
+            zero = self.phases.new_zeros(harmonics)
+            phases = torch.stack([state.phase if state.phase is not None else zero for state, _, _ in group])
+            src, after = self.source(f0, [state.f0_done * self.hop for state, _, _ in group], phases)
+            for (state, _, f0_limit), row, phase in zip(group, src, after, strict=True):
+                state.source = row if state.source is None else torch.cat([state.source, row])
+                state.phase = phase
+                state.f0_done = f0_limit
+
+    def _forget(self, state: HiftState) -> None:
+        """Drop the mel and source no later window reaches (windows already cut hold their own views)."""
+        hop, r = self.hop, self.decode_radius
+        keep_from = max(0, min(state.audio_done - r, state.f0_done - F0_RADIUS))
+        if keep_from > state.mel_base:
+            state.mel = state.mel[:, keep_from - state.mel_base :]
+            state.mel_base = keep_from
+        src_from = max(0, state.audio_done - r)
+        if state.source is not None and src_from > state.source_base:
+            state.source = state.source[(src_from - state.source_base) * hop :]
+            state.source_base = src_from

@@ -51,6 +51,27 @@ def test_a_chunk_runs_the_same_ops_for_sixteen_requests_as_for_one():
     assert sixteen == one
 
 
+def ops_of_one_round(codec: S3GenCodec, requests: int) -> int:
+    """Ops of the codec's third round over `requests` streams of 75 tokens in 25-token chunks."""
+    streams = [chunks_of(f"g{requests}-{i}", tokens(75, i), 25, 25) for i in range(requests)]
+    for index in range(2):
+        codec.decode_stream([chunks[index] for chunks in streams])
+    with OpCount() as ops:
+        codec.decode_stream([chunks[2] for chunks in streams])
+    return ops.count
+
+
+def test_a_codec_round_adds_few_ops_per_request():
+    """The whole round (flow, then HiFT's F0, source and generator batched by window) costs about as many
+    ops for sixteen requests as for four: what a request adds is its own bookkeeping (slicing its mel
+    and source, joining its audio), not its own forwards (~10,700 ops each before the pools)."""
+    codec = fresh_codec()
+    four, sixteen = ops_of_one_round(codec, 4), ops_of_one_round(codec, 16)
+    per_request = (sixteen - four) / 12
+    print(f"aten ops for one codec round: 4 requests {four}, 16 requests {sixteen}: {per_request:.0f} a request")
+    assert per_request < 0.01 * four
+
+
 def test_a_dropped_stream_gives_back_its_slot_and_blocks():
     codec = fresh_codec()
     for i in range(3):
