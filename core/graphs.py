@@ -65,6 +65,10 @@ class GraphCache:
     def num_captured(self) -> int:
         return len(self._captured)
 
+    def has(self, inputs: Sequence[torch.Tensor]) -> bool:
+        """Whether a graph for these inputs' shapes is captured."""
+        return self.key(inputs) in self._captured
+
     def capture(self, inputs: Sequence[torch.Tensor]) -> bool:
         """Capture for these inputs' shapes (their values are only used to warm up); True on success."""
         key = self.key(inputs)

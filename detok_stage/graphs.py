@@ -43,12 +43,15 @@ class ChunkGraphs:
         if not graphs_available(config.device):
             logger.warning("CUDA graphs requested on %s: the detokenizer decodes eagerly", config.device)
             return None
+        sizes = config.cuda_graph_batch_sizes or default_capture_sizes(config.max_batch_chunks)
+        if codec.is_stateful and codec.enable_graphs(sizes):
+            logger.info("the codec replays its streamed forward as CUDA graphs for chunk batches of %s", sizes)
+            return None
         if not codec.captures_windows or config.schedule == "reference":
             log = logger.warning if explicit else logger.info
             log("CUDA graphs need a stateless codec with a device decode and the wide schedule: decoding eagerly")
             return None
         window = config.left_context_frames + config.chunk_frames + config.right_context_frames
-        sizes = config.cuda_graph_batch_sizes or default_capture_sizes(config.max_batch_chunks)
         graphs = cls(codec, window, sizes, config.device)
         captured = graphs.capture_all()
         logger.info("captured %d detokenizer CUDA graphs: windows of 1-%d frames x %s", captured, window, sizes)

@@ -8,6 +8,7 @@ A stateful codec (`is_stateful`, e.g. Mimi) instead decodes chunks with per-requ
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 import torch
 
@@ -48,6 +49,11 @@ class CodecAdapter(ABC):
     def captures_windows(self) -> bool:
         """Whether its windows can replay as CUDA graphs: stateless, and offering `decode_on_device`."""
         return not self.is_stateful and type(self).decode_on_device is not CodecAdapter.decode_on_device
+
+    def enable_graphs(self, batch_sizes: Sequence[int]) -> bool:
+        """A stateful codec that replays its own streamed forward as CUDA graphs turns them on for chunk
+        batches padded to `batch_sizes` (True); the others decode their streams eagerly (False)."""
+        return False
 
     def decode_stream(self, chunks: list[TokenChunk]) -> list[torch.Tensor]:
         """Stateful codecs: audio [keep frames * samples_per_frame] per chunk, chunks of a request in seq order."""

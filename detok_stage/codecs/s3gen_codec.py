@@ -20,6 +20,7 @@ chunk, requests with equal chunk lengths in one forward (KV buffers stay per req
 from __future__ import annotations
 
 from collections import OrderedDict, defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ from core.messages import TokenChunk, VoiceConditioning
 from detok_stage.codecs.base import CodecAdapter
 from detok_stage.flow.config import S3GenConfig, full_s3gen_config, tiny_s3gen_config
 from detok_stage.flow.flow import Conditioning
+from detok_stage.flow.flow_graphs import FlowGraphs
 from detok_stage.flow.model import S3Gen, S3GenStream
 
 
@@ -91,6 +93,12 @@ class S3GenCodec(CodecAdapter):
         self.default_voice = model.default_conditioning()
         self.num_rebuilds = 0
         self.voices: OrderedDict[str, Conditioning] = OrderedDict()  # registered voices by handle, LRU
+
+    def enable_graphs(self, batch_sizes: Sequence[int]) -> bool:
+        """The flow's streamed chunk as CUDA graphs, chunk batches padded to `batch_sizes`
+        (`detok_stage.flow.flow_graphs`; off CUDA the padded forward runs eagerly)."""
+        self.model.flow.graphs = FlowGraphs(self.model.flow, batch_sizes, self.n_timesteps)
+        return True
 
     # ---- registered voices (their tensors arrive over the stage transport, once per replica) ---
 

@@ -60,6 +60,8 @@ class RelPositionMultiHeadedAttention(nn.Module):
             with torch.no_grad():
                 proj = self.linear_pos(rel_pos_encoding(table, self.h * self.d_k))
             cache = (key, c_lo, c_hi, proj.view(-1, self.h, self.d_k).transpose(0, 1))
+            if getattr(self, "_pos_cache", None) is not None:  # a CUDA graph may still read the old table
+                self._replaced_pos_tables = [*getattr(self, "_replaced_pos_tables", []), self._pos_cache[3]]
             self._pos_cache = cache
         return cache[3][:, lo - cache[1] : hi - cache[1] + 1]
 
@@ -92,7 +94,7 @@ class RelPositionMultiHeadedAttention(nn.Module):
             keys, values = batch.keys_values(layer, k, v)  # [G, H, L, d]: one row per request
             kpos = torch.arange(batch.num_keys, device=x.device)
             rel = batch.query_positions.unsqueeze(2) - kpos.view(1, 1, -1)  # [G, t, L]
-            span = (min(batch.starts) - batch.num_keys + 1, max(batch.starts) + t - 1)
+            span = batch.span or (1 - batch.num_keys, batch.num_keys - 1)  # positions lie in [0, L)
             out = self._attend(q, keys, values, rel, span, batch.visible)
         return self.linear_out(out.transpose(1, 2).reshape(n, t, self.h * self.d_k))
 
@@ -177,18 +179,16 @@ class UpsampleConformerEncoder(nn.Module):
         self.after_norm = nn.LayerNorm(d, eps=1e-5)
 
     def forward(
-        self, emb: torch.Tensor, valid: list[int], chunk: int, batch: EncoderBatch | None = None
+        self, emb: torch.Tensor, exists: torch.Tensor, chunk: int, batch: EncoderBatch | None = None
     ) -> torch.Tensor:
-        """emb [N, T + 3, input_size]: T tokens then the 3 look-ahead ones, of which the first `valid[n]`
-        exist (the rest lie past the stream's end and are zeroed after the embedding, as the published
-        padding does) -> [N, 2T, D]. Offline (`batch` None) the tokens are a whole stream from position
+        """emb [N, T + 3, input_size]: T tokens then the 3 look-ahead ones, those where `exists` [N, T + 3]
+        is false lying past the stream's end (zeroed after the embedding, as the published padding
+        does) -> [N, 2T, D]. Offline (`batch` None) the tokens are a whole stream from position
         0; streamed, row n continues request n of `batch` (keys, values and conv inputs kept in its slot)."""
         la = self.config.pre_lookahead_len
         t = emb.shape[1] - la
         stride = self.config.up_stride
-        x = self.embed(emb)
-        exists = torch.arange(t + la, device=emb.device).unsqueeze(0) < torch.tensor(valid, device=emb.device)[:, None]
-        x = x * exists.unsqueeze(-1).to(x.dtype)
+        x = self.embed(emb) * exists.unsqueeze(-1).to(emb.dtype)
         x = self._pre_lookahead(x, t, batch)
         call = AttnCall(batch and batch.tokens, ("encoders",))
         for i, layer in enumerate(self.encoders):

@@ -14,6 +14,7 @@ offline mel and no chunk is computed twice.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,9 @@ from detok_stage.flow.config import S3GenConfig
 from detok_stage.flow.encoder import EncoderBatch, UpsampleConformerEncoder
 from detok_stage.flow.estimator import CausalConditionalDecoder, StreamCtx
 from detok_stage.flow.slots import FRAMES, TOKENS, FlowSlot, FlowSlots, SlotBatch
+
+if TYPE_CHECKING:
+    from detok_stage.flow.flow_graphs import FlowGraphs
 
 
 class CausalConditionalCFM(nn.Module):
@@ -84,6 +88,7 @@ class CausalMaskedDiffWithXvec(nn.Module):
         self.register_buffer(
             "rand_noise", torch.randn(1, config.mel_bins, config.noise_frames, generator=gen), persistent=False
         )
+        self.graphs: FlowGraphs | None = None  # set by `S3GenCodec.enable_graphs`
 
     # ---- pieces shared by both paths ----------------------------------------------------------
 
@@ -100,14 +105,13 @@ class CausalMaskedDiffWithXvec(nn.Module):
         t = torch.linspace(0, 1, n_timesteps + 1, device=self.rand_noise.device)
         return 1 - torch.cos(t * 0.5 * torch.pi)
 
-    def _embed(self, tokens: list[list[int]], width: int) -> tuple[torch.Tensor, list[int]]:
-        """Each row's tokens embedded, zero rows after it up to `width`."""
-        valid = [len(t) for t in tokens]
+    def _embed(self, tokens: list[list[int]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's tokens embedded, zero rows after it up to `width`: ([N, width, D], exists [N, width])."""
         padded = torch.tensor([t + [0] * (width - len(t)) for t in tokens], dtype=torch.long)
+        exists = torch.arange(width).unsqueeze(0) < torch.tensor([len(t) for t in tokens]).unsqueeze(1)
         device = self.rand_noise.device
-        exists = torch.arange(width).unsqueeze(0) < torch.tensor(valid).unsqueeze(1)
-        out = self.input_embedding(padded.to(device)) * exists.unsqueeze(-1).to(device, self.rand_noise.dtype)
-        return out, valid
+        exists = exists.to(device, non_blocking=True)
+        return self.input_embedding(padded.to(device)) * exists.unsqueeze(-1).to(self.rand_noise.dtype), exists
 
     def _euler(self, z: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor, n_timesteps: int,
                ctx_for_step) -> torch.Tensor:  # fmt: skip
@@ -137,8 +141,8 @@ class CausalMaskedDiffWithXvec(nn.Module):
         prompt = cond.prompt_tokens.long().view(1, -1).expand(b, -1)
         seq = torch.cat([prompt.to(tokens.device), tokens.long()], dim=1)
         la = self.config.pre_lookahead_len
-        emb, valid = self._embed(seq.tolist(), seq.shape[1] + la)
-        mu = self.encoder_proj(self.encoder(emb, valid, self.config.chunk_tokens)).transpose(1, 2)
+        emb, exists = self._embed(seq.tolist(), seq.shape[1] + la)
+        mu = self.encoder_proj(self.encoder(emb, exists, self.config.chunk_tokens)).transpose(1, 2)
         frames = mu.shape[2]
         conds = torch.zeros_like(mu)
         p_frames = cond.prompt_mel.shape[0]
@@ -185,26 +189,53 @@ class CausalMaskedDiffWithXvec(nn.Module):
     @torch.inference_mode()
     def advance(self, states: list[FlowState], length: int) -> list[torch.Tensor]:
         """Run the next `length` tokens of every request (all its next chunk) -> mel [80, 2 * length] each,
-        prompt frames included (the caller drops those). The requests share one forward per Euler step."""
-        la = self.config.pre_lookahead_len
-        ratio = self.config.token_mel_ratio
-        starts = [s.tokens_done for s in states]
-        emb, valid = self._embed([s.tokens[st : st + length + la] for s, st in zip(states, starts, strict=True)],
-                                 length + la)  # fmt: skip
-        for s, st in zip(states, starts, strict=True):
-            s.slot.hold(st + length)
-        handles = [s.slot for s in states]
-        chunk = self.config.chunk_tokens
-        tokens = self.slots.batch(TOKENS, handles, starts, length, chunk)
-        frames = self.slots.batch(FRAMES, handles, [st * ratio for st in starts], length * ratio, chunk * ratio)
-        mu = self.encoder_proj(self.encoder(emb, valid, chunk, EncoderBatch(tokens, frames))).transpose(1, 2)
-        mel = self._euler(
-            self._noise_at(frames), mu, torch.stack([s.spks for s in states]), self._prompt_mel_at(states, mu),
-            states[0].n_timesteps, lambda k: StreamCtx(chunk * ratio, frames, k),
-        )  # fmt: skip
+        prompt frames included (the caller drops those). The requests share one forward per Euler step
+        (a CUDA graph's replay where `graphs` has one for the shape)."""
+        for s in states:
+            s.slot.hold(s.tokens_done + length)
+        mel = self.graphs.run(self, states, length) if self.graphs is not None else None
+        if mel is None:
+            inputs, spans = self.round_inputs(states, length)
+            mel = self.round(*inputs, n_timesteps=states[0].n_timesteps, spans=spans)
         for s in states:
             s.tokens_done += length
         return list(mel)
+
+    def round_inputs(
+        self, states: list[FlowState], length: int, num_tokens: int | None = None
+    ) -> tuple[list[torch.Tensor], tuple[tuple[int, int], tuple[int, int]]]:
+        """The device inputs of `round` for the requests' next `length` tokens (their slots hold the
+        blocks): embedded tokens + look-ahead and where they exist, speakers, prompt-mel condition,
+        noise, then the token and mel-frame `SlotBatch` tensors (keys padded to `num_tokens`); and the
+        two batches' position spans (`SlotBatch.span`)."""
+        la = self.config.pre_lookahead_len
+        ratio = self.config.token_mel_ratio
+        starts = [s.tokens_done for s in states]
+        emb, exists = self._embed([s.tokens[st : st + length + la] for s, st in zip(states, starts, strict=True)],
+                                  length + la)  # fmt: skip
+        ids = [s.slot.id for s in states]
+        chunk = self.config.chunk_tokens
+        tokens = SlotBatch.build(self.slots, TOKENS, ids, starts, length, chunk, num_tokens)
+        frames = SlotBatch.build(self.slots, FRAMES, ids, [st * ratio for st in starts], length * ratio, chunk * ratio,
+                                 tokens.num_keys * ratio)  # fmt: skip
+        spks = torch.stack([s.spks for s in states])
+        conds = self._prompt_mel_at(states, spks.new_zeros(len(states), self.config.mel_bins, length * ratio))
+        inputs = [emb, exists, spks, conds, self._noise_at(frames), *tokens.tensors(), *frames.tensors()]
+        return inputs, (tokens.span, frames.span)
+
+    def round(self, emb: torch.Tensor, exists: torch.Tensor, spks: torch.Tensor, conds: torch.Tensor, z: torch.Tensor,
+              *batches: torch.Tensor, n_timesteps: int, spans: tuple | None = None) -> torch.Tensor:  # fmt: skip
+        """One streamed chunk of G requests on the device, nothing read back (capturable): the encoder
+        over their tokens, then `n_timesteps` Euler steps -> mel [G, 80, frames]; keys, values and conv
+        inputs updated in their slots. `spans` None (a CUDA graph): position spans fixed by the shapes."""
+        half = len(batches) // 2
+        token_span, frame_span = spans or (None, None)
+        tokens = SlotBatch.of_tensors(self.slots, TOKENS, list(batches[:half]), token_span)
+        frames = SlotBatch.of_tensors(self.slots, FRAMES, list(batches[half:]), frame_span)
+        chunk = self.config.chunk_tokens
+        mu = self.encoder_proj(self.encoder(emb, exists, chunk, EncoderBatch(tokens, frames))).transpose(1, 2)
+        chunk_frames = chunk * self.config.token_mel_ratio
+        return self._euler(z, mu, spks, conds, n_timesteps, lambda k: StreamCtx(chunk_frames, frames, k))
 
     def _noise_at(self, frames: SlotBatch) -> torch.Tensor:
         """The fixed noise at each request's new mel frames: [G, 80, frames]."""

@@ -62,41 +62,67 @@ class PositionBlocks:
         return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long)
 
 
+@dataclass
 class SlotBatch:
-    """One forward's G requests for one position kind: each adds `length` positions after its `starts[g]`.
+    """One forward's G requests for one position kind, as device tensors only (a CUDA graph's inputs):
+    each request writes `length` positions, pool rows `write` [G * length], and reads its positions
+    0..L-1, pool rows `read` [G, L]; `visible` [G, 1, length, L] says which keys each query sees,
+    `query_positions` [G, length] are the positions written, `slot_index` [G] the requests' slots."""
 
-    `write` [G * length] and `read` [G, L] are pool rows (L = the longest request's positions after
-    this forward); `visible` [G, 1, length, L] says which keys each query sees."""
+    slots: FlowSlots
+    kind: str
+    write: torch.Tensor
+    read: torch.Tensor
+    visible: torch.Tensor
+    query_positions: torch.Tensor
+    slot_index: torch.Tensor
+    # query minus key positions all lie in `span` (host ints); None: in (1 - L, L - 1), fixed by the
+    # shapes, which a CUDA graph needs (the rel-pos encoder then projects more distances than it uses)
+    span: tuple[int, int] | None = None
 
-    def __init__(self, slots: FlowSlots, kind: str, ids: list[int], starts: list[int], length: int,
-                 chunk: int) -> None:  # fmt: skip
-        self.slots, self.kind, self.ids = slots, kind, ids
-        self.starts, self.length, self.chunk = starts, length, chunk
-        self.num_keys = max(starts) + length
+    @classmethod
+    def build(cls, slots: FlowSlots, kind: str, ids: list[int], starts: list[int], length: int,
+              chunk: int, num_keys: int | None = None) -> SlotBatch:  # fmt: skip
+        """Request g (slot `ids[g]`) adds positions [starts[g], starts[g] + length); a key is visible when
+        the request holds it and it lies before the end of the query's `chunk` (0: no chunking). L is
+        `num_keys` (at least the longest request's positions), so a padded L keeps shapes repeatable."""
+        num_keys = max(num_keys or 0, max(starts) + length)
         device = slots.device
-        table = slots.blocks[kind].table(ids, blocks_for(self.num_keys)).to(device, non_blocking=True)
+        table = slots.blocks[kind].table(ids, blocks_for(num_keys)).to(device, non_blocking=True)
         start = torch.tensor(starts, dtype=torch.long).to(device, non_blocking=True)
         new = start.unsqueeze(1) + torch.arange(length, device=device)  # [G, length] positions written
-        keys = torch.arange(self.num_keys, device=device)
-        self.write = self._rows(table, new).reshape(-1)
-        self.read = self._rows(table, keys.expand(len(ids), -1))
-        self.slot_index = torch.tensor(ids, dtype=torch.long).to(device, non_blocking=True)
+        keys = torch.arange(num_keys, device=device)
         exists = keys.unsqueeze(0) < (start + length).unsqueeze(1)  # [G, L]
         visible = exists.unsqueeze(1)
         if chunk > 0:
             chunk_end = (new // chunk + 1) * chunk  # [G, length]
             visible = visible & (keys.view(1, 1, -1) < chunk_end.unsqueeze(2))
-        self.visible = visible.unsqueeze(1)  # [G, 1, length, L]
-        self.query_positions = new
+        return cls(
+            slots, kind, write=_pool_rows(table, new).reshape(-1), read=_pool_rows(table, keys.expand(len(ids), -1)),
+            visible=visible.unsqueeze(1), query_positions=new,
+            slot_index=torch.tensor(ids, dtype=torch.long).to(device, non_blocking=True),
+            span=(min(starts) - num_keys + 1, max(starts) + length - 1),
+        )  # fmt: skip
 
-    @staticmethod
-    def _rows(table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        block = torch.gather(table, 1, torch.div(positions, BLOCK_POSITIONS, rounding_mode="floor"))
-        return block * BLOCK_POSITIONS + positions % BLOCK_POSITIONS
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.write, self.read, self.visible, self.query_positions, self.slot_index]
+
+    @classmethod
+    def of_tensors(cls, slots: FlowSlots, kind: str, tensors: list[torch.Tensor],
+                   span: tuple[int, int] | None = None) -> SlotBatch:  # fmt: skip
+        return cls(slots, kind, *tensors, span=span)
+
+    @property
+    def length(self) -> int:
+        return self.query_positions.shape[1]
+
+    @property
+    def num_keys(self) -> int:
+        return self.read.shape[1]
 
     @property
     def num_requests(self) -> int:
-        return len(self.ids)
+        return self.read.shape[0]
 
     def keys_values(self, layer: object, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v [G * R, H, length, D] as the requests' next positions in `layer`'s pools; returns
@@ -158,6 +184,7 @@ class FlowSlots:
         self.num_slots = 0
         self.free_slots: list[int] = []
         self.open_slots: set[int] = set()
+        self.generation = 0  # bumped when a pool is reallocated (CUDA graphs captured on the old ones are stale)
 
     def open(self) -> FlowSlot:
         """A slot with zero conv history (its KV positions are written before they are read)."""
@@ -181,7 +208,7 @@ class FlowSlots:
         self.free_slots.append(slot_id)
 
     def batch(self, kind: str, slots: list[FlowSlot], starts: list[int], length: int, chunk: int) -> SlotBatch:
-        return SlotBatch(self, kind, [s.id for s in slots], starts, length, chunk)
+        return SlotBatch.build(self, kind, [s.id for s in slots], starts, length, chunk)
 
     # ---- pools (created on first use, grown when the block or slot counts outgrow them) ----------
 
@@ -192,6 +219,7 @@ class FlowSlots:
         if pools is None or pools[0].shape[0] < positions:
             pools = tuple(_grown(p, positions, shape, like) for p in (pools or (None, None)))
             self.kv[key] = pools
+            self.generation += 1
         return pools
 
     def conv_pool(self, name: str, shape: tuple[int, int, int], like: torch.Tensor) -> torch.Tensor:
@@ -199,7 +227,17 @@ class FlowSlots:
         if pool is None or pool.shape[0] < self.num_slots:
             pool = _grown(pool, self.num_slots, shape, like)
             self.conv[name] = pool
+            self.generation += 1
         return pool
+
+    def fit(self) -> None:
+        """Grow every pool made so far to the current block and slot counts (before a CUDA graph runs:
+        a pool reallocated inside a capture would leave the graph on the old one)."""
+        for kind, layer in list(self.kv):
+            k, _ = self.kv[(kind, layer)]
+            self.kv_pools(kind, layer, tuple(k.shape[1:]), k)
+        for name, pool in list(self.conv.items()):
+            self.conv_pool(name, tuple(pool.shape[1:]), pool)
 
     def slot_nbytes(self, slot_id: int) -> int:
         """Bytes of the slot's KV blocks in every pool made so far."""
@@ -213,6 +251,12 @@ class FlowSlots:
     def nbytes(self) -> int:
         kv = sum(k.nbytes + v.nbytes for k, v in self.kv.values())
         return kv + sum(p.nbytes for p in self.conv.values())
+
+
+def _pool_rows(table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Pool rows of each request's `positions` [G, n] through its block `table` [G, blocks]."""
+    block = torch.gather(table, 1, torch.div(positions, BLOCK_POSITIONS, rounding_mode="floor"))
+    return block * BLOCK_POSITIONS + positions % BLOCK_POSITIONS
 
 
 def _grown(pool: torch.Tensor | None, length: int, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
