@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# loadtest.gpu_bench (after loadtest.gpu_check with GPU_CHECK=1) on the GPU machine, run from the repo root with `.whl` carried there (`make gpu-wheels`):
+# loadtest.gpu_bench (after loadtest.gpu_check with GPU_CHECK=1, the `-m gpu` tests with GPU_TESTS=1) on the
+# GPU machine, run from the repo root with `.whl` carried there (`make gpu-wheels`):
 # installs the wheels its Python lacks (pydantic and its dependencies, snac) into $SITE, then runs the
 # benchmark into $OUT ($BENCH.json, rewritten after each section, and $BENCH.log). Arguments go to
 # loadtest.$BENCH: BENCH=gpu_bench (default, Orpheus 3B) or BENCH=family_gpu_bench (every other family at its
@@ -28,5 +29,11 @@ if [ "${GPU_CHECK:-0}" = 1 ]; then  # first the parity check (eager / graphs / a
         --rows 1 4 8 32 --max-tokens 70 --out "$OUT/gpu_check.json" >"$OUT/gpu_check.log" 2>&1 \
         && echo "gpu_check: every mode gave eager's tokens" || echo "gpu_check FAILED (rc $?): see gpu_check.log"
     tail -c 1200 "$OUT/gpu_check.log"
+fi
+if [ "${GPU_TESTS:-0}" = 1 ]; then  # the graph-vs-eager parity tests marked gpu (inner loops, codec and S3Gen flow graphs)
+    timeout "${GPU_TESTS_S:-300}" "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider tests/llm_stage/test_inner_loop.py \
+        tests/detok_stage/test_codec_graphs.py tests/detok_stage/test_flow_graphs.py >"$OUT/gpu_tests.log" 2>&1 \
+        && echo "gpu tests passed" || echo "gpu tests FAILED (rc $?): see gpu_tests.log"
+    tail -c 1500 "$OUT/gpu_tests.log"
 fi
 "$PYTHON" -m "loadtest.$BENCH" --out "$OUT" "$@" 2>&1 | tee "$OUT/$BENCH.log"
