@@ -10,6 +10,8 @@ Three measurements, each printed as a markdown table and kept in `--out` (JSON):
    chunk runs the flow over all tokens so far + 3 look-ahead, then HiFT on the new mel with 8 cached
    frames, as its `token2wav` does).
 3. `steps`: Euler steps 10 / 5 / 2, milliseconds per second of audio at batch 1.
+4. `ops`: aten ops dispatched by one chunk round (each a kernel launch on a GPU, where they bound the
+   round's time eagerly) against the batch: the flow alone and the whole codec round (flow + HiFT).
 
 Run: `.venv/bin/python -m loadtest.flow_bench --shape tiny` and `--shape full --batches 1 4`.
 """
@@ -23,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from core.messages import TokenChunk
 from detok_stage.codecs.s3gen_codec import S3GenCodec
@@ -61,6 +64,40 @@ def ms_per_audio_s(codec: S3GenCodec, batch: int, tokens: int, chunk: int) -> di
     }  # fmt: skip
 
 
+class _OpCount(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def ops_per_round(codec: S3GenCodec, batch: int, chunk: int) -> dict:
+    """Aten ops of the fourth chunk round of `batch` requests (the pools grown by then): the codec's whole
+    round and its flow."""
+    per_req = [request_chunks(f"ops{batch}-{i}", 6 * chunk, chunk, codec.codebook_size) for i in range(batch)]
+    for index in range(3):
+        codec.decode_stream([c[index] for c in per_req])
+    flow, advance = codec.model.flow, codec.model.flow.advance
+    flow_ops = _OpCount()
+
+    def counted(*args, **kwargs):
+        with flow_ops:
+            return advance(*args, **kwargs)
+
+    flow.advance = counted
+    try:
+        with _OpCount() as round_ops:
+            codec.decode_stream([c[3] for c in per_req])
+    finally:
+        del flow.advance
+    for c in per_req:
+        codec.release(c[0].req_id)
+    return {"batch": batch, "round_ops": round_ops.count, "flow_ops": flow_ops.count}
+
+
 def per_chunk_curve(codec: S3GenCodec, tokens: int, chunk: int) -> list[dict]:
     chunks = request_chunks("curve", tokens, chunk, codec.codebook_size)
     model, voice = codec.model, codec.default_voice
@@ -90,7 +127,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=100, help="tokens per request (25 Hz: 100 = 4 s)")
     parser.add_argument("--chunk", type=int, default=None, help="tokens per chunk (default: the attention chunk)")
     parser.add_argument("--curve-tokens", type=int, default=250)
-    parser.add_argument("--skip", nargs="*", default=[], choices=["rtf", "per_chunk", "steps"])
+    parser.add_argument("--skip", nargs="*", default=[], choices=["rtf", "per_chunk", "steps", "ops"])
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: CPU time = compute, robust to load)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -126,6 +163,12 @@ def main() -> None:
         print("| steps | CPU ms per s of audio | wall ms per s of audio |\n|---|---|---|")
         for r in result["steps"]:
             print(f"| {r['steps']} | {r['cpu_ms_per_audio_s']} | {r['ms_per_audio_s']} |")
+    if "ops" not in args.skip:
+        result["ops"] = [ops_per_round(codec, b, chunk) for b in args.batches]
+        print(f"\n{args.shape}: aten ops (GPU launches) per chunk round, chunk {chunk}\n")
+        print("| batch | whole round | flow | round ops per request |\n|---|---|---|---|")
+        for r in result["ops"]:
+            print(f"| {r['batch']} | {r['round_ops']} | {r['flow_ops']} | {r['round_ops'] / r['batch']:.0f} |")
     print(f"\nload average at start {result['loadavg_at_start']:.1f}, now {os.getloadavg()[0]:.1f}")
     result["loadavg_at_end"] = os.getloadavg()[0]
     if args.out:
