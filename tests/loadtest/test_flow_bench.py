@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from loadtest.flow_bench import build, ms_per_audio_s, per_chunk_curve
+from loadtest.flow_bench import build, ms_per_audio_s, ops_per_round, per_chunk_curve
 
 
 def test_rtf_row_counts_all_audio():
@@ -15,3 +15,11 @@ def test_rtf_row_counts_all_audio():
 def test_per_chunk_curve_has_a_row_per_chunk():
     rows = per_chunk_curve(build("tiny", steps=2), tokens=12, chunk=4)
     assert [r["tokens_so_far"] for r in rows] == [4, 8, 12]
+
+
+def test_ops_row_counts_the_round_and_its_flow():
+    codec = build("tiny", steps=2)
+    one, four = ops_per_round(codec, 1, 4), ops_per_round(codec, 4, 4)
+    assert 0 < one["flow_ops"] < one["round_ops"]
+    assert four["flow_ops"] == one["flow_ops"]  # one forward per Euler step, whatever the batch
+    assert not codec._states  # the bench's streams were released
