@@ -19,6 +19,7 @@ chunk, requests with equal chunk lengths in one forward (KV buffers stay per req
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict, defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -34,6 +35,8 @@ from detok_stage.flow.config import S3GenConfig, full_s3gen_config, tiny_s3gen_c
 from detok_stage.flow.flow import Conditioning
 from detok_stage.flow.flow_graphs import FlowGraphs
 from detok_stage.flow.model import S3Gen, S3GenStream
+
+logger = logging.getLogger(__name__)
 
 
 class CacheMissError(ValueError):
@@ -97,7 +100,10 @@ class S3GenCodec(CodecAdapter):
     def enable_graphs(self, batch_sizes: Sequence[int]) -> bool:
         """The flow's streamed chunk as CUDA graphs, chunk batches padded to `batch_sizes`
         (`detok_stage.flow.flow_graphs`; off CUDA the padded forward runs eagerly)."""
-        self.model.flow.graphs = FlowGraphs(self.model.flow, batch_sizes, self.n_timesteps)
+        graphs = FlowGraphs(self.model.flow, batch_sizes, self.n_timesteps)
+        self.model.flow.graphs = graphs
+        captured = graphs.capture_all(self.model.flow)
+        logger.info("s3gen flow: %d CUDA graphs captured before serving (sizes %s)", captured, graphs.sizes)
         return True
 
     # ---- registered voices (their tensors arrive over the stage transport, once per replica) ---

@@ -75,6 +75,23 @@ class FlowGraphs:
         self.num_runs += 1
         return out[:count].clone()  # (the graph's output buffer is reused by its next replay)
 
+    @torch.inference_mode()
+    def capture_all(self, flow: CausalMaskedDiffWithXvec) -> int:
+        """Before serving, on CUDA: every size at the smallest key bucket, on scratch rows (the pools made
+        first by one eager scratch round), so the first streams replay instead of waiting for captures;
+        longer streams' buckets are captured as they reach them. Returns the graphs captured."""
+        if not graphs_available(flow.rand_noise.device):
+            return 0
+        length = flow.config.chunk_tokens
+        self._prepare_scratch(flow, length)
+        if not flow.slots.kv:
+            inputs, spans = flow.round_inputs([self.scratch] * self.sizes[-1], length, MIN_KEY_TOKENS)
+            flow.round(*inputs, n_timesteps=self.n_timesteps, spans=spans)
+            self._prepare_scratch(flow, length)
+        for size in self.sizes:
+            self._capture(flow, size, length, MIN_KEY_TOKENS)
+        return self.graphs.num_captured
+
     def _capture(self, flow: CausalMaskedDiffWithXvec, size: int, length: int, keys: int) -> bool:
         """Capture the shape on scratch rows only (its warm-up runs change no request's state)."""
         inputs, _ = flow.round_inputs([self.scratch] * size, length, keys)

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from core.config import DetokConfig
+from core.graphs import GraphCache
 from detok_stage.codecs.s3gen_codec import S3GenCodec
 from detok_stage.flow.config import tiny_s3gen_config
-from detok_stage.flow.flow_graphs import MAX_KEY_TOKENS, key_bucket
+from detok_stage.flow.flow_graphs import MAX_KEY_TOKENS, MIN_KEY_TOKENS, key_bucket
 from detok_stage.flow.model import S3Gen
 from detok_stage.graphs import ChunkGraphs
 from tests.detok_stage.test_s3gen_streaming import chunks_of, tokens
@@ -93,6 +94,27 @@ def test_the_engine_turns_the_codecs_graphs_on_only_where_graphs_run(monkeypatch
     monkeypatch.setattr("detok_stage.graphs.graphs_available", lambda device: True)
     assert ChunkGraphs.build(codec, DetokConfig(cuda_graph_batch_sizes=SIZES)) is None
     assert codec.model.flow.graphs is not None and codec.model.flow.graphs.sizes == list(SIZES)
+
+
+def test_every_size_is_captured_before_serving_on_scratch_rows_only(monkeypatch):
+    """Where graphs run, `enable_graphs` makes the pools with one scratch round, then captures every size
+    at the smallest key bucket; no request's slot is touched, and a stream decoded after it is exact."""
+    shapes: list[tuple[int, int]] = []
+
+    def capture(self, inputs):
+        shapes.append((inputs[0].shape[0], inputs[6].shape[1]))  # (rows, token keys) of the round
+        return False  # (nothing can be captured on a CPU)
+
+    monkeypatch.setattr("detok_stage.flow.flow_graphs.graphs_available", lambda device: True)
+    monkeypatch.setattr(GraphCache, "capture", capture)
+    codec = new_codec(graphs=True)
+    assert shapes == [(size, MIN_KEY_TOKENS) for size in SIZES]
+    flow = codec.model.flow
+    assert flow.slots.kv and flow.slots.open_slots == {flow.graphs.scratch.slot.id}
+    monkeypatch.undo()
+    flow.graphs = None  # eager from here: the stream's audio must not carry the captures' writes
+    one = {"s": chunks_of("s", tokens(13, 5), 4, 4)}
+    torch.testing.assert_close(interleaved(codec, one)["s"], interleaved(new_codec(), one)["s"], atol=1e-4, rtol=0)
 
 
 @pytest.mark.gpu
