@@ -25,6 +25,8 @@ from cluster.batch import BatchItem, run_batch
 from cluster.pipeline import InProcessPipeline
 from core.config import CacheConfig, SchedulerConfig
 from core.graphs import GraphCache, graphs_available
+from detok_stage.codecs.base import CodecAdapter
+from llm_stage.chunking import Chunker, ChunkSchedule
 from llm_stage.engine import LLMEngine
 from llm_stage.models.base import LMAdapter
 from loadtest.cfg_bench import run_once
@@ -123,7 +125,66 @@ def detok_section(run: FamilyRun) -> dict:
         out[str(batch)] = {"ms": round(ms, 2), "ms_per_audio_s": per_audio_s, "x_rt": round(audio_s / ms * 1e3, 1)}
         if graphs is not None:
             out[str(batch)] |= graph_figures(run, graphs, codes, audio_s)
-    return {"window_frames": frames, "by_batch": out, "graphs": graphs is not None}
+    streamed = streamed_section(run) if has_own_graphs(run.codec) else None
+    return {"window_frames": frames, "by_batch": out, "graphs": graphs is not None} | (
+        {"streamed": streamed} if streamed is not None else {}
+    )
+
+
+# --- a stateful codec with its own graphs (S3Gen): streamed rounds, eager vs graphs ---------------------------
+
+STREAMED_CHUNK_ROUNDS = 3  # chunk rounds per stream (whole 25-token attention chunks for S3Gen)
+# exact streaming keeps every frame's keys for every Euler step (~176 MB per audio second at the published
+# shapes): 64 streams of 3 s would hold ~34 GB, doubled by the pools' growth; larger batches are skipped
+STREAMED_MAX_BATCH = 16
+
+
+def has_own_graphs(codec) -> bool:
+    return codec.is_stateful and type(codec).enable_graphs is not CodecAdapter.enable_graphs
+
+
+def streamed_pass(codec, batch: int, tag: str) -> tuple[float, list[torch.Tensor]]:
+    """`batch` streams decoded together, chunk round by chunk round: (ms, each stream's audio)."""
+    chunk, count = codec.config.chunk_tokens, STREAMED_CHUNK_ROUNDS * codec.config.chunk_tokens
+    streams = []
+    for i in range(batch):  # stream i's tokens depend on i only: each pass decodes the same streams
+        tokens = torch.randint(0, codec.codebook_size, (count,), generator=torch.Generator().manual_seed(i))
+        chunker = Chunker(f"{tag}-{batch}-{i}", ChunkSchedule(chunk, chunk, count, codec.min_right_context_frames))
+        streams.append(chunker.push([[int(t)] for t in tokens]) + chunker.finish())
+    audio: list[list[torch.Tensor]] = [[] for _ in streams]
+    start = time.perf_counter()
+    for index in range(max(len(c) for c in streams)):
+        for i, wave in enumerate(codec.decode_stream([c[index] for c in streams])):
+            audio[i].append(wave)  # (decode_stream hands back CPU audio: the device has finished)
+    return (time.perf_counter() - start) * 1e3, [torch.cat(a) for a in audio]
+
+
+def streamed_section(run: FamilyRun) -> dict:
+    """S3Gen's streamed rounds at each detok batch: eager, then (on CUDA) through the flow's graphs
+    (`detok_stage.flow.flow_graphs`, captured at the batch sizes first, then one untimed pass for the key
+    buckets): ms per second of audio, and the graphs' largest difference from eager's audio."""
+    codec, batches, out = run.codec, list(run.args.detok_batches), {}
+    codec.model.flow.graphs = None
+    eager = {}
+    for batch in batches:
+        if batch > STREAMED_MAX_BATCH or run.time_left_s() < 1.0:
+            out[str(batch)] = {"skipped": "out of time" if batch <= STREAMED_MAX_BATCH else "flow KV (exact streaming)"}
+            continue
+        ms, eager[batch] = streamed_pass(codec, batch, "eager")
+        audio_s = sum(a.numel() for a in eager[batch]) / codec.sample_rate_hz
+        out[str(batch)] = {"eager_ms_per_audio_s": round(ms / audio_s, 3), "audio_s": round(audio_s, 2)}
+    if not graphs_available(run.args.device) or not eager:
+        return {"rounds": STREAMED_CHUNK_ROUNDS, "by_batch": out, "graphs": False}
+    codec.enable_graphs(sorted(eager))
+    for batch, want in eager.items():
+        if run.time_left_s() < 1.0:
+            break
+        streamed_pass(codec, batch, "graphs-warm")
+        ms, got = streamed_pass(codec, batch, "graphs")
+        audio_s = sum(a.numel() for a in got) / codec.sample_rate_hz
+        diff = max(float((g - w).abs().max()) for g, w in zip(got, want, strict=True))
+        out[str(batch)] |= {"graphs_ms_per_audio_s": round(ms / audio_s, 3), "graphs_max_abs_diff": diff}
+    return {"rounds": STREAMED_CHUNK_ROUNDS, "by_batch": out, "graphs": True}
 
 
 def window_graphs(run: FamilyRun) -> GraphCache | None:

@@ -153,3 +153,26 @@ def test_a_stateless_codecs_window_graph_is_timed_beside_eager_and_compared(monk
     codes = torch.randint(0, codec.codebook_size, (2, 5, codec.codes_per_frame))
     figures = family_sections.graph_figures(run, graphs, codes, audio_s=1.0)
     assert figures["graphs_max_abs_diff"] == 0.0 and figures["graphs_ms"] > 0
+
+
+def test_a_codec_with_its_own_graphs_is_timed_streamed_eager_then_through_them(monkeypatch):
+    """S3Gen's detok_cost also times streamed chunk rounds, eager and (on CUDA) through the flow's graphs,
+    with their largest difference. On the CPU the graphs' padded forward stands in for the replay."""
+    from types import SimpleNamespace
+
+    from detok_stage.codecs.s3gen_codec import S3GenCodec
+    from detok_stage.flow.config import tiny_s3gen_config
+    from detok_stage.flow.model import S3Gen
+    from loadtest import family_sections
+
+    codec = S3GenCodec(S3Gen.seeded(tiny_s3gen_config(), 2))
+    assert family_sections.has_own_graphs(codec) and not family_sections.has_own_graphs(s3gen_codec.CodecAdapter)
+    run = SimpleNamespace(codec=codec, args=SimpleNamespace(device="cpu", detok_batches=[1, 3]),
+                          time_left_s=lambda: 60.0)  # fmt: skip
+    eager = family_sections.streamed_section(run)
+    assert eager["graphs"] is False and eager["by_batch"]["3"]["eager_ms_per_audio_s"] > 0
+    monkeypatch.setattr(family_sections, "graphs_available", lambda device: True)
+    section = family_sections.streamed_section(run)
+    row = section["by_batch"]["3"]
+    assert section["graphs"] is True and row["graphs_ms_per_audio_s"] > 0 and row["graphs_max_abs_diff"] < 1e-4
+    assert codec.model.flow.graphs.num_runs > 0  # the padded path ran
