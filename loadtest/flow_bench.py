@@ -64,7 +64,9 @@ def ms_per_audio_s(codec: S3GenCodec, batch: int, tokens: int, chunk: int) -> di
     }  # fmt: skip
 
 
-class _OpCount(TorchDispatchMode):
+class OpCount(TorchDispatchMode):
+    """Counts the aten ops dispatched inside it (each a kernel launch on a GPU)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
@@ -81,7 +83,7 @@ def ops_per_round(codec: S3GenCodec, batch: int, chunk: int) -> dict:
     for index in range(3):
         codec.decode_stream([c[index] for c in per_req])
     flow, advance = codec.model.flow, codec.model.flow.advance
-    flow_ops = _OpCount()
+    flow_ops = OpCount()
 
     def counted(*args, **kwargs):
         with flow_ops:
@@ -89,7 +91,7 @@ def ops_per_round(codec: S3GenCodec, batch: int, chunk: int) -> dict:
 
     flow.advance = counted
     try:
-        with _OpCount() as round_ops:
+        with OpCount() as round_ops:
             codec.decode_stream([c[3] for c in per_req])
     finally:
         del flow.advance

@@ -6,25 +6,13 @@ from __future__ import annotations
 import gc
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from detok_stage.codecs.s3gen_codec import S3GenCodec
 from detok_stage.flow.config import tiny_s3gen_config
 from detok_stage.flow.model import S3Gen
 from detok_stage.flow.slots import BLOCK_POSITIONS, FRAMES, TOKENS, FlowSlots, PositionBlocks
+from loadtest.flow_bench import OpCount
 from tests.detok_stage.test_s3gen_streaming import chunks_of, offline, tokens
-
-
-class OpCount(TorchDispatchMode):
-    """Counts the aten ops dispatched inside it (each a kernel launch on a GPU)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def fresh_codec() -> S3GenCodec:
