@@ -5,8 +5,9 @@ alone by rows (`loadtest.step_bench.ms_per_step`); (2) a served 1x1 `voxray serv
 c=1 streams in two prompt sets (every process's CPU: the detok replica's per chunk, the idle background),
 closed-loop clients at 2-12 (the LLM replica's serving-loop step by rows, and the host's CPU against the
 streams and chunks each level served: its cost per start and per chunk at load); (3) an idle 2x2 server
-(the idle background's part per stage replica); (4) the box's speed before and after (`box_speed`: this
-VM's cores change speed by minutes, and `plan_check` compares its draws' speed with it). The JSON carries,
+(the idle background's part per stage replica); (4) the box's speed before and after (`box_speed`: the
+Python unit and the LLM step at 4 rows; this VM's cores change speed by minutes, and `plan_check`
+compares its draws' speed with it). The JSON carries,
 beside each number's source, the `assumptions` it rests on and the c=1 TTFA against the planner's zero-load
 TTFA on it. Starts Ray (unless --no-host): never beside another benchmark.
 Usage: python -m loadtest.plan_calibrate --out bench_out/plan_calibration.json [--cores 2]
@@ -23,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from cluster.planner.calibration import CALIBRATION_DIR, parse_calibration
-from loadtest.box_speed import box_units_per_s
+from loadtest.box_speed import box_step_ms, box_units_per_s
 from loadtest.host_cost import HostCost, calibration_host
 
 CPU_CALIBRATION = CALIBRATION_DIR / "cpu-orpheus-tiny.json"
@@ -135,7 +136,7 @@ def calibrate(serve_cfg, scratch: Path, cores: int, host_requests: int, use_host
     """The calibration for this box now (`serve_cfg`: the 1x1 `core.config.ServeConfig` host_cost serves;
     `idle_cfg`: a larger cluster served idle, for the background's part per replica) and the host
     measurement it came from (None with `use_host` False: every stage on its own core)."""
-    speeds = [box_units_per_s()]
+    speeds, step_probes = [box_units_per_s()], [box_step_ms()]
     steps = measured_step_ms()
     base = json.loads(CPU_CALIBRATION.read_text())
     data = calibration_with_steps(base, steps, f"loadtest.step_bench.ms_per_step on this box, rows {CALIBRATION_ROWS}")
@@ -150,7 +151,10 @@ def calibrate(serve_cfg, scratch: Path, cores: int, host_requests: int, use_host
             cost = replace(cost, background_by_replicas={**cost.background_by_replicas, replicas: idle})
         data = calibration_with_host(data, cost, cores, "loadtest.host_cost on this box")
     speeds.append(box_units_per_s())
-    data["box_speed"] = {"units_per_s": round(float(np.mean(speeds)), 2), "probes": [round(v, 2) for v in speeds]}
+    step_probes.append(box_step_ms())
+    data["box_speed"] = {"units_per_s": round(float(np.mean(speeds)), 2), "probes": [round(v, 2) for v in speeds],
+                         "step_ms": round(float(np.mean(step_probes)), 3),
+                         "step_probes": [round(v, 3) for v in step_probes]}  # fmt: skip
     return data, cost
 
 

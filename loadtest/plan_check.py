@@ -10,8 +10,8 @@ clamps them), in req/s = streams / mean audio seconds; (3) measure it: `voxray s
 as a process (`loadtest.cluster_process`) and the sweep's open-loop rates around the prediction, each rate
 decided by most of `--draws` Poisson draws (as the planner decides a load by most of its `--seeds`); (4) the
 verdict: |predicted - measured| / measured <= 25%, or none where the box's speed around the draws moved
-more than SPEED_TOLERANCE from the calibration's (`loadtest.box_speed`: this VM's cores change speed by
-minutes, and a CPU-bound capacity with them).
+more than SPEED_TOLERANCE from the calibration's, by the Python unit or by the LLM step at 4 rows
+(`loadtest.box_speed`: this VM's cores change speed by minutes, and a CPU-bound capacity with them).
 Starts Ray: never run it beside another benchmark.
 Run (~30 min on 2 quiet cores): .venv/bin/python -m loadtest.plan_check --out bench_out/plan_check
 """
@@ -28,7 +28,7 @@ from cluster.planner.predict import Scenario
 from cluster.planner.search import DEFAULT_MAX_STARTING, Slo, capacity_streams, majority_meets
 from cluster.planner.simulate import ClusterShape, SimOptions
 from cluster.planner.workload import ModelRates, Workload
-from loadtest.box_speed import box_units_per_s, speed_ratio
+from loadtest.box_speed import box_step_ms, box_units_per_s, speed_ratio
 from loadtest.workload import MAX_FRAMES, MIN_FRAMES, load_prompts
 
 ORPHEUS_TINY = ModelRates(24000 / 2048, 7)
@@ -67,6 +67,9 @@ class CheckResult:
     # the box's speed around the draws / at calibration (`loadtest.box_speed`; 0: not probed): this VM's
     # cores change speed by minutes with no steal showing, and a capacity moves with them
     box_speed_ratio: float = 0.0
+    # the same by the LLM step at 4 rows probed around the draws (calibration's ms / the draws' ms; 0: not
+    # probed): the Python unit does not predict the serving loop's work
+    step_speed_ratio: float = 0.0
 
     @property
     def error(self) -> float:
@@ -80,7 +83,8 @@ class CheckResult:
     def is_off_speed(self) -> bool:
         """The box ran its draws at another speed than it calibrated at (more than SPEED_TOLERANCE apart):
         the capacities compare two machines, so the check gives no verdict."""
-        return self.box_speed_ratio > 0 and abs(self.box_speed_ratio - 1.0) > SPEED_TOLERANCE
+        ratios = (self.box_speed_ratio, self.step_speed_ratio)
+        return any(r > 0 and abs(r - 1.0) > SPEED_TOLERANCE for r in ratios)
 
     @property
     def verdict(self) -> str:
@@ -174,12 +178,14 @@ def sweep_by_majority(target: str, cfg, draws: int, label: str) -> tuple[float, 
             verdicts: list[bool] = []
             while (verdict := majority_meets(verdicts, draws)) is None:
                 draw = dataclasses.replace(cfg, seed=cfg.seed + len(verdicts))
-                speed_before = box_units_per_s()  # the server idle between draws
+                speed_before, step_before = box_units_per_s(), box_step_ms()  # the server idle between draws
                 summary = summarize(rate, run_rate(stub, rate, prompts, draw))
-                speed = (speed_before + box_units_per_s()) / 2
+                speed, step_ms = (speed_before + box_units_per_s()) / 2, (step_before + box_step_ms()) / 2
                 verdicts.append(meets_slo(summary, cfg.slo_ttfa_p90_s, cfg.min_pct_viable))
-                steps.append({"summary": summary.to_json(), "draw": draw.seed, "box_units_per_s": round(speed, 2)})
-                print(f"{format_step(f'{label} draw {draw.seed}', summary, cfg)}; box {speed:.0f} units/s", flush=True)
+                steps.append({"summary": summary.to_json(), "draw": draw.seed, "box_units_per_s": round(speed, 2),
+                              "box_step_ms": round(step_ms, 3)})  # fmt: skip
+                print(f"{format_step(f'{label} draw {draw.seed}', summary, cfg)}; box {speed:.0f} units/s, "
+                      f"step {step_ms:.2f} ms", flush=True)  # fmt: skip
             if not verdict:
                 break
             capacity = rate
@@ -187,10 +193,11 @@ def sweep_by_majority(target: str, cfg, draws: int, label: str) -> tuple[float, 
 
 
 def measure_rps(config: CheckConfig, rates: tuple[float, ...], slo: Slo, out: Path, duration_s: float,
-                draws: int = 1) -> tuple[float, float, float, float]:  # fmt: skip
+                draws: int = 1) -> tuple[float, float, float, float, float]:  # fmt: skip
     """Serve the configuration and sweep `rates`, each in `draws` Poisson draws decided by their majority:
     (its capacity at SLO in req/s, the cores the box's other tenants kept busy over the sweep, the cores
-    stolen by the hypervisor, the box's mean speed around the draws in `loadtest.box_speed` units/s)."""
+    stolen by the hypervisor, the box's mean speed around the draws in `loadtest.box_speed` units/s, and
+    the mean LLM step probed around them in ms)."""
     from loadtest.cluster_process import running_server
     from loadtest.sweep import SweepConfig, wait_ready
 
@@ -207,30 +214,35 @@ def measure_rps(config: CheckConfig, rates: tuple[float, ...], slo: Slo, out: Pa
               "capacity_rps": capacity}  # fmt: skip
     (out / config.name).mkdir(parents=True, exist_ok=True)
     (out / config.name / f"{config.name}.json").write_text(json.dumps(result, indent=1))
-    speeds = [step["box_units_per_s"] for step in steps]
-    box_speed = sum(speeds) / len(speeds) if speeds else 0.0
-    return capacity, after.others_cores_since(before), after.steal_cores_since(before), box_speed
+    box_speed, step_ms = (_mean([step[key] for step in steps]) for key in ("box_units_per_s", "box_step_ms"))
+    return capacity, after.others_cores_since(before), after.steal_cores_since(before), box_speed, step_ms
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
 
 
 def check(
     config: CheckConfig, scenario: Scenario, slo: Slo, out: Path, duration_s: float,
     factors: tuple[float, ...] = RATE_FACTORS, sim: SimOptions = SimOptions(), draws: int = 1,
-    calibration_speed: float = 0.0,
+    calibration_speed: float = 0.0, calibration_step_ms: float = 0.0,
 ) -> CheckResult:  # fmt: skip
     predicted = predicted_rps(scenario, config, slo, sim)
     rates = swept_rates(predicted, factors)
-    measured, others, steal, speed = measure_rps(config, rates, slo, out, duration_s, draws)
-    return CheckResult(config.name, predicted, measured, rates, others, steal, speed_ratio(speed, calibration_speed))
+    measured, others, steal, speed, step_ms = measure_rps(config, rates, slo, out, duration_s, draws)
+    return CheckResult(config.name, predicted, measured, rates, others, steal, speed_ratio(speed, calibration_speed),
+                       speed_ratio(calibration_step_ms, step_ms))  # fmt: skip
 
 
 def report(results: list[CheckResult]) -> list[str]:
     lines = ["| config | predicted req/s | measured req/s | error | within 25% | other tenants' cores | stolen cores "
-             "| box speed / calibration's |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| box speed / calibration's | LLM step speed / calibration's |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in results:
-        speed = f"{r.box_speed_ratio:.2f}" if r.box_speed_ratio > 0 else "-"
+        speed, step = (f"{ratio:.2f}" if ratio > 0 else "-" for ratio in (r.box_speed_ratio, r.step_speed_ratio))
         lines.append(f"| {r.name} | {r.predicted_rps:.2f} | {r.measured_rps:.2f} | {100 * r.error:.0f}% | "
                      f"{r.verdict} | {r.others_cores:.2f} | "
-                     f"{r.steal_cores:.2f} | {speed} |")  # fmt: skip
+                     f"{r.steal_cores:.2f} | {speed} | {step} |")  # fmt: skip
     return lines
 
 
@@ -267,8 +279,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{config.name}: predicted {predicted_rps(scenario, config, slo, sim):.2f} req/s")
         return
     factors = tuple(sorted(args.rate_factors))
-    speed = json.loads((args.out / "calibration.json").read_text()).get("box_speed", {}).get("units_per_s", 0.0)
-    results = [check(config, scenario, slo, args.out, args.duration_s, factors, sim, args.draws, speed)
+    probed = json.loads((args.out / "calibration.json").read_text()).get("box_speed", {})
+    speed, step_ms = probed.get("units_per_s", 0.0), probed.get("step_ms", 0.0)
+    results = [check(config, scenario, slo, args.out, args.duration_s, factors, sim, args.draws, speed, step_ms)
                for config in chosen]  # fmt: skip
     summary = {"calibration": str(args.out / "calibration.json"),
                "results": [{**asdict(r), "error": r.error} for r in results]}  # fmt: skip

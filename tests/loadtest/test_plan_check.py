@@ -173,19 +173,23 @@ def test_the_other_tenants_cores_are_the_boxs_busy_cpu_less_ours():
     stolen = BoxCpu(box_busy_s=130.0, ours_s=22.0, at_s=10.0, steal_s=3.0)
     assert stolen.steal_cores_since(before) == pytest.approx(0.3)
     table = report([CheckResult("cpu-1x1", 2.0, 1.0, (1.0, 2.0), others_cores=1.8, steal_cores=0.3)])
-    assert table[-1].endswith("| 1.80 | 0.30 | - |")  # the box's speed not probed
+    assert table[-1].endswith("| 1.80 | 0.30 | - | - |")  # the box's speed not probed
     slower = CheckResult("cpu-1x1", 2.0, 1.0, (1.0, 2.0), box_speed_ratio=0.64)
-    assert report([slower])[-1].endswith("| 0.64 |")
+    assert report([slower])[-1].endswith("| 0.64 | - |")
     assert slower.is_off_speed and slower.verdict == "no verdict: box off speed"  # 100% off, on a slower box
     steady = CheckResult("cpu-1x1", 2.0, 1.0, (1.0, 2.0), box_speed_ratio=0.95)
     assert not steady.is_off_speed and steady.verdict == "no"
     assert CheckResult("cpu-1x1", 1.1, 1.0, (1.0,), box_speed_ratio=1.08).verdict == "yes"
     assert CheckResult("cpu-1x1", 1.1, 1.0, (1.0,)).verdict == "yes"  # not probed: judged as before
+    # the Python unit steady, the LLM step 20% slower than at calibration: no verdict either
+    step_slower = CheckResult("cpu-1x1", 1.1, 1.0, (1.0,), box_speed_ratio=1.0, step_speed_ratio=0.8)
+    assert step_slower.is_off_speed and report([step_slower])[-1].endswith("| 1.00 | 0.80 |")
 
 
 def test_the_box_speed_probe_counts_work_units_on_every_core():
-    from loadtest.box_speed import box_units_per_s, speed_ratio, units_per_s
+    from loadtest.box_speed import box_step_ms, box_units_per_s, speed_ratio, units_per_s
 
+    assert box_step_ms() > 0  # the LLM engine's step at 4 rows, in a fresh process
     assert units_per_s(0.05) > 0
     assert box_units_per_s(0.05, cores=2) > 0  # spawned processes, summed
     assert speed_ratio(64.0, 100.0) == pytest.approx(0.64)
