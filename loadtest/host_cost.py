@@ -132,8 +132,9 @@ def cpu_seconds_by_role(root_pid: int) -> dict[str, float]:
 
 
 def client_cpu_s() -> float:
+    """This process's CPU seconds, with its ended children's (the box-speed probes it spawns are ours)."""
     times = psutil.Process().cpu_times()
-    return times.user + times.system
+    return times.user + times.system + times.children_user + times.children_system
 
 
 def background_cores(root_pid: int, idle_s: float = IDLE_S) -> float:

@@ -186,6 +186,27 @@ def test_the_other_tenants_cores_are_the_boxs_busy_cpu_less_ours():
     assert step_slower.is_off_speed and report([step_slower])[-1].endswith("| 1.00 | 0.80 |")
 
 
+def test_the_box_speed_is_read_at_the_draws_that_decided_the_capacity():
+    from loadtest.plan_check import deciding_draws
+
+    def step(rate: float, units: float) -> dict:
+        return {"summary": {"rate_rps": rate}, "box_units_per_s": units, "box_step_ms": 1000 / units}
+
+    steps = [step(1.0, 240), step(1.2, 230), step(1.2, 225), step(1.4, 190), step(1.4, 180)]
+    assert [s["box_units_per_s"] for s in deciding_draws(steps, 1.2)] == [230, 225, 190, 180]
+    assert [s["box_units_per_s"] for s in deciding_draws(steps[:3], 1.2)] == [230, 225]  # every rate met
+    assert [s["box_units_per_s"] for s in deciding_draws(steps[:1], 0.0)] == [240]  # the lowest rate missed
+
+
+def test_the_clients_cpu_counts_the_probes_it_spawned():
+    from loadtest.box_speed import box_units_per_s
+    from loadtest.host_cost import client_cpu_s
+
+    before = client_cpu_s()
+    box_units_per_s(0.3, cores=1)  # a spawned process spinning 0.3 s, ended and reaped
+    assert client_cpu_s() - before > 0.2  # not "another tenant's" cores in BoxCpu
+
+
 def test_the_box_speed_probe_counts_work_units_on_every_core():
     from loadtest.box_speed import box_step_ms, box_units_per_s, speed_ratio, units_per_s
 
