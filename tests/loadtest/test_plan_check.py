@@ -198,6 +198,26 @@ def test_the_box_speed_is_read_at_the_draws_that_decided_the_capacity():
     assert [s["box_units_per_s"] for s in deciding_draws(steps[:1], 0.0)] == [240]  # the lowest rate missed
 
 
+def test_a_draw_on_an_off_speed_box_runs_again_with_its_seed():
+    from loadtest.plan_check import MAX_REDRAWS, deciding_draws, on_speed, rate_verdict
+
+    assert on_speed({"box_step_ms": 3.1}, 3.0) and not on_speed({"box_step_ms": 3.6}, 3.0)
+    assert on_speed({"box_step_ms": 3.6}, 0.0) and on_speed({}, 3.0)  # unprobed: kept as before
+    runs: list[int] = []
+    probes = iter([3.0, 4.0, 3.1, 2.9])  # the second draw's box ran slow: it runs again
+
+    def run_draw(index: int) -> tuple[bool, dict]:
+        runs.append(index)
+        return True, {"summary": {"rate_rps": 1.0}, "draw": index, "box_step_ms": next(probes)}
+
+    met, steps = rate_verdict(run_draw, 3, lambda step: on_speed(step, 3.0))
+    assert met and runs == [0, 1, 1] and [s.get("redrawn", False) for s in steps] == [False, True, False]
+    assert [s["box_step_ms"] for s in deciding_draws(steps, 1.0)] == [3.0, 3.1]  # the redrawn one left out
+    slow = lambda index: (False, {"summary": {"rate_rps": 1.0}, "box_step_ms": 5.0})  # noqa: E731
+    met, steps = rate_verdict(slow, 3, lambda step: on_speed(step, 3.0))
+    assert not met and len(steps) == MAX_REDRAWS + 2  # redrawn up to the cap, then counted as they are
+
+
 def test_the_clients_cpu_counts_the_probes_it_spawned():
     from loadtest.box_speed import box_units_per_s
     from loadtest.host_cost import client_cpu_s
