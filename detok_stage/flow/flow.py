@@ -219,7 +219,7 @@ class CausalMaskedDiffWithXvec(nn.Module):
         frames = SlotBatch.build(self.slots, FRAMES, ids, [st * ratio for st in starts], length * ratio, chunk * ratio,
                                  tokens.num_keys * ratio)  # fmt: skip
         spks = torch.stack([s.spks for s in states])
-        conds = self._prompt_mel_at(states, spks.new_zeros(len(states), self.config.mel_bins, length * ratio))
+        conds = self._prompt_mel_at(states, length * ratio, spks)
         inputs = [emb, exists, spks, conds, self._noise_at(frames), *tokens.tensors(), *frames.tensors()]
         return inputs, (tokens.span, frames.span)
 
@@ -242,13 +242,14 @@ class CausalMaskedDiffWithXvec(nn.Module):
         index = frames.query_positions % self.rand_noise.shape[2]  # [G, frames]
         return self.rand_noise[0][:, index].transpose(0, 1)
 
-    def _prompt_mel_at(self, states: list[FlowState], like: torch.Tensor) -> torch.Tensor:
-        """The condition [G, 80, frames]: the voice's prompt mel where the new frames still cover it, else 0."""
-        conds = torch.zeros_like(like)
+    def _prompt_mel_at(self, states: list[FlowState], frames: int, like: torch.Tensor) -> torch.Tensor:
+        """The condition [G, 80, frames] (dtype and device of `like`): the voice's prompt mel where the new
+        frames still cover it, else 0."""
+        conds = like.new_zeros(len(states), self.config.mel_bins, frames)
         ratio = self.config.token_mel_ratio
         for g, s in enumerate(states):
             f0 = s.tokens_done * ratio
             if f0 < s.cond.prompt_mel.shape[0]:
-                part = s.cond.prompt_mel[f0 : f0 + like.shape[2]].T.to(like)
+                part = s.cond.prompt_mel[f0 : f0 + frames].T.to(like)
                 conds[g, :, : part.shape[1]] = part
         return conds

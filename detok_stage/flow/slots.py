@@ -22,7 +22,7 @@ so the pooled forward gives the per-request one's numbers up to float summation 
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -79,6 +79,8 @@ class SlotBatch:
     # query minus key positions all lie in `span` (host ints); None: in (1 - L, L - 1), fixed by the
     # shapes, which a CUDA graph needs (the rel-pos encoder then projects more distances than it uses)
     span: tuple[int, int] | None = None
+    # `visible` repeated per row of a request, by rows per request (every estimator layer asks for the same)
+    _masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(cls, slots: FlowSlots, kind: str, ids: list[int], starts: list[int], length: int,
@@ -140,8 +142,12 @@ class SlotBatch:
         return store(k_pool, k), store(v_pool, v)
 
     def mask_rows(self, rows: int) -> torch.Tensor:
-        """`visible` repeated for each of a request's R rows: [G * R, 1, length, L]."""
-        return self.visible.repeat_interleave(rows, dim=0) if rows > 1 else self.visible
+        """`visible` repeated for each of a request's R rows: [G * R, 1, length, L] (made once per batch)."""
+        if rows == 1:
+            return self.visible
+        if rows not in self._masks:
+            self._masks[rows] = self.visible.repeat_interleave(rows, dim=0)
+        return self._masks[rows]
 
     def conv_left(self, name: str, x: torch.Tensor, width: int) -> torch.Tensor:
         """x [G * R, C, T] preceded by each request's last `width` inputs to conv `name` (zeros at its
@@ -185,6 +191,7 @@ class FlowSlots:
         self.free_slots: list[int] = []
         self.open_slots: set[int] = set()
         self.generation = 0  # bumped when a pool is reallocated (CUDA graphs captured on the old ones are stale)
+        self._fitted: tuple[int, int, int] | None = None  # block and slot counts the pools last grew to
 
     def open(self) -> FlowSlot:
         """A slot with zero conv history (its KV positions are written before they are read)."""
@@ -206,9 +213,6 @@ class FlowSlots:
             blocks.release(slot_id)
         self.open_slots.discard(slot_id)
         self.free_slots.append(slot_id)
-
-    def batch(self, kind: str, slots: list[FlowSlot], starts: list[int], length: int, chunk: int) -> SlotBatch:
-        return SlotBatch.build(self, kind, [s.id for s in slots], starts, length, chunk)
 
     # ---- pools (created on first use, grown when the block or slot counts outgrow them) ----------
 
@@ -232,7 +236,12 @@ class FlowSlots:
 
     def fit(self) -> None:
         """Grow every pool made so far to the current block and slot counts (before a CUDA graph runs:
-        a pool reallocated inside a capture would leave the graph on the old one)."""
+        a pool reallocated inside a capture would leave the graph on the old one). Pools made later are
+        made at the counts of their time, so nothing is to do while the counts stay."""
+        counts = (self.blocks[TOKENS].num_blocks, self.blocks[FRAMES].num_blocks, self.num_slots)
+        if counts == self._fitted:
+            return
+        self._fitted = counts
         for kind, layer in list(self.kv):
             k, _ = self.kv[(kind, layer)]
             self.kv_pools(kind, layer, tuple(k.shape[1:]), k)

@@ -10,7 +10,7 @@ import torch
 from detok_stage.codecs.s3gen_codec import S3GenCodec
 from detok_stage.flow.config import tiny_s3gen_config
 from detok_stage.flow.model import S3Gen
-from detok_stage.flow.slots import BLOCK_POSITIONS, FRAMES, TOKENS, FlowSlots, PositionBlocks
+from detok_stage.flow.slots import BLOCK_POSITIONS, FRAMES, TOKENS, FlowSlots, PositionBlocks, SlotBatch
 from loadtest.flow_bench import OpCount
 from tests.detok_stage.test_s3gen_streaming import chunks_of, offline, tokens
 
@@ -112,7 +112,7 @@ def test_keys_written_before_the_pools_grow_are_read_back_after():
     for length in (5, 20, 40):  # each forward needs more blocks than the last: the pools grow twice
         a.hold(start + length)
         b.hold(start + length)
-        batch = slots.batch(TOKENS, [a, b], [start, start], length, chunk=0)
+        batch = SlotBatch.build(slots, TOKENS, [a.id, b.id], [start, start], length, chunk=0)
         k = torch.randn(2, 3, length, 4, generator=gen)  # [G * R, H, T, D], one row per request
         keys, values = batch.keys_values("layer", k, -k)
         for g, slot in enumerate((a, b)):
