@@ -26,10 +26,10 @@ from cluster.pipeline import InProcessPipeline
 from core.config import CacheConfig, SchedulerConfig
 from core.graphs import GraphCache, graphs_available
 from detok_stage.codecs.base import CodecAdapter
-from llm_stage.chunking import Chunker, ChunkSchedule
 from llm_stage.engine import LLMEngine
 from llm_stage.models.base import LMAdapter
 from loadtest.cfg_bench import run_once
+from loadtest.flow_bench import request_chunks
 from loadtest.gpu_bench import StepCase, generate_until, step_engine, timed_ms, timed_steps
 from loadtest.gpu_bench_pipeline import TEXTS, drain, lone_ttfa_s, pipeline_config, play_rate, rate_summary
 from loadtest.metrics import highest_rate_meeting
@@ -145,12 +145,10 @@ def has_own_graphs(codec) -> bool:
 
 def streamed_pass(codec, batch: int, tag: str) -> tuple[float, list[torch.Tensor]]:
     """`batch` streams decoded together, chunk round by chunk round: (ms, each stream's audio)."""
-    chunk, count = codec.config.chunk_tokens, STREAMED_CHUNK_ROUNDS * codec.config.chunk_tokens
-    streams = []
-    for i in range(batch):  # stream i's tokens depend on i only: each pass decodes the same streams
-        tokens = torch.randint(0, codec.codebook_size, (count,), generator=torch.Generator().manual_seed(i))
-        chunker = Chunker(f"{tag}-{batch}-{i}", ChunkSchedule(chunk, chunk, count, codec.min_right_context_frames))
-        streams.append(chunker.push([[int(t)] for t in tokens]) + chunker.finish())
+    chunk = codec.config.chunk_tokens
+    # stream i's tokens depend on i only: each pass decodes the same streams
+    streams = [request_chunks(f"{tag}-{batch}-{i}", STREAMED_CHUNK_ROUNDS * chunk, chunk, codec.codebook_size, seed=i)
+               for i in range(batch)]  # fmt: skip
     audio: list[list[torch.Tensor]] = [[] for _ in streams]
     start = time.perf_counter()
     for index in range(max(len(c) for c in streams)):

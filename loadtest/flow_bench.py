@@ -39,8 +39,11 @@ def build(shape: str, steps: int | None = None) -> S3GenCodec:
     return S3GenCodec(S3Gen.seeded(config, 0), n_timesteps=steps)
 
 
-def request_chunks(rid: str, n: int, chunk: int, vocab: int) -> list[TokenChunk]:
-    tokens = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(hash(rid) % 1000))
+def request_chunks(rid: str, n: int, chunk: int, vocab: int, seed: int | None = None) -> list[TokenChunk]:
+    """`n` random tokens (from `seed`, else from the id) cut in `chunk`-token chunks with the stream from
+    token 0 as history and 3 look-ahead tokens (S3Gen's schedule)."""
+    seed = hash(rid) % 1000 if seed is None else seed
+    tokens = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
     chunker = Chunker(rid, ChunkSchedule(chunk, chunk, 100_000, 3))
     return chunker.push([[int(t)] for t in tokens]) + chunker.finish()
 
