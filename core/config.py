@@ -155,6 +155,17 @@ class DetokConfig(_Strict):
         description="Chunk-batch sizes captured as CUDA graphs for full-length windows; empty = derived from "
         "max_batch_chunks (1, 2, 4, 8, then steps of 8 to 32, 16 beyond).",
     )
+    flow_window_frames: int = Field(
+        0,
+        ge=0,
+        description="Flow detokenizers (S3Gen: cosyvoice2, chatterbox, step-audio2): mel frames before each "
+        "attention chunk that the estimator reads, besides the first flow_sink_frames; a stream's estimator "
+        "memory then stays fixed (4.6 MB a frame at the published shapes, fp32) and the audio differs from "
+        "the exact decoding (offline decoding reads the same frames). 0 = every earlier frame (exact).",
+    )
+    flow_sink_frames: int = Field(
+        0, ge=0, description="With flow_window_frames: the stream's first mel frames the estimator always reads."
+    )
 
 
 class EngineConfig(_Strict):

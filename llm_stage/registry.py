@@ -175,9 +175,18 @@ def check_model_config(config: ModelConfig) -> ModelEntry:
 
 
 def check_engine_config(config: EngineConfig) -> ModelEntry:
-    """`check_model_config`, and the chunk schedule checked against the family's detokenizer."""
+    """`check_model_config`, the chunk schedule checked against the family's detokenizer, and a bounded
+    flow history refused where the detokenizer has none."""
     entry = check_model_config(config.model)
     entry.chunk_schedule(config)
+    detok = config.detok
+    if (detok.flow_window_frames or detok.flow_sink_frames) and not entry.family.codec.bounds_flow_history:
+        field = "detok.flow_window_frames" if detok.flow_window_frames else "detok.flow_sink_frames"
+        raise InvalidArgumentError(
+            field, f"{entry.name}'s detokenizer has no flow estimator history to bound (S3Gen families only)"
+        )
+    if detok.flow_sink_frames and not detok.flow_window_frames:
+        raise InvalidArgumentError("detok.flow_sink_frames", "a sink only bounds a history with flow_window_frames > 0")
     return entry
 
 

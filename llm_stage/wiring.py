@@ -58,4 +58,6 @@ def build_detok_engine(config: EngineConfig, in_order: bool = True) -> DetokEngi
     entry = check_engine_config(config)
     apply_torch_threads(config.model.torch_threads)
     codec = entry.build_codec(config.model, config.detok.device)
+    if config.detok.flow_window_frames:
+        codec.bound_flow_history(config.detok.flow_sink_frames, config.detok.flow_window_frames)
     return DetokEngine(codec, config.detok, in_order=in_order, policy=make_policy(config.scheduler))

@@ -12,6 +12,9 @@ Three measurements, each printed as a markdown table and kept in `--out` (JSON):
 3. `steps`: Euler steps 10 / 5 / 2, milliseconds per second of audio at batch 1.
 4. `ops`: aten ops dispatched by one chunk round (each a kernel launch on a GPU, where they bound the
    round's time eagerly) against the batch: the flow alone and the whole codec round (flow + HiFT).
+5. `history`: one stream of `--history-tokens` with the estimator reading every earlier frame (exact)
+   vs a bounded history (`--sink-frames` + `--window-frames`, `detok.flow_window_frames`): peak KV
+   per request, CPU ms per second of audio, and how far the bounded audio lies from the exact one.
 
 Run: `.venv/bin/python -m loadtest.flow_bench --shape tiny` and `--shape full --batches 1 4`.
 """
@@ -34,9 +37,13 @@ from detok_stage.flow.model import S3Gen
 from llm_stage.chunking import Chunker, ChunkSchedule
 
 
-def build(shape: str, steps: int | None = None) -> S3GenCodec:
+def build(shape: str, steps: int | None = None, history: tuple[int, int] | None = None) -> S3GenCodec:
+    """Seeded random weights; `history` (sink, window) frames: the estimator's bounded history."""
     config = tiny_s3gen_config() if shape == "tiny" else full_s3gen_config()
-    return S3GenCodec(S3Gen.seeded(config, 0), n_timesteps=steps)
+    codec = S3GenCodec(S3Gen.seeded(config, 0), n_timesteps=steps)
+    if history is not None:
+        codec.bound_flow_history(*history)
+    return codec
 
 
 def request_chunks(rid: str, n: int, chunk: int, vocab: int, seed: int | None = None) -> list[TokenChunk]:
@@ -103,6 +110,28 @@ def ops_per_round(codec: S3GenCodec, batch: int, chunk: int) -> dict:
     return {"batch": batch, "round_ops": round_ops.count, "flow_ops": flow_ops.count}
 
 
+def history_rows(shape: str, tokens: int, sink: int, window: int) -> list[dict]:
+    """One stream of `tokens` decoded with the exact history, then with the bounded one."""
+    rows, exact_audio = [], None
+    for label, history in (("exact", None), (f"sink {sink} + window {window}", (sink, window))):
+        codec = build(shape, history=history)
+        chunks = request_chunks("h", tokens, codec.config.chunk_tokens, codec.codebook_size, seed=7)
+        peak, pieces = 0, []
+        cpu = time.process_time()
+        for chunk in chunks:
+            pieces += codec.decode_stream([chunk])
+            peak = max(peak, codec.cache_bytes("h"))
+        cpu = time.process_time() - cpu
+        audio = torch.cat(pieces)
+        exact_audio = audio if exact_audio is None else exact_audio
+        rows.append({
+            "history": label, "tokens": tokens, "peak_cache_mb": round(peak / 2**20, 1),
+            "cpu_ms_per_audio_s": round(1000 * cpu / (audio.numel() / codec.sample_rate_hz), 1),
+            "max_abs_diff_vs_exact": round(float((audio - exact_audio).abs().max()), 4),
+        })  # fmt: skip
+    return rows
+
+
 def per_chunk_curve(codec: S3GenCodec, tokens: int, chunk: int) -> list[dict]:
     chunks = request_chunks("curve", tokens, chunk, codec.codebook_size)
     model, voice = codec.model, codec.default_voice
@@ -132,7 +161,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=100, help="tokens per request (25 Hz: 100 = 4 s)")
     parser.add_argument("--chunk", type=int, default=None, help="tokens per chunk (default: the attention chunk)")
     parser.add_argument("--curve-tokens", type=int, default=250)
-    parser.add_argument("--skip", nargs="*", default=[], choices=["rtf", "per_chunk", "steps", "ops"])
+    parser.add_argument("--skip", nargs="*", default=[], choices=["rtf", "per_chunk", "steps", "ops", "history"])
+    parser.add_argument("--history-tokens", type=int, default=250, help="the history section's stream (250 = 10 s)")
+    parser.add_argument("--sink-frames", type=int, default=100, help="the bounded history's sink (mel frames)")
+    parser.add_argument("--window-frames", type=int, default=200, help="the bounded history's window (mel frames)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: CPU time = compute, robust to load)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -174,6 +206,12 @@ def main() -> None:
         print("| batch | whole round | flow | round ops per request |\n|---|---|---|---|")
         for r in result["ops"]:
             print(f"| {r['batch']} | {r['round_ops']} | {r['flow_ops']} | {r['round_ops'] / r['batch']:.0f} |")
+    if "history" not in args.skip:
+        result["history"] = history_rows(args.shape, args.history_tokens, args.sink_frames, args.window_frames)
+        print(f"\n{args.shape}: one stream of {args.history_tokens} tokens, the estimator's history\n")
+        print("| history | peak KV MB | CPU ms per s of audio | max abs diff vs exact |\n|---|---|---|---|")
+        for r in result["history"]:
+            print(f"| {r['history']} | {r['peak_cache_mb']} | {r['cpu_ms_per_audio_s']} | {r['max_abs_diff_vs_exact']} |")
     print(f"\nload average at start {result['loadavg_at_start']:.1f}, now {os.getloadavg()[0]:.1f}")
     result["loadavg_at_end"] = os.getloadavg()[0]
     if args.out:

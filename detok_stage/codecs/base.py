@@ -35,6 +35,7 @@ class CodecAdapter(ABC):
     # What a chunk schedule must give this codec (the registry refuses a schedule that does not):
     min_right_context_frames: int = 0  # look-ahead frames every chunk must carry
     needs_stream_history: bool = False  # every chunk carries the stream from frame 0 as left context
+    bounds_flow_history: bool = False  # a flow-matching detokenizer whose estimator may read a bounded history
 
     @abstractmethod
     def decode(self, frames: torch.Tensor) -> torch.Tensor:
@@ -54,6 +55,11 @@ class CodecAdapter(ABC):
         """A stateful codec that replays its own streamed forward as CUDA graphs turns them on for chunk
         batches padded to `batch_sizes` (True); the others decode their streams eagerly (False)."""
         return False
+
+    def bound_flow_history(self, sink_frames: int, window_frames: int) -> None:
+        """Flow detokenizers (`bounds_flow_history`): the estimator reads the first `sink_frames` mel frames
+        and the `window_frames` before each attention chunk, not every earlier one (0 = every one)."""
+        raise NotImplementedError(f"{type(self).__name__} has no flow estimator history to bound")
 
     def decode_stream(self, chunks: list[TokenChunk]) -> list[torch.Tensor]:
         """Stateful codecs: audio [keep frames * samples_per_frame] per chunk, chunks of a request in seq order."""

@@ -35,6 +35,7 @@ from detok_stage.flow.config import S3GenConfig, full_s3gen_config, tiny_s3gen_c
 from detok_stage.flow.flow import Conditioning
 from detok_stage.flow.flow_graphs import FlowGraphs
 from detok_stage.flow.model import S3Gen, S3GenStream
+from detok_stage.flow.slots import EstimatorHistory
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,7 @@ class S3GenCodec(CodecAdapter):
     # what a chunk schedule must give this codec (checked by `llm_stage.registry` before any engine runs)
     min_right_context_frames = 3  # the encoder's pre-lookahead
     needs_stream_history = True  # a cold replica rebuilds a request's state from the stream's token 0
+    bounds_flow_history = True
 
     def __init__(self, model: S3Gen, device: str = "cpu", n_timesteps: int | None = None) -> None:
         if model.config.chunk_tokens <= 0:
@@ -105,6 +107,11 @@ class S3GenCodec(CodecAdapter):
         captured = graphs.capture_all(self.model.flow)
         logger.info("s3gen flow: %d CUDA graphs captured before serving (sizes %s)", captured, graphs.sizes)
         return True
+
+    def bound_flow_history(self, sink_frames: int, window_frames: int) -> None:
+        """`detok_stage.flow.slots.EstimatorHistory`: offline and streamed decoding alike (so they agree);
+        set before graphs are captured and before any stream opens."""
+        self.model.flow.bound_history(EstimatorHistory(sink_frames, window_frames))
 
     # ---- registered voices (their tensors arrive over the stage transport, once per replica) ---
 

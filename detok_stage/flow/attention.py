@@ -10,14 +10,20 @@ from __future__ import annotations
 
 import torch
 
-from detok_stage.flow.slots import SlotBatch
+from detok_stage.flow.slots import EstimatorHistory, SlotBatch
 
 
-def chunk_mask(qpos: torch.Tensor, kpos: torch.Tensor, chunk: int) -> torch.Tensor:
-    """[Tq, Tk] bool: key visible to query when it lies before the end of the query's chunk (all when chunk=0)."""
+def chunk_mask(qpos: torch.Tensor, kpos: torch.Tensor, chunk: int, history: EstimatorHistory | None = None
+               ) -> torch.Tensor:  # fmt: skip
+    """[Tq, Tk] bool: key visible to query when it lies before the end of the query's chunk (all when
+    chunk=0) and, with a bounded `history`, in the sink or the window before the query's chunk."""
     if chunk <= 0:
         return torch.ones(qpos.shape[0], kpos.shape[0], dtype=torch.bool, device=qpos.device)
-    return kpos.unsqueeze(0) < ((qpos // chunk + 1) * chunk).unsqueeze(1)
+    chunk_start = (qpos // chunk * chunk).unsqueeze(1)
+    visible = kpos.unsqueeze(0) < chunk_start + chunk
+    if history is not None and history.bounded:
+        visible = visible & history.visible(kpos.unsqueeze(0), chunk_start)
+    return visible
 
 
 class AttnCall:

@@ -3,7 +3,8 @@
 in: x, mu, speaker, prompt-mel condition (4 x 80 channels) and the Euler time t ->
 down (causal resnet + transformer blocks + causal conv) -> mid blocks -> up (skip concat, resnet,
 transformers, causal conv) -> final causal block -> 80 channels. Every conv is causal (kernel 3,
-two frames of left context) and every attention is chunk-causal over `chunk` frames, so a streamed
+two frames of left context) and every attention is chunk-causal over `chunk` frames (reading every
+earlier frame, or a bounded history: `detok_stage.flow.slots.EstimatorHistory`), so a streamed
 chunk needs only each conv's last two input frames and each block's keys/values, kept per Euler
 step in the request's slot (`detok_stage.flow.slots`). Parameter names follow the published
 `flow.pt` (`decoder.estimator.*`).
@@ -19,16 +20,19 @@ from torch import nn
 
 from detok_stage.flow.attention import AttnCall, chunk_mask
 from detok_stage.flow.config import EstimatorConfig
-from detok_stage.flow.slots import SlotBatch
+from detok_stage.flow.slots import EstimatorHistory, SlotBatch
 
 
 class StreamCtx:
-    """What one estimator forward needs besides its input: the attention chunk and, streamed, the
-    requests' slots (`batch`, rows grouped per request: R = 2 with CFG) and which Euler step this is
-    (each step keeps its own keys, values and conv inputs); offline `batch` is None."""
+    """What one estimator forward needs besides its input: the attention chunk and the frames it may
+    read (`history`; streamed, the batch's keys already say so) and, streamed, the requests' slots
+    (`batch`, rows grouped per request: R = 2 with CFG) and which Euler step this is (each step keeps
+    its own keys, values and conv inputs); offline `batch` is None."""
 
-    def __init__(self, chunk: int, batch: SlotBatch | None = None, step: int = 0) -> None:
+    def __init__(self, chunk: int, batch: SlotBatch | None = None, step: int = 0,
+                 history: EstimatorHistory | None = None) -> None:  # fmt: skip
         self.chunk = chunk
+        self.history = history
         self.batch = batch
         self.step = step
         self.call = AttnCall(batch, ("estimator", step))
@@ -100,7 +104,7 @@ class Attention(nn.Module):
         q, k, v = split(self.to_q(x)), split(self.to_k(x)), split(self.to_v(x))
         if ctx.batch is None:
             pos = torch.arange(t, device=x.device)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk_mask(pos, pos, ctx.chunk))
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk_mask(pos, pos, ctx.chunk, ctx.history))
         else:
             keys, values = ctx.batch.keys_values(layer, k, v)
             mask = ctx.batch.mask_rows(n // ctx.batch.num_requests)

@@ -23,7 +23,7 @@ from torch import nn
 from detok_stage.flow.config import S3GenConfig
 from detok_stage.flow.encoder import EncoderBatch, UpsampleConformerEncoder
 from detok_stage.flow.estimator import CausalConditionalDecoder, StreamCtx
-from detok_stage.flow.slots import FRAMES, TOKENS, FlowSlot, FlowSlots, SlotBatch
+from detok_stage.flow.slots import FRAMES, STEPS, TOKENS, EstimatorHistory, FlowSlot, FlowSlots, SlotBatch
 
 if TYPE_CHECKING:
     from detok_stage.flow.flow_graphs import FlowGraphs
@@ -89,6 +89,16 @@ class CausalMaskedDiffWithXvec(nn.Module):
             "rand_noise", torch.randn(1, config.mel_bins, config.noise_frames, generator=gen), persistent=False
         )
         self.graphs: FlowGraphs | None = None  # set by `S3GenCodec.enable_graphs`
+        self.history = EstimatorHistory()  # every earlier frame (`bound_history` sets a window)
+
+    def bound_history(self, history: EstimatorHistory) -> None:
+        """The frames the estimator's attention reads from now on, offline and streamed alike (set before
+        any stream opens and before CUDA graphs are captured: their key shapes follow it)."""
+        if history.bounded and self.config.chunk_tokens <= 0:
+            raise ValueError("a bounded estimator history needs chunk-causal attention (chunk_tokens > 0)")
+        if self.slots.open_slots and history != self.history:
+            raise RuntimeError("the estimator history changes only while no stream is open")
+        self.history = history
 
     # ---- pieces shared by both paths ----------------------------------------------------------
 
@@ -150,7 +160,7 @@ class CausalMaskedDiffWithXvec(nn.Module):
         spks = self.project_speaker(cond.xvector).expand(b, -1)
         z = self.noise(0, frames).unsqueeze(0).expand(b, -1, -1)
         chunk = self.config.chunk_tokens * self.config.token_mel_ratio
-        mel = self._euler(z, mu, spks, conds, n_timesteps, lambda k: StreamCtx(chunk))
+        mel = self._euler(z, mu, spks, conds, n_timesteps, lambda k: StreamCtx(chunk, history=self.history))
         return mel[:, :, p_frames:]
 
     # ---- streamed -----------------------------------------------------------------------------
@@ -197,8 +207,11 @@ class CausalMaskedDiffWithXvec(nn.Module):
         if mel is None:
             inputs, spans = self.round_inputs(states, length)
             mel = self.round(*inputs, n_timesteps=states[0].n_timesteps, spans=spans)
+        chunk_frames = self.config.chunk_tokens * self.config.token_mel_ratio
         for s in states:
             s.tokens_done += length
+            next_chunk_start = s.tokens_done * self.config.token_mel_ratio // chunk_frames * chunk_frames
+            s.slot.forget_behind(self.history, next_chunk_start)
         return list(mel)
 
     def round_inputs(
@@ -206,8 +219,9 @@ class CausalMaskedDiffWithXvec(nn.Module):
     ) -> tuple[list[torch.Tensor], tuple[tuple[int, int], tuple[int, int]]]:
         """The device inputs of `round` for the requests' next `length` tokens (their slots hold the
         blocks): embedded tokens + look-ahead and where they exist, speakers, prompt-mel condition,
-        noise, then the token and mel-frame `SlotBatch` tensors (keys padded to `num_tokens`); and the
-        two batches' position spans (`SlotBatch.span`)."""
+        noise, then the token, mel-frame and estimator `SlotBatch` tensors (the encoder's keys padded
+        to `num_tokens`; the estimator's as long as its history asks); and the encoder batches'
+        position spans (`SlotBatch.span`)."""
         la = self.config.pre_lookahead_len
         ratio = self.config.token_mel_ratio
         starts = [s.tokens_done for s in states]
@@ -218,24 +232,32 @@ class CausalMaskedDiffWithXvec(nn.Module):
         tokens = SlotBatch.build(self.slots, TOKENS, ids, starts, length, chunk, num_tokens)
         frames = SlotBatch.build(self.slots, FRAMES, ids, [st * ratio for st in starts], length * ratio, chunk * ratio,
                                  tokens.num_keys * ratio)  # fmt: skip
+        frame_starts = [st * ratio for st in starts]
+        if self.history.bounded:
+            steps = SlotBatch.build_bounded(self.slots, STEPS, ids, frame_starts, length * ratio, chunk * ratio,
+                                            self.history)  # fmt: skip
+        else:
+            steps = SlotBatch.build(self.slots, STEPS, ids, frame_starts, length * ratio, chunk * ratio,
+                                    frames.num_keys)  # fmt: skip
         spks = torch.stack([s.spks for s in states])
         conds = self._prompt_mel_at(states, length * ratio, spks)
-        inputs = [emb, exists, spks, conds, self._noise_at(frames), *tokens.tensors(), *frames.tensors()]
-        return inputs, (tokens.span, frames.span)
+        batches = [*tokens.tensors(), *frames.tensors(), *steps.tensors()]
+        return [emb, exists, spks, conds, self._noise_at(frames), *batches], (tokens.span, frames.span)
 
     def round(self, emb: torch.Tensor, exists: torch.Tensor, spks: torch.Tensor, conds: torch.Tensor, z: torch.Tensor,
               *batches: torch.Tensor, n_timesteps: int, spans: tuple | None = None) -> torch.Tensor:  # fmt: skip
         """One streamed chunk of G requests on the device, nothing read back (capturable): the encoder
         over their tokens, then `n_timesteps` Euler steps -> mel [G, 80, frames]; keys, values and conv
         inputs updated in their slots. `spans` None (a CUDA graph): position spans fixed by the shapes."""
-        half = len(batches) // 2
+        n = len(batches) // 3
         token_span, frame_span = spans or (None, None)
-        tokens = SlotBatch.of_tensors(self.slots, TOKENS, list(batches[:half]), token_span)
-        frames = SlotBatch.of_tensors(self.slots, FRAMES, list(batches[half:]), frame_span)
+        tokens = SlotBatch.of_tensors(self.slots, TOKENS, list(batches[:n]), token_span)
+        frames = SlotBatch.of_tensors(self.slots, FRAMES, list(batches[n : 2 * n]), frame_span)
+        steps = SlotBatch.of_tensors(self.slots, STEPS, list(batches[2 * n :]))
         chunk = self.config.chunk_tokens
         mu = self.encoder_proj(self.encoder(emb, exists, chunk, EncoderBatch(tokens, frames))).transpose(1, 2)
         chunk_frames = chunk * self.config.token_mel_ratio
-        return self._euler(z, mu, spks, conds, n_timesteps, lambda k: StreamCtx(chunk_frames, frames, k))
+        return self._euler(z, mu, spks, conds, n_timesteps, lambda k: StreamCtx(chunk_frames, steps, k))
 
     def _noise_at(self, frames: SlotBatch) -> torch.Tensor:
         """The fixed noise at each request's new mel frames: [G, 80, frames]."""

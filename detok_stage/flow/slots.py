@@ -4,9 +4,11 @@ layer once for the whole batch instead of once per request.
 A request holds a slot (`FlowSlot`) from its first chunk until its state is dropped (the handle's
 finalizer gives the slot back, so nothing is leaked when a codec forgets a stream). Its attention
 keys/values live in blocks of `BLOCK_POSITIONS` positions of one kind: tokens (the 25 Hz encoder
-blocks) or mel frames (the 50 Hz encoder blocks and every Euler step's estimator blocks, which share
-the frame positions). Each attention layer has one pool per kind, `[positions, rows, heads, dim]`;
-each causal conv's left input has one pool indexed by slot, `[slots, rows, channels, width]`.
+blocks), mel frames (the 50 Hz encoder blocks) or estimator frames (every Euler step's estimator
+blocks: the same positions as mel frames, kept apart because the estimator may read a bounded
+history, `EstimatorHistory`, whose blocks behind the window go back to the free list). Each attention
+layer has one pool per kind, `[positions, rows, heads, dim]`; each causal conv's left input has one
+pool indexed by slot, `[slots, rows, channels, width]`.
 
 A forward over G requests builds one `SlotBatch` per kind: the requests' block tables and starts go
 to the device once, and every layer then writes its new keys/values with one `index_copy_`, reads
@@ -27,11 +29,47 @@ from dataclasses import dataclass, field
 import torch
 
 BLOCK_POSITIONS = 16  # positions per KV block
-TOKENS, FRAMES = "tokens", "frames"  # the two position kinds
+TOKENS, FRAMES, STEPS = "tokens", "frames", "steps"  # the position kinds (STEPS: the estimator's frames)
+DROPPED = -1  # a block table entry whose block went back to the free list (behind a bounded history)
 
 
 def blocks_for(positions: int) -> int:
     return -(-positions // BLOCK_POSITIONS)
+
+
+@dataclass(frozen=True)
+class EstimatorHistory:
+    """Which earlier mel frames the estimator's chunk-causal attention reads.
+
+    `window_frames` 0 (the default): every earlier frame, so the streamed mel equals the offline
+    CosyVoice 2 mel, and a stream's estimator keys/values grow with its length (at the published shapes
+    4.6 MB per mel frame, fp32: 56 attention blocks x K and V x 512 x 2 CFG rows x 10 Euler steps).
+    `window_frames` > 0: a query in the attention chunk starting at frame c reads frames
+    [0, sink_frames) and [c - window_frames, end of its chunk), as VoxServe (a 16 sink + 128 window) and
+    Step-Audio 2's token2wav (prompt + ~100 frames) bound theirs: a stream's estimator memory stays
+    fixed and the audio differs from the exact one (offline decoding applies the same mask, so streamed
+    and offline audio still agree)."""
+
+    sink_frames: int = 0
+    window_frames: int = 0
+
+    def __post_init__(self) -> None:
+        if self.sink_frames < 0 or self.window_frames < 0:
+            raise ValueError(f"estimator history needs sink and window >= 0, got {self}")
+
+    @property
+    def bounded(self) -> bool:
+        return self.window_frames > 0
+
+    def first_kept(self, chunk_start: int) -> int:
+        """The first frame after the sink that a chunk starting at `chunk_start` still reads."""
+        return max(self.sink_frames, chunk_start - self.window_frames)
+
+    def visible(self, kpos: torch.Tensor, chunk_start: torch.Tensor) -> torch.Tensor:
+        """Keys at `kpos` within the history of a query chunk starting at `chunk_start` (broadcast)."""
+        if not self.bounded:
+            return torch.ones_like(kpos + chunk_start, dtype=torch.bool)
+        return (kpos < self.sink_frames) | (kpos >= chunk_start - self.window_frames)
 
 
 class PositionBlocks:
@@ -53,12 +91,24 @@ class PositionBlocks:
         for _ in range(max(0, need)):
             owned.append(self.free.pop())
 
+    def drop(self, slot: int, first: int, end: int) -> None:
+        """Give back the slot's blocks that lie wholly in positions [first, end) (nothing reads them again)."""
+        owned = self.owned.get(slot, [])
+        for b in range(-(-first // BLOCK_POSITIONS), min(end // BLOCK_POSITIONS, len(owned))):
+            if owned[b] != DROPPED:
+                self.free.append(owned[b])
+                owned[b] = DROPPED
+
     def release(self, slot: int) -> None:
-        self.free.extend(reversed(self.owned.pop(slot, [])))
+        self.free.extend(b for b in reversed(self.owned.pop(slot, [])) if b != DROPPED)
+
+    def held(self, slot: int) -> int:
+        return sum(1 for b in self.owned.get(slot, ()) if b != DROPPED)
 
     def table(self, slots: list[int], width: int) -> torch.Tensor:
-        """[G, width] block ids of each slot (0 past its own blocks: masked positions read block 0)."""
-        rows = [self.owned.get(s, [])[:width] for s in slots]
+        """[G, width] block ids of each slot (0 past its own blocks and for dropped ones: masked positions
+        read block 0)."""
+        rows = [[max(b, 0) for b in self.owned.get(s, [])[:width]] for s in slots]
         return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long)
 
 
@@ -104,6 +154,32 @@ class SlotBatch:
             visible=visible.unsqueeze(1), query_positions=new,
             slot_index=torch.tensor(ids, dtype=torch.long).to(device, non_blocking=True),
             span=(min(starts) - num_keys + 1, max(starts) + length - 1),
+        )  # fmt: skip
+
+    @classmethod
+    def build_bounded(cls, slots: FlowSlots, kind: str, ids: list[int], starts: list[int], length: int,
+                      chunk: int, history: EstimatorHistory) -> SlotBatch:  # fmt: skip
+        """As `build`, for attention that reads a bounded history (`history.bounded`): request g reads its
+        sink frames and the window before its attention chunk, L = sink + window + chunk keys at every
+        stream length (one shape for a CUDA graph). Each request's new positions lie in one chunk."""
+        if any(s // chunk != (s + length - 1) // chunk for s in starts):
+            raise ValueError(f"a bounded-history round stays inside one attention chunk of {chunk} (starts {starts})")
+        device = slots.device
+        sink, window = history.sink_frames, history.window_frames
+        chunk_starts = [s // chunk * chunk for s in starts]
+        width = blocks_for(max(max(chunk_starts) + chunk, sink))
+        table = slots.blocks[kind].table(ids, width).to(device, non_blocking=True)
+        start = torch.tensor(starts, dtype=torch.long).to(device, non_blocking=True)
+        chunk_start = torch.tensor(chunk_starts, dtype=torch.long).to(device, non_blocking=True)
+        new = start.unsqueeze(1) + torch.arange(length, device=device)
+        j = torch.arange(sink + window + chunk, device=device)
+        keys = torch.where(j < sink, j, chunk_start.unsqueeze(1) - window + (j - sink))  # [G, L] positions read
+        in_sink = (j < sink).unsqueeze(0)
+        exists = (keys >= 0) & (keys < (start + length).unsqueeze(1)) & (in_sink | (keys >= sink))
+        return cls(
+            slots, kind, write=_pool_rows(table, new).reshape(-1), read=_pool_rows(table, keys.clamp(min=0)),
+            visible=exists[:, None, None, :], query_positions=new,
+            slot_index=torch.tensor(ids, dtype=torch.long).to(device, non_blocking=True),
         )  # fmt: skip
 
     def tensors(self) -> list[torch.Tensor]:
@@ -169,9 +245,15 @@ class FlowSlot:
     pools: FlowSlots
 
     def hold(self, tokens: int) -> None:
-        """Blocks for the request's first `tokens` tokens (and their mel frames)."""
+        """Blocks for the request's first `tokens` tokens (and their mel frames, for encoder and estimator)."""
         self.pools.blocks[TOKENS].hold(self.id, tokens)
         self.pools.blocks[FRAMES].hold(self.id, tokens * self.pools.frames_per_token)
+        self.pools.blocks[STEPS].hold(self.id, tokens * self.pools.frames_per_token)
+
+    def forget_behind(self, history: EstimatorHistory, next_chunk_start: int) -> None:
+        """Give back the estimator blocks no later chunk reads (those behind a bounded history's window)."""
+        if history.bounded:
+            self.pools.blocks[STEPS].drop(self.id, history.sink_frames, history.first_kept(next_chunk_start))
 
     @property
     def nbytes(self) -> int:
@@ -184,14 +266,14 @@ class FlowSlots:
     def __init__(self, device: torch.device | str, frames_per_token: int) -> None:
         self.device = torch.device(device)
         self.frames_per_token = frames_per_token
-        self.blocks = {TOKENS: PositionBlocks(), FRAMES: PositionBlocks()}
+        self.blocks = {TOKENS: PositionBlocks(), FRAMES: PositionBlocks(), STEPS: PositionBlocks()}
         self.kv: dict[tuple[str, object], tuple[torch.Tensor, torch.Tensor]] = {}
         self.conv: dict[str, torch.Tensor] = {}
         self.num_slots = 0
         self.free_slots: list[int] = []
         self.open_slots: set[int] = set()
         self.generation = 0  # bumped when a pool is reallocated (CUDA graphs captured on the old ones are stale)
-        self._fitted: tuple[int, int, int] | None = None  # block and slot counts the pools last grew to
+        self._fitted: tuple[int, ...] | None = None  # block and slot counts the pools last grew to
 
     def open(self) -> FlowSlot:
         """A slot with zero conv history (its KV positions are written before they are read)."""
@@ -238,7 +320,7 @@ class FlowSlots:
         """Grow every pool made so far to the current block and slot counts (before a CUDA graph runs:
         a pool reallocated inside a capture would leave the graph on the old one). Pools made later are
         made at the counts of their time, so nothing is to do while the counts stay."""
-        counts = (self.blocks[TOKENS].num_blocks, self.blocks[FRAMES].num_blocks, self.num_slots)
+        counts = (*(blocks.num_blocks for blocks in self.blocks.values()), self.num_slots)
         if counts == self._fitted:
             return
         self._fitted = counts
@@ -252,7 +334,7 @@ class FlowSlots:
         """Bytes of the slot's KV blocks in every pool made so far."""
         total = 0
         for (kind, _), (k, _v) in self.kv.items():
-            blocks = len(self.blocks[kind].owned.get(slot_id, ()))
+            blocks = self.blocks[kind].held(slot_id)
             total += 2 * blocks * BLOCK_POSITIONS * k[0].numel() * k.element_size()
         return total
 

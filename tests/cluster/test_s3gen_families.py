@@ -136,6 +136,7 @@ def test_synthesize_cli_writes_24khz_audio(tmp_path, name):
         (DetokConfig(schedule="wide"), "detok.left_context_frames"),  # 3 frames of history: no cold rebuild
         (DetokConfig(schedule="wide", left_context_frames=1024, right_context_frames=2), "detok.right_context_frames"),
         (DetokConfig(schedule="wide", left_context_frames=1023), "detok.left_context_frames"),
+        (DetokConfig(flow_sink_frames=16), "detok.flow_sink_frames"),  # a sink without a window
     ],
 )
 @pytest.mark.parametrize("name", FAMILIES)
@@ -147,6 +148,25 @@ def test_schedules_the_detokenizer_cannot_stream_are_refused_naming_the_field(na
     with pytest.raises(InvalidArgumentError) as err:
         InProcessPipeline(config)
     assert err.value.field == field
+
+
+def test_a_bounded_flow_history_streams_what_offline_decoding_gives_and_is_refused_without_a_flow():
+    """detok.flow_window_frames reaches the replica's codec: the streamed audio equals offline decoding
+    under the same bounded history and differs from the exact decoding of the same tokens."""
+    pipe = InProcessPipeline(engine_config("cosyvoice2-tiny", DetokConfig(flow_sink_frames=8, flow_window_frames=16)))
+    try:
+        token_chunks, audio = run_recording_chunks(pipe, {"b": ("A long enough stream.", 120)})
+        assert pipe.detok.codec.model.flow.history.bounded
+        assert assert_streamed_equals_offline(pipe, token_chunks["b"], audio["b"]) > 50  # past one chunk + window
+        tokens = torch.tensor(token_chunks["b"][-1].frames)[None]
+        exact = pipeline("cosyvoice2-tiny").detok.codec.decode(tokens)[0]  # the same seeded weights
+        assert (pipe.detok.codec.decode(tokens)[0] - exact).abs().max() > 1e-3
+    finally:
+        pipe.close()
+    for field in ("flow_window_frames", "flow_sink_frames"):
+        with pytest.raises(InvalidArgumentError) as err:
+            check_engine_config(engine_config("orpheus-tiny", DetokConfig(**{field: 16})))
+        assert err.value.field == f"detok.{field}"
 
 
 def test_the_cli_refuses_a_bad_schedule_before_building_anything(capsys):

@@ -21,8 +21,11 @@ from tests.graph_capture import OpNames
 SIZES = (2, 4)
 
 
-def new_codec(device: str = "cpu", graphs: bool = False) -> S3GenCodec:
+def new_codec(device: str = "cpu", graphs: bool = False, window: tuple[int, int] | None = None) -> S3GenCodec:
+    """`window`: (sink, window) frames of a bounded estimator history."""
     codec = S3GenCodec(S3Gen.seeded(tiny_s3gen_config(), 4), device)
+    if window is not None:
+        codec.bound_flow_history(*window)
     if graphs:
         assert codec.enable_graphs(SIZES)
     return codec
@@ -47,10 +50,12 @@ def test_key_buckets_are_powers_of_two_from_64():
     assert key_bucket(MAX_KEY_TOKENS + 1) is None
 
 
-def test_the_padded_path_gives_the_eager_audio():
+@pytest.mark.parametrize("window", [None, (4, 8)], ids=["whole history", "bounded history"])
+def test_the_padded_path_gives_the_eager_audio(window):
     """Three streams of different lengths, batched 3 / 2 / 1 (padded to 4 and 2 with scratch rows),
-    keys padded to 64 tokens: the audio of each stream is eager's within float summation order."""
-    padded, eager = new_codec(graphs=True), new_codec()
+    keys padded to 64 tokens: the audio of each stream is eager's within float summation order, with
+    the estimator reading every earlier frame or a bounded history (its keys one shape at any length)."""
+    padded, eager = new_codec(graphs=True, window=window), new_codec(window=window)
     got, want = interleaved(padded, streams("p")), interleaved(eager, streams("p"))
     graphs = padded.model.flow.graphs
     assert graphs is not None and graphs.num_runs > 5  # every whole-chunk round after the first

@@ -5,12 +5,22 @@ from __future__ import annotations
 
 import gc
 
+import pytest
 import torch
 
 from detok_stage.codecs.s3gen_codec import S3GenCodec
 from detok_stage.flow.config import tiny_s3gen_config
 from detok_stage.flow.model import S3Gen
-from detok_stage.flow.slots import BLOCK_POSITIONS, FRAMES, TOKENS, FlowSlots, PositionBlocks, SlotBatch
+from detok_stage.flow.slots import (
+    BLOCK_POSITIONS,
+    DROPPED,
+    STEPS,
+    TOKENS,
+    EstimatorHistory,
+    FlowSlots,
+    PositionBlocks,
+    SlotBatch,
+)
 from loadtest.flow_bench import OpCount
 from tests.detok_stage.test_s3gen_streaming import chunks_of, offline, tokens
 
@@ -71,8 +81,7 @@ def test_a_dropped_stream_gives_back_its_slot_and_blocks():
     codec.release("open")
     gc.collect()
     assert not slots.open_slots
-    for kind in (TOKENS, FRAMES):
-        blocks = slots.blocks[kind]
+    for blocks in slots.blocks.values():
         assert not blocks.owned and len(blocks.free) == blocks.num_blocks
 
 
@@ -121,3 +130,64 @@ def test_keys_written_before_the_pools_grow_are_read_back_after():
             assert torch.equal(keys[g], want) and torch.equal(values[g], -want)
         start += length
     assert batch.visible.all()  # equal lengths, no chunking: every key seen by every query
+
+
+def estimator_bytes_per_chunk(history: EstimatorHistory, chunks: int) -> list[int]:
+    """A stream's estimator KV bytes after each of its first `chunks` attention chunks."""
+    codec = fresh_codec()
+    flow = codec.model.flow
+    flow.bound_history(history)
+    state = flow.new_state(codec.default_voice, codec.n_timesteps)
+    state.tokens += tokens(chunks * flow.config.chunk_tokens + 3, 9).tolist()
+    held = []
+    for _ in range(chunks):
+        flow.advance([state], flow.next_chunk_len(state))
+        steps = flow.slots.blocks[STEPS]
+        pools = [k for (kind, _), (k, _v) in flow.slots.kv.items() if kind == STEPS]
+        block_bytes = BLOCK_POSITIONS * sum(2 * k[0].numel() * k.element_size() for k in pools)
+        held.append(steps.held(state.slot.id) * block_bytes)
+    return held
+
+
+def test_a_bounded_history_keeps_a_streams_estimator_memory_fixed():
+    """Exact streaming keeps every frame's keys for every Euler step (they grow with the stream); a bounded
+    history gives back the blocks behind its window, so a long stream holds what a short one holds."""
+    exact = estimator_bytes_per_chunk(EstimatorHistory(), 12)  # chunks of 8 frames, blocks of 16
+    bounded = estimator_bytes_per_chunk(EstimatorHistory(sink_frames=16, window_frames=16), 12)
+    one_block = exact[0]
+    assert exact == sorted(exact) and exact[-1] == 6 * one_block  # 96 frames
+    assert bounded[:4] == exact[:4]  # nothing behind the window yet
+    # sink: 1 block; window + chunk (24 frames): at most 3 blocks
+    assert max(bounded[6:]) <= max(bounded[:6]) <= 4 * one_block and bounded[-1] <= exact[-1] / 2
+
+
+def test_dropped_blocks_go_back_and_read_as_block_zero():
+    blocks = PositionBlocks()
+    blocks.hold(0, 6 * BLOCK_POSITIONS)
+    first = list(blocks.owned[0])
+    blocks.drop(0, BLOCK_POSITIONS + 1, 5 * BLOCK_POSITIONS)  # blocks 2, 3, 4 lie wholly inside
+    assert blocks.owned[0] == [first[0], first[1], DROPPED, DROPPED, DROPPED, first[5]]
+    assert blocks.held(0) == 3 and sorted(blocks.free[-3:]) == sorted(first[2:5])
+    assert blocks.table([0], 6).tolist() == [[first[0], first[1], 0, 0, 0, first[5]]]
+    blocks.hold(0, 7 * BLOCK_POSITIONS)  # a later position takes one new block, none of the dropped back
+    assert len(blocks.owned[0]) == 7 and blocks.owned[0][2:5] == [DROPPED] * 3
+    blocks.release(0)
+    assert len(blocks.free) == blocks.num_blocks
+
+
+def test_a_bounded_batch_reads_its_sink_and_window_and_nothing_else():
+    slots = FlowSlots("cpu", frames_per_token=2)
+    a = slots.open()
+    slots.blocks[STEPS].hold(a.id, 64)
+    history = EstimatorHistory(sink_frames=4, window_frames=8)
+    batch = SlotBatch.build_bounded(slots, STEPS, [a.id], [40], 6, chunk=8, history=history)  # chunk 40..47
+    assert batch.num_keys == 4 + 8 + 8  # at any stream length
+    table = slots.blocks[STEPS].table([a.id], 4)[0]
+    def row(p: int) -> int:
+        return int(table[p // BLOCK_POSITIONS]) * BLOCK_POSITIONS + p % BLOCK_POSITIONS
+
+    visible = batch.visible[0, 0, 0].tolist()
+    read = [r for r, v in zip(batch.read[0].tolist(), visible, strict=True) if v]
+    assert read == [row(p) for p in [0, 1, 2, 3, *range(32, 46)]]  # sink, then the window up to the last query
+    with pytest.raises(ValueError, match="one attention chunk"):
+        SlotBatch.build_bounded(slots, STEPS, [a.id], [44], 6, chunk=8, history=history)

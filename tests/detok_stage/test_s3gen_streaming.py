@@ -65,6 +65,28 @@ def test_streamed_equals_offline(n, first, size):
     assert not codec()._states  # the final chunk dropped the request's caches
 
 
+@functools.cache
+def bounded_codec(sink: int, window: int) -> S3GenCodec:
+    """`codec()`'s weights, its estimator reading `sink` + `window` frames of history."""
+    bounded = S3GenCodec.build(ModelConfig(name="s3gen-tiny", seed=5), preset=tiny_s3gen_config())
+    bounded.bound_flow_history(sink, window)
+    return bounded
+
+
+@pytest.mark.parametrize("sink, window", [(0, 8), (6, 12), (4, 1000)])
+def test_a_bounded_history_streams_what_offline_decoding_gives(sink, window):
+    """A bounded estimator history (tiny chunk: 8 frames) streams the audio offline decoding gives under
+    the same mask, with a prompted voice in the sink; it differs from the exact audio unless the window
+    covers the whole stream."""
+    toks, v = tokens(37, 11), voice(5)
+    c = bounded_codec(sink, window)
+    streamed = torch.cat(c.decode_stream(with_voice(chunks_of("r", toks, 2, 6), v)))
+    want = offline(toks, v, c)
+    assert float((streamed - want).abs().max()) < 1e-4
+    change = float((want - offline(toks, v)).abs().max())
+    assert change < 1e-4 if window >= 2 * (37 + 6) else change > 1e-3
+
+
 def test_a_prompted_voice_streams_exactly_and_changes_the_audio():
     toks, v = tokens(23, 4), voice()
     streamed = torch.cat(codec().decode_stream(with_voice(chunks_of("r", toks, 2, 6), v)))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from loadtest.flow_bench import build, ms_per_audio_s, ops_per_round, per_chunk_curve
+from loadtest.flow_bench import build, history_rows, ms_per_audio_s, ops_per_round, per_chunk_curve
 
 
 def test_rtf_row_counts_all_audio():
@@ -23,3 +23,9 @@ def test_ops_row_counts_the_round_and_its_flow():
     assert 0 < one["flow_ops"] < one["round_ops"]
     assert four["flow_ops"] == one["flow_ops"]  # one forward per Euler step, whatever the batch
     assert not codec._states  # the bench's streams were released
+
+
+def test_history_rows_compare_a_bounded_history_with_the_exact_one():
+    exact, bounded = history_rows("tiny", tokens=60, sink=8, window=8)
+    assert exact["max_abs_diff_vs_exact"] == 0 and bounded["max_abs_diff_vs_exact"] > 1e-3
+    assert bounded["peak_cache_mb"] < exact["peak_cache_mb"]
