@@ -211,7 +211,8 @@ def main() -> None:
         print(f"\n{args.shape}: one stream of {args.history_tokens} tokens, the estimator's history\n")
         print("| history | peak KV MB | CPU ms per s of audio | max abs diff vs exact |\n|---|---|---|---|")
         for r in result["history"]:
-            print(f"| {r['history']} | {r['peak_cache_mb']} | {r['cpu_ms_per_audio_s']} | {r['max_abs_diff_vs_exact']} |")
+            cells = [r["history"], r["peak_cache_mb"], r["cpu_ms_per_audio_s"], r["max_abs_diff_vs_exact"]]
+            print("| " + " | ".join(str(c) for c in cells) + " |")
     print(f"\nload average at start {result['loadavg_at_start']:.1f}, now {os.getloadavg()[0]:.1f}")
     result["loadavg_at_end"] = os.getloadavg()[0]
     if args.out:

@@ -23,12 +23,13 @@ from cluster.planner.simulate import ClusterShape, SimOptions
 from loadtest.plan_check import CONFIGS, ORPHEUS_TINY, CheckConfig, sweep_workload
 
 
-def trace_rate(scenario: Scenario, config: CheckConfig, rps: float, seed: int) -> dict[str, float]:
+def trace_rate(scenario: Scenario, config: CheckConfig, rps: float, seed: int,
+               min_measured: int = SimOptions.min_measured) -> dict[str, float]:  # fmt: skip
     """One simulated draw of `config` at `rps` (req/s): its outcome, load and admission over the measured
-    window."""
+    window (until `min_measured` streams arrived in it)."""
     shape = ClusterShape(config.llm_replicas, config.detok_replicas, config.max_streams_per_replica,
                          DEFAULT_MAX_STARTING)  # fmt: skip
-    options = SimOptions(seed=seed, trace_admission=True)
+    options = SimOptions(seed=seed, trace_admission=True, min_measured=min_measured)
     run = run_llm(scenario, rps * scenario.workload.mean_audio_s(scenario.rates), shape, options)
     prediction = finish(scenario, run, config.detok_replicas, options)
     out = {"seed": seed, "p90_ttfa_s": prediction.p90_ttfa_s, "viable_pct": prediction.viable_pct,
@@ -71,12 +72,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     parser.add_argument("--rps", type=float, required=True, help="the open-loop rate, req/s")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    parser.add_argument("--min-measured", type=int, default=SimOptions.min_measured,
+                        help="streams arriving in each draw's measured window")  # fmt: skip
     args = parser.parse_args(argv)
     config = next(c for c in CONFIGS if c.name == args.config)
     scenario = Scenario(load_calibration(args.calibration), ORPHEUS_TINY, sweep_workload())
     rows = []
     for seed in args.seeds:
-        rows.append(trace_rate(scenario, config, args.rps, seed))
+        rows.append(trace_rate(scenario, config, args.rps, seed, args.min_measured))
         print(f"{config.name} at {args.rps} req/s, {format_row(rows[-1])}", flush=True)
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=1))

@@ -20,7 +20,7 @@ from core.errors import InvalidArgumentError
 from llm_stage.registry import load_family
 
 ORPHEUS = ModelRates(24000 / 2048, 7)
-FAST = SimOptions(min_measured=40)
+FAST = SimOptions(min_measured=20)
 
 SMALL = {  # a made-up device: cheap to simulate (few slots, short streams), costs like the CPU preset's
     "gpu": "test", "model": "orpheus-test", "family": "orpheus", "device": "made up in tests",
@@ -172,7 +172,7 @@ def test_a_slower_step_moves_the_bottleneck_from_the_detokenizer_to_the_llm():
     scenario = small_scenario(detok={"ms": [30.0, 300.0]})  # a heavy detokenizer
     shape = ClusterShape(1, 1, 8)
     base = predict(scenario, 4, shape, FAST)
-    slow = predict(scenario, 4, shape, SimOptions(min_measured=40, step_scale=4.0))
+    slow = predict(scenario, 4, shape, SimOptions(min_measured=20, step_scale=4.0))
     assert base.bottleneck == "detok"
     assert slow.bottleneck == "llm step"
     assert slow.p90_ttfa_s > base.p90_ttfa_s
@@ -180,7 +180,7 @@ def test_a_slower_step_moves_the_bottleneck_from_the_detokenizer_to_the_llm():
 
 def test_full_slots_make_admission_the_bottleneck_and_refuse_streams():
     scenario = small_scenario(llm={"max_streams_per_replica": 2})
-    crowded = predict(scenario, 6, ClusterShape(1, 1, 2), SimOptions(min_measured=40, admission_wait_s=0.5))
+    crowded = predict(scenario, 6, ClusterShape(1, 1, 2), SimOptions(min_measured=20, admission_wait_s=0.5))
     assert crowded.bottleneck == "admission"
     assert crowded.rejected_pct > 0 and crowded.viable_pct < 99
 

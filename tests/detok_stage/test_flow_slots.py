@@ -50,8 +50,9 @@ def test_a_chunk_runs_the_same_ops_for_sixteen_requests_as_for_one():
 
 
 def ops_of_one_round(codec: S3GenCodec, requests: int) -> int:
-    """Ops of the codec's third round over `requests` streams of 75 tokens in 25-token chunks."""
-    streams = [chunks_of(f"g{requests}-{i}", tokens(75, i), 25, 25) for i in range(requests)]
+    """Ops of the codec's third round over `requests` streams of 12 tokens in 4-token chunks (the tiny
+    preset's attention chunk)."""
+    streams = [chunks_of(f"g{requests}-{i}", tokens(12, i), 4, 4) for i in range(requests)]
     for index in range(2):
         codec.decode_stream([chunks[index] for chunks in streams])
     with OpCount() as ops:
@@ -61,13 +62,13 @@ def ops_of_one_round(codec: S3GenCodec, requests: int) -> int:
 
 def test_a_codec_round_adds_few_ops_per_request():
     """The whole round (flow, then HiFT's F0, source and generator batched by window) costs about as many
-    ops for sixteen requests as for four: what a request adds is its own bookkeeping (slicing its mel
+    ops for eight requests as for two: what a request adds is its own bookkeeping (slicing its mel
     and source, joining its audio), not its own forwards (~10,700 ops each before the pools)."""
     codec = fresh_codec()
-    four, sixteen = ops_of_one_round(codec, 4), ops_of_one_round(codec, 16)
-    per_request = (sixteen - four) / 12
-    print(f"aten ops for one codec round: 4 requests {four}, 16 requests {sixteen}: {per_request:.0f} a request")
-    assert per_request < 0.01 * four
+    two, eight = ops_of_one_round(codec, 2), ops_of_one_round(codec, 8)
+    per_request = (eight - two) / 6
+    print(f"aten ops for one codec round: 2 requests {two}, 8 requests {eight}: {per_request:.0f} a request")
+    assert per_request < 0.05 * two  # (a request's own forwards would add about a whole round)
 
 
 def test_a_dropped_stream_gives_back_its_slot_and_blocks():

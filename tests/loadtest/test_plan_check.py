@@ -72,7 +72,7 @@ def test_the_prediction_for_the_default_cpu_config_is_a_positive_rate():
     calib = parse_calibration(json.loads(CPU_CALIBRATION.read_text()))
     scenario = Scenario(calib, ORPHEUS_TINY, sweep_workload())
     capped = next(c for c in CONFIGS if c.name == "cpu-1x1-cap4")
-    assert 0 < predicted_rps(scenario, capped, Slo(1.0), SimOptions(min_measured=40)) < 100
+    assert 0 < predicted_rps(scenario, capped, Slo(1.0), SimOptions(min_measured=20)) < 100
 
 
 def _set(name: str, streams: int, chunks: int, host_cpu_s: float) -> SetCost:
@@ -112,7 +112,7 @@ def test_the_served_c1_costs_enter_the_calibration_with_their_sources():
     assert float(calib.detok.batch_ms(14.0)) == pytest.approx(12.0, abs=0.01)  # the table scaled to the replica's chunk
     assert (calib.host.cores, calib.host.cpu_ms_per_stream, calib.host.cpu_ms_per_chunk) == (2, 10.0, 2.0)
     assert {"llm.pipeline_step_factor", "detok", "host"} <= set(data["sources"])
-    shape, options = ClusterShape(1, 1, 12, 4), SimOptions(min_measured=40)
+    shape, options = ClusterShape(1, 1, 12, 4), SimOptions(min_measured=20)
     shared, alone = (predict(Scenario(c, ORPHEUS_TINY, sweep_workload()), 6.0, shape, options)
                      for c in (calib, parse_calibration(base)))  # fmt: skip
     assert alone.p50_ttfa_s < shared.p50_ttfa_s < float("inf")  # the shared cores and the served loop cost time

@@ -43,7 +43,7 @@ def _shared_scenario() -> Scenario:
 
 def test_a_traced_draw_reports_outcome_admission_and_the_shared_cores():
     scenario, config = _shared_scenario(), next(c for c in CONFIGS if c.name == "cpu-2x2")
-    light, heavy = (trace_rate(scenario, config, rps, seed=0) for rps in (0.3, 6.0))
+    light, heavy = (trace_rate(scenario, config, rps, seed=0, min_measured=30) for rps in (0.3, 6.0))
     for row in (light, heavy):
         assert 1.0 <= row["mean_limit"] <= config.max_streams_per_replica
         assert 0.0 <= row["held_share"] <= 1.0 and row["llm_busy"] > 0 and row["host_cores"] > 0
@@ -56,6 +56,6 @@ def test_the_command_writes_its_rows(tmp_path):
     calibration = tmp_path / "calibration.json"
     calibration.write_text((CALIBRATION_DIR / "cpu-orpheus-tiny.json").read_text())  # no host: cores not shared
     rows = main(["--calibration", str(calibration), "--config", "cpu-1x1", "--rps", "0.5", "--seeds", "3",
-                 "--json", str(tmp_path / "rows.json")])  # fmt: skip
+                 "--min-measured", "30", "--json", str(tmp_path / "rows.json")])  # fmt: skip
     assert rows[0]["seed"] == 3 and "llm_busy" not in rows[0] and "mean_limit" in rows[0]
     assert json.loads((tmp_path / "rows.json").read_text()) == rows
