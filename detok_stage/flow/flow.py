@@ -230,9 +230,9 @@ class CausalMaskedDiffWithXvec(nn.Module):
         ids = [s.slot.id for s in states]
         chunk = self.config.chunk_tokens
         tokens = SlotBatch.build(self.slots, TOKENS, ids, starts, length, chunk, num_tokens)
-        frames = SlotBatch.build(self.slots, FRAMES, ids, [st * ratio for st in starts], length * ratio, chunk * ratio,
-                                 tokens.num_keys * ratio)  # fmt: skip
         frame_starts = [st * ratio for st in starts]
+        frames = SlotBatch.build(self.slots, FRAMES, ids, frame_starts, length * ratio, chunk * ratio,
+                                 tokens.num_keys * ratio)  # fmt: skip
         if self.history.bounded:
             steps = SlotBatch.build_bounded(self.slots, STEPS, ids, frame_starts, length * ratio, chunk * ratio,
                                             self.history)  # fmt: skip

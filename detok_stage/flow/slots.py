@@ -66,9 +66,7 @@ class EstimatorHistory:
         return max(self.sink_frames, chunk_start - self.window_frames)
 
     def visible(self, kpos: torch.Tensor, chunk_start: torch.Tensor) -> torch.Tensor:
-        """Keys at `kpos` within the history of a query chunk starting at `chunk_start` (broadcast)."""
-        if not self.bounded:
-            return torch.ones_like(kpos + chunk_start, dtype=torch.bool)
+        """Keys at `kpos` within a bounded history of a query chunk starting at `chunk_start` (broadcast)."""
         return (kpos < self.sink_frames) | (kpos >= chunk_start - self.window_frames)
 
 
