@@ -15,6 +15,7 @@ import ray
 from ray import serve
 from ray.exceptions import RayActorError
 
+from cluster.drain import live_llm_replicas
 from core.config import AdmissionConfig, StageDeploymentConfig
 from tests.deployments.conftest import small_config
 from tests.deployments.grpc_helpers import retry_delay_s, run_stream
@@ -32,7 +33,10 @@ pytestmark = pytest.mark.slow
 ADMIT_ALL = AdmissionConfig(max_streams_per_replica=4, max_queued_per_replica=4, default_ttfa_deadline_s=60.0)
 OOM_APP = small_config(
     app_name="voxray-oom", route_prefix="/oom", llm=StageDeploymentConfig(num_cpus=0.25),
-    detok=StageDeploymentConfig(num_cpus=0.25), admission=ADMIT_ALL,
+    detok=StageDeploymentConfig(num_cpus=0.25),
+    # a fixed cap: the predictive policy on a slow box (or on the paced steps below) holds the second
+    # stream in the queue until the first ends, and the failing prefill then runs alone
+    admission=ADMIT_ALL.model_copy(update={"policy": "fixed_cap"}),
 )  # fmt: skip
 DEVICE_LOST_APP = small_config(
     app_name="voxray-devlost", route_prefix="/devlost", llm=StageDeploymentConfig(num_replicas=2, num_cpus=0.25),
@@ -63,6 +67,28 @@ def _fail_next_forward(app_name: str, llm_replica: str, fault: str) -> None:
         runner.forward = forward_or_fail
 
     ray.get(_replica_actor(app_name, llm_replica).__ray_call__.remote(arm, fault), timeout=30)
+
+
+def _pace_forward(app_name: str, llm_replica: str, min_step_s: float) -> None:
+    """Make every forward of replica `llm_replica` last at least `min_step_s`, so a stream started after
+    is still decoding seconds later on any box (a fast one had decoded a 128-frame stream whole before
+    the failing prefill came, and that step held no decode row)."""
+
+    def pace(actor, min_step_s: float) -> None:  # runs in the replica actor
+        import time
+
+        runner = actor._replica_impl._user_callable_wrapper.user_callable.side.engine.runner
+        forward = runner.forward
+
+        def paced_forward(step):
+            start_s = time.monotonic()
+            out = forward(step)
+            time.sleep(max(0.0, min_step_s - (time.monotonic() - start_s)))
+            return out
+
+        runner.forward = paced_forward
+
+    ray.get(_replica_actor(app_name, llm_replica).__ray_call__.remote(pace, min_step_s), timeout=30)
 
 
 def _failed_decode_rows(app_name: str, llm_replica: str) -> int:
@@ -98,10 +124,13 @@ def test_an_out_of_memory_prefill_fails_only_its_stream_and_the_replica_serves_o
 
     ep = deploy_app(OOM_APP)
     try:
+        [replica_id] = live_llm_replicas(ep.app_name)
+        llm_replica = f"LLMStage#{replica_id}"
+        _pace_forward(ep.app_name, llm_replica, 0.01)  # 128 frames: >= 9 s of decoding
         playing = [_job("oom-playing", "the stream that plays on", num_frames=128)]
         outcomes, threads = _play_all(ep, playing)
         _wait_until_all_play(outcomes)
-        llm_replica = outcomes["oom-playing"].chunks[0].llm_replica
+        assert outcomes["oom-playing"].chunks[0].llm_replica == llm_replica
         _fail_next_forward(ep.app_name, llm_replica, "oom")
         failed = run_stream(ep.grpc_target, ep.app_name, "the stream that asks too much", sampling={"max_tokens": 28})
         assert failed.code == grpc.StatusCode.RESOURCE_EXHAUSTED, (failed.code, failed.details)
