@@ -2,14 +2,16 @@
 
 Measurements only, none of them the planner-vs-cluster check (issue 40 item 3): (1) the CPU preset's LLM step
 alone by rows (`loadtest.step_bench.ms_per_step`); (2) a served 1x1 `voxray serve` (`loadtest.host_cost`):
-c=1 streams in two prompt sets (every process's CPU: the detok replica's per chunk, the idle background),
-closed-loop clients at 2-12 (the LLM replica's serving-loop step by rows, and the host's CPU against the
-streams and chunks each level served: its cost per start and per chunk at load); (3) an idle 2x2 server
+c=1 streams in two prompt sets (every process's CPU: the detok replica's per chunk), three idle spells (the
+idle background), two rounds of closed-loop clients at 2-12 (the LLM replica's serving-loop step by rows, and
+the host's CPU against the streams and chunks each level served: its cost per start and per chunk at load;
+the spells' and the rounds' spread as `host_range`, the cheapest and dearest host); (3) an idle 2x2 server
 (the idle background's part per stage replica); (4) the box's speed before and after (`box_speed`: the
 Python unit and the LLM step at 4 rows; this VM's cores change speed by minutes, and `plan_check`
 compares its draws' speed with it). The JSON carries,
 beside each number's source, the `assumptions` it rests on and the c=1 TTFA against the planner's zero-load
-TTFA on it. Starts Ray (unless --no-host): never beside another benchmark.
+TTFA on it. Starts Ray (unless --no-host): never beside another benchmark. Takes about 5 min (host_cost's
+part about 4, a minute more than before its spells and rounds were repeated).
 Usage: python -m loadtest.plan_calibrate --out bench_out/plan_calibration.json [--cores 2]
 """
 
@@ -25,16 +27,19 @@ import numpy as np
 
 from cluster.planner.calibration import CALIBRATION_DIR, parse_calibration
 from loadtest.box_speed import box_step_ms, box_units_per_s
-from loadtest.host_cost import HostCost, calibration_host
+from loadtest.host_cost import HostCost, calibration_host, calibration_host_range
 
 CPU_CALIBRATION = CALIBRATION_DIR / "cpu-orpheus-tiny.json"
 CALIBRATION_ROWS = (1, 2, 4, 8, 12)
 ASSUMPTIONS = (
     "every stage replica and the host's processes share `host.cores` cores by processor sharing (one "
     "runnable thread a busy replica); the idle server takes `host.background_cores` + "
-    "`host.background_cores_per_replica` a stage replica (idle 1x1 and 2x2 servers)",
+    "`host.background_cores_per_replica` a stage replica (idle 1x1 and 2x2 servers; the 1x1's the mean of "
+    "its idle spells)",
     "the host (Router, proxy, controller, GCS, raylet, the client) costs `host.cpu_ms_per_stream` a stream "
-    "and `host.cpu_ms_per_chunk` a chunk (fitted over the closed-loop levels), spread over 0.2 s",
+    "and `host.cpu_ms_per_chunk` a chunk (fitted over every round's closed-loop levels together), spread "
+    "over 0.2 s; `host_range` holds the cheapest and dearest host the idle spells and the rounds' own fits "
+    "measured (the spread of one calibration, not a bound)",
     "the LLM step is the serving loop's mean cycle by rows under closed-loop load, from its loop trace (its "
     "contention at those loads is in it; the planner's core share slows it again: the two may overlap)",
     "the detokenizer's batch cost is the table's shape scaled to the replica's CPU per chunk at c=1",
@@ -96,7 +101,8 @@ def calibration_with_host(data: dict, cost: HostCost, cores: int, source: str) -
     (`cost`): the LLM step as the serving loop measured it by rows under closed-loop load (`serving_loop_table`:
     it adds what the engine alone does not: the policy, chunk cutting, the replica's other threads), else
     the engine's table x the serving loop's CPU per token at one row over it; the detok table scaled to the
-    replica's CPU per chunk at c=1; and the host's CPU at c=1 as the `host` section."""
+    replica's CPU per chunk at c=1; the host's CPU as the `host` section (`calibration_host`) and, where the
+    measurement spread, `host_range` beside it (`calibration_host_range`)."""
     out = copy.deepcopy(data)
     calib = parse_calibration(data)
     one_row_ms = float(calib.llm_step.step_ms(np.ones(1), np.full(1, float(calib.llm_step.cache_tokens[0])))[0])
@@ -123,12 +129,26 @@ def calibration_with_host(data: dict, cost: HostCost, cores: int, source: str) -
     detok_factor = cost.detok_ms_per_chunk / table_ms if table_ms > 0 else 1.0
     out["detok"]["ms"] = [round(ms * detok_factor, 3) for ms in data["detok"]["ms"]]
     out["host"] = calibration_host(cost, cores)
+    add_host_range(out, cost, cores, source)
     sources["detok"] = (
         f"{data['sources'].get('detok', '')}; scaled x{detok_factor:.2f} to the detok replica's "
         f"CPU per chunk, {cost.detok_ms_per_chunk:.1f} ms ({source})"
     )
-    out["sources"]["host"] = f"{source}: CPU of every other process of the server and the client, c=1, two prompt sets"
+    out["sources"]["host"] = (f"{source}: CPU of every other process of the server and the client, fitted over the "
+                              f"closed-loop levels; the idle background the idle spells' mean")  # fmt: skip
     return out
+
+
+def add_host_range(data: dict, cost: HostCost, cores: int, source: str) -> None:
+    """Write `host_range` (`calibration_host_range`) and its source into `data` where the measurement spread."""
+    host_range = calibration_host_range(cost, cores)
+    if host_range is None:
+        return
+    data["host_range"] = host_range
+    spells, rounds = len(cost.background_samples), len({level.round for level in cost.levels})
+    data["sources"]["host_range"] = (f"{source}: the cheapest (low) and dearest (high) host over {spells} idle "
+                                     f"spells and {rounds} rounds' own fits of the closed-loop levels "
+                                     f"(loadtest.host_cost.calibration_host_range)")  # fmt: skip
 
 
 def calibrate(serve_cfg, scratch: Path, cores: int, host_requests: int, use_host: bool = True,
@@ -193,7 +213,8 @@ def main(argv: list[str] | None = None) -> dict:
     zero_s = zero_load_ttfa_s(Scenario(parse_calibration(data), ORPHEUS_TINY, sweep_workload()))
     data = with_assumptions(data, cost, zero_s)
     args.out.write_text(json.dumps(data, indent=2))
-    print(json.dumps({k: data[k] for k in ("llm", "detok", "host") if k in data} | {"c1": data.get("c1_check")}))
+    sections = ("llm", "detok", "host", "host_range")
+    print(json.dumps({k: data[k] for k in sections if k in data} | {"c1": data.get("c1_check")}))
     print(f"calibration written to {args.out}")
     return data
 

@@ -12,9 +12,12 @@ decided by most of `--draws` Poisson draws (as the planner decides a load by mos
 verdict: |predicted - measured| / measured <= 25%, or none where the box's speed around the draws moved
 more than SPEED_TOLERANCE from the calibration's, by the Python unit or by the LLM step at 4 rows
 (`loadtest.box_speed`: this VM's cores change speed by minutes, and a CPU-bound capacity with them); a draw
-whose step probe was off by more runs again first (`rate_verdict`).
+whose step probe was off by more runs again first (`rate_verdict`). Beside the central prediction, the
+capacities at the two ends of the calibration's `host_range` (the host fit's own spread: two calibrations an
+hour apart predicted cap4 a third apart), and whether the measured capacity falls between them (`in_range`).
 Starts Ray: never run it beside another benchmark.
-Run (~30 min on 2 quiet cores): .venv/bin/python -m loadtest.plan_check --out bench_out/plan_check
+Run (~30 min on 2 quiet cores, and each configuration's two host-range predictions before its sweep, with no
+Ray running, take minutes more): .venv/bin/python -m loadtest.plan_check --out bench_out/plan_check
 """
 
 from __future__ import annotations
@@ -71,6 +74,20 @@ class CheckResult:
     # the same by the LLM step at 4 rows probed around the draws (calibration's ms / the draws' ms; 0: not
     # probed): the Python unit does not predict the serving loop's work
     step_speed_ratio: float = 0.0
+    # (least, most) capacity predicted over the calibration's `host_range` (`predicted_range_rps`); None:
+    # not predicted, read as (predicted_rps, predicted_rps)
+    predicted_range_rps: tuple[float, float] | None = None
+
+    @property
+    def capacity_range_rps(self) -> tuple[float, float]:
+        """(least, most) capacity predicted: at the dearest host and at the cheapest."""
+        return self.predicted_range_rps or (self.predicted_rps, self.predicted_rps)
+
+    @property
+    def in_range(self) -> bool:
+        """The measured capacity within the predicted range (its ends included)."""
+        least, most = self.capacity_range_rps
+        return least <= self.measured_rps <= most
 
     @property
     def error(self) -> float:
@@ -106,6 +123,18 @@ def predicted_rps(scenario: Scenario, config: CheckConfig, slo: Slo, sim: SimOpt
     streams = capacity_streams(scenario, shape, slo, high=8 * config.max_streams_per_replica * config.llm_replicas,
                                sim=sim)  # fmt: skip
     return streams / scenario.workload.mean_audio_s(scenario.rates)
+
+
+def predicted_range_rps(scenario: Scenario, config: CheckConfig, slo: Slo, central_rps: float,
+                        sim: SimOptions = SimOptions()) -> tuple[float, float]:  # fmt: skip
+    """(least, most) capacity in req/s over the calibration's `host_range`: the prediction on its dearest
+    host (`high`) and on its cheapest (`low`: more cores left to the stages, more capacity), widened to hold
+    `central_rps` (the simulation's seed luck could leave it outside); (central, central) without a range."""
+    spread = scenario.calib.host_range
+    if spread is None:
+        return central_rps, central_rps
+    at_ends = [predicted_rps(scenario.with_host(host), config, slo, sim) for host in (spread.high, spread.low)]
+    return min(*at_ends, central_rps), max(*at_ends, central_rps)
 
 
 def swept_rates(predicted: float, factors: tuple[float, ...] = RATE_FACTORS) -> tuple[float, ...]:
@@ -276,23 +305,41 @@ def check(
     calibration_speed: float = 0.0, calibration_step_ms: float = 0.0,
 ) -> CheckResult:  # fmt: skip
     predicted = predicted_rps(scenario, config, slo, sim)
+    spread = predicted_range_rps(scenario, config, slo, predicted, sim)
     rates = swept_rates(predicted, factors)
     measured, others, steal, speed, step_ms = measure_rps(config, rates, slo, out, duration_s, draws,
                                                           calibration_step_ms)  # fmt: skip
     return CheckResult(config.name, predicted, measured, rates, others, steal, speed_ratio(speed, calibration_speed),
-                       speed_ratio(calibration_step_ms, step_ms))  # fmt: skip
+                       speed_ratio(calibration_step_ms, step_ms), spread)  # fmt: skip
 
 
 def report(results: list[CheckResult]) -> list[str]:
-    lines = ["| config | predicted req/s | measured req/s | error | within 25% | other tenants' cores | stolen cores "
-             "| box speed / calibration's | LLM step speed / calibration's |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    """The check's table: the verdict on the central prediction, the host range's least-most capacity beside it."""
+    lines = ["| config | predicted req/s | least-most req/s over host_range | measured req/s | error | within 25% "
+             "| in range | other tenants' cores | stolen cores | box speed / calibration's "
+             "| LLM step speed / calibration's |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in results:
         speed, step = (f"{ratio:.2f}" if ratio > 0 else "-" for ratio in (r.box_speed_ratio, r.step_speed_ratio))
-        lines.append(f"| {r.name} | {r.predicted_rps:.2f} | {r.measured_rps:.2f} | {100 * r.error:.0f}% | "
-                     f"{r.verdict} | {r.others_cores:.2f} | "
+        least, most = r.capacity_range_rps
+        lines.append(f"| {r.name} | {r.predicted_rps:.2f} | {least:.2f}-{most:.2f} | {r.measured_rps:.2f} | "
+                     f"{100 * r.error:.0f}% | {r.verdict} | {'yes' if r.in_range else 'no'} | {r.others_cores:.2f} | "
                      f"{r.steal_cores:.2f} | {speed} | {step} |")  # fmt: skip
     return lines
+
+
+def result_json(result: CheckResult) -> dict:
+    """One configuration's line of plan_check.json: its fields, the range as predicted, error and in_range."""
+    return {**asdict(result), "predicted_range_rps": list(result.capacity_range_rps), "error": result.error,
+            "in_range": result.in_range}  # fmt: skip
+
+
+def predicted_line(scenario: Scenario, config: CheckConfig, slo: Slo, sim: SimOptions) -> str:
+    """`--predict-only`'s line for one configuration: the central capacity and the host range's least-most."""
+    predicted = predicted_rps(scenario, config, slo, sim)
+    least, most = predicted_range_rps(scenario, config, slo, predicted, sim)
+    spread = "" if scenario.calib.host_range is not None else " (no host_range in the calibration)"
+    return f"{config.name}: predicted {predicted:.2f} req/s, {least:.2f}-{most:.2f} over the host range{spread}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -325,7 +372,7 @@ def main(argv: list[str] | None = None) -> None:
     sim = SimOptions(seeds=args.seeds)
     if args.predict_only:
         for config in chosen:
-            print(f"{config.name}: predicted {predicted_rps(scenario, config, slo, sim):.2f} req/s")
+            print(predicted_line(scenario, config, slo, sim))
         return
     factors = tuple(sorted(args.rate_factors))
     probed = json.loads((args.out / "calibration.json").read_text()).get("box_speed", {})
@@ -333,7 +380,7 @@ def main(argv: list[str] | None = None) -> None:
     results = [check(config, scenario, slo, args.out, args.duration_s, factors, sim, args.draws, speed, step_ms)
                for config in chosen]  # fmt: skip
     summary = {"calibration": str(args.out / "calibration.json"),
-               "results": [{**asdict(r), "error": r.error} for r in results]}  # fmt: skip
+               "results": [result_json(r) for r in results]}  # fmt: skip
     (args.out / "plan_check.json").write_text(json.dumps(summary, indent=2, default=float))
     print("\n".join(report(results)))
     print(f"files in {args.out}")

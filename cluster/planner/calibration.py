@@ -2,9 +2,11 @@
 
 A calibration is a small JSON file (`calibrations/<gpu>-<model>.json`, every number with its source)
 read into typed tables: the LLM decode step in ms by rows x tokens cached, the detokenizer's forward in ms
-by frames in its batch, the hops between stages, the chunk schedule and the serving limits measured with.
-`cluster.planner.simulate` prices each simulated step with these; `voxray plan` picks a file by
-`--gpu` / `--model`. Bad files or names raise `InvalidArgumentError` naming the field.
+by frames in its batch, the hops between stages, the chunk schedule and the serving limits measured with;
+where the stages share the host's cores, its `host` section and optionally `host_range` (the cheapest and
+dearest host one calibration measured). `cluster.planner.simulate` prices each simulated step with these;
+`voxray plan` picks a file by `--gpu` / `--model`. Bad files or names raise `InvalidArgumentError` naming the
+field.
 """
 
 from __future__ import annotations
@@ -91,6 +93,16 @@ class HostCost:
 
 
 @dataclass(frozen=True)
+class HostRange:
+    """The spread of the `host` section one calibration measured (`loadtest.host_cost.calibration_host_range`:
+    its idle spells and its rounds of closed-loop levels): `low` the cheapest host seen, `high` the dearest.
+    A cheaper host leaves the stages more cores: `low` gives the MORE capacity, `high` the less."""
+
+    low: HostCost
+    high: HostCost
+
+
+@dataclass(frozen=True)
 class Calibration:
     """One device + model: the stage costs the planner prices steps with, and where they came from."""
 
@@ -108,6 +120,7 @@ class Calibration:
     schedule: ScheduleSpec
     sources: dict[str, str]
     host: HostCost = HostCost()
+    host_range: HostRange | None = None  # None: no spread measured (older files, GPU fleets)
 
 
 def _interp_extrapolate(x: np.ndarray, xs: tuple, ys: tuple | np.ndarray) -> np.ndarray:
@@ -182,21 +195,38 @@ def parse_calibration(data: dict[str, Any]) -> Calibration:
         schedule=_schedule(_section(data, "schedule")),
         sources={str(k): str(v) for k, v in _section(data, "sources").items()},
         host=_host(data.get("host")),
+        host_range=_host_range(data.get("host_range"), has_host="host" in data),
     )  # fmt: skip
 
 
-def _host(host: Any) -> HostCost:
-    """The optional `host` section (absent: stages own their devices)."""
+def _host(host: Any, field: str = "host") -> HostCost:
+    """The optional `host` section (absent: stages own their devices); `field` names it in errors."""
     if host is None:
         return HostCost()
     if not isinstance(host, dict):
-        raise InvalidArgumentError("host", "not an object")
+        raise InvalidArgumentError(field, "not an object")
     names = ("cores", "background_cores", "cpu_ms_per_stream", "cpu_ms_per_chunk")
-    values = {name: _number(host, name, "host.", allow_zero=True) for name in names}
+    values = {name: _number(host, name, f"{field}.", allow_zero=True) for name in names}
     if "background_cores_per_replica" in host:  # optional: older calibrations priced one idle server
-        values["background_cores_per_replica"] = _number(host, "background_cores_per_replica", "host.",
+        values["background_cores_per_replica"] = _number(host, "background_cores_per_replica", f"{field}.",
                                                          allow_zero=True)  # fmt: skip
     return HostCost(**values)
+
+
+def _host_range(host_range: Any, has_host: bool) -> HostRange | None:
+    """The optional `host_range` section: `low` and `high`, each a complete `host` section (absent: None)."""
+    if host_range is None:
+        return None
+    if not has_host:
+        raise InvalidArgumentError("host_range", "given without a `host` section to range around")
+    if not isinstance(host_range, dict):
+        raise InvalidArgumentError("host_range", "not an object")
+    ends = {}
+    for end in ("low", "high"):
+        if not isinstance(host_range.get(end), dict):
+            raise InvalidArgumentError(f"host_range.{end}", "missing or not an object")
+        ends[end] = _host(host_range[end], f"host_range.{end}")
+    return HostRange(**ends)
 
 
 def _step_table(step: dict[str, Any], llm: dict[str, Any]) -> StepTable:

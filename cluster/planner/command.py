@@ -2,6 +2,7 @@
 
 `cluster.cli` builds a `PlanRequest` from its flags and prints `plan_report(request)`; every bad value
 raises `InvalidArgumentError` naming the flag's field, so the CLI answers with one line, never a traceback.
+A calibration with a `host_range` adds one line: the same plans on its cheapest and on its dearest host.
 """
 
 from __future__ import annotations
@@ -90,15 +91,41 @@ def plan_report(request: PlanRequest) -> list[str]:
     slo = Slo(request.ttfa_p90_s, request.min_viable_pct)
     sim = SimOptions(seed=request.seed, step_scale=request.step_scale, seeds=request.seeds)
     lines = header(scenario, request, slo, sim)
+    plans = plans_for(scenario, request, slo, sim)
+    return lines + table(plans, slo) + host_range_lines(scenario, request, slo, sim)
+
+
+def plans_for(scenario: Scenario, request: PlanRequest, slo: Slo, sim: SimOptions) -> list[Plan]:
+    """At each load: the given cluster predicted (where its bottleneck moves), else the cluster sized."""
     loads = request.sweep or (request.streams,)
-    if request.llm_replicas is not None:  # this cluster under each load: where its bottleneck moves
+    if request.llm_replicas is not None:
         shape = ClusterShape(request.llm_replicas, request.detok_replicas, scenario.calib.max_streams_per_replica,
                              request.max_starting)  # fmt: skip
-        plans = [Plan(n, shape.llm_replicas, shape.detok_replicas, predict(scenario, n, shape, sim)) for n in loads]
-    else:
-        options = SearchOptions(sim=sim, max_starting_per_replica=request.max_starting)
-        plans = [size_cluster(scenario, n, slo, options) for n in loads]
-    return lines + table(plans, slo)
+        return [Plan(n, shape.llm_replicas, shape.detok_replicas, predict(scenario, n, shape, sim)) for n in loads]
+    options = SearchOptions(sim=sim, max_starting_per_replica=request.max_starting)
+    return [size_cluster(scenario, n, slo, options) for n in loads]
+
+
+def host_range_lines(scenario: Scenario, request: PlanRequest, slo: Slo, sim: SimOptions) -> list[str]:
+    """Where the calibration has a `host_range`, one line: the plans again on its cheapest host (the most
+    capacity) and on its dearest (the least), as GPUs sized or, for a given cluster, p90 TTFA at each load."""
+    spread = scenario.calib.host_range
+    if spread is None:
+        return []
+    cheapest, dearest = (plans_for(scenario.with_host(host), request, slo, sim) for host in (spread.low, spread.high))
+    loads = " / ".join(str(plan.streams) for plan in cheapest)
+    return [
+        f"host_range (the calibration's measured host spread), at {loads} streams: "
+        f"cheapest host {_range_cell(cheapest, request, slo)}, dearest host {_range_cell(dearest, request, slo)}"
+    ]
+
+
+def _range_cell(plans: list[Plan], request: PlanRequest, slo: Slo) -> str:
+    if request.llm_replicas is None:
+        return " / ".join(str(plan.gpus) for plan in plans) + " GPUs"
+    ttfa = " / ".join(f"{plan.prediction.p90_ttfa_s:.3f}" for plan in plans)
+    met = " / ".join("met" if plan.prediction.meets(slo.ttfa_p90_s, slo.min_viable_pct) else "MISSED" for plan in plans)
+    return f"p90 TTFA {ttfa} s ({met})"
 
 
 def header(scenario: Scenario, request: PlanRequest, slo: Slo, sim: SimOptions) -> list[str]:

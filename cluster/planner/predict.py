@@ -9,11 +9,11 @@ zero-load floor (the first chunk's compute alone). Called by `cluster.planner.se
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from cluster.planner.calibration import Calibration
+from cluster.planner.calibration import Calibration, HostCost
 from cluster.planner.shared_cores import CoreShare
 from cluster.planner.simulate import ClusterShape, LLMPass, Prediction, SimOptions, run_llm_stage
 from cluster.planner.workload import ChunkRule, ModelRates, Streams, Workload, make_streams
@@ -29,6 +29,10 @@ class Scenario:
 
     def chunk_rule(self) -> ChunkRule:
         return ChunkRule.from_spec(self.calib.schedule)
+
+    def with_host(self, host: HostCost) -> Scenario:
+        """This scenario on another host (e.g. an end of the calibration's `host_range`), all else alike."""
+        return replace(self, calib=replace(self.calib, host=host))
 
 
 @dataclass(frozen=True)

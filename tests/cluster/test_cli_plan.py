@@ -55,6 +55,36 @@ def test_sources_lists_where_the_figures_came_from(capsys):
     assert "sources:" in out and "policy_sim" in out
 
 
+def fake_predict(scenario, streams, shape, options):
+    """No simulation: a p90 TTFA that grows with a stream's host CPU (0.3 s + the ms as seconds / 100)."""
+    from cluster.planner.simulate import Prediction
+
+    p90_s = 0.3 + scenario.calib.host.cpu_ms_per_stream / 100
+    return Prediction(p90_s / 2, p90_s, 100.0, 0.0, 0.0, 0.0, 0.5, 0.1, 0.2, 20)
+
+
+def test_a_calibration_with_a_host_range_adds_the_plans_on_its_cheapest_and_dearest_host(tmp_path, monkeypatch, capsys):
+    import json
+
+    from cluster.planner import command
+    from cluster.planner.calibration import CALIBRATION_DIR
+
+    monkeypatch.setattr(command, "predict", fake_predict)
+    data = json.loads((CALIBRATION_DIR / "cpu-orpheus-tiny.json").read_text())
+    host = {"cores": 2, "background_cores": 0.1, "cpu_ms_per_stream": 20, "cpu_ms_per_chunk": 1}
+    given = ["--llm-replicas", "1", "--detok-replicas", "1", "--sweep", "--sweep-streams", "2", "4"]
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps({**data, "host": host}))
+    assert main([*CPU, *given, "--calibration", str(path)]) == 0
+    assert "host_range" not in capsys.readouterr().out  # none measured: no line
+    spread = {"low": {**host, "cpu_ms_per_stream": 0}, "high": {**host, "cpu_ms_per_stream": 80}}
+    path.write_text(json.dumps({**data, "host": host, "host_range": spread}))
+    assert main([*CPU, *given, "--calibration", str(path)]) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line == ("host_range (the calibration's measured host spread), at 2 / 4 streams: cheapest host p90 TTFA "
+                    "0.300 / 0.300 s (met / met), dearest host p90 TTFA 1.100 / 1.100 s (MISSED / MISSED)")  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("flags", "field"),
     [

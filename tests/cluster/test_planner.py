@@ -348,6 +348,48 @@ def test_host_section_parses_and_names_a_bad_field():
     assert err.value.field == "host.cpu_ms_per_chunk"
 
 
+def test_host_range_parses_as_two_host_sections_and_names_a_bad_field():
+    data = copy.deepcopy(SMALL)
+    assert parse_calibration(data).host_range is None  # older files: no spread measured
+    host = {"cores": 2, "background_cores": 0.1, "cpu_ms_per_stream": 20, "cpu_ms_per_chunk": 3}
+    data["host"] = host
+    assert parse_calibration(data).host_range is None
+    data["host_range"] = {"low": {**host, "background_cores": 0.05, "cpu_ms_per_stream": 5},
+                          "high": {**host, "cpu_ms_per_stream": 60, "background_cores_per_replica": 0.02}}  # fmt: skip
+    spread = parse_calibration(data).host_range
+    assert (spread.low.background_cores, spread.low.cpu_ms_per_stream, spread.low.cpu_ms_per_chunk) == (0.05, 5, 3)
+    assert spread.high.cpu_ms_per_stream == 60 and spread.high.background_for(2) == pytest.approx(0.14)
+    for bad, field in [
+        ("x", "host_range"),
+        ({"low": data["host_range"]["low"]}, "host_range.high"),
+        ({**data["host_range"], "low": {**host, "cpu_ms_per_chunk": -1}}, "host_range.low.cpu_ms_per_chunk"),
+        ({**data["host_range"], "high": {**host, "background_cores_per_replica": "x"}},
+         "host_range.high.background_cores_per_replica"),
+    ]:  # fmt: skip
+        with pytest.raises(InvalidArgumentError) as err:
+            parse_calibration({**data, "host_range": bad})
+        assert err.value.field == field
+    without_host = {key: value for key, value in data.items() if key != "host"}
+    with pytest.raises(InvalidArgumentError) as err:
+        parse_calibration(without_host)
+    assert err.value.field == "host_range"
+
+
+def test_the_dearest_host_of_the_range_slows_the_stages_the_cheapest_speeds_them():
+    data = copy.deepcopy(SMALL)
+    data["detok"]["ms"] = [10.0, 100.0]
+    host = {"cores": 2, "background_cores": 0.2, "cpu_ms_per_stream": 30, "cpu_ms_per_chunk": 5}
+    data["host"] = host
+    data["host_range"] = {"low": {**host, "background_cores": 0.05, "cpu_ms_per_stream": 5, "cpu_ms_per_chunk": 1},
+                          "high": {**host, "background_cores": 0.4, "cpu_ms_per_stream": 90}}  # fmt: skip
+    scenario = Scenario(parse_calibration(data), ORPHEUS, SHORT_TEXTS)
+    assert scenario.with_host(scenario.calib.host_range.high).calib.host.cpu_ms_per_stream == 90
+    assert scenario.with_host(scenario.calib.host_range.high).calib.llm_step == scenario.calib.llm_step
+    cheapest, dearest = (predict(scenario.with_host(host), 4.0, ClusterShape(1, 1, 8), FAST)
+                         for host in (scenario.calib.host_range.low, scenario.calib.host_range.high))  # fmt: skip
+    assert cheapest.p50_ttfa_s < dearest.p50_ttfa_s < float("inf")
+
+
 def test_the_core_share_splits_what_the_host_leaves_among_busy_processes():
     from cluster.planner.calibration import HostCost
     from cluster.planner.shared_cores import BIN_S, CoreShare

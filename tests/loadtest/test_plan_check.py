@@ -286,3 +286,151 @@ def test_the_idle_background_splits_into_a_fixed_part_and_a_part_per_replica():
     host = parse_calibration({**calibration_with_steps(json.loads(CPU_CALIBRATION.read_text()), {1: 2.0}, "here"),
                               "host": calibration_host(cost, 2)}).host  # fmt: skip
     assert (host.background_for(2), host.background_for(4)) == (pytest.approx(0.136), pytest.approx(0.204))
+
+
+def _level(streams: int, chunks: int, per_stream_ms: float, per_chunk_ms: float, round_index: int = 0,
+           background_s: float = 0.0) -> SaturatedLoad:  # fmt: skip
+    """A closed-loop level of 10 s whose host CPU is `per_stream_ms` a stream + `per_chunk_ms` a chunk
+    (+ `background_s` of idle upkeep, for the tests that take it off)."""
+    host_s = (streams * per_stream_ms + chunks * per_chunk_ms) / 1e3 + background_s
+    return SaturatedLoad(clients=2, wall_s=10.0, streams=streams, chunks=chunks, host_cpu_s=host_s, llm_cpu_s=1.0,
+                         detok_cpu_s=1.0, round=round_index)  # fmt: skip
+
+
+def _rounds_disagreeing() -> tuple[SaturatedLoad, ...]:
+    """Two rounds over the same streams and chunks: 20 ms a stream + 3 ms a chunk, then 40 + 4."""
+    shape = ((10, 100), (20, 150), (40, 400))
+    return tuple(_level(streams, chunks, *fit, round_index=index)
+                 for index, fit in enumerate(((20.0, 3.0), (40.0, 4.0))) for streams, chunks in shape)  # fmt: skip
+
+
+def _spread_cost(levels: tuple[SaturatedLoad, ...], samples: tuple[float, ...],
+                 by_replicas: dict[int, float] | None = None) -> HostCost:  # fmt: skip
+    """A measurement with the c=1 sets at 7 chunks a stream, `levels` and the idle spells' `samples`."""
+    mean = sum(samples) / len(samples)
+    sets = (_set("short", 10, 40, 0.18), _set("long", 10, 100, 0.30))
+    return HostCost(background_cores=mean, host_ms_per_stream=10.0, host_ms_per_chunk=2.0, llm_ms_per_token=2.5,
+                    detok_ms_per_chunk=12.0, ttfa_p50_s=0.2, sets=sets, loaded_step_ms_by_rows={},
+                    detok_windows=(14,) * 140, saturated=levels[-1], levels=levels,
+                    background_by_replicas=by_replicas or {2: mean}, background_samples=samples)  # fmt: skip
+
+
+def test_each_round_of_closed_loop_levels_gets_its_own_fit():
+    from loadtest.host_cost import split_host_at_load, split_host_by_round
+
+    levels = _rounds_disagreeing()
+    by_round = split_host_by_round(levels)
+    assert list(by_round) == [0, 1]
+    assert by_round[0] == (pytest.approx(20.0), pytest.approx(3.0))
+    assert by_round[1] == (pytest.approx(40.0), pytest.approx(4.0))
+    assert split_host_at_load(levels) == (pytest.approx(30.0), pytest.approx(3.5))  # the whole calibration's
+    assert split_host_by_round(levels[:4]) == {0: by_round[0]}  # a round of one level has no fit of its own
+    assert split_host_by_round(()) == {}
+    old = SaturatedLoad(2, 10.0, 10, 100, 1.0, 1.0, 1.0)  # written before the rounds: round 0
+    assert old.round == 0
+
+
+def test_the_background_is_the_idle_spells_mean_taken_off_every_set_and_level():
+    from loadtest.host_cost import host_cost_of, spell_counts
+
+    assert [spell_counts(n) for n in (1, 2, 3, 5)] == [(1, 0, 0), (1, 0, 1), (1, 1, 1), (1, 3, 1)]
+    with pytest.raises(ValueError):
+        spell_counts(0)
+    raw_sets = (_set("short", 10, 40, 2.18), _set("long", 10, 100, 2.30))  # 10 s each, the background in
+    raw_levels = (_level(10, 100, 20.0, 3.0, background_s=2.0), _level(40, 400, 20.0, 3.0, 1, background_s=2.0),
+                  _level(1, 1, 0.0, 0.0, 1))  # fmt: skip
+    cost = host_cost_of(raw_sets, raw_levels, {1: 2.0}, (0.1, 0.2, 0.3), stage_replicas=2)
+    assert cost.background_cores == pytest.approx(0.2) and cost.background_samples == (0.1, 0.2, 0.3)
+    assert cost.background_by_replicas == {2: pytest.approx(0.2)}
+    assert [s.host_cpu_s for s in cost.sets] == [pytest.approx(0.18), pytest.approx(0.30)]
+    assert [lv.host_cpu_s for lv in cost.levels] == [pytest.approx(0.5), pytest.approx(2.0), 0.0]  # never below 0
+    assert [lv.round for lv in cost.levels] == [0, 1, 1] and cost.saturated == cost.levels[-1]
+    assert (cost.host_ms_per_stream, cost.host_ms_per_chunk) == (pytest.approx(10.0), pytest.approx(2.0))
+
+
+def test_the_host_range_spans_the_cheapest_and_the_dearest_host_measured():
+    """Rounds that disagree and idle spells that differ: `low` takes the cheaper round's fit (by a typical
+    stream's host CPU, 7 chunks) and the lowest spell, `high` the dearer and the highest; `host` between."""
+    from loadtest.host_cost import calibration_host_range, typical_chunks_per_stream
+
+    cost = _spread_cost(_rounds_disagreeing(), samples=(0.10, 0.20, 0.15))
+    assert typical_chunks_per_stream(cost) == pytest.approx(7.0)
+    central, spread = calibration_host(cost, 2), calibration_host_range(cost, 2)
+
+    def stream_ms(host: dict) -> float:
+        return host["cpu_ms_per_stream"] + 7.0 * host["cpu_ms_per_chunk"]
+
+    low, high = spread["low"], spread["high"]
+    assert stream_ms(low) < stream_ms(central) < stream_ms(high)  # 41 < 54.5 < 68 ms a typical stream
+    assert (low["cpu_ms_per_stream"], low["cpu_ms_per_chunk"]) == (pytest.approx(20.0), pytest.approx(3.0))
+    assert (high["cpu_ms_per_stream"], high["cpu_ms_per_chunk"]) == (pytest.approx(40.0), pytest.approx(4.0))
+    assert (low["background_cores"], central["background_cores"], high["background_cores"]) == (
+        pytest.approx(0.10), pytest.approx(0.15), pytest.approx(0.20))  # fmt: skip
+    assert low["cores"] == high["cores"] == 2
+    # a background split by replicas scales as a whole: at the measured 1x1, the lowest spell's cores
+    split = calibration_host_range(_spread_cost(_rounds_disagreeing(), (0.10, 0.20), {2: 0.15, 4: 0.25}), 2)
+    per_replica = split["low"]["background_cores_per_replica"]
+    assert split["low"]["background_cores"] + 2 * per_replica == pytest.approx(0.10, abs=1e-3)
+    one_round = tuple(lv for lv in _rounds_disagreeing() if lv.round == 0)
+    assert calibration_host_range(_spread_cost(one_round, samples=(0.15,)), 2) is None  # nothing spread
+    spells_only = calibration_host_range(_spread_cost(one_round, samples=(0.1, 0.2)), 2)
+    assert stream_ms(spells_only["low"]) == stream_ms(spells_only["high"])  # one round: the central fit at both
+
+
+def test_the_host_range_enters_the_calibration_and_round_trips_through_its_parser():
+    base = calibration_with_steps(json.loads(CPU_CALIBRATION.read_text()), {1: 2.0, 4: 3.0}, "here")
+    data = calibration_with_host(base, _spread_cost(_rounds_disagreeing(), (0.10, 0.20, 0.15)), 2, "host_cost here")
+    calib = parse_calibration(json.loads(json.dumps(data)))
+    assert calib.host_range is not None and "host_range" in data["sources"]
+    names = ("cores", "background_cores", "background_cores_per_replica", "cpu_ms_per_stream", "cpu_ms_per_chunk")
+    for end in ("low", "high"):
+        host = getattr(calib.host_range, end)
+        assert {name: getattr(host, name) for name in names} == data["host_range"][end]
+    low, high = calib.host_range.low, calib.host_range.high
+    assert low.cpu_ms_per_stream < calib.host.cpu_ms_per_stream < high.cpu_ms_per_stream
+    assert parse_calibration(with_assumptions(data, None, 0.15)).host_range == calib.host_range
+    unspread = calibration_with_host(base, _spread_cost(_rounds_disagreeing()[:3], (0.15,)), 2, "here")
+    assert "host_range" not in unspread and parse_calibration(unspread).host_range is None
+
+
+def _fake_capacity(scenario: Scenario, config, slo: Slo, sim: SimOptions = SimOptions()) -> float:
+    """No simulation: a capacity that falls as a stream's host CPU rises (1 req/s at 0 ms, 0.5 at 50 ms)."""
+    return 1.0 / (1.0 + scenario.calib.host.cpu_ms_per_stream / 50.0)
+
+
+def test_plan_check_predicts_the_least_and_most_capacity_over_the_host_range(monkeypatch):
+    import loadtest.plan_check as plan_check
+
+    monkeypatch.setattr(plan_check, "predicted_rps", _fake_capacity)
+    data = json.loads(CPU_CALIBRATION.read_text())
+    host = {"cores": 2, "background_cores": 0.15, "cpu_ms_per_stream": 50.0, "cpu_ms_per_chunk": 1.0}
+    data.update(host=host, host_range={"low": {**host, "cpu_ms_per_stream": 0.0},
+                                       "high": {**host, "cpu_ms_per_stream": 150.0}})  # fmt: skip
+    scenario = Scenario(parse_calibration(data), ORPHEUS_TINY, sweep_workload())
+    config, slo = CONFIGS[2], Slo(1.0)
+    # the dearest host ("high") gives the least capacity, the cheapest ("low") the most
+    assert plan_check.predicted_range_rps(scenario, config, slo, 0.5) == (pytest.approx(0.25), pytest.approx(1.0))
+    assert plan_check.predicted_range_rps(scenario, config, slo, 1.2)[1] == 1.2  # the central one always inside
+    line = plan_check.predicted_line(scenario, config, slo, SimOptions())
+    assert line == "cpu-1x1-cap4: predicted 0.50 req/s, 0.25-1.00 over the host range"
+    without = Scenario(parse_calibration({**data, "host_range": None}), ORPHEUS_TINY, sweep_workload())
+    assert plan_check.predicted_range_rps(without, config, slo, 0.5) == (0.5, 0.5)
+    assert "no host_range" in plan_check.predicted_line(without, config, slo, SimOptions())
+
+
+def test_the_check_reports_the_range_and_whether_the_measured_capacity_is_in_it():
+    from loadtest.plan_check import result_json
+
+    inside = CheckResult("cpu-1x1-cap4", 1.14, 1.0, (1.0,), predicted_range_rps=(0.85, 1.3))
+    assert inside.in_range and inside.verdict == "yes"  # the verdict stays on the central prediction
+    above = CheckResult("cpu-1x1-cap4", 0.85, 1.07, (1.0,), predicted_range_rps=(0.7, 1.0))
+    assert not above.in_range and above.verdict == "yes"
+    row = report([inside, above])
+    assert "least-most req/s over host_range" in row[0] and "in range" in row[0]
+    assert row[2].startswith("| cpu-1x1-cap4 | 1.14 | 0.85-1.30 | 1.00 | 14% | yes | yes |")
+    assert row[3].startswith("| cpu-1x1-cap4 | 0.85 | 0.70-1.00 | 1.07 | 21% | yes | no |")
+    unranged = CheckResult("cpu-1x1", 1.0, 1.0, (1.0,))
+    assert unranged.capacity_range_rps == (1.0, 1.0) and unranged.in_range
+    assert result_json(unranged)["predicted_range_rps"] == [1.0, 1.0]
+    written = json.loads(json.dumps(result_json(above)))
+    assert written["predicted_range_rps"] == [0.7, 1.0] and written["in_range"] is False
