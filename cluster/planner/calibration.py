@@ -11,6 +11,7 @@ field.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ import numpy as np
 from core.errors import InvalidArgumentError
 
 CALIBRATION_DIR = Path(__file__).with_name("calibrations")
+ROWS_LOOKED_UP = 4097  # a step's batch rows below this are read from a table computed once (`StepTable.step_ms`)
 
 
 @dataclass(frozen=True)
@@ -39,8 +41,12 @@ class StepTable:
         """Vectorised: ms of one step for each (rows, mean tokens cached) pair; 0 where rows is 0."""
         rows = np.asarray(rows, dtype=np.float64)
         cache = np.asarray(cache_tokens, dtype=np.float64)
-        table = np.asarray(self.ms)  # [rows, cache columns]
-        columns = [_interp_extrapolate(rows, self.rows, table[:, j]) for j in range(len(self.cache_tokens))]
+        whole = rows.astype(np.int64)
+        if rows.size and np.array_equal(whole, rows) and 0 <= whole.min() and whole.max() < ROWS_LOOKED_UP:
+            by_rows = self._columns_by_whole_rows()  # the simulation's every step: read, not interpolated
+            columns = [by_rows[j][whole] for j in range(len(self.cache_tokens))]
+        else:
+            columns = self._columns(rows)
         if len(columns) == 1:
             extra_tokens = np.maximum(cache - self.cache_tokens[0], 0.0)
             kv_ms = rows * extra_tokens * self.kv_bytes_per_token / self.memory_bandwidth_bytes_per_s * 1e3
@@ -49,6 +55,16 @@ class StepTable:
             stacked = np.stack(columns, axis=-1)  # [..., cache columns]
             ms = _interp_columns(cache, self.cache_tokens, stacked)
         return np.where(rows > 0, np.maximum(ms, 0.0), 0.0)
+
+    def _columns(self, rows: np.ndarray) -> list[np.ndarray]:
+        """Each cache column's ms interpolated (extrapolated) at `rows`."""
+        table = np.asarray(self.ms)  # [rows, cache columns]
+        return [_interp_extrapolate(rows, self.rows, table[:, j]) for j in range(len(self.cache_tokens))]
+
+    @functools.cache  # noqa: B019 (frozen and hashable: one small table per StepTable, kept for its life)
+    def _columns_by_whole_rows(self) -> list[np.ndarray]:
+        """`_columns` at 0, 1, ..., ROWS_LOOKED_UP - 1 rows: the same values, computed once."""
+        return self._columns(np.arange(ROWS_LOOKED_UP, dtype=np.float64))
 
 
 @dataclass(frozen=True)

@@ -22,18 +22,21 @@ REAL_TIME_MARGIN = AdmissionConfig().real_time_margin  # share of the real-time 
 
 @dataclass
 class MeasuredSteps:
-    """Each replica's recent decode-only steps by batch size: [replicas, slots + 1 sizes, kept samples]."""
+    """Each replica's recent decode-only steps by batch size: [replicas, slots + 1 sizes, kept samples]. A
+    size's median is computed when admission reads it, not at every step (`record` runs every simulated
+    step; admission reads only where a stream waits)."""
 
     recent_s: np.ndarray  # [R, S + 1, KEPT], nan until stepped
     count: np.ndarray  # [R, S + 1] steps recorded at each size
     last_s: np.ndarray  # [R, S + 1] when each size last stepped (-inf: never)
-    median_s: np.ndarray  # [R, S + 1] the median of each size's recent steps (nan: none)
+    median_s: np.ndarray  # [R, S + 1] the median of each size's recent steps (nan: none), where not `stale`
+    stale: np.ndarray  # [R, S + 1] bool: stepped since its median was last computed
 
     @classmethod
     def empty(cls, replicas: int, slots: int) -> MeasuredSteps:
         sizes = (replicas, slots + 1)
         return cls(np.full((*sizes, STEP_SAMPLES_KEPT), np.nan), np.zeros(sizes, np.int64), np.full(sizes, -np.inf),
-                   np.full(sizes, np.nan))  # fmt: skip
+                   np.full(sizes, np.nan), np.zeros(sizes, bool))  # fmt: skip
 
     def record(self, rows: np.ndarray, step_s: np.ndarray, ended_s: np.ndarray, decode_only: np.ndarray) -> None:
         """One step per replica of `rows` rows lasting `step_s`, ended at `ended_s`; only decode-only steps
@@ -43,10 +46,19 @@ class MeasuredSteps:
         self.recent_s[r, size, self.count[r, size] % STEP_SAMPLES_KEPT] = step_s[r]
         self.count[r, size] += 1
         self.last_s[r, size] = ended_s[r]
-        kept = np.minimum(self.count[r, size], STEP_SAMPLES_KEPT)
-        ordered = np.sort(self.recent_s[r, size], axis=1)  # [len(r), KEPT], nan last
-        lo, hi = ordered[np.arange(len(r)), (kept - 1) // 2], ordered[np.arange(len(r)), kept // 2]
-        self.median_s[r, size] = (lo + hi) / 2  # statistics.median: the middle two averaged when even
+        self.stale[r, size] = True
+
+    def medians(self, r: np.ndarray, size: np.ndarray) -> np.ndarray:
+        """The median of each (replica `r`, batch `size`)'s recent steps, brought up to date first."""
+        stale = self.stale[r, size]
+        if stale.any():
+            rs, ss = r[stale], size[stale]
+            kept = np.minimum(self.count[rs, ss], STEP_SAMPLES_KEPT)
+            ordered = np.sort(self.recent_s[rs, ss], axis=1)  # [len(rs), KEPT], nan last
+            lo, hi = ordered[np.arange(len(rs)), (kept - 1) // 2], ordered[np.arange(len(rs)), kept // 2]
+            self.median_s[rs, ss] = (lo + hi) / 2  # statistics.median: the middle two averaged when even
+            self.stale[rs, ss] = False
+        return self.median_s[r, size]
 
     def largest_measured(self, clock: np.ndarray) -> np.ndarray:
         """Per replica, the largest batch size measured (0: none): among the fresh sizes when any is fresh."""
@@ -59,7 +71,7 @@ class MeasuredSteps:
         """(streams the largest measured batch keeps at real time, that batch's rows), per replica; (0, 0)
         where nothing is measured (`core.policy.StepTimer.measured_real_time_rows`)."""
         rows = self.largest_measured(clock)
-        median_s = self.median_s[np.arange(len(rows)), rows]
+        median_s = self.medians(np.arange(len(rows)), rows)
         has = rows > 0
         return np.where(has, rows * real_time_step_s / np.where(has, median_s, 1.0), 0.0), rows
 

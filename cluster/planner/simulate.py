@@ -348,15 +348,18 @@ def run_llm_stage(streams: Streams, shape: ClusterShape, calib: Calibration, rat
         if not (open_rows.any() or pending.any()) or clock.min() > horizon_s:
             break
         idle = (open_rows == 0) & pending
-        room, limit = _admit_room(state, shape, steps, clock, rates)
         if idle.any():
+            room, _ = _admit_room(state, shape, steps, clock, rates)
             clock = np.where(idle, np.maximum(clock, _next_start_s(state, queues, clock, room <= 0)), clock)
+        if trace is not None or (queues.head_arrival() <= clock).any():
             room, limit = _admit_room(state, shape, steps, clock, rates)
-        if trace is not None:  # as admission saw the replicas before this step's starts
-            held = (queues.head_arrival() <= clock) & ((room <= 0) | ~state.free(clock).any(axis=1))
-            seen = (limit, state.open_streams(clock), held)
-        filled = _admit(state, queues, clock, streams, rates.tokens_per_frame, options.admission_wait_s, admitted_s,
-                        room)  # fmt: skip
+            if trace is not None:  # as admission saw the replicas before this step's starts
+                held = (queues.head_arrival() <= clock) & ((room <= 0) | ~state.free(clock).any(axis=1))
+                seen = (limit, state.open_streams(clock), held)
+            filled = _admit(state, queues, clock, streams, rates.tokens_per_frame, options.admission_wait_s,
+                            admitted_s, room)  # fmt: skip
+        else:  # no stream waits at any replica: admission has nothing to decide (its limits are pure)
+            filled = np.zeros(state.stream.shape, bool)
         live = state.stream >= 0
         step_s = _step_s(state, filled, calib, options)
         if sharing:
