@@ -56,6 +56,28 @@ def _replica_stats(app_name: str, replica_id: str) -> dict:
     return ray.get(_replica_actor(app_name, f"LLMStage#{replica_id}").__ray_call__.remote(stats))
 
 
+def _pace_forward(app_name: str, llm_replica: str, min_step_s: float) -> None:
+    """Make every forward of replica `llm_replica` (`LLMStage#<id>`) last at least `min_step_s`: a stream
+    started after lasts a known time on any box (a fault then finds it playing) with few tokens, and the
+    replica sleeps out the rest of each step (the CPU stays with the other tests)."""
+
+    def pace(actor, min_step_s: float) -> None:  # runs in the replica actor
+        import time
+
+        runner = actor._replica_impl._user_callable_wrapper.user_callable.side.engine.runner
+        forward = runner.forward
+
+        def paced_forward(step):
+            start_s = time.monotonic()
+            out = forward(step)
+            time.sleep(max(0.0, min_step_s - (time.monotonic() - start_s)))
+            return out
+
+        runner.forward = paced_forward
+
+    ray.get(_replica_actor(app_name, llm_replica).__ray_call__.remote(pace, min_step_s), timeout=30)
+
+
 def _kv_courier(app_name: str):
     """The LLM stage's KV courier (a Serve deployment actor)."""
     from ray.serve._private.constants import SERVE_NAMESPACE

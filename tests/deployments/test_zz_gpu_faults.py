@@ -21,6 +21,7 @@ from tests.deployments.conftest import small_config
 from tests.deployments.grpc_helpers import retry_delay_s, run_stream
 from tests.deployments.test_zz_failover import (
     _check_audio,
+    _pace_forward,
     _play_all,
     _replica_actor,
     _replica_of_a_playing_stream,
@@ -67,28 +68,6 @@ def _fail_next_forward(app_name: str, llm_replica: str, fault: str) -> None:
         runner.forward = forward_or_fail
 
     ray.get(_replica_actor(app_name, llm_replica).__ray_call__.remote(arm, fault), timeout=30)
-
-
-def _pace_forward(app_name: str, llm_replica: str, min_step_s: float) -> None:
-    """Make every forward of replica `llm_replica` last at least `min_step_s`, so a stream started after
-    is still decoding seconds later on any box (a fast one had decoded a 128-frame stream whole before
-    the failing prefill came, and that step held no decode row)."""
-
-    def pace(actor, min_step_s: float) -> None:  # runs in the replica actor
-        import time
-
-        runner = actor._replica_impl._user_callable_wrapper.user_callable.side.engine.runner
-        forward = runner.forward
-
-        def paced_forward(step):
-            start_s = time.monotonic()
-            out = forward(step)
-            time.sleep(max(0.0, min_step_s - (time.monotonic() - start_s)))
-            return out
-
-        runner.forward = paced_forward
-
-    ray.get(_replica_actor(app_name, llm_replica).__ray_call__.remote(pace, min_step_s), timeout=30)
 
 
 def _failed_decode_rows(app_name: str, llm_replica: str) -> int:

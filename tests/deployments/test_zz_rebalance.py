@@ -27,6 +27,7 @@ from tests.deployments.conftest import small_config
 from tests.deployments.grpc_helpers import run_stream
 from tests.deployments.test_zz_failover import (
     _check_audio,
+    _pace_forward,
     _play_all,
     _replica_actor,
     _replica_of_a_playing_stream,
@@ -36,9 +37,11 @@ from tests.deployments.test_zz_failover import (
 
 pytestmark = pytest.mark.slow
 
-# Streams of 450 frames (~70 s on the shared 2-core box): they outlive Serve's restart of the lost
-# replica (19-35 s measured there) by a wide margin; the KV cache holds them (4096 tokens a slot).
-MAX_TOKENS = 7 * 450
+# Streams of 200 frames on replicas paced to 40 ms a step (>= 56 s on any box, most of it asleep): they
+# outlive Serve's restart of the lost replica (19-35 s measured on the shared 2-core box) by a wide margin,
+# the KV cache holds them (4096 tokens a slot), and the in-process reference is short.
+MAX_TOKENS = 7 * 200
+PACED_STEP_S = 0.04
 REBALANCE = small_config(
     app_name="voxray-rebal", route_prefix="/rebal", llm=StageDeploymentConfig(num_replicas=2, num_cpus=0.25),
     detok=StageDeploymentConfig(num_cpus=0.25),
@@ -85,6 +88,8 @@ def test_streams_move_to_the_replica_that_replaced_a_lost_one(cluster):
 
     ep = deploy_app(REBALANCE)
     try:
+        for replica_id in live_llm_replicas(ep.app_name):  # (the replacement runs unpaced)
+            _pace_forward(ep.app_name, f"LLMStage#{replica_id}", PACED_STEP_S)
         jobs = [{"request_id": f"rebal-{i}", "text": f"rebalance {i}", "voice": "tara",
                  "sampling": {"seed": i, "max_tokens": MAX_TOKENS} if i % 2 else {"temperature": 0.0,
                                                                                   "max_tokens": MAX_TOKENS}}
