@@ -351,10 +351,11 @@ def run_llm_stage(streams: Streams, shape: ClusterShape, calib: Calibration, rat
         if idle.any():
             room, _ = _admit_room(state, shape, steps, clock, rates)
             clock = np.where(idle, np.maximum(clock, _next_start_s(state, queues, clock, room <= 0)), clock)
-        if trace is not None or (queues.head_arrival() <= clock).any():
+        waiting = queues.head_arrival() <= clock
+        if trace is not None or waiting.any():
             room, limit = _admit_room(state, shape, steps, clock, rates)
             if trace is not None:  # as admission saw the replicas before this step's starts
-                held = (queues.head_arrival() <= clock) & ((room <= 0) | ~state.free(clock).any(axis=1))
+                held = waiting & ((room <= 0) | ~state.free(clock).any(axis=1))
                 seen = (limit, state.open_streams(clock), held)
             filled = _admit(state, queues, clock, streams, rates.tokens_per_frame, options.admission_wait_s,
                             admitted_s, room)  # fmt: skip
