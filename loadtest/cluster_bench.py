@@ -26,9 +26,9 @@ import yaml
 from cluster.pipeline import InProcessPipeline
 from core.config import load_serve_config
 from loadtest.metrics import RateSummary, RequestRecord, capacity_at_slo, hop_breakdown, summarize
-from loadtest.run_all import System, start, stop
+from loadtest.run_all import System, start_ready, stop
 from loadtest.serve_voxray import CPU_CONFIG
-from loadtest.sweep import SweepConfig, is_saturated, run_rate, wait_ready
+from loadtest.sweep import SweepConfig, is_saturated, run_rate
 from loadtest.workload import arrival_offsets_s, load_prompts, max_tokens_for
 from protos import voxray_pb2_grpc
 
@@ -94,10 +94,9 @@ def sweep_cluster(
                str(port + 1), "--config", str(config_path)]  # fmt: skip
     system = System("voxray-cluster", port, command, 240.0)
     started = time.monotonic()
-    proc = start(system, log_dir)
+    proc = start_ready(system, log_dir, cfg.app_name)
     try:
         target = f"127.0.0.1:{port}"
-        wait_ready(target, cfg.app_name, system.ready_timeout_s)
         startup_s = time.monotonic() - started
         with grpc.insecure_channel(target) as channel:
             stub = voxray_pb2_grpc.SpeechStub(channel)

@@ -22,13 +22,11 @@ import psutil
 import yaml
 
 from core.config import ServeConfig
-from loadtest.sweep import wait_ready
+from loadtest import server_start
+from loadtest.server_start import start_until_serving
 
 ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = 240.0
-READY_POLL_S = 10.0  # readiness is tried this long at a time, the process checked between
-START_ATTEMPTS = 2
-RAY_START_TIMED_OUT = "timed out during startup"  # ray.init's error when its raylet or GCS came up late
 STOP_GRACE_S = 60.0  # SIGTERM drains (idle: ~1 s) and stops Ray; then the tree is SIGKILLed
 PROMETHEUS_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? ([0-9.eE+-]+|NaN|[+-]Inf)$")
 
@@ -62,33 +60,13 @@ class ServerProcess:
         return f"ws://127.0.0.1:{self.config.http_port}/v1/audio/speech/stream"
 
 
-class ServerExited(RuntimeError):
-    """The server process ended before it served; `log_tail` is the end of its log."""
-
-    def __init__(self, code: int | None, log_tail: str) -> None:
-        super().__init__(f"voxray serve exited ({code}) before it served; its log ends:\n{log_tail}")
-        self.log_tail = log_tail
-
-
 def start_server(config: ServeConfig, scratch: Path, ready_timeout_s: float = READY_TIMEOUT_S) -> ServerProcess:
     """`voxray serve --config` in a new session (its log under `scratch`); returns once it streams audio.
-    A server whose Ray timed out in its own start (`RAY_START_TIMED_OUT`: raylet or GCS late on a loaded box,
-    seen beside a test session's cluster) is started once more; any other early exit fails at once."""
-    attempt = 1
-    while True:
-        server = launch_server(config, scratch)
-        try:
-            wait_serving(server, ready_timeout_s)
-            return server
-        except ServerExited as err:
-            stop_server(server)
-            if attempt >= START_ATTEMPTS or RAY_START_TIMED_OUT not in err.log_tail:
-                raise
-        except BaseException:
-            stop_server(server)
-            raise
-        print(f"voxray serve: Ray timed out in its start (attempt {attempt}); starting it again", flush=True)
-        attempt += 1
+    A server whose Ray timed out in its own start is started once more; any other early exit fails at
+    once (`loadtest.server_start`)."""
+    return start_until_serving(lambda: launch_server(config, scratch),
+                               lambda server: wait_serving(server, ready_timeout_s), stop_server,
+                               label="voxray serve")  # fmt: skip
 
 
 def launch_server(config: ServeConfig, scratch: Path) -> ServerProcess:
@@ -106,20 +84,8 @@ def launch_server(config: ServeConfig, scratch: Path) -> ServerProcess:
 
 
 def wait_serving(server: ServerProcess, timeout_s: float) -> None:
-    """Until the server streams audio (`wait_ready`, a few seconds at a time), `ServerExited` as soon as its
-    process ends, TimeoutError after `timeout_s`."""
-    deadline, last = time.monotonic() + timeout_s, ""
-    while True:
-        if server.proc.poll() is not None:
-            raise ServerExited(server.proc.returncode, server.log_path.read_text(errors="replace")[-3000:])
-        left_s = deadline - time.monotonic()
-        if left_s <= 0:
-            raise TimeoutError(f"{server.grpc_target} not ready after {timeout_s:.0f} s ({last})")
-        try:
-            wait_ready(server.grpc_target, server.config.app_name, min(left_s, READY_POLL_S))
-            return
-        except TimeoutError as err:
-            last = str(err)
+    """Until the server streams audio; `ServerExited` as soon as its process ends (`server_start.wait_serving`)."""
+    server_start.wait_serving(server.proc, server.log_path, server.grpc_target, server.config.app_name, timeout_s)
 
 
 def stop_server(server: ServerProcess, grace_s: float = STOP_GRACE_S) -> int | None:

@@ -20,9 +20,9 @@ import grpc
 
 from loadtest.cluster_bench import grpc_port
 from loadtest.metrics import summarize
-from loadtest.run_all import System, start, stop
+from loadtest.run_all import System, start_ready, stop
 from loadtest.serve_voxray import CPU_CONFIG
-from loadtest.sweep import SweepConfig, run_rate, wait_ready
+from loadtest.sweep import SweepConfig, run_rate
 from loadtest.workload import load_prompts
 from protos import voxray_pb2_grpc
 
@@ -111,11 +111,10 @@ def profile(args: argparse.Namespace) -> dict:
     command = [sys.executable, "-m", "loadtest.serve_voxray", "--grpc-port", str(port), "--http-port",
                str(port + 1), "--config", str(args.config)]  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
-    proc = start(System("voxray-cluster", port, command, 240.0), args.out)
+    cfg = SweepConfig(rates_rps=(args.rate,), duration_s=args.duration_s, max_requests=args.max_requests)
+    proc = start_ready(System("voxray-cluster", port, command, 240.0), args.out, cfg.app_name)
     try:
         target = f"127.0.0.1:{port}"
-        cfg = SweepConfig(rates_rps=(args.rate,), duration_s=args.duration_s, max_requests=args.max_requests)
-        wait_ready(target, cfg.app_name)
         pids = process_tree(proc.pid)
         spies = _start_py_spy(args, replica_pids(pids))
         load_before, before, wall_start = os.getloadavg()[0], snapshot(pids), time.monotonic()
@@ -152,12 +151,11 @@ def renice_ab(args: argparse.Namespace) -> list[dict]:
     command = [sys.executable, "-m", "loadtest.serve_voxray", "--grpc-port", str(port), "--http-port",
                str(port + 1), "--config", str(args.config)]  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
-    proc = start(System("voxray-cluster", port, command, 240.0), args.out)
+    cfg = SweepConfig(rates_rps=(args.rate,), duration_s=args.duration_s, max_requests=args.max_requests)
+    proc = start_ready(System("voxray-cluster", port, command, 240.0), args.out, cfg.app_name)
     rows = []
     try:
         target = f"127.0.0.1:{port}"
-        cfg = SweepConfig(rates_rps=(args.rate,), duration_s=args.duration_s, max_requests=args.max_requests)
-        wait_ready(target, cfg.app_name)
         actors = [pid for pid, cmd in process_tree(proc.pid).items() if cmd.startswith(ACTOR_PREFIXES)]
         for _ in range(args.repeats):
             for niceness in args.renice_ab:

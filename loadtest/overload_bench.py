@@ -37,9 +37,9 @@ from loadtest.metrics import (
     summarize,
     ttfa_s,
 )
-from loadtest.run_all import System, start, stop
+from loadtest.run_all import System, start_ready, stop
 from loadtest.serve_voxray import CPU_CONFIG, loadtest_config
-from loadtest.sweep import SweepConfig, format_step, is_saturated, server_stamps, wait_ready
+from loadtest.sweep import SweepConfig, format_step, is_saturated, server_stamps
 from loadtest.workload import arrival_offsets_s, load_prompts
 from protos import voxray_pb2_grpc
 
@@ -261,10 +261,9 @@ def report(
 def with_server(config_path: Path, cfg: SweepConfig, out_dir: Path, measure):
     """Start `voxray serve --config config_path`, run `measure(stub)` against it, stop it."""
     system = System("voxray-overload", GRPC_PORT, serve_command(config_path), 300.0)
-    proc = start(system, out_dir)
+    proc = start_ready(system, out_dir, cfg.app_name)
     try:
         target = f"127.0.0.1:{GRPC_PORT}"
-        wait_ready(target, cfg.app_name, system.ready_timeout_s)
         with grpc.insecure_channel(target) as channel:
             return measure(voxray_pb2_grpc.SpeechStub(channel))
     finally:

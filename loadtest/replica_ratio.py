@@ -16,9 +16,9 @@ from pathlib import Path
 import yaml
 
 from core.config import load_serve_config
-from loadtest.run_all import System, start, stop
+from loadtest.run_all import System, start_ready, stop
 from loadtest.serve_voxray import CPU_CONFIG
-from loadtest.sweep import SweepConfig, run_sweep, wait_ready, write_result
+from loadtest.sweep import SweepConfig, run_sweep, write_result
 
 
 def parse_ratio(text: str) -> tuple[int, int]:
@@ -51,10 +51,9 @@ def run_ratio(args: argparse.Namespace, cfg: SweepConfig, llm: int, detok: int) 
                "--http-port", str(args.grpc_port + 1), "--config", str(config_path)]  # fmt: skip
     system = System(label, args.grpc_port, command, 300.0)
     started = time.monotonic()
-    proc = start(system, args.out)
+    proc = start_ready(system, args.out, cfg.app_name, voice=cfg.voice)
     try:
         target = f"127.0.0.1:{args.grpc_port}"
-        wait_ready(target, cfg.app_name, system.ready_timeout_s, voice=cfg.voice)
         startup_s = time.monotonic() - started
         result = run_sweep(target, cfg, label)
     finally:

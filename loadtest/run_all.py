@@ -19,7 +19,8 @@ from pathlib import Path
 
 from loadtest.metrics import RateSummary, capacity_at_slo
 from loadtest.plots import plot_all
-from loadtest.sweep import SweepConfig, run_sweep, wait_ready
+from loadtest.server_start import start_until_serving, wait_serving
+from loadtest.sweep import SweepConfig, run_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -49,10 +50,26 @@ def systems(weights: Path) -> dict[str, System]:
 
 
 def start(system: System, log_dir: Path) -> subprocess.Popen:
-    log = (log_dir / f"{system.label}.server.log").open("w")
+    """The system's server process in a new session, its log `<log_dir>/<label>.server.log`."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen(system.command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)  # fmt: skip
+    with log_path(system, log_dir).open("w") as log:
+        return subprocess.Popen(system.command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)  # fmt: skip
+
+
+def log_path(system: System, log_dir: Path) -> Path:
+    return log_dir / f"{system.label}.server.log"
+
+
+def start_ready(system: System, log_dir: Path, app_name: str, voice: str = "tara") -> subprocess.Popen:
+    """`start`, then wait until it streams audio: its exit before that fails at once with its log's end,
+    a Ray start that timed out is started once more (`loadtest.server_start`)."""
+    target = f"127.0.0.1:{system.port}"
+
+    def wait(proc: subprocess.Popen) -> None:
+        wait_serving(proc, log_path(system, log_dir), target, app_name, system.ready_timeout_s, voice=voice)
+
+    return start_until_serving(lambda: start(system, log_dir), wait, stop, label=system.label)
 
 
 def stop(proc: subprocess.Popen, grace_s: float = 45.0) -> None:
@@ -74,10 +91,9 @@ def run_system(system: System, cfg: SweepConfig, out_dir: Path) -> dict:
     started = time.monotonic()
     log_dir = ROOT / "bench_out" / "sweep-logs"  # server logs stay out of the committed results
     log_dir.mkdir(parents=True, exist_ok=True)
-    proc = start(system, log_dir)
+    proc = start_ready(system, log_dir, cfg.app_name)
     try:
         target = f"127.0.0.1:{system.port}"
-        wait_ready(target, cfg.app_name, system.ready_timeout_s)
         startup_s = time.monotonic() - started
         result = run_sweep(target, cfg, system.label)
     finally:

@@ -18,7 +18,7 @@ from llm_stage.models.orpheus import OrpheusAdapter
 from loadtest import run_all
 from loadtest.baselines.naive_server import NaiveSpeech
 from loadtest.plots import plot_all
-from loadtest.sweep import SweepConfig, run_sweep, wait_ready, write_result
+from loadtest.sweep import SweepConfig, run_sweep, write_result
 from protos import voxray_pb2_grpc
 
 pytestmark = [pytest.mark.slow, pytest.mark.own_server]
@@ -44,11 +44,9 @@ def voxray_target(tmp_path_factory):
     command = [sys.executable, "-m", "loadtest.serve_voxray", "--grpc-port", str(VOXRAY_GRPC_PORT),
                "--http-port", str(VOXRAY_HTTP_PORT)]  # fmt: skip
     system = run_all.System("voxray", VOXRAY_GRPC_PORT, command, 240.0)
-    proc = run_all.start(system, tmp_path_factory.mktemp("voxray-log"))
+    proc = run_all.start_ready(system, tmp_path_factory.mktemp("voxray-log"), "voxray")
     try:
-        target = f"127.0.0.1:{VOXRAY_GRPC_PORT}"
-        wait_ready(target, "voxray", system.ready_timeout_s)
-        yield target
+        yield f"127.0.0.1:{VOXRAY_GRPC_PORT}"
     finally:
         run_all.stop(proc)
 
