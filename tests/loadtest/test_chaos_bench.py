@@ -136,7 +136,7 @@ def test_the_victim_is_the_replica_most_playing_streams_use_and_waits_are_measur
 @pytest.mark.timeout(480)  # the last fault found no stream to hit; on the cluster run it has the box to itself)
 def test_bounded_chaos_run(tmp_path):
     out = tmp_path / "chaos.json"  # its own process: this one may be a driver of another test's Ray
-    run_tool("loadtest.chaos_bench", "--duration-s", "60", "--kill-every-s", "20", "--grpc-port", str(GRPC_PORT),
+    run_tool("loadtest.chaos_bench", "--duration-s", "45", "--kill-every-s", "15", "--grpc-port", str(GRPC_PORT),
              "--http-port", str(HTTP_PORT), "--out", str(out), timeout_s=450)  # fmt: skip
     report = json.loads(out.read_text())
     summary, faults = report["summary"], report["faults"]
