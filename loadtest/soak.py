@@ -1,4 +1,5 @@
-"""Soak: a real `voxray serve` (the 2-replica CPU config, as the chaos bench) under Poisson arrivals
+"""Soak: a real `voxray serve` (the 2-replica CPU config, as the chaos bench; `--replicas 1`: one of
+each stage, the test's short soak) under Poisson arrivals
 at ~50% of its capacity for `--duration-s`, then idle for `--idle-tail-s`; every `--sample-s` it
 samples the RSS and open file descriptors of every process of the server's tree (the `voxray serve`
 driver, GCS, raylet, dashboard and agents, Serve's controller and proxy, the Router and each stage
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import psutil
 
+from core.config import ServeConfig
 from loadtest.chaos_bench import drive, summarize
 from loadtest.chaos_streams import plan_streams
 from loadtest.cluster_process import (
@@ -78,8 +80,15 @@ def _play_all(specs: list, server, timeout_s: float, outcome: dict) -> None:
     outcome["results"], _ = drive(specs, [], server, timeout_s)
 
 
+def serve_config(replicas: int, grpc_port: int, http_port: int) -> ServeConfig:
+    """The CPU config with one replica of each stage, or the 2-replica one (`two_replica_config`)."""
+    from loadtest.serve_voxray import loadtest_config
+
+    return two_replica_config(grpc_port, http_port) if replicas == 2 else loadtest_config(grpc_port, http_port)
+
+
 def run(args: argparse.Namespace) -> dict:
-    config = two_replica_config(args.grpc_port, args.http_port)
+    config = serve_config(args.replicas, args.grpc_port, args.http_port)
     specs = plan_streams(args.rate, args.duration_s, args.incremental_share, args.seed)
     outcome: dict = {}
     with running_server(config, args.out.parent / f"{args.out.stem}-server") as server:
@@ -133,6 +142,7 @@ def format_verdict(report: dict) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rate", type=float, default=SOAK_RATE_RPS, help="Poisson arrivals, req/s (~50%% of capacity)")
+    p.add_argument("--replicas", type=int, choices=(1, 2), default=2, help="replicas of each stage")
     p.add_argument("--duration-s", type=float, default=3600.0, help="seconds of load")
     p.add_argument("--sample-s", type=float, default=30.0, help="one sample this often")
     p.add_argument("--warm-up-s", type=float, default=600.0, help="levels are compared against this moment's")
