@@ -27,7 +27,7 @@ import numpy as np
 
 from cluster.planner.calibration import CALIBRATION_DIR, parse_calibration
 from loadtest.box_speed import box_step_ms, box_units_per_s
-from loadtest.host_cost import HostCost, calibration_host, calibration_host_range
+from loadtest.host_fit import HostCost, calibration_host, calibration_host_range
 
 CPU_CALIBRATION = CALIBRATION_DIR / "cpu-orpheus-tiny.json"
 CALIBRATION_ROWS = (1, 2, 4, 8, 12)
@@ -148,7 +148,7 @@ def add_host_range(data: dict, cost: HostCost, cores: int, source: str) -> None:
     spells, rounds = len(cost.background_samples), len({level.round for level in cost.levels})
     data["sources"]["host_range"] = (f"{source}: the cheapest (low) and dearest (high) host over {spells} idle "
                                      f"spells and {rounds} rounds' own fits of the closed-loop levels "
-                                     f"(loadtest.host_cost.calibration_host_range)")  # fmt: skip
+                                     f"(loadtest.host_fit.calibration_host_range)")  # fmt: skip
 
 
 def calibrate(serve_cfg, scratch: Path, cores: int, host_requests: int, use_host: bool = True,
@@ -193,7 +193,7 @@ def with_assumptions(data: dict, cost: HostCost | None, zero_load_ttfa_s: float)
 def main(argv: list[str] | None = None) -> dict:
     from cluster.planner.predict import Scenario
     from cluster.planner.search import zero_load_ttfa_s
-    from loadtest.host_cost import report
+    from loadtest.host_fit import report
     from loadtest.plan_check import CONFIGS, ORPHEUS_TINY, serve_config, sweep_workload
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

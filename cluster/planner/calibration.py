@@ -110,7 +110,7 @@ class HostCost:
 
 @dataclass(frozen=True)
 class HostRange:
-    """The spread of the `host` section one calibration measured (`loadtest.host_cost.calibration_host_range`:
+    """The spread of the `host` section one calibration measured (`loadtest.host_fit.calibration_host_range`:
     its idle spells and its rounds of closed-loop levels): `low` the cheapest host seen, `high` the dearest.
     A cheaper host leaves the stages more cores: `low` gives the MORE capacity, `high` the less."""
 

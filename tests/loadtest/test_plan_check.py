@@ -11,13 +11,13 @@ from cluster.planner.calibration import parse_calibration
 from cluster.planner.predict import Scenario, predict
 from cluster.planner.search import Slo
 from cluster.planner.simulate import ClusterShape, SimOptions
-from loadtest.host_cost import (
+from loadtest.host_cost import chunk_windows
+from loadtest.host_fit import (
     HostCost,
     SaturatedLoad,
     SetCost,
     background_split,
     calibration_host,
-    chunk_windows,
     saturated_host_ms_per_chunk,
     split_host,
 )
@@ -251,7 +251,7 @@ def test_the_box_speed_probe_counts_work_units_on_every_core():
 
 
 def test_the_hosts_cpu_at_load_splits_into_a_streams_and_a_chunks_cost_over_the_levels():
-    from loadtest.host_cost import split_host_at_load
+    from loadtest.host_fit import split_host_at_load
 
     def level(streams: int, chunks: int, per_stream_ms: float, per_chunk_ms: float) -> SaturatedLoad:
         host_s = (streams * per_stream_ms + chunks * per_chunk_ms) / 1e3
@@ -316,7 +316,7 @@ def _spread_cost(levels: tuple[SaturatedLoad, ...], samples: tuple[float, ...],
 
 
 def test_each_round_of_closed_loop_levels_gets_its_own_fit():
-    from loadtest.host_cost import split_host_at_load, split_host_by_round
+    from loadtest.host_fit import split_host_at_load, split_host_by_round
 
     levels = _rounds_disagreeing()
     by_round = split_host_by_round(levels)
@@ -331,7 +331,8 @@ def test_each_round_of_closed_loop_levels_gets_its_own_fit():
 
 
 def test_the_background_is_the_idle_spells_mean_taken_off_every_set_and_level():
-    from loadtest.host_cost import host_cost_of, spell_counts
+    from loadtest.host_cost import spell_counts
+    from loadtest.host_fit import host_cost_of
 
     assert [spell_counts(n) for n in (1, 2, 3, 5)] == [(1, 0, 0), (1, 0, 1), (1, 1, 1), (1, 3, 1)]
     with pytest.raises(ValueError):
@@ -351,7 +352,7 @@ def test_the_background_is_the_idle_spells_mean_taken_off_every_set_and_level():
 def test_the_host_range_spans_the_cheapest_and_the_dearest_host_measured():
     """Rounds that disagree and idle spells that differ: `low` takes the cheaper round's fit (by a typical
     stream's host CPU, 7 chunks) and the lowest spell, `high` the dearer and the highest; `host` between."""
-    from loadtest.host_cost import calibration_host_range, typical_chunks_per_stream
+    from loadtest.host_fit import calibration_host_range, typical_chunks_per_stream
 
     cost = _spread_cost(_rounds_disagreeing(), samples=(0.10, 0.20, 0.15))
     assert typical_chunks_per_stream(cost) == pytest.approx(7.0)
