@@ -61,7 +61,8 @@ class StepTable:
         table = np.asarray(self.ms)  # [rows, cache columns]
         return [_interp_extrapolate(rows, self.rows, table[:, j]) for j in range(len(self.cache_tokens))]
 
-    @functools.cache  # noqa: B019 (frozen and hashable: one small table per StepTable, kept for its life)
+    # frozen and hashable; ~32 KB a table, the 16 latest kept (a process that sweeps many calibrations stays bounded)
+    @functools.lru_cache(maxsize=16)  # noqa: B019
     def _columns_by_whole_rows(self) -> list[np.ndarray]:
         """`_columns` at 0, 1, ..., ROWS_LOOKED_UP - 1 rows: the same values, computed once."""
         return self._columns(np.arange(ROWS_LOOKED_UP, dtype=np.float64))
