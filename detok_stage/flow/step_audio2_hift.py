@@ -65,8 +65,10 @@ def _draws(gen: torch.Generator, samples: int, harmonics: int) -> tuple[torch.Te
     """One stream's source draws in the published order: initial phases, noise, and the noise
     `SourceModuleHnNSF2` draws and does not use (drawn so the stream's later draws line up)."""
     initial = torch.rand(1, harmonics, generator=gen)
-    noise = torch.randn(1, samples, harmonics, generator=gen)
-    torch.randn(1, samples, 1, generator=gen)
+    # the published `randn_like` of a [1, samples, harmonics] view of [1, harmonics, samples] memory: filled
+    # element by element in memory order (torch's path for a non-contiguous tensor), not as `randn` fills
+    noise = torch.empty(1, harmonics, samples).transpose(1, 2).normal_(generator=gen)
+    torch.empty(1, 1, samples).transpose(1, 2).normal_(generator=gen)
     return initial, noise
 
 
