@@ -1,0 +1,185 @@
+"""Step-Audio 2 mini's token2wav (V2 encoder + DiT flow, SineGen2 HiFT) as a stateful codec: parity with
+the reference (`tests/data/step_audio2_token2wav_golden.npz`, made by
+`tests/data/make_step_audio2_token2wav_golden.py` from VoxServe's port on the same seeded tiny weights)
+decoded whole and streamed at two chunk cuts, past the 128-position cache cut; the published layout
+round trip; batched rounds equal per-request ones; a cache miss rebuilt from the history; bad ids refused."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from core.config import ModelConfig
+from core.errors import InvalidArgumentError
+from core.messages import TokenChunk, VoiceConditioning
+from detok_stage.codecs.step_audio2_codec import CacheMissError, StepAudio2Codec, load_published
+from detok_stage.flow.flow import Conditioning
+from detok_stage.flow.step_audio2_config import config_from_state, full_token2wav_config, tiny_token2wav_config
+from detok_stage.flow.step_audio2_model import StepAudio2Token2Wav
+from tests.step_audio2_layout import token2wav_model, write_token2wav
+
+GOLDEN = Path(__file__).resolve().parents[1] / "data" / "step_audio2_token2wav_golden.npz"
+SEED = 3  # as in make_step_audio2_token2wav_golden.py
+ATOL = 1e-4  # measured: <= 6.5e-5 on audio (the reference's iSTFT is its own fold), mels bit-equal (float32, CPU)
+MEL_ATOL = 1e-5
+# batched vs alone: the matmuls sum in another order (mels ~3e-6 apart), which the random tiny HiFT
+# amplifies to ~1e-4 on audio
+BATCH_ATOL = 3e-4
+STREAMS = [("short", "whole"), ("short", "cut25"), ("short", "cutb"), ("long", "cut25"), ("long", "cutb")]
+
+
+@functools.cache
+def golden() -> dict[str, np.ndarray]:
+    return dict(np.load(GOLDEN))
+
+
+@functools.cache
+def codec() -> StepAudio2Codec:
+    return StepAudio2Codec.build(ModelConfig(name="step-audio2-tiny", seed=SEED))
+
+
+def voice(case: str) -> VoiceConditioning | None:
+    """The short case speaks in the preset's default voice; the long one in a 20-token prompt's."""
+    if case == "short":
+        return None
+    g = golden()
+    return VoiceConditioning("prompt20", torch.from_numpy(g["prompt20_tokens"]), torch.from_numpy(g["prompt20_mel"]),
+                             torch.from_numpy(g["prompt20_xvector"]))  # fmt: skip
+
+
+def chunks_of(rid: str, case: str, cut: str, tokens: list[int] | None = None) -> list[TokenChunk]:
+    """The golden's cut as the chunker sends it: the stream from token 0, kept tokens, 3 look-ahead."""
+    tokens = golden()[f"{case}_tokens"].tolist() if tokens is None else tokens
+    cuts = golden()[f"{case}_{cut}_cuts"].tolist()
+    return [
+        TokenChunk(rid, i, [[t] for t in tokens[: end + 3]], 0, start, end, i == len(cuts) - 1, voice=voice(case))
+        for i, (start, end) in enumerate(cuts)
+    ]
+
+
+def split_golden(case: str, cut: str) -> list[torch.Tensor]:
+    audio = torch.from_numpy(golden()[f"{case}_{cut}_audio"])
+    return list(audio.split(golden()[f"{case}_{cut}_samples"].tolist()))
+
+
+def test_golden_names_its_reference():
+    assert str(golden()["reference"]).startswith("vox-serve/vox-serve@")
+
+
+@pytest.mark.parametrize(("case", "cut"), STREAMS)
+def test_streamed_audio_matches_the_reference(case, cut):
+    out = codec().decode_stream(chunks_of(f"{case}-{cut}", case, cut))
+    for got, want in zip(out, split_golden(case, cut), strict=True):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    assert golden()[f"{case}_{cut}_audio"].std() > 0.05  # not a silent golden
+    assert codec().cache_bytes(f"{case}-{cut}") == 0  # the final chunk released the stream
+
+
+def test_mels_match_past_the_128_position_cut():
+    """The long stream (20-token prompt, 25-token chunks): the encoder's 50 Hz cache passes 128 positions
+    at the third chunk, so the last two run from cut caches (the 25 Hz stage's read as published)."""
+    g, model = golden(), codec().model
+    v = voice("long")
+    stream = model.new_stream(Conditioning(v.prompt_tokens, v.prompt_mel, v.xvector))
+    tokens, cuts = g["long_tokens"].tolist(), g["long_cut25_cuts"].tolist()
+    mels, lengths = [], []
+    for i, (start, end) in enumerate(cuts):
+        last = i == len(cuts) - 1
+        mel, _ = model.advance([stream], [tokens[start:end] + ([] if last else tokens[end : end + 3])], last)
+        mels.append(mel[0])
+        lengths.append(stream.flow.shape_key)
+    assert lengths == [(90, 90), (128, 128), (128, 128), (128, 128)]  # 40 prompt frames + 50 per chunk, cut
+    assert stream.flow.encoder.att1.shape[3] == 64  # the 25 Hz stage reads half the cut tiling
+    want = torch.from_numpy(g["long_cut25_mel"])
+    torch.testing.assert_close(torch.cat(mels, dim=1), want, atol=MEL_ATOL, rtol=0)
+
+
+def test_one_offline_decode_is_the_published_chunking():
+    """`decode` streams each row in 25 + 3 chunks: the short case's 40 tokens are the golden's cut25."""
+    tokens = golden()["short_tokens"]
+    wave = codec().decode(torch.from_numpy(tokens).view(1, -1, 1))
+    torch.testing.assert_close(wave[0], torch.cat(split_golden("short", "cut25")), atol=ATOL, rtol=0)
+
+
+def test_batched_rounds_equal_per_request_rounds(monkeypatch):
+    """Three streams of the long voice, two cut alike: each round, the two share one forward."""
+    other = (golden()["long_tokens"] * 7 % 6561).tolist()
+    alone = [StepAudio2Codec(codec().model).decode_stream(chunks_of("alone", "long", "cut25", t)) for t in (None, other)]
+    batch_sizes = []
+    advance = codec().model.advance
+
+    def recording(streams, tokens, last_chunk):
+        batch_sizes.append(len(streams))
+        return advance(streams, tokens, last_chunk)
+
+    monkeypatch.setattr(codec().model, "advance", recording)
+    a, b = chunks_of("a", "long", "cut25"), chunks_of("b", "long", "cut25", other)
+    out = codec().decode_stream(a + b + chunks_of("c", "long", "cutb"))
+    assert batch_sizes == [2, 1, 2, 1, 2, 1, 2]  # (a, b) together each round; c's chunks are longer
+    for got, want in zip(out[:4] + out[4:8], alone[0] + alone[1], strict=True):
+        torch.testing.assert_close(got, want, atol=BATCH_ATOL, rtol=0)
+    for got, want in zip(out[8:], split_golden("long", "cutb"), strict=True):
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+
+
+def test_layout_round_trip(tmp_path):
+    model = token2wav_model(SEED)
+    loaded = load_published(write_token2wav(tmp_path / "token2wav", model), "model.codec_dir")
+    assert loaded.config == tiny_token2wav_config(default_prompt_tokens=0)  # shapes read back from the weights
+    for ours, theirs in ((model.flow, loaded.flow), (model.hift, loaded.hift)):
+        for (name, a), (_, b) in zip(ours.state_dict().items(), theirs.state_dict().items(), strict=True):
+            assert torch.equal(a, b), name
+    assert "weight_g" in "".join(torch.load(tmp_path / "token2wav" / "hift.pt", weights_only=True))
+    built = StepAudio2Codec.build(ModelConfig(name="step-audio2-tiny", codec_dir=str(tmp_path)))
+    assert (built.sample_rate_hz, built.samples_per_frame, built.codebook_size) == (24000, 960, 6561)
+    with pytest.raises(InvalidArgumentError) as err:
+        load_published(tmp_path / "elsewhere", "model.codec_dir")
+    assert err.value.field == "model.codec_dir" and "flow.pt" in err.value.message
+
+
+def test_full_config_reads_back_from_the_published_shapes():
+    with torch.device("meta"):
+        model = StepAudio2Token2Wav(full_token2wav_config())
+    flow, hift = model.published_state()
+    assert config_from_state(flow, hift) == full_token2wav_config()
+    assert sum(p.numel() for p in model.flow.parameters()) > 100_000_000
+
+
+def test_cache_miss_rebuilds_from_the_history():
+    """A replica that never saw the stream rebuilds it in the published 25-token chunks: with the stream
+    cut that way, its next chunk is the uninterrupted stream's."""
+    fresh = StepAudio2Codec(codec().model)
+    chunks = chunks_of("cold", "long", "cut25")
+    out = fresh.decode_stream(chunks[2:])
+    assert fresh.num_rebuilds == 1
+    for got, want in zip(out, split_golden("long", "cut25")[2:], strict=True):
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    late = chunks[1]
+    with pytest.raises(CacheMissError):
+        StepAudio2Codec(codec().model).decode_stream(
+            [TokenChunk("late", 1, late.frames[5:], 5, late.keep_start, late.keep_end, False)]
+        )
+
+
+def test_a_chunk_without_its_look_ahead_is_held_for_the_next():
+    tokens = golden()["short_tokens"].tolist()
+    held = TokenChunk("held", 0, [[t] for t in tokens[:26]], 0, 0, 25, False)  # one look-ahead token of 3
+    rest = TokenChunk("held", 1, [[t] for t in tokens[:40]], 0, 25, 40, True)
+    first, second = codec().decode_stream([held, rest])
+    assert first.numel() == 0
+    torch.testing.assert_close(second, torch.from_numpy(golden()["short_whole_audio"]), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("bad", [6561, -1])
+def test_out_of_range_tokens_name_the_field(bad):
+    with pytest.raises(InvalidArgumentError) as err:
+        codec().decode(torch.tensor([[[5], [bad]]]))
+    assert err.value.field == "frames" and str(bad) in err.value.message
+    with pytest.raises(InvalidArgumentError):
+        codec().decode_stream([TokenChunk("bad", 0, [[1], [2], [bad], [4]], 0, 0, 1, False)])
+    assert codec().cache_bytes("bad") == 0
