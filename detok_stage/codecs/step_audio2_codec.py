@@ -73,7 +73,8 @@ def load_published(path: Path, field_name: str) -> StepAudio2Token2Wav:
     directory = token2wav_dir(Path(path))
     missing = [name for name in (FLOW_FILE, HIFT_FILE) if not (directory / name).is_file()]
     if missing:
-        raise InvalidArgumentError(field_name, f"{directory} has no {', '.join(missing)} (not Step-Audio 2's token2wav/)")
+        names = ", ".join(missing)
+        raise InvalidArgumentError(field_name, f"{directory} has no {names} (not Step-Audio 2's token2wav/)")
     return StepAudio2Token2Wav.from_published(directory)
 
 
@@ -102,7 +103,8 @@ class StepAudio2Codec(CodecAdapter):
         """The published token2wav/ from `codec_dir` (the directory or a checkpoint holding it), else from
         `checkpoint_dir`'s token2wav/; with neither, seeded random weights of `preset`
         (`tiny_token2wav_config` by default) from `model.seed`."""
-        for ref, name in ((model_config.codec_dir, "model.codec_dir"), (model_config.checkpoint_dir, "model.checkpoint_dir")):
+        refs = ((model_config.codec_dir, "model.codec_dir"), (model_config.checkpoint_dir, "model.checkpoint_dir"))
+        for ref, name in refs:
             if ref is not None:
                 return cls(load_published(resolve_model_ref(ref, field=name), name), device)
         return cls(StepAudio2Token2Wav.seeded(preset or tiny_token2wav_config(), model_config.seed), device)

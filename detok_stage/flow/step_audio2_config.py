@@ -108,7 +108,8 @@ def config_from_state(flow: dict[str, torch.Tensor], hift: dict[str, torch.Tenso
     hidden = flow[dit + "in_proj.weight"].shape[0]
     head_dim = flow[dit + "blocks.0.attn.q_norm.weight"].shape[0]
     estimator = DiTConfig(
-        in_channels=flow[dit + "in_proj.weight"].shape[1], out_channels=flow[dit + "final_layer.linear.weight"].shape[0],
+        in_channels=flow[dit + "in_proj.weight"].shape[1],
+        out_channels=flow[dit + "final_layer.linear.weight"].shape[0],
         hidden_size=hidden, depth=_count(flow, dit + "blocks."),
         num_heads=flow[dit + "blocks.0.attn.to_q.weight"].shape[0] // head_dim, head_dim=head_dim,
         mlp_ratio=flow[dit + "blocks.0.mlp.fc1.weight"].shape[0] / hidden,

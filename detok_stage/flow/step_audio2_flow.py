@@ -53,7 +53,8 @@ class FlowCache:
 
     @property
     def nbytes(self) -> int:
-        tensors = (self.encoder.look, self.encoder.up, self.encoder.att1, self.encoder.att2, self.est_conv, self.est_att)
+        enc = self.encoder
+        tensors = (enc.look, enc.up, enc.att1, enc.att2, self.est_conv, self.est_att)
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -97,7 +98,8 @@ class Token2WavFlow(nn.Module):
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, xvectors: torch.Tensor, noise: torch.Tensor, cache: FlowCache | None,
-                last_chunk: bool = False, cond: torch.Tensor | None = None) -> tuple[torch.Tensor, FlowCache]:  # fmt: skip
+                last_chunk: bool = False, cond: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, FlowCache]:  # fmt: skip
         """tokens [N, T + 3] (or [N, T] with `last_chunk`), xvectors [N, 192], noise [N, 80, 2T], `cond`
         [N, 80, 2T] (the prompt's mel; zeros when None) -> (mel [N, 80, 2T], the caches after, cut)."""
         spks = self.spk_embed_affine_layer(F.normalize(xvectors, dim=1))

@@ -1,5 +1,6 @@
 """Step-Audio 2 mini LM side: speech in (audio encoder -> embeddings at the audio placeholders of a
-Qwen2.5 prompt), interleaved text and 25 Hz speech tokens out (the S3Gen flow detokenizer decodes them).
+Qwen2.5 prompt), interleaved text and 25 Hz speech tokens out (decoded by the published token2wav/:
+`detok_stage.codecs.step_audio2_codec`).
 
 The prompt is the published chat: `<|BOT|>system\\n{system}<|EOT|>`, a conversation's earlier turns
 (`Job.history`: user turns as the last one, assistant turns as text answers), then
@@ -29,11 +30,11 @@ from core.checkpoints import resolve_model_ref
 from core.config import ModelConfig
 from core.errors import InvalidArgumentError
 from core.messages import AudioClip, ChatTurn, Job, SamplingParams
-from detok_stage.codecs.s3gen_codec import S3GenCodec
+from detok_stage.codecs.step_audio2_codec import REBUILD_CHUNK_TOKENS, StepAudio2Codec
+from llm_stage.chunking import whole_stream_schedule
 from llm_stage.models.base import CodeFrames, LMAdapter, ModelFamily
 from llm_stage.models.clip_audio import clip_key, clip_wave
 from llm_stage.models.clip_rows import ClipRows
-from llm_stage.models.cosyvoice2 import S3GEN_SCHEDULE
 from llm_stage.models.llama import LlamaBackbone
 from llm_stage.models.step_audio2_encoder import (
     MEL_HOP_SAMPLES,
@@ -296,16 +297,21 @@ class StepAudio2Adapter(LMAdapter):
 FAMILY = ModelFamily(
     name="step-audio2",
     description="Step-Audio 2 mini: speech in (Whisper-style encoder + adapter into a Qwen2.5-7B LM), text and "
-    "25 Hz CosyVoice 2 speech tokens out (1 text : 4 speech), decoded by the S3Gen flow detokenizer",
+    "25 Hz CosyVoice 2 speech tokens out (1 text : 4 speech), decoded by its own token2wav/ (V2 conformer + DiT flow, "
+    "HiFT)",
     preset_description="Step-Audio 2 layout: the published 158720-token vocabulary and id ranges, a tiny random Qwen2 "
-    "LM and audio encoder + tiny random S3Gen flow detokenizer",
+    "LM and audio encoder + tiny random token2wav detokenizer (DiT flow, HiFT)",
     lm=StepAudio2Adapter,
-    codec=S3GenCodec,
+    codec=StepAudio2Codec,
     sample_rate_hz=24000,
     frame_rate_hz=25.0,
-    # repo_id stays unset until the published token2wav/ detokenizer (its flow decoder is a DiT, not
-    # CosyVoice 2's U-Net) loads: a stepfun-ai/Step-Audio-2-mini directory serves its LM with `--codec` a
-    # CosyVoice2-0.5B directory meanwhile
+    # a stepfun-ai/Step-Audio-2-mini directory serves whole: its token2wav/ (flow.pt, hift.pt) is the detokenizer
+    repo_id="stepfun-ai/Step-Audio-2-mini",
+    codec_in_checkpoint=True,
     is_checkpoint=is_step_audio2_config,
-    chunk_schedule=S3GEN_SCHEDULE,
+    # the published streaming: 25-token chunks sent with their 3 look-ahead tokens (the whole stream as
+    # left context, so a cold replica rebuilds the request)
+    chunk_schedule=whole_stream_schedule(
+        REBUILD_CHUNK_TOKENS, REBUILD_CHUNK_TOKENS, StepAudio2Codec.min_right_context_frames
+    ),
 )

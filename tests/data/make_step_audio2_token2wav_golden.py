@@ -122,7 +122,8 @@ def reference_stream(ref, decoder, voice, tokens: list[int], cuts: list[tuple[in
         spk_emb=xvector[None], conformer_cnn_cache=cache["conformer_cnn_cache"],
         conformer_att_cache=cache["conformer_att_cache"][:, :, :, -128:, :],
         estimator_cnn_cache=conv.view(b, 2, *conv.shape[1:]), estimator_att_cache=att.view(b, 2, *att.shape[1:]),
-        hift_mel_cache=torch.zeros(1, 80, 0), hift_source_cache=torch.zeros(1, 1, 0), hift_speech_cache=torch.zeros(1, 0),
+        hift_mel_cache=torch.zeros(1, 80, 0), hift_source_cache=torch.zeros(1, 1, 0),
+        hift_speech_cache=torch.zeros(1, 0),
     )
     mels, audio = [], []
     inference_chunk = decoder.flow.inference_chunk

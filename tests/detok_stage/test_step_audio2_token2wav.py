@@ -109,7 +109,8 @@ def test_one_offline_decode_is_the_published_chunking():
 def test_batched_rounds_equal_per_request_rounds(monkeypatch):
     """Three streams of the long voice, two cut alike: each round, the two share one forward."""
     other = (golden()["long_tokens"] * 7 % 6561).tolist()
-    alone = [StepAudio2Codec(codec().model).decode_stream(chunks_of("alone", "long", "cut25", t)) for t in (None, other)]
+    alone = [StepAudio2Codec(codec().model).decode_stream(chunks_of("alone", "long", "cut25", t))
+             for t in (None, other)]  # fmt: skip
     batch_sizes = []
     advance = codec().model.advance
 
