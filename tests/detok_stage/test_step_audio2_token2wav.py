@@ -184,3 +184,23 @@ def test_out_of_range_tokens_name_the_field(bad):
     with pytest.raises(InvalidArgumentError):
         codec().decode_stream([TokenChunk("bad", 0, [[1], [2], [bad], [4]], 0, 0, 1, False)])
     assert codec().cache_bytes("bad") == 0
+
+
+def test_the_family_serves_a_checkpoint_with_its_token2wav(tmp_path):
+    """A Step-Audio-2-mini directory (LM + token2wav/) needs no codec named; the family cuts 25 + 3 chunks."""
+    from core.config import EngineConfig
+    from llm_stage.chunking import WHOLE_STREAM_FRAMES
+    from llm_stage.registry import check_model_config, get_entry
+    from tests.step_audio2_layout import step_audio2_model, write_step_audio2
+
+    directory = write_step_audio2(tmp_path / "Step-Audio-2-mini", step_audio2_model(), token2wav_model(SEED))
+    config = ModelConfig(name="step-audio2", checkpoint_dir=str(directory))
+    entry = check_model_config(config)
+    assert entry.family.repo_id == "stepfun-ai/Step-Audio-2-mini" and entry.family.codec is StepAudio2Codec
+    built = entry.build_codec(config, "cpu")
+    for (name, a), (_, b) in zip(built.model.flow.state_dict().items(), codec().model.flow.state_dict().items(),
+                                 strict=True):  # fmt: skip
+        assert torch.equal(a, b), name
+    schedule = get_entry("step-audio2-tiny").chunk_schedule(EngineConfig(model=ModelConfig(name="step-audio2-tiny")))
+    assert (schedule.first_chunk_frames, schedule.chunk_frames, schedule.right_context_frames) == (25, 25, 3)
+    assert schedule.left_context_frames == WHOLE_STREAM_FRAMES
