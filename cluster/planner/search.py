@@ -174,13 +174,15 @@ def _fewest_detok_replicas(scenario: Scenario, run: LLMRun, streams: int, llm_re
     return Plan(streams, llm_replicas, high, best)
 
 
-def capacity_streams(scenario: Scenario, shape: ClusterShape, slo: Slo, high: int, sim: SimOptions = SimOptions(),
-                     tolerance: float = 0.05) -> int:  # fmt: skip
-    """The most concurrent streams `shape` carries at `slo` (in most of `sim.seeds` draws): bisection below
-    `high` to within `tolerance` (0 if none of the loads tried meets it)."""
-    low = 0
-    while high - low > max(1, tolerance * low):
-        middle = (low + high) // 2
+def capacity_streams(scenario: Scenario, shape: ClusterShape, slo: Slo, high: float, sim: SimOptions = SimOptions(),
+                     tolerance: float = 0.05, min_step: float = 0.1) -> float:  # fmt: skip
+    """The most concurrent streams (offered load: arrivals x mean audio seconds) `shape` carries at `slo` (in
+    most of `sim.seeds` draws): bisection below `high` to within `tolerance` of it or `min_step` streams,
+    whichever is wider (0 if none of the loads tried meets it). Not whole streams: a 1x1 on the CPU preset
+    carries ~5, where one stream more or less is 20% of its capacity."""
+    low = 0.0
+    while high - low > max(min_step, tolerance * low):
+        middle = (low + high) / 2
         if meets_slo(scenario, middle, shape, slo, sim):
             low = middle
         else:

@@ -442,6 +442,16 @@ def test_stages_sharing_few_cores_carry_less_than_stages_on_their_own():
     assert 0 < shared < own
 
 
+def test_capacity_is_found_to_5_pct_of_the_load_not_in_whole_streams(monkeypatch):
+    """A 1x1 on the CPU preset carries ~5 streams: whole streams would be a 20% step in its capacity."""
+    monkeypatch.setattr(search, "meets_slo", lambda scenario, streams, shape, slo, sim: streams <= 5.37)
+    found = capacity_streams(None, ClusterShape(1, 1, 12), Slo(1.0), high=96)
+    assert 0.95 * 5.37 <= found <= 5.37
+    monkeypatch.setattr(search, "meets_slo", lambda scenario, streams, shape, slo, sim: streams <= 400.0)
+    big = capacity_streams(None, ClusterShape(1, 1, 12), Slo(1.0), high=960)
+    assert 0.95 * 400 <= big <= 400
+
+
 def test_a_load_or_a_rate_is_decided_by_most_of_its_draws_as_soon_as_they_agree():
     assert majority_meets([], 3) is None
     assert majority_meets([True], 3) is None
