@@ -55,6 +55,8 @@ from tests.published_layouts import (
     write_qwen3_tts,
     write_snac,
 )
+from tests.step_audio2_layout import REPO_ID as STEP_AUDIO2_REPO
+from tests.step_audio2_layout import step_audio2_model, token2wav_model, write_step_audio2
 
 ROOT = Path(__file__).resolve().parents[2]
 GLM4_VOICE_DECODER_REPO = "THUDM/glm-4-voice-decoder"
@@ -62,7 +64,7 @@ GLM4_VOICE_DECODER_REPO = "THUDM/glm-4-voice-decoder"
 
 @pytest.fixture(scope="module")
 def full_cache(tmp_path_factory) -> Path:
-    """An HF cache holding the eight published repos (as tiny stand-ins)."""
+    """An HF cache holding the published repos (as tiny stand-ins)."""
     work, cache = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("hub")
     writers = {
         ORPHEUS_REPO: lambda d: write_orpheus(d, orpheus_llama()),
@@ -78,6 +80,7 @@ def full_cache(tmp_path_factory) -> Path:
         GLM4_VOICE_DECODER_REPO: lambda d: write_glm4_voice_decoder(
             d, GLM4Decoder.seeded(tiny_glm4_decoder_config(), 0)
         ),
+        STEP_AUDIO2_REPO: lambda d: write_step_audio2(d, step_audio2_model(), token2wav_model()),
     }
     for repo, write in writers.items():
         put_in_hf_cache(cache, repo, write(work / repo.replace("/", "--")))
@@ -164,10 +167,11 @@ def test_readme_real_model_commands_run_on_the_stand_ins(tmp_path, monkeypatch, 
     declared = {repo for f in families() for repo in (f.repo_id, f.codec_repo_id, f.speech_tokenizer_repo_id) if repo}
     assert downloads == declared == {ORPHEUS_REPO, SNAC_REPO, CSM_REPO, DIA_REPO, DAC_REPO, QWEN3_TTS_REPO,
                                      COSYVOICE2_REPO, CHATTERBOX_REPO, GLM4_VOICE_REPO, GLM4_VOICE_TOKENIZER_REPO,
-                                     GLM4_VOICE_DECODER_REPO}  # fmt: skip
+                                     GLM4_VOICE_DECODER_REPO, STEP_AUDIO2_REPO}  # fmt: skip
     serves = re.findall(r"voxray serve (.+)\n", section)
     assert {shlex.split(line)[1] for line in serves} == {ORPHEUS_REPO, CSM_REPO, DIA_REPO, QWEN3_TTS_REPO,
-                                                         COSYVOICE2_REPO, CHATTERBOX_REPO, GLM4_VOICE_REPO}  # fmt: skip
+                                                         COSYVOICE2_REPO, CHATTERBOX_REPO, GLM4_VOICE_REPO,
+                                                         STEP_AUDIO2_REPO}  # fmt: skip
     for line in serves:
         serve_config(build_parser().parse_args(["serve", *shlex.split(line)]))
     (synth,) = re.findall(r"voxray (synthesize .+)\n", section)
