@@ -107,16 +107,22 @@ def test_both_stages_trace_their_serving_loops_steps(cluster):
     on the replica that served it; the detokenizer's batches likewise."""
     ep = cluster["dp"]
     since_s = time.monotonic()  # one box: the replicas' monotonic clock is this one
-    assert run_stream(ep.grpc_target, ep.app_name, "loop trace", sampling={"max_tokens": 70}).code == grpc.StatusCode.OK
+    outcome = run_stream(ep.grpc_target, ep.app_name, "loop trace", sampling={"max_tokens": 70})
+    assert outcome.code == grpc.StatusCode.OK, outcome.details
+    served_by = {"LLMStage": {c.llm_replica for c in outcome.chunks},
+                 "DetokStage": {c.detok_replica for c in outcome.chunks}}  # fmt: skip
     for stage, least in (("LLMStage", 60), ("DetokStage", 1)):
         handle = serve.get_deployment_handle(stage, ep.app_name)
-        busiest = {"size": []}
+        busiest, answered = {"size": []}, {}
         for _ in range(40):  # the handle picks a replica a call: ask until the one that served the stream answers
             trace = handle.loop_trace.remote(since_s).result()
+            answered[trace["replica"]] = len(trace["size"])
             busiest = max(busiest, trace, key=lambda t: len(t["size"]))
             if len(busiest["size"]) >= least:
                 break
-        assert len(busiest["size"]) >= least and min(busiest["size"]) >= 1, (stage, busiest["size"][:10])
+        # on failure: which replica served the stream, and what each replica that answered had traced
+        why = (stage, busiest["size"][:10], "served by", served_by[stage], "answered (steps)", answered)
+        assert len(busiest["size"]) >= least and min(busiest["size"]) >= 1, why
         assert all(start >= since_s for start in busiest["start_s"]) and busiest["now_s"] > since_s
         assert busiest["replica"].startswith(f"{stage}#")  # loadtest.loop_stalls tells the replicas apart by it
 
