@@ -32,6 +32,30 @@ HTTP_PORT = 18000 + _OFFSET
 METRICS_PORT = 18080 + _OFFSET
 
 
+def replica_tags(app_name: str, deployment: str) -> list[str]:
+    """`<deployment>#<id>` of every live replica of `deployment` in `app_name`."""
+    import ray
+
+    app_prefix = f"SERVE_REPLICA::{app_name}#"
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+    return [name.removeprefix(app_prefix) for name in names if name.startswith(f"{app_prefix}{deployment}#")]
+
+
+def call_replica(app_name: str, tag: str, method: str, *args):
+    """`method(*args)` of replica `tag` (`<deployment>#<id>`) of `app_name`, asked of its actor. A handle
+    would pick the replica itself, and the LLM stage's router (`router.dispatch.PredictedTTFARouter`) picks
+    the one with the lowest predicted TTFA: never the one busy with the stream a test asks about."""
+    import ray
+
+    def call(actor):  # runs in the replica actor (Ray's `__ray_call__`)
+        return getattr(actor._replica_impl._user_callable_wrapper.user_callable, method)(*args)
+
+    [actor] = [ray.get_actor(a["name"], namespace=a["namespace"])
+               for a in ray.util.list_named_actors(all_namespaces=True)
+               if a["name"] == f"SERVE_REPLICA::{app_name}#{tag}"]  # fmt: skip
+    return ray.get(actor.__ray_call__.remote(call), timeout=60)
+
+
 def deployment_actor_names(app_name: str, deployment: str, name: str) -> list[str]:
     """Live named actors of Serve's deployment actor `name` of `deployment` in `app_name` (Serve names
     them by app, deployment, code version and name)."""

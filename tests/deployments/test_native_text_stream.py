@@ -19,7 +19,7 @@ from cluster.drain import live_llm_replicas
 from cluster.pipeline import InProcessPipeline
 from core.config import AdmissionConfig, EngineConfig, ModelConfig, StageDeploymentConfig
 from core.messages import Job
-from tests.deployments.conftest import small_config
+from tests.deployments.conftest import call_replica, replica_tags, small_config
 from tests.deployments.test_zz_rebalance import _replica_stats
 
 pytestmark = pytest.mark.slow
@@ -146,6 +146,11 @@ def test_grpc_bidi_stream_of_typed_words_equals_the_whole_text(agents):
     assert got.shape == want.shape and np.abs(got - want).max() <= 2
 
 
+def waiting_for_text(app_name: str) -> int:
+    """Streams idle for text on every LLM replica of `app_name`, asked of each (a handle picks the idle one)."""
+    return sum(call_replica(app_name, tag, "stats")["waiting_for_text"] for tag in replica_tags(app_name, "LLMStage"))
+
+
 def test_zz_drain_ends_a_stream_waiting_for_text_with_its_final_chunk(agents):
     """(last here: it drains the app) A stream whose client went quiet ends at once, cleanly: the
     rest of its audio, an empty final, `done`, close 1000, long before the idle timeout (30 s)."""
@@ -153,7 +158,6 @@ def test_zz_drain_ends_a_stream_waiting_for_text_with_its_final_chunk(agents):
 
     from router.drain import clear_drain, start_drain
 
-    llm = serve.get_deployment_handle("LLMStage", AGENTS.app_name)
     url = agents.http_url.replace("http://", "ws://", 1) + AGENTS.route_prefix + "/v1/audio/speech/stream"
     try:
         with connect(url, open_timeout=60) as ws:
@@ -161,7 +165,7 @@ def test_zz_drain_ends_a_stream_waiting_for_text_with_its_final_chunk(agents):
             assert json.loads(ws.recv(timeout=60))["type"] == "ready"
             ws.send(json.dumps({"text": "Hi "}))
             deadline_s = time.monotonic() + 60
-            while not (waiting := llm.stats.remote().result()["waiting_for_text"]) and time.monotonic() < deadline_s:
+            while not (waiting := waiting_for_text(AGENTS.app_name)) and time.monotonic() < deadline_s:
                 time.sleep(0.05)
             assert waiting == 1  # it read "Hi " and waits for more, holding its KV
             start_drain(AGENTS.app_name, grace_s=60.0)

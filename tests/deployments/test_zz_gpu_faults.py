@@ -17,7 +17,7 @@ from ray.exceptions import RayActorError
 
 from cluster.drain import live_llm_replicas
 from core.config import AdmissionConfig, StageDeploymentConfig
-from tests.deployments.conftest import small_config
+from tests.deployments.conftest import replica_tags, small_config
 from tests.deployments.grpc_helpers import retry_delay_s, run_stream
 from tests.deployments.test_zz_failover import (
     _check_audio,
@@ -136,6 +136,8 @@ def test_a_lost_device_ends_its_llm_replica_and_its_streams_resume_on_the_other(
 
     ep = deploy_app(DEVICE_LOST_APP)
     try:
+        for tag in replica_tags(ep.app_name, "LLMStage"):  # 72 frames: >= 5 s of decoding, so the lost
+            _pace_forward(ep.app_name, tag, 0.01)  # replica surely steps again after the fault is armed
         jobs = [_job(f"lost-{i}", f"device lost {i}", seed=i if i % 2 else None) for i in range(4)]
         outcomes, threads = _play_all(ep, jobs)
         _wait_until_all_play(outcomes)
