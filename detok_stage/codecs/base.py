@@ -8,7 +8,8 @@ A stateful codec (`is_stateful`, e.g. Mimi) instead decodes chunks with per-requ
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -24,6 +25,25 @@ def keep_snapshot(before: dict, start_frame: int, snapshot) -> None:
     before[start_frame] = snapshot
     while len(before) > SNAPSHOTS_KEPT:
         del before[min(before)]
+
+
+def padded_rows(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    """[len(rows), longest] float audio, each row zero-padded at its end (a batch of offline decodes)."""
+    out = torch.zeros(len(rows), max((row.numel() for row in rows), default=0))
+    for i, row in enumerate(rows):
+        out[i, : row.numel()] = row
+    return out
+
+
+def chunk_rounds(chunks: Sequence[TokenChunk]) -> Iterator[dict[str, int]]:
+    """A stateful codec's batch in rounds: each round {req_id: index in `chunks`} of every request's earliest
+    chunk not yet taken (a request's chunks decode in their order, one a round), until all are taken."""
+    queues: dict[str, list[int]] = defaultdict(list)
+    for index, chunk in enumerate(chunks):
+        queues[chunk.req_id].append(index)
+    while queues:
+        yield {rid: queue.pop(0) for rid, queue in queues.items()}
+        queues = {rid: queue for rid, queue in queues.items() if queue}
 
 
 class CodecAdapter(ABC):

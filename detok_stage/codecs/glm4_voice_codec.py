@@ -24,7 +24,7 @@ from core.checkpoints import resolve_model_ref
 from core.config import ModelConfig
 from core.errors import InvalidArgumentError
 from core.messages import TokenChunk
-from detok_stage.codecs.base import CodecAdapter
+from detok_stage.codecs.base import CodecAdapter, padded_rows
 from detok_stage.flow.glm_config import GLM4DecoderConfig, tiny_glm4_decoder_config
 from detok_stage.flow.glm_model import BlockStream, GLM4Decoder
 
@@ -75,12 +75,7 @@ class GLM4VoiceCodec(CodecAdapter):
     def decode(self, frames: torch.Tensor) -> torch.Tensor:
         """Offline (the reference's `offline_inference`): frames [B, n, 1] -> audio [B, samples]."""
         rows = [self._checked([int(c) for c in row[:, 0].tolist()], "frames") for row in frames]
-        waves = [self.model.offline(row).float().cpu() for row in rows]
-        longest = max((w.numel() for w in waves), default=0)
-        out = torch.zeros(len(waves), longest)
-        for i, wave in enumerate(waves):
-            out[i, : wave.numel()] = wave
-        return out
+        return padded_rows([self.model.offline(row).float().cpu() for row in rows])
 
     # ---- streamed ---------------------------------------------------------------------------
 

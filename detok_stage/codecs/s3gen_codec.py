@@ -30,7 +30,7 @@ from core.checkpoints import resolve_model_ref
 from core.config import ModelConfig
 from core.errors import InvalidArgumentError
 from core.messages import TokenChunk, VoiceConditioning
-from detok_stage.codecs.base import CodecAdapter
+from detok_stage.codecs.base import CodecAdapter, chunk_rounds
 from detok_stage.flow.config import S3GenConfig, full_s3gen_config, tiny_s3gen_config
 from detok_stage.flow.flow import Conditioning
 from detok_stage.flow.flow_graphs import FlowGraphs
@@ -182,13 +182,7 @@ class S3GenCodec(CodecAdapter):
     def decode_stream(self, chunks: list[TokenChunk]) -> list[torch.Tensor]:
         """Audio of each chunk, in list order (a request's chunks in seq order)."""
         out: list[torch.Tensor | None] = [None] * len(chunks)
-        queues: dict[str, list[int]] = defaultdict(list)
-        for index, chunk in enumerate(chunks):
-            queues[chunk.req_id].append(index)
-        while queues:
-            # one round: each request's earliest pending chunk
-            round_ = {rid: q.pop(0) for rid, q in queues.items()}
-            queues = {rid: q for rid, q in queues.items() if q}
+        for round_ in chunk_rounds(chunks):  # one round: each request's earliest pending chunk
             streams = {rid: self._take(chunks[i]) for rid, i in round_.items()}
             pieces = self._run(streams)
             finals = [rid for rid, index in round_.items() if chunks[index].is_final]

@@ -32,7 +32,7 @@ from core.checkpoints import resolve_model_ref
 from core.config import ModelConfig
 from core.errors import InvalidArgumentError
 from core.messages import TokenChunk, VoiceConditioning
-from detok_stage.codecs.base import CodecAdapter
+from detok_stage.codecs.base import CodecAdapter, chunk_rounds, padded_rows
 from detok_stage.flow.flow import Conditioning
 from detok_stage.flow.step_audio2_config import Token2WavConfig, tiny_token2wav_config
 from detok_stage.flow.step_audio2_model import FLOW_FILE, HIFT_FILE, StepAudio2Token2Wav, Token2WavStream
@@ -155,10 +155,7 @@ class StepAudio2Codec(CodecAdapter):
                 rows.append(torch.cat(self.decode_stream(chunks)))
             finally:
                 self.release(rid)
-        out = torch.zeros(len(rows), max((r.numel() for r in rows), default=0))
-        for i, row in enumerate(rows):
-            out[i, : row.numel()] = row
-        return out
+        return padded_rows(rows)
 
     # ---- streamed -------------------------------------------------------------------------------
 
@@ -176,12 +173,7 @@ class StepAudio2Codec(CodecAdapter):
         for chunk in chunks:  # refuse bad ids before any state changes
             self._checked([f[0] for f in chunk.frames], "frames")
         out: list[torch.Tensor] = [torch.zeros(0)] * len(chunks)
-        queues: dict[str, list[int]] = defaultdict(list)
-        for index, chunk in enumerate(chunks):
-            queues[chunk.req_id].append(index)
-        while queues:
-            round_ = {rid: q.pop(0) for rid, q in queues.items()}
-            queues = {rid: q for rid, q in queues.items() if q}
+        for round_ in chunk_rounds(chunks):
             work = {rid: self._take(chunks[i]) for rid, i in round_.items()}
             audio = self._run(work)
             for rid, index in round_.items():
