@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from core.errors import InvalidArgumentError
 from core.messages import TokenChunk
 
 SNAPSHOTS_KEPT = 4  # a stateful codec's states from before a stream's last chunks: chunks decoded, never received
@@ -25,6 +26,16 @@ def keep_snapshot(before: dict, start_frame: int, snapshot) -> None:
     before[start_frame] = snapshot
     while len(before) > SNAPSHOTS_KEPT:
         del before[min(before)]
+
+
+def checked_codes(tokens: list[int], codebook_size: int, field_name: str) -> list[int]:
+    """`tokens` if every one lies in [0, codebook_size), else InvalidArgumentError naming `field_name` and
+    the first one outside (a one-code-per-frame codec's input check)."""
+    for index, token in enumerate(tokens):
+        if token < 0 or token >= codebook_size:
+            message = f"token {index} is {token}, outside the codebook [0, {codebook_size})"
+            raise InvalidArgumentError(field_name, message)
+    return tokens
 
 
 def padded_rows(rows: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -24,7 +24,7 @@ from core.checkpoints import resolve_model_ref
 from core.config import ModelConfig
 from core.errors import InvalidArgumentError
 from core.messages import TokenChunk
-from detok_stage.codecs.base import CodecAdapter, padded_rows
+from detok_stage.codecs.base import CodecAdapter, checked_codes, padded_rows
 from detok_stage.flow.glm_config import GLM4DecoderConfig, tiny_glm4_decoder_config
 from detok_stage.flow.glm_model import BlockStream, GLM4Decoder
 
@@ -142,12 +142,7 @@ class GLM4VoiceCodec(CodecAdapter):
         return request
 
     def _checked(self, tokens: list[int], field_name: str) -> list[int]:
-        for index, token in enumerate(tokens):
-            if token < 0 or token >= self.codebook_size:
-                raise InvalidArgumentError(
-                    field_name, f"token {index} is {token}, outside the codebook [0, {self.codebook_size})"
-                )
-        return tokens
+        return checked_codes(tokens, self.codebook_size, field_name)
 
 
 def load_published(directory: Path, field_name: str = "model.codec_dir") -> GLM4Decoder:

@@ -32,7 +32,7 @@ from core.checkpoints import resolve_model_ref
 from core.config import ModelConfig
 from core.errors import InvalidArgumentError
 from core.messages import TokenChunk, VoiceConditioning
-from detok_stage.codecs.base import CodecAdapter, chunk_rounds, padded_rows
+from detok_stage.codecs.base import CodecAdapter, checked_codes, chunk_rounds, padded_rows
 from detok_stage.flow.flow import Conditioning
 from detok_stage.flow.step_audio2_config import Token2WavConfig, tiny_token2wav_config
 from detok_stage.flow.step_audio2_model import FLOW_FILE, HIFT_FILE, StepAudio2Token2Wav, Token2WavStream
@@ -240,12 +240,7 @@ class StepAudio2Codec(CodecAdapter):
         return request
 
     def _checked(self, tokens: list[int], field_name: str) -> list[int]:
-        for index, token in enumerate(tokens):
-            if token < 0 or token >= self.codebook_size:
-                raise InvalidArgumentError(
-                    field_name, f"token {index} is {token}, outside the codebook [0, {self.codebook_size})"
-                )
-        return tokens
+        return checked_codes(tokens, self.codebook_size, field_name)
 
 
 def _conditioning(voice: VoiceConditioning) -> Conditioning:
