@@ -169,17 +169,18 @@ def closed_loop(target: str, clients: int, duration_s: float, cfg: SweepConfig, 
 
 def loaded_steps(server, cfg: SweepConfig, since_s: float, levels: tuple[int, ...] = LOAD_LEVELS,
                  level_s: float = LEVEL_S, rounds: int = LEVEL_ROUNDS,
-                 ) -> tuple[dict[int, float], tuple[SaturatedLoad, ...]]:  # fmt: skip
+                 ) -> tuple[dict[int, float], tuple[float, ...], tuple[SaturatedLoad, ...]]:  # fmt: skip
     """The LLM replica's serving-loop step by rows from `since_s` (monotonic: the c=1 sets, whose steady
     one-row steps price a lone stream) through the first round of closed-loop levels (larger batches): per
     batch size, the mean of its decode-only cycles (gap + step) in the replica's loop trace
     (`deployments.loop_trace`; the mean, not the median admission paces by, since the streams pay the slow
     tails too; one-row steps in a level fall where streams end and start, its busiest moments; read before
-    the later rounds, whose steps would push the c=1 sets' out of the trace's ~3 min); and every level of
-    the `rounds` runs of `levels`, its chunks and CPU by group (`SaturatedLoad`, the background still in)."""
+    the later rounds, whose steps would push the c=1 sets' out of the trace's ~3 min); the same cycles'
+    spread around their size's mean (`loop_stalls.cycle_spread`); and every level of the `rounds` runs of
+    `levels`, its chunks and CPU by group (`SaturatedLoad`, the background still in)."""
     from ray import serve
 
-    from loadtest.loop_stalls import mean_cycle_ms_by_size
+    from loadtest.loop_stalls import cycle_spread, mean_cycle_ms_by_size
 
     join_cluster(server)
     try:
@@ -187,7 +188,7 @@ def loaded_steps(server, cfg: SweepConfig, since_s: float, levels: tuple[int, ..
         loads = [_level(server, level, level_s, cfg, 0) for level in levels]
         trace = handle.loop_trace.remote(since_s).result(timeout_s=60)
         loads += [_level(server, level, level_s, cfg, index) for index in range(1, rounds) for level in levels]
-        return mean_cycle_ms_by_size(trace), tuple(loads)
+        return mean_cycle_ms_by_size(trace), cycle_spread(trace), tuple(loads)
     finally:
         leave_cluster()
 
@@ -242,9 +243,10 @@ def measure(config, scratch: Path, requests: int, idle_spells: int = IDLE_SPELLS
         sets = tuple(run_set(name, texts, server.grpc_target, root, cfg)
                      for name, texts in (("short", short_texts), ("long", long_texts)))  # fmt: skip
         samples += idle_spells_now(root, between)
-        steps, loads = loaded_steps(server, cfg, since_s, rounds=level_rounds)
+        steps, spread, loads = loaded_steps(server, cfg, since_s, rounds=level_rounds)
         samples += idle_spells_now(root, after, settle_s=SETTLE_S)
-    return host_cost_of(sets, loads, steps, tuple(samples), config.llm.num_replicas + config.detok.num_replicas)
+    return host_cost_of(sets, loads, steps, tuple(samples), config.llm.num_replicas + config.detok.num_replicas,
+                        step_spread=spread)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> HostCost:

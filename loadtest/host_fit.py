@@ -64,6 +64,8 @@ class HostCost:
     # every idle spell's cores, in order (the mean is `background_cores`: the background is a rate, and the
     # periodic upkeep (Ray's metrics, GCS heartbeats) one spell caught the served streams pay too)
     background_samples: tuple[float, ...] = ()
+    # the same cycles' spread, in spells and steps within them (`loop_stalls.cycle_spread`; None: not read)
+    loaded_step_spread: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -161,7 +163,8 @@ def split_host(short: SetCost, long: SetCost) -> tuple[float, float]:
 
 
 def host_cost_of(raw_sets: tuple[SetCost, SetCost], raw_loads: tuple[SaturatedLoad, ...], steps: dict[int, float],
-                 samples: tuple[float, ...], stage_replicas: int) -> HostCost:  # fmt: skip
+                 samples: tuple[float, ...], stage_replicas: int,
+                 step_spread: dict | None = None) -> HostCost:  # fmt: skip
     """The measurement from what the served cluster gave (the sets' and levels' host CPU with the background
     still in; `samples`: every idle spell's cores): the background is the spells' mean, taken off them all."""
     background = statistics.fmean(samples)
@@ -175,6 +178,7 @@ def host_cost_of(raw_sets: tuple[SetCost, SetCost], raw_loads: tuple[SaturatedLo
         ttfa_p50_s=short.ttfa_p50_s, sets=sets, loaded_step_ms_by_rows=steps,
         detok_windows=short.windows + long.windows, saturated=loads[-1] if loads else None, levels=loads,
         background_by_replicas={stage_replicas: background}, background_samples=samples,
+        loaded_step_spread=step_spread,
     )  # fmt: skip
 
 
@@ -264,6 +268,11 @@ def report(cost: HostCost) -> str:
                      f"{s.host_ms_per_stream:.1f} | {s.ttfa_p50_s:.3f} |")  # fmt: skip
     steps = ", ".join(f"{rows}: {ms:.2f}" for rows, ms in cost.loaded_step_ms_by_rows.items())
     lines.append(f"serving-loop step ms by rows under load: {steps}")
+    if cost.loaded_step_spread:
+        spells, steps = cost.loaded_step_spread["spells"], cost.loaded_step_spread["steps"]
+        lines.append(f"their spread over each size's mean: {cost.loaded_step_spread['spell_s']} s spells "
+                     f"{spells[0]:.2f}-{spells[-1]:.2f}, steps within them {steps[0]:.2f}-{steps[-1]:.2f} "
+                     f"(median {statistics.median(steps):.3f})")  # fmt: skip
     spells = ", ".join(f"{cores:.3f}" for cores in cost.background_samples)
     lines.append(f"background {cost.background_cores:.3f} cores (idle spells: {spells or '-'}); host "
                  f"{cost.host_ms_per_stream:.1f} ms a stream + {cost.host_ms_per_chunk:.2f} ms a chunk "

@@ -25,6 +25,9 @@ import numpy as np
 STALL_FACTOR = 3.0  # a cycle this many times its size's median step is a stall
 MIN_STALL_S = 0.01  # and at least this much longer than the median (1-row CPU steps are ~1 ms)
 MIN_STEPS_PER_SIZE = 50  # a batch size's mean cycle counts once it stepped this often
+SPREAD_POINTS = 40  # equally likely values a calibration keeps of its steps' spread (`cycle_spread`)
+SPELL_S = 0.5  # the steps' spread is kept as spells this long (their means) and the steps within them
+MIN_STEPS_PER_SPELL = 10  # a window with fewer steps was mostly idle: not a spell
 SAMPLE_S = 0.25  # the LLM replica's load is read this often over a rate
 READ_CALLS = 8  # calls to a stage's handle for its replicas' traces (each reaches one replica)
 
@@ -100,6 +103,43 @@ def mean_cycle_ms_by_size(trace: dict, min_steps: int = MIN_STEPS_PER_SIZE) -> d
     sizes, counts = np.unique(size[size > 0], return_counts=True)
     return {int(n): round(1e3 * float(cycle[size == n].mean()), 3) for n, c in zip(sizes, counts, strict=True)
             if c >= min_steps}  # fmt: skip
+
+
+def cycle_spread(trace: dict, points: int = SPREAD_POINTS, spell_s: float = SPELL_S,
+                 min_steps: int = MIN_STEPS_PER_SIZE) -> dict | None:  # fmt: skip
+    """How the decode-only cycles scatter around their batch size's mean (the sizes `mean_cycle_ms_by_size`
+    keeps), in two parts, since slow steps come in spells (2026-12-07, the 1x1 at 1.0-1.3 req/s: a cycle's
+    correlation with the next 0.5, with the 50th after it 0.1; the means of 0.5 s windows spread 3x what
+    independent steps would give): `spells`, each `spell_s` window's mean cycle over the sizes' means, and
+    `steps`, each cycle over its window's mean; each as `points` equally likely values (the quantiles at the
+    middle of each 1 / `points` of probability) scaled to mean exactly 1, ascending. None with no size kept.
+    The planner draws a factor from `spells` every `spell_s` and one from `steps` every step
+    (`llm.step_spread`): the steps are right-skewed (8 rows: median 0.86 of the mean) and admission paces on
+    the median."""
+    size = np.where(np.asarray(trace["decode_only"], bool), np.asarray(trace["size"], np.int64), 0)
+    cycle = np.asarray(trace["gap_s"], np.float64) + np.asarray(trace["step_s"], np.float64)
+    kept = mean_cycle_ms_by_size(trace, min_steps)
+    if not kept:
+        return None
+    chosen = np.isin(size, list(kept))
+    means = {n: cycle[size == n].mean() for n in kept}
+    relative = cycle[chosen] / np.asarray([means[n] for n in size[chosen]])
+    start_s = np.asarray(trace["start_s"], np.float64)[chosen]
+    window = np.floor((start_s - start_s.min()) / spell_s).astype(np.int64)
+    counts = np.bincount(window)
+    window_mean = np.bincount(window, weights=relative) / np.maximum(counts, 1)
+    full = counts[window] >= MIN_STEPS_PER_SPELL  # windows with a few steps only: idle time, not a spell
+    if not full.any():
+        return None
+    spells = window_mean[counts >= MIN_STEPS_PER_SPELL]
+    steps = relative[full] / window_mean[window[full]]
+    return {"spell_s": spell_s, "spells": _equally_likely(spells, points), "steps": _equally_likely(steps, points)}
+
+
+def _equally_likely(values: np.ndarray, points: int) -> list[float]:
+    """`points` quantiles of `values` at the middle of each 1 / `points` of probability, scaled to mean 1."""
+    quantiles = np.quantile(values, (np.arange(points) + 0.5) / points)
+    return [round(float(v), 4) for v in quantiles / quantiles.mean()]
 
 
 def calibration_line(path: Path):

@@ -41,7 +41,9 @@ ASSUMPTIONS = (
     "over 0.2 s; `host_range` holds the cheapest and dearest host the idle spells and the rounds' own fits "
     "measured (the spread of one calibration, not a bound)",
     "the LLM step is the serving loop's mean cycle by rows under closed-loop load, from its loop trace (its "
-    "contention at those loads is in it; the planner's core share slows it again: the two may overlap)",
+    "contention at those loads is in it; the planner's core share slows it again: the two may overlap); each "
+    "simulated step is drawn x a spell's factor and a step's from `llm.step_spread` (the same cycles over "
+    "their size's mean, pooled over sizes): spells independent of each other, steps within one too",
     "the detokenizer's batch cost is the table's shape scaled to the replica's CPU per chunk at c=1",
     "hops and the chunk schedule as in the base file; one cache column (no cache-length dependence on CPU)",
 )
@@ -119,6 +121,11 @@ def calibration_with_host(data: dict, cost: HostCost, cores: int, source: str) -
                                   f"size's mean cycle (gap + step) in its loop trace, never below a smaller size's, "
                                   f"past the largest along the line through them; the engine alone (step_bench) "
                                   f"{alone} ms")  # fmt: skip
+        if cost.loaded_step_spread:
+            out["llm"]["step_spread"] = cost.loaded_step_spread
+            sources["llm.step_spread"] = (f"{source}: the same decode-only cycles over their size's mean, pooled: "
+                                          f"the means of {cost.loaded_step_spread['spell_s']} s spells and the "
+                                          f"cycles within them (loadtest.loop_stalls.cycle_spread)")  # fmt: skip
     else:
         out["llm"]["pipeline_step_factor"] = round(max(1.0, cost.llm_ms_per_token / one_row_ms), 3)
         sources["llm.pipeline_step_factor"] = (

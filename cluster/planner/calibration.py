@@ -4,7 +4,8 @@ A calibration is a small JSON file (`calibrations/<gpu>-<model>.json`, every num
 read into typed tables: the LLM decode step in ms by rows x tokens cached, the detokenizer's forward in ms
 by frames in its batch, the hops between stages, the chunk schedule and the serving limits measured with;
 where the stages share the host's cores, its `host` section and optionally `host_range` (the cheapest and
-dearest host one calibration measured). `cluster.planner.simulate` prices each simulated step with these;
+dearest host one calibration measured); optionally `llm.step_spread`, how the serving steps scatter around
+the table's mean. `cluster.planner.simulate` prices each simulated step with these;
 `voxray plan` picks a file by `--gpu` / `--model`. Bad files or names raise `InvalidArgumentError` naming the
 field.
 """
@@ -120,6 +121,17 @@ class HostRange:
 
 
 @dataclass(frozen=True)
+class StepSpread:
+    """`llm.step_spread`: how the serving steps scatter around the table's mean step. A simulated replica
+    draws a factor from `spells` every `spell_s` of its clock and one from `steps` every step; its step costs
+    the table's x both. Each is equally likely values of mean 1 (the table stays the mean step)."""
+
+    spell_s: float
+    spells: tuple[float, ...]
+    steps: tuple[float, ...]
+
+
+@dataclass(frozen=True)
 class Calibration:
     """One device + model: the stage costs the planner prices steps with, and where they came from."""
 
@@ -138,6 +150,7 @@ class Calibration:
     sources: dict[str, str]
     host: HostCost = HostCost()
     host_range: HostRange | None = None  # None: no spread measured (older files, GPU fleets)
+    llm_step_spread: StepSpread | None = None  # None: every step the table's (older files, GPU fleets)
 
 
 def _interp_extrapolate(x: np.ndarray, xs: tuple, ys: tuple | np.ndarray) -> np.ndarray:
@@ -213,7 +226,33 @@ def parse_calibration(data: dict[str, Any]) -> Calibration:
         sources={str(k): str(v) for k, v in _section(data, "sources").items()},
         host=_host(data.get("host")),
         host_range=_host_range(data.get("host_range"), has_host="host" in data),
+        llm_step_spread=_step_spread(llm.get("step_spread")),
     )  # fmt: skip
+
+
+SPREAD_MEAN_TOLERANCE = 0.02  # a spread's factors may average this far from 1 (rounding) and are scaled to 1
+
+
+def _step_spread(spread: Any) -> StepSpread | None:
+    """The optional `llm.step_spread` (absent: None): `spell_s` > 0, `spells` and `steps` each at least 2
+    positive factors averaging 1 (within SPREAD_MEAN_TOLERANCE, then scaled to exactly 1)."""
+    if spread is None:
+        return None
+    if not isinstance(spread, dict):
+        raise InvalidArgumentError("llm.step_spread", "not an object")
+    spell_s = _number(spread, "spell_s", "llm.step_spread.")
+    return StepSpread(spell_s, _factors(spread, "spells"), _factors(spread, "steps"))
+
+
+def _factors(spread: dict[str, Any], key: str) -> tuple[float, ...]:
+    field, values = f"llm.step_spread.{key}", spread.get(key)
+    if (not isinstance(values, list) or len(values) < 2
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in values)):
+        raise InvalidArgumentError(field, "must be a list of at least 2 positive numbers")  # fmt: skip
+    mean = float(np.mean(values))
+    if abs(mean - 1.0) > SPREAD_MEAN_TOLERANCE:
+        raise InvalidArgumentError(field, f"must average 1 (factors of the mean step), got {mean:.4f}")
+    return tuple(float(v) / mean for v in values)
 
 
 def _host(host: Any, field: str = "host") -> HostCost:

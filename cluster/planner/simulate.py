@@ -2,13 +2,16 @@
 
 Coarser than `loadtest/policy_sim.py`, on purpose. policy_sim drives the real `Scheduler`, policy and
 `LLMSide` on a fake clock for one replica: exact to the row, ~0.3 s per 48 requests. Here each LLM replica
-is a batch server priced per step from a calibration table (rows x tokens cached); every admitted stream
+is a batch server priced per step from a calibration table (rows x tokens cached; where the calibration
+measured the steps' spread, each step x a factor of its slow or fast spell and one of its own: admission's
+median sits under the mean, and slow spells drain buffers, as on a real replica); every admitted stream
 decodes one token every step (FCFS-like: no stream is skipped for its slack; the scheduler's
-`startup_concurrency` only orders rows while `max_batch_size` >= the slots, as in every shipped config), new
-streams' prompts join the step they are admitted in. All replicas step in lockstep over numpy arrays [replicas, slots]
-(each keeps its own clock), so 10,000 concurrent streams cost seconds. The detokenizer stage runs after, as
-a second pass over the chunks' cut times (the LLM does not wait for it, as in serving): each detok replica
-batches what has arrived (FIFO, at most `max_batch_chunks`) and costs by the frames in the batch.
+`startup_concurrency` only orders rows while `max_batch_size` >= the slots, as in every shipped config),
+new streams' prompts join the step they are admitted in. All replicas step in lockstep over numpy arrays
+[replicas, slots] (each keeps its own clock), so 10,000 concurrent streams cost seconds. The detokenizer
+stage runs after, as a second pass over the chunks' cut times (the LLM does not wait for it, as in
+serving): each detok replica batches what has arrived (FIFO, at most `max_batch_chunks`) and costs by the
+frames in the batch.
 Admission: a stream waits FCFS at its replica (the router picks the one with the fewest open streams) for
 one of `max_streams_per_replica` slots, under the stream and start limits the replica's own measured steps
 give (`paced_admission`: starts go in waves of `max_starting_per_replica`, fewer beside playing streams; none
@@ -22,11 +25,34 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cluster.planner.calibration import Calibration
+from cluster.planner.calibration import Calibration, StepSpread
 from cluster.planner.paced_admission import MeasuredSteps, starting_allowed, stream_limit, sustained_streams
 from cluster.planner.shared_cores import CoreShare
 from cluster.planner.workload import ChunkRule, ModelRates, Streams
 from router.admission import STARTUP_CHUNKS
+
+SPREAD_SEED_STREAM = 1  # the step spread's draws: seeded by (SimOptions.seed, this), not the arrivals' stream
+
+
+class StepDraws:
+    """Each replica's step factors from the calibration's `StepSpread`: a spell's factor, drawn again each
+    time its clock crosses a multiple of `spell_s`, times a step's own."""
+
+    def __init__(self, spread: StepSpread, replicas: int, seed: int) -> None:
+        self.spread = spread
+        self.spells, self.steps = np.asarray(spread.spells), np.asarray(spread.steps)
+        self.rng = np.random.default_rng((seed, SPREAD_SEED_STREAM))  # apart from the arrivals' draws
+        self.spell = np.full(replicas, -1, np.int64)  # the spell each replica's factor was drawn for
+        self.spell_factor = np.ones(replicas)
+
+    def factors(self, clock: np.ndarray) -> np.ndarray:
+        """The factor of each replica's step beginning at `clock`."""
+        spell = np.floor(clock / self.spread.spell_s).astype(np.int64)
+        new = spell != self.spell
+        if new.any():
+            self.spell_factor[new] = self.spells[self.rng.integers(len(self.spells), size=int(new.sum()))]
+            self.spell[new] = spell[new]
+        return self.spell_factor * self.steps[self.rng.integers(len(self.steps), size=len(clock))]
 
 
 @dataclass(frozen=True)
@@ -57,6 +83,9 @@ class SimOptions:
     # swings the p90 TTFA by 5x near capacity (cpu-1x1-cap4 at 1.71 req/s: 0.33-1.68 s over 8 seeds)
     seeds: int = 1
     trace_admission: bool = False  # keep each step's admission limits (`LLMPass.admission`; `loadtest.plan_trace`)
+    # each LLM step's cost x factors drawn from the calibration's `llm.step_spread` (where it has one: spells
+    # and steps, `StepDraws`): the mean step is the table's; False: every step the mean
+    step_spread: bool = True
 
     def passes_for(self, shared_cores: bool) -> int:
         return self.passes or (3 if shared_cores else 2)
@@ -340,6 +369,9 @@ def run_llm_stage(streams: Streams, shape: ClusterShape, calib: Calibration, rat
     if delivery_s is None:
         delivery_s = np.full(streams.count, detok_step_s + calib.llm_to_detok_s + calib.detok_to_client_s)
     steps = MeasuredSteps.empty(replicas, slots)
+    spread = None
+    if options.step_spread and calib.llm_step_spread is not None:
+        spread = StepDraws(calib.llm_step_spread, replicas, options.seed)
     trace: list[tuple[np.ndarray, ...]] | None = [] if options.trace_admission else None
     horizon_s = float(streams.arrival_s[-1]) + 60.0 * float(streams.frames.max()) * rates.frame_s
     while True:
@@ -362,9 +394,11 @@ def run_llm_stage(streams: Streams, shape: ClusterShape, calib: Calibration, rat
         else:  # no stream waits at any replica: admission has nothing to decide (its limits are pure)
             filled = np.zeros(state.stream.shape, bool)
         live = state.stream >= 0
-        step_s = _step_s(state, filled, calib, options)
+        priced_s = _step_s(state, filled, calib, options)  # the mean step: what the chunk budget paces by
         if sharing:
-            step_s = step_s / share.speed(clock, "llm")
+            priced_s = priced_s / share.speed(clock, "llm")
+        step_s = priced_s if spread is None else priced_s * spread.factors(clock)
+        if sharing:
             busy = live.any(axis=1)
             step_starts.append(clock[busy])
             step_lengths.append(step_s[busy])
@@ -377,7 +411,7 @@ def run_llm_stage(streams: Streams, shape: ClusterShape, calib: Calibration, rat
         steps.record(live.sum(axis=1), step_s, clock, ~filled.any(axis=1))
         state.generated += live
         state.cache += live
-        budget = _budget_frames(state, clock, step_s, rates, rule, detok_step_s)
+        budget = _budget_frames(state, clock, priced_s, rates, rule, detok_step_s)
         cut = _cut_chunks(state, rule, budget, clock, rates.tokens_per_frame, delivery_s)
         if len(cut[0]):
             logs.append(cut)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -460,3 +461,65 @@ def test_a_load_or_a_rate_is_decided_by_most_of_its_draws_as_soon_as_they_agree(
     assert majority_meets([True, False], 3) is None
     assert majority_meets([True, False, False], 3) is False
     assert majority_meets([False], 1) is False and majority_meets([True], 1) is True
+
+
+# the steps' spread
+
+SPREAD = {"spell_s": 0.5, "spells": [0.8, 1.2], "steps": [0.8, 0.8, 0.8, 1.6]}
+
+
+@pytest.mark.parametrize(
+    "change, field, message",
+    [({"spells": [1.0]}, "llm.step_spread.spells", "at least 2"),
+     ({"steps": [0.5, -1.0]}, "llm.step_spread.steps", "positive"),
+     ({"steps": [0.5, 0.6]}, "llm.step_spread.steps", "average 1"),
+     ({"spells": "wide"}, "llm.step_spread.spells", "a list"),
+     ({"steps": [0.5, True]}, "llm.step_spread.steps", "positive numbers"),
+     ({"spell_s": 0}, "llm.step_spread.spell_s", "> 0")],
+)  # fmt: skip
+def test_a_bad_step_spread_is_refused_naming_the_field(change, field, message):
+    data = copy.deepcopy(SMALL)
+    data["llm"]["step_spread"] = {**SPREAD, **change}
+    with pytest.raises(InvalidArgumentError) as err:
+        parse_calibration(data)
+    assert err.value.field == field and message in str(err.value)
+
+
+def test_a_step_spread_is_scaled_to_average_exactly_one_and_is_optional():
+    assert parse_calibration(copy.deepcopy(SMALL)).llm_step_spread is None
+    data = copy.deepcopy(SMALL)
+    data["llm"]["step_spread"] = {**SPREAD, "steps": [0.6, 0.9, 1.51]}  # mean 1.0033: rounding, scaled away
+    spread = parse_calibration(data).llm_step_spread
+    assert np.mean(spread.steps) == pytest.approx(1.0, abs=1e-12)
+    assert spread.steps[0] == pytest.approx(0.6 / 1.0033333333)
+    assert spread.spells == (0.8, 1.2) and spread.spell_s == 0.5
+
+
+def test_step_factors_keep_a_spell_for_its_span_and_average_one():
+    from cluster.planner.calibration import StepSpread
+    from cluster.planner.simulate import StepDraws
+
+    draws = StepDraws(StepSpread(0.5, (0.5, 1.5), (1.0, 1.0)), replicas=2, seed=0)  # steps all alike: spells show
+    first = draws.factors(np.asarray([0.0, 0.1]))
+    assert set(first) <= {0.5, 1.5}
+    assert draws.factors(np.asarray([0.49, 0.3])).tolist() == first.tolist()  # the same spells
+    seen = np.concatenate([draws.factors(np.asarray([t, t])) for t in np.arange(0.5, 2000.0, 0.5)])
+    assert set(seen) == {0.5, 1.5} and seen.mean() == pytest.approx(1.0, abs=0.03)
+    steps = StepDraws(StepSpread(0.5, (1.0, 1.0), (0.8, 0.8, 0.8, 1.6)), replicas=1, seed=0)
+    within = np.concatenate([steps.factors(np.asarray([0.1])) for _ in range(4000)])  # one spell, many steps
+    assert np.median(within) == 0.8 and within.mean() == pytest.approx(1.0, abs=0.03)
+
+
+def test_slow_spells_drain_the_buffers_a_steady_step_keeps_and_no_spread_changes_nothing():
+    """Every step 11 ms at any rows, 0.9 of the real-time step: steady, every stream plays; drawn in 1 s spells
+    of x0.5 / x1.5 (the same mean), a slow spell runs 1.35x real time and drains the buffers the streams hold,
+    so streams underrun. A calibration without a spread is priced the same with the option on or off."""
+    table = {"rows": [1, 8], "cache_tokens": [100], "ms": [[11.0], [11.0]]}
+    spread = {"spell_s": 1.0, "spells": [0.5, 1.5], "steps": [1.0, 1.0]}
+    shape, options = ClusterShape(1, 1, 8, 4, paced=False), SimOptions(min_measured=60, admission_wait_s=30.0)
+    spelled = small_scenario(llm={"step_ms": table, "step_spread": spread})
+    with_spells, steady = (predict(spelled, 2, shape, replace(options, step_spread=on)) for on in (True, False))
+    assert steady.viable_pct == 100.0 and steady.worst_underrun_s == 0.0
+    assert with_spells.viable_pct < 90.0 and with_spells.worst_underrun_s > 0.2
+    plain = small_scenario(llm={"step_ms": table})
+    assert predict(plain, 2, shape, options) == steady

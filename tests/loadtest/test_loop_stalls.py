@@ -77,3 +77,33 @@ def test_a_stages_cpu_is_counted_per_second_its_loops_were_busy():
     assert cpu["llm_cores"] == 1.2 and cpu["llm_cpu_per_busy_s"] == 1.5  # 12 CPU s over 8 busy loop seconds
     assert cpu["detok_cores"] == 0.1 and cpu["detok_cpu_per_busy_s"] == 0.0  # never busy: no ratio
     assert cpu["other_cores"] == 0.3
+
+
+def test_the_cycles_spread_is_kept_as_spells_and_the_steps_within_them():
+    """Half-second windows of 2-row steps alternating slow (6 ms cycles) and fast (2 ms), and within each
+    window one step in four twice the others: the spells are the windows' means over the size's mean, the
+    steps each cycle over its window's mean, both scaled to average 1; idle windows (few steps) and steps
+    that prefilled are left out."""
+    from loadtest.loop_stalls import cycle_spread
+
+    steps = []
+    for window in range(8):
+        base_s = 0.003 if window % 2 else 0.001  # slow windows: 3 ms steps + 3 ms gaps
+        steps += [(window * 0.5 + 0.02 * i, base_s * (2 if i % 4 == 3 else 1), base_s if i % 4 != 3 else 0.0, 2)
+                  for i in range(20)]  # fmt: skip
+    steps += [(4.2, 0.5, 0.0, 2, False), (9.0, 0.002, 0.0, 2)]  # a prefill; a lone step in an idle window
+    spread = cycle_spread(trace(steps), points=4, spell_s=0.5, min_steps=5)
+    assert spread["spell_s"] == 0.5
+    assert spread["spells"] == pytest.approx([0.5, 0.5, 1.5, 1.5], abs=1e-3)  # 2 ms vs 6 ms cycles, mean 4 ms
+    assert spread["steps"] == pytest.approx([1.0, 1.0, 1.0, 1.0], abs=1e-3)  # every cycle its window's mean
+    assert cycle_spread(trace(steps[:3]), min_steps=5) is None  # no size stepped often enough
+
+
+def test_the_steps_spread_within_a_spell_keeps_its_skew():
+    from loadtest.loop_stalls import cycle_spread
+
+    steps = [(w * 0.5 + 0.0125 * j, 0.008 if j % 4 == 3 else 0.004, 0.0, 3)
+             for w in range(5) for j in range(40)]  # 4, 4, 4, 8 ms in every window  # fmt: skip
+    spread = cycle_spread(trace(steps), points=4, spell_s=0.5, min_steps=5)
+    assert spread["steps"] == pytest.approx([0.8, 0.8, 0.8, 1.6], abs=1e-3)
+    assert spread["spells"] == pytest.approx([1.0] * 4, abs=1e-3)

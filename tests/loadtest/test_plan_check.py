@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -129,11 +130,15 @@ def test_the_serving_loops_step_by_rows_becomes_the_table_the_planner_steps_by()
     base = calibration_with_steps(json.loads(CPU_CALIBRATION.read_text()), {1: 2.0, 4: 3.0}, "here")
     cost = HostCost(background_cores=0.1, host_ms_per_stream=10.0, host_ms_per_chunk=2.0, llm_ms_per_token=2.5,
                     detok_ms_per_chunk=12.0, ttfa_p50_s=0.2, sets=(), loaded_step_ms_by_rows=steps,
-                    detok_windows=(14,) * 10)  # fmt: skip
+                    detok_windows=(14,) * 10,
+                    loaded_step_spread={"spell_s": 0.5, "spells": [0.9, 1.1], "steps": [0.8, 1.2]})  # fmt: skip
     calib = parse_calibration(calibration_with_host(base, cost, 2, "host_cost here"))
     at = calib.llm_step.step_ms(np.asarray([1, 2, 5, 12]), np.full(4, 200.0))
     assert at.tolist() == pytest.approx([2.1, 2.8, (3.6 + 5.7) / 2, table[12]], abs=1e-3)  # not a line: 1 row is dear
     assert calib.pipeline_step_factor == 1.0 and "mean cycle" in calib.sources["llm.step_ms"]
+    assert calib.llm_step_spread.steps == (0.8, 1.2) and "spells" in calib.sources["llm.step_spread"]
+    no_spread = parse_calibration(calibration_with_host(base, replace(cost, loaded_step_spread=None), 2, "here"))
+    assert no_spread.llm_step_spread is None and "llm.step_spread" not in no_spread.sources
 
 
 def test_the_saturated_level_prices_a_chunk_and_replaces_the_c1_difference():
