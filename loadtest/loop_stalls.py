@@ -167,6 +167,8 @@ class AdmissionShare:
     mean_limit: float
     mean_detok_limit: float | None  # the detok cap's mean where measured
     mean_active: float
+    mean_measured_rows: float = 0.0  # the largest measured batch admission paced by (`measured_streams`)
+    mean_real_time_streams: float = 0.0  # the streams that batch's median step keeps at real time
 
 
 def admission_share(loads: list[dict]) -> AdmissionShare:
@@ -182,7 +184,8 @@ def admission_share(loads: list[dict]) -> AdmissionShare:
         full = load.num_active >= limit
         starts_full = limits_startups(load) and load.num_starting >= starting_allowed(load)
         rows.append((full, full and detok is not None and detok <= limit, full and load.num_starving > 0,
-                     starts_full, limit, detok, load.num_active))  # fmt: skip
+                     starts_full, limit, detok, load.num_active, load.measured_streams,
+                     load.real_time_streams))  # fmt: skip
     if not rows:
         return AdmissionShare(0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, None, 0.0)
     n = len(rows)
@@ -193,7 +196,8 @@ def admission_share(loads: list[dict]) -> AdmissionShare:
         samples=n, full=len(full) / n, full_by_detok=by_detok / n, full_by_starving=by_starving / n,
         full_by_pace=sum(1 for r in full if not r[1] and not r[2]) / n, starts_full=sum(r[3] for r in rows) / n,
         mean_limit=sum(r[4] for r in rows) / n, mean_detok_limit=sum(detoks) / len(detoks) if detoks else None,
-        mean_active=sum(r[6] for r in rows) / n,
+        mean_active=sum(r[6] for r in rows) / n, mean_measured_rows=sum(r[7] for r in rows) / n,
+        mean_real_time_streams=sum(r[8] for r in rows) / n,
     )  # fmt: skip
 
 
@@ -319,7 +323,9 @@ def report_rate(row: dict) -> str:
     lines.append(f"  admission ({a['samples']} samples): full {100 * a['full']:.0f}% (detok cap "
                  f"{100 * a['full_by_detok']:.0f}%, pace or slots {100 * a['full_by_pace']:.0f}%, starving "
                  f"{100 * a['full_by_starving']:.0f}%), starts full {100 * a['starts_full']:.0f}%; mean limit "
-                 f"{a['mean_limit']:.1f}, detok cap {detok_limit}, open {a['mean_active']:.1f}")  # fmt: skip
+                 f"{a['mean_limit']:.1f}, detok cap {detok_limit}, open {a['mean_active']:.1f}, paced by "
+                 f"{a.get('mean_measured_rows', 0.0):.1f} rows keeping {a.get('mean_real_time_streams', 0.0):.1f} "
+                 f"streams at real time")  # fmt: skip
     loops = [(stage, replica.split("#")[-1], s) for stage in ("llm", "detok") for replica, s in row[stage].items()]
     for stage, replica, s in loops:
         lines.append(

@@ -58,7 +58,8 @@ def format_row(row: dict[str, float]) -> str:
     if "mean_limit" in row:
         text += (f"; admission: mean limit {row['mean_limit']:.2f}, open {row['mean_open']:.2f}, full "
                  f"{100 * row['full_share']:.0f}% of the time, held a waiting stream "
-                 f"{100 * row['held_share']:.0f}%")  # fmt: skip
+                 f"{100 * row['held_share']:.0f}%, paced by {row['mean_measured_rows']:.1f} rows keeping "
+                 f"{row['mean_real_time_streams']:.1f} streams at real time")  # fmt: skip
     if "llm_busy" in row:
         text += (f"; loops busy: LLM {row['llm_busy']:.2f}, detok {row['detok_busy']:.2f}, busy-weighted "
                  f"{row['busy_weighted_loops']:.2f}; host {row['host_cores']:.3f} cores")  # fmt: skip

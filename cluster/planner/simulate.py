@@ -116,6 +116,8 @@ class AdmissionTrace:
     limit: np.ndarray
     num_open: np.ndarray
     held: np.ndarray  # bool
+    measured_rows: np.ndarray  # the largest measured batch admission paced by (0: none yet)
+    real_time: np.ndarray  # the streams that batch's median step keeps at real time (0: none measured)
 
     def summary(self, window_s: tuple[float, float]) -> dict[str, float]:
         """Time-weighted over the steps begun in `window_s`: the mean limit and open streams a replica, the
@@ -126,7 +128,8 @@ class AdmissionTrace:
         return {name: float((values * weight).sum() / total)
                 for name, values in (("mean_limit", self.limit), ("mean_open", self.num_open),
                                      ("full_share", self.num_open >= self.limit),
-                                     ("held_share", self.held))}  # fmt: skip
+                                     ("held_share", self.held), ("mean_measured_rows", self.measured_rows),
+                                     ("mean_real_time_streams", self.real_time))}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -388,7 +391,8 @@ def run_llm_stage(streams: Streams, shape: ClusterShape, calib: Calibration, rat
             room, limit = _admit_room(state, shape, steps, clock, rates)
             if trace is not None:  # as admission saw the replicas before this step's starts
                 held = waiting & ((room <= 0) | ~state.free(clock).any(axis=1))
-                seen = (limit, state.open_streams(clock), held)
+                real_time, measured_rows = steps.real_time_streams(clock, rates.real_time_step_s)
+                seen = (limit, state.open_streams(clock), held, measured_rows, real_time)
             filled = _admit(state, queues, clock, streams, rates.tokens_per_frame, options.admission_wait_s,
                             admitted_s, room)  # fmt: skip
         else:  # no stream waits at any replica: admission has nothing to decide (its limits are pure)

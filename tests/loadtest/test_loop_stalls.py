@@ -63,6 +63,7 @@ def test_what_held_streams_back_is_read_from_the_replicas_sampled_load():
     assert share.samples == 4
     assert (share.full, share.full_by_detok, share.full_by_starving, share.full_by_pace) == (0.5, 0.25, 0.25, 0.0)
     assert share.starts_full == 0.25 and share.mean_detok_limit == 4.0
+    assert (share.mean_measured_rows, share.mean_real_time_streams) == (8.0, 20.0)  # what the pace was read from
     assert admission_share([]).samples == 0
 
 

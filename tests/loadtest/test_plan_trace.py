@@ -18,9 +18,12 @@ def test_admission_is_summarised_over_time_not_steps():
     trace = AdmissionTrace(
         clock_s=np.asarray([[0.0], [1.0], [1.1], [9.0]]), step_s=np.asarray([[1.0], [0.1], [0.9], [1.0]]),
         limit=np.asarray([[2], [4], [6], [12]]), num_open=np.asarray([[1], [4], [6], [12]]),
-        held=np.asarray([[False], [True], [False], [True]]),
+        held=np.asarray([[False], [True], [False], [True]]), measured_rows=np.asarray([[0], [3], [5], [11]]),
+        real_time=np.asarray([[0.0], [5.0], [7.0], [13.0]]),
     )  # fmt: skip
     summary = trace.summary((0.0, 5.0))  # the last step began outside the window
+    assert summary["mean_measured_rows"] == pytest.approx((3 * 0.1 + 5 * 0.9) / 2.0)
+    assert summary["mean_real_time_streams"] == pytest.approx((5 * 0.1 + 7 * 0.9) / 2.0)
     assert summary["mean_limit"] == pytest.approx((2 * 1.0 + 4 * 0.1 + 6 * 0.9) / 2.0)
     assert summary["held_share"] == pytest.approx(0.1 / 2.0)
     assert summary["mean_open"] == pytest.approx((1 + 0.4 + 5.4) / 2.0)
