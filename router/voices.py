@@ -78,7 +78,8 @@ def check_model(entry: ModelEntry, model: str) -> None:
             "model", f"unknown model {printable_name(model)!r}; this server serves {entry.name!r}"
         )
     if not entry.family.lm.takes_registered_voices:
-        raise InvalidArgumentError("model", f"{entry.name} does not take zero-shot voices (cosyvoice2, chatterbox do)")
+        takers = "cosyvoice2, chatterbox, step-audio2"
+        raise InvalidArgumentError("model", f"{entry.name} does not take zero-shot voices ({takers} do)")
 
 
 class VoiceRegistry:

@@ -30,6 +30,7 @@ from core.checkpoints import resolve_model_ref
 from core.config import ModelConfig
 from core.errors import InvalidArgumentError
 from core.messages import AudioClip, ChatTurn, Job, SamplingParams
+from core.voices import VoicePrompt
 from detok_stage.codecs.step_audio2_codec import REBUILD_CHUNK_TOKENS, StepAudio2Codec
 from llm_stage.chunking import whole_stream_schedule
 from llm_stage.models.base import CodeFrames, LMAdapter, ModelFamily
@@ -73,7 +74,11 @@ class StepAudio2Adapter(LMAdapter):
     takes_chat_history = True
     # a clip's placeholders carry its content handle (`ClipRows`): a conversation's next turn reuses the KV
     reuses_prompt_kv = True
-    no_voices_note = "none; speech in (takes audio), answers in text + speech in the detokenizer's voice"
+    no_voices_note = ("none built in; speech in (takes audio), answers in text + speech in the token2wav "
+                      "default voice or a zero-shot voice from a reference clip (POST /v1/voices, gRPC RegisterVoice)")
+    # zero-shot voices by id: the LM is not conditioned on the speaker (the published model speaks through
+    # token2wav's prompt audio), so a voice conditions only the detokenizer, which fetches it by handle
+    takes_registered_voices = True
     input_width = 3  # (id, clip handle, row in the clip's embeddings)
     max_text_chars = 4000
     # the published examples' sampling (temperature 0.7, top_p 0.9, repetition_penalty 1.05)
@@ -91,6 +96,7 @@ class StepAudio2Adapter(LMAdapter):
         self.clips = ClipRows()  # encoded clip pieces by content: a clip sent again is not encoded again
         self._front_end_s = 0.0  # seconds of audio the last `job_prompt` ran the front end on
         self._text_only: set[str] = set()  # req_ids answering in text alone (`constrain` masks speech)
+        self.voice_prompts: dict[str, VoicePrompt] = {}  # registered voices this replica has looked up
 
     @classmethod
     def audio_front_end(cls, sample_rate_hz: int) -> MicFrontEnd:
@@ -106,6 +112,11 @@ class StepAudio2Adapter(LMAdapter):
         directory = resolve_model_ref(config.checkpoint_dir)
         tokenizer = HFTokenizer(directory, add_special_tokens=False)
         return cls(model, tokenizer, SpecialIds.from_vocab(tokenizer.vocab()))
+
+    def add_voice_prompt(self, prompt: VoicePrompt) -> None:
+        """A registered voice is known here (`deployments.voices`); its transcript and speech tokens are not
+        read: the LM's prompt is the same in every voice."""
+        self.voice_prompts[prompt.voice_id] = prompt
 
     # prompts
 

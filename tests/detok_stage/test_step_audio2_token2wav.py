@@ -204,3 +204,61 @@ def test_the_family_serves_a_checkpoint_with_its_token2wav(tmp_path):
     schedule = get_entry("step-audio2-tiny").chunk_schedule(EngineConfig(model=ModelConfig(name="step-audio2-tiny")))
     assert (schedule.first_chunk_frames, schedule.chunk_frames, schedule.right_context_frames) == (25, 25, 3)
     assert schedule.left_context_frames == WHOLE_STREAM_FRAMES
+
+
+def test_a_registered_voice_conditions_token2wav_by_handle():
+    """A voice as the VoiceBank computes it (our seeded encoders on a clip: the published 6,561 speech ids,
+    80-bin 24 kHz mel, 192-d x-vector) decodes the same by handle as inline, other than in the default
+    voice; a handle the replica lacks is a cache miss (the detok replica fetches it from the bank)."""
+    import dataclasses
+
+    from core.voices import voice_id_for
+    from detok_stage.voice.encoder import VoiceEncoder
+
+    clip = 0.1 * torch.randn(24_000 * 2, generator=torch.Generator().manual_seed(5))
+    voice_id = voice_id_for("step-audio2-tiny", b"clip", 24_000, "")
+    registered = VoiceEncoder.seeded(5).encode(clip, 24_000).with_id(voice_id)
+    fresh = StepAudio2Codec(codec().model)
+
+    def streamed(rid: str, **fields) -> torch.Tensor:
+        chunks = [dataclasses.replace(c, **{"voice": None, **fields}) for c in chunks_of(rid, "long", "cut25")]
+        return torch.cat(fresh.decode_stream(chunks))
+
+    with pytest.raises(CacheMissError, match="not on this replica"):
+        streamed("miss", voice_handle=voice_id)
+    fresh.add_voice(registered)
+    by_handle, inline, default = streamed("a", voice_handle=voice_id), streamed("b", voice=registered), streamed("c")
+    assert fresh.has_voice(voice_id) and torch.equal(by_handle, inline)
+    assert float((by_handle - default).abs().max()) > 1e-2
+
+
+def test_the_family_takes_registered_voices_for_its_spoken_answers():
+    """Speech in, speech out in a registered voice: the job keeps the voice id, the LM's prompt is the same
+    as in the default voice (the LM is not conditioned on a speaker), and every chunk carries the handle."""
+    import dataclasses
+
+    from core.messages import SamplingParams
+    from core.voices import VoicePrompt, voice_id_for
+    from llm_stage.jobs import build_job
+    from llm_stage.registry import get_entry
+    from llm_stage.side import LLMSide
+    from tests.factories import adapter_engine
+
+    family = get_entry("step-audio2-tiny").family
+    adapter = family.lm.build(ModelConfig(name="step-audio2-tiny"))
+    voice_id = voice_id_for("step-audio2-tiny", b"clip", 24_000, "")
+    assert adapter.takes_registered_voices and "zero-shot" in adapter.no_voices_note
+    adapter.add_voice_prompt(VoicePrompt(voice_id, "", (5, 6)))
+    assert adapter.format_prompt("hi", voice_id) == adapter.format_prompt("hi", None)
+    with pytest.raises(InvalidArgumentError) as err:
+        build_job(adapter, text="hi", voice="tara")  # no built-in voices: names the field
+    assert err.value.field == "voice"
+    greedy = SamplingParams(temperature=0.0, max_tokens=60)
+    side = LLMSide(adapter_engine(adapter), family.chunk_schedule)
+    job = build_job(adapter, text="Say something.", voice=voice_id, sampling=greedy)
+    assert job.voice == voice_id
+    side.add(dataclasses.replace(job, req_id="v"))
+    chunks = []
+    while side.engine.has_work:
+        chunks += side.step()
+    assert chunks and all(c.voice_handle == voice_id for c in chunks)
