@@ -7,7 +7,8 @@ the share of the time in steps, in gaps while work waited and idle; each batch s
 p99) against the calibration's line where one is given; and stalls: cycles (gap + step) longer than
 `STALL_FACTOR` x their size's median step, with their excess over that median per second of load. And what
 held new streams back: an LLM replica's load (whichever answers) read every `SAMPLE_S`, run through
-`router.admission`.
+`router.admission`; and the streams whose playback ran dry (`late_streams`: when sent, at which chunk), every
+stream's chunk arrivals kept in the JSON.
 Starts Ray: never run it beside another benchmark.
 Usage: python -m loadtest.loop_stalls --out bench_out/loop_stalls --rates 1.1 1.4 1.8 [--calibration F]
 """
@@ -30,6 +31,7 @@ SPELL_S = 0.5  # the steps' spread is kept as spells this long (their means) and
 MIN_STEPS_PER_SPELL = 10  # a window with fewer steps was mostly idle: not a spell
 SAMPLE_S = 0.25  # the LLM replica's load is read this often over a rate
 READ_CALLS = 8  # calls to a stage's handle for its replicas' traces (each reaches one replica)
+LATE_SHOWN = 8  # late streams a rate's report lists (the JSON keeps every stream's chunks)
 
 
 @dataclass(frozen=True)
@@ -201,6 +203,37 @@ def admission_share(loads: list[dict]) -> AdmissionShare:
     )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class LateStream:
+    """One stream whose playback ran dry, as its client saw it (`loadtest.metrics`' lateness)."""
+
+    sent_s: float  # when it was to be sent, s into the rate's arrivals
+    ttfa_s: float
+    first_late: int  # the first late audio chunk's index (1: the second chunk)
+    late_chunks: int
+    worst_s: float
+    played_s: tuple[float, ...]  # the audio seconds of its chunks up to and including the first late one
+
+
+def late_streams(requests: list[dict]) -> list[LateStream]:
+    """The streams of one rate (the sweep's request records, as dicts) whose playback ran dry, in the
+    order they were sent: when, how soon their audio began, and at which chunk they first fell behind."""
+    from loadtest.metrics import audio_chunks, chunk_lateness_s
+
+    out = []
+    for request in sorted(requests, key=lambda r: r["scheduled_at_s"]):
+        arrivals, durations = request["arrivals_s"], request["durations_s"]
+        lateness = chunk_lateness_s(arrivals, durations)
+        late = [i + 1 for i, value in enumerate(lateness) if value > 0]
+        if not request["is_ok"] or not late:
+            continue
+        chunks = audio_chunks(arrivals, durations)
+        played_s = tuple(round(d, 3) for _, d in chunks[: late[0] + 1])
+        out.append(LateStream(round(request["scheduled_at_s"], 3), round(chunks[0][0], 3), late[0], len(late),
+                              round(max(lateness), 3), played_s))  # fmt: skip
+    return out
+
+
 class LoadSampler:
     """Reads the LLM replica's `stats()` every `SAMPLE_S` on a thread (call inside `join_cluster`)."""
 
@@ -298,6 +331,7 @@ def measure(config_name: str, rates: tuple[float, ...], duration_s: float, out: 
                     "detok": {replica: asdict(loop_share(trace, start_s, end_s))
                               for replica, trace in sorted(traces["DetokStage"].items())},
                     "admission": asdict(admission_share(sampler.loads)),
+                    "streams": result.steps[0]["requests"],  # every stream's chunk arrivals, for a later look
                 }  # fmt: skip
                 spent_s = {role: cpu_after[role] - cpu_before.get(role, 0.0) for role in cpu_after}
                 rows.append(row | {"cpu": stage_cpu(spent_s, end_s - start_s, row)})
@@ -326,6 +360,11 @@ def report_rate(row: dict) -> str:
                  f"{a['mean_limit']:.1f}, detok cap {detok_limit}, open {a['mean_active']:.1f}, paced by "
                  f"{a.get('mean_measured_rows', 0.0):.1f} rows keeping {a.get('mean_real_time_streams', 0.0):.1f} "
                  f"streams at real time")  # fmt: skip
+    late = late_streams(row.get("streams", []))
+    for stream in late[:LATE_SHOWN]:
+        lines.append(f"  late: sent at {stream.sent_s:.2f} s, first audio {stream.ttfa_s:.2f} s, behind from chunk "
+                     f"{stream.first_late} ({stream.late_chunks} late, worst {stream.worst_s:.3f} s), chunks so far "
+                     f"{list(stream.played_s)} s")  # fmt: skip
     loops = [(stage, replica.split("#")[-1], s) for stage in ("llm", "detok") for replica, s in row[stage].items()]
     for stage, replica, s in loops:
         lines.append(

@@ -108,3 +108,16 @@ def test_the_steps_spread_within_a_spell_keeps_its_skew():
     spread = cycle_spread(trace(steps), points=4, spell_s=0.5, min_steps=5)
     assert spread["steps"] == pytest.approx([0.8, 0.8, 0.8, 1.6], abs=1e-3)
     assert spread["spells"] == pytest.approx([1.0] * 4, abs=1e-3)
+
+
+def test_late_streams_say_when_they_were_sent_and_where_they_fell_behind():
+    from loadtest.loop_stalls import late_streams
+
+    on_time = {"arrivals_s": [0.3, 0.4, 0.7], "durations_s": [0.2, 0.3, 0.5], "is_ok": True, "scheduled_at_s": 1.0}
+    # first audio at 0.5 s (an empty chunk before it), 0.17 s played; the next at 0.8 s: 0.13 s late, then on time
+    late = {"arrivals_s": [0.2, 0.5, 0.8, 0.9], "durations_s": [0.0, 0.17, 0.34, 0.68], "is_ok": True,
+            "scheduled_at_s": 3.0}  # fmt: skip
+    failed = {"arrivals_s": [0.5, 2.0], "durations_s": [0.1, 0.1], "is_ok": False, "scheduled_at_s": 0.5}
+    [stream] = late_streams([late, on_time, failed])
+    assert (stream.sent_s, stream.ttfa_s, stream.first_late, stream.late_chunks) == (3.0, 0.5, 1, 1)
+    assert stream.worst_s == pytest.approx(0.13) and stream.played_s == (0.17, 0.34)
