@@ -398,10 +398,14 @@ def run_llm_stage(streams: Streams, shape: ClusterShape, calib: Calibration, rat
         else:  # no stream waits at any replica: admission has nothing to decide (its limits are pure)
             filled = np.zeros(state.stream.shape, bool)
         live = state.stream >= 0
-        priced_s = _step_s(state, filled, calib, options)  # the mean step: what the chunk budget paces by
+        priced_s = _step_s(state, filled, calib, options)  # the table's mean step
         if sharing:
             priced_s = priced_s / share.speed(clock, "llm")
-        step_s = priced_s if spread is None else priced_s * spread.factors(clock)
+        step_s = paced_s = priced_s
+        if spread is not None:
+            step_s = priced_s * spread.factors(clock)
+            # the chunk budget reads the step's EMA (weight 0.1: it follows a spell within ~10 steps), not each step
+            paced_s = priced_s * spread.spell_factor
         if sharing:
             busy = live.any(axis=1)
             step_starts.append(clock[busy])
@@ -415,7 +419,7 @@ def run_llm_stage(streams: Streams, shape: ClusterShape, calib: Calibration, rat
         steps.record(live.sum(axis=1), step_s, clock, ~filled.any(axis=1))
         state.generated += live
         state.cache += live
-        budget = _budget_frames(state, clock, priced_s, rates, rule, detok_step_s)
+        budget = _budget_frames(state, clock, paced_s, rates, rule, detok_step_s)
         cut = _cut_chunks(state, rule, budget, clock, rates.tokens_per_frame, delivery_s)
         if len(cut[0]):
             logs.append(cut)
