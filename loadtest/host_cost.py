@@ -169,7 +169,7 @@ def closed_loop(target: str, clients: int, duration_s: float, cfg: SweepConfig, 
 
 def loaded_steps(server, cfg: SweepConfig, since_s: float, levels: tuple[int, ...] = LOAD_LEVELS,
                  level_s: float = LEVEL_S, rounds: int = LEVEL_ROUNDS,
-                 ) -> tuple[dict[int, float], tuple[float, ...], tuple[SaturatedLoad, ...]]:  # fmt: skip
+                 ) -> tuple[dict[int, float], dict | None, tuple[SaturatedLoad, ...]]:  # fmt: skip
     """The LLM replica's serving-loop step by rows from `since_s` (monotonic: the c=1 sets, whose steady
     one-row steps price a lone stream) through the first round of closed-loop levels (larger batches): per
     batch size, the mean of its decode-only cycles (gap + step) in the replica's loop trace

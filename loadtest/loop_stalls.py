@@ -96,12 +96,17 @@ def _size_steps(size: int, step: np.ndarray, gap: np.ndarray, line_ms) -> SizeSt
     )  # fmt: skip
 
 
+def _decode_cycles(trace: dict) -> tuple[np.ndarray, np.ndarray]:
+    """(batch size, or 0 for a step that prefilled; cycle s = gap + step) of every step in `trace`."""
+    size = np.where(np.asarray(trace["decode_only"], bool), np.asarray(trace["size"], np.int64), 0)
+    return size, np.asarray(trace["gap_s"], np.float64) + np.asarray(trace["step_s"], np.float64)
+
+
 def mean_cycle_ms_by_size(trace: dict, min_steps: int = MIN_STEPS_PER_SIZE) -> dict[int, float]:
     """Per batch size stepped at least `min_steps` times in decode-only steps, the mean of their cycles (the
     gap before a step and the step) in ms: what a step of that size costs the streams, its stalls and slow
     tails included (a step with prompt work is priced apart: the planner adds a prompt's prefill)."""
-    size = np.where(np.asarray(trace["decode_only"], bool), np.asarray(trace["size"], np.int64), 0)
-    cycle = np.asarray(trace["gap_s"], np.float64) + np.asarray(trace["step_s"], np.float64)
+    size, cycle = _decode_cycles(trace)
     sizes, counts = np.unique(size[size > 0], return_counts=True)
     return {int(n): round(1e3 * float(cycle[size == n].mean()), 3) for n, c in zip(sizes, counts, strict=True)
             if c >= min_steps}  # fmt: skip
@@ -118,8 +123,7 @@ def cycle_spread(trace: dict, points: int = SPREAD_POINTS, spell_s: float = SPEL
     The planner draws a factor from `spells` every `spell_s` and one from `steps` every step
     (`llm.step_spread`): the steps are right-skewed (8 rows: median 0.86 of the mean) and admission paces on
     the median."""
-    size = np.where(np.asarray(trace["decode_only"], bool), np.asarray(trace["size"], np.int64), 0)
-    cycle = np.asarray(trace["gap_s"], np.float64) + np.asarray(trace["step_s"], np.float64)
+    size, cycle = _decode_cycles(trace)
     kept = mean_cycle_ms_by_size(trace, min_steps)
     if not kept:
         return None

@@ -21,7 +21,7 @@ from core.config import VoicesConfig
 from core.errors import InvalidArgumentError
 from detok_stage.voice.clip import decode_clip
 from llm_stage.jobs import printable_name
-from llm_stage.registry import ModelEntry
+from llm_stage.registry import ModelEntry, families
 from protos import voxray_pb2
 from router.jobs import parse_json_object
 
@@ -78,7 +78,7 @@ def check_model(entry: ModelEntry, model: str) -> None:
             "model", f"unknown model {printable_name(model)!r}; this server serves {entry.name!r}"
         )
     if not entry.family.lm.takes_registered_voices:
-        takers = "cosyvoice2, chatterbox, step-audio2"
+        takers = ", ".join(family.name for family in families() if family.lm.takes_registered_voices)
         raise InvalidArgumentError("model", f"{entry.name} does not take zero-shot voices ({takers} do)")
 
 
