@@ -51,7 +51,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         kept = config.engine.model.model_dump(exclude={"name", "checkpoint_dir", "codec_dir"})
         engine = config.engine.model_copy(update={"model": model_config_for(args.model, args.codec, **kept)})
         config = ServeConfig.model_validate({**config.model_dump(), "engine": engine.model_dump()})
-    from deployments.voices import check_voice_encoders  # (imports Ray: only where a command needs it)
+    from deployments.voices import check_default_clip, check_voice_encoders  # (imports Ray: only where needed)
 
     for served in config.served_models():
         view = config.for_model(served)
@@ -59,6 +59,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         no_voices = check_voice_encoders(view)  # raises for a wrong voices.encoder_dir
         if no_voices is not None:
             print(f"note: {view.engine.model.name} serves without zero-shot voices: {no_voices}", file=sys.stderr)
+    check_default_clip(config)  # (its encoding: at each detok replica's start)
     return config
 
 

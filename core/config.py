@@ -501,11 +501,21 @@ class VoicesConfig(_Strict):
     max_clip_s: float = Field(20.0, gt=0, le=30, description="Longest reference clip (the tokenizer's window is 30 s).")
     max_prompt_text_chars: int = Field(1000, ge=0, le=10_000, description="Longest transcript of a clip.")
     max_voices: int = Field(1000, ge=1, le=1_000_000, description="Voices the VoiceBank keeps; more are refused.")
+    default_clip: Path | None = Field(
+        None,
+        description="A reference clip (PCM WAV, min_clip_s..max_clip_s long) whose voice a request naming none speaks "
+        "in, for the families whose detokenizer alone takes the voice (cosyvoice2, step-audio2): encoded by the same "
+        "encoders as a registration when each detok replica starts. None = the model's own default (a checkpoint's "
+        "built-in voice where it has one, else a seeded x-vector with no prompt).",
+    )
 
     @model_validator(mode="after")
-    def _bounds(self) -> VoicesConfig:
+    def _bounds(self, info: ValidationInfo) -> VoicesConfig:
         if self.min_clip_s >= self.max_clip_s:
             raise ValueError("voices.min_clip_s must be < voices.max_clip_s")
+        if (info.context or {}).get(CHECK_FILES, True) and self.default_clip is not None:
+            if not Path(self.default_clip).is_file():
+                raise ValueError(f"voices.default_clip: no such file: {self.default_clip}")
         return self
 
 

@@ -17,7 +17,7 @@ from deployments.detok_stage import DetokStage
 from deployments.kv_courier import courier_actors
 from deployments.llm_stage import LLMStage
 from deployments.model_plan import ServedModel, plan_models
-from deployments.voices import bank_actors
+from deployments.voices import bank_actors, check_default_clip
 from router.ingress import Router
 
 
@@ -44,6 +44,7 @@ def deployment_options(stage: StageDeploymentConfig, graceful_timeout_s: float, 
 def build_app(config: ServeConfig) -> serve.Application:
     """The Router over one LLMStage deployment per served model and one DetokStage deployment per
     distinct detokenizer (`deployments.model_plan`; a single-model config: `LLMStage`, `DetokStage`)."""
+    check_default_clip(config)
     graceful_s = config.drain.serve_graceful_timeout_s
     detoks: dict[str, serve.Application] = {}
     llm_handles: dict[str, serve.Application] = {}

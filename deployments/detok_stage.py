@@ -28,7 +28,7 @@ from core.messages import AudioChunk, AudioRef, TokenChunk
 from deployments.engine_loop import EngineLoop, finish_on_thread, replica_tag
 from deployments.loop_trace import StepReport, watch_gc
 from deployments.metrics import StageMetrics
-from deployments.voices import DetokVoices, check_voice_encoders
+from deployments.voices import DetokVoices, check_voice_encoders, default_clip_voice
 from detok_stage.warm_up import warm_up
 from llm_stage.faults import is_out_of_memory, release_cached_memory
 from llm_stage.registry import check_model_config
@@ -59,6 +59,9 @@ class DetokStage:
         self.voices = DetokVoices(self.config, self.replica_tag)  # registered voices' tensors, fetched once
         if check_model_config(self.config.engine.model).family.lm.takes_registered_voices:
             check_voice_encoders(self.config)  # raises for a wrong voices.encoder_dir
+            default_voice = default_clip_voice(self.config)
+            if default_voice is not None:
+                self.engine.codec.set_default_voice(default_voice)
             self.voices.join_soon()
         self.warm_up_s: float | None = None  # the start-up warm-up's time (None: off or out of memory)
         self.loop = EngineLoop(

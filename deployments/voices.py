@@ -34,7 +34,7 @@ from core.errors import InvalidArgumentError
 from core.messages import VoiceConditioning
 from core.voices import VoicePrompt, voice_id_for
 from deployments.transport import EndpointPair, Transfer, TransportKind, new_endpoint
-from llm_stage.registry import get_entry
+from llm_stage.registry import families, get_entry
 
 NAMESPACE = "voxray-voices"  # of a bank made outside Serve (`voice_bank`)
 BANK_ACTOR = "voice_bank"  # the DetokStage's deployment actor
@@ -132,6 +132,59 @@ def check_voice_encoders(config: ServeConfig) -> str | None:
         where = f"chatterbox's s3gen.safetensors / s3gen.pt (+ ve.safetensors) or a directory with {CONVERTED_FILE}"
         return f"{err}; set voices.encoder_dir to {where}"
     return None
+
+
+DEFAULT_CLIP_VOICE_ID = "default-clip"  # the id a `voices.default_clip` voice carries inside a detok replica
+
+
+def speaks_default_clip(model: str) -> bool:
+    """Whether `voices.default_clip` can be `model`'s default voice: its family takes zero-shot voices and
+    only its detokenizer reads them (chatterbox's LM takes a speaker too, and ships its own in conds.pt)."""
+    lm = get_entry(model).family.lm
+    return lm.takes_registered_voices and not lm.voice_lm_speaker
+
+
+def check_default_clip(config: ServeConfig) -> None:
+    """A `voices.default_clip` some served model can speak in, on a detokenizer no other model shares
+    (its default voice would change theirs): else InvalidArgumentError naming the field."""
+    from deployments.model_plan import plan_models
+
+    if config.voices.default_clip is None:
+        return
+    planned = plan_models(config)
+    takers = [served for served in planned if speaks_default_clip(served.name)]
+    if not takers:
+        names = ", ".join(served.name for served in planned)
+        able = ", ".join(f.name for f in families() if f.lm.takes_registered_voices and not f.lm.voice_lm_speaker)
+        raise InvalidArgumentError("voices.default_clip", f"{names} cannot speak in it (the families that can: {able})")
+    for served in takers:
+        others = [name for name in served.shares_detok_with if not speaks_default_clip(name)]
+        if others:
+            raise InvalidArgumentError(
+                "voices.default_clip",
+                f"{served.name} shares its detokenizer with {', '.join(others)}, whose voice it would change",
+            )
+
+
+def default_clip_voice(config: ServeConfig) -> VoiceConditioning | None:
+    """The voice of `voices.default_clip`, encoded as a registration would be (None: no clip, or this model
+    cannot speak in it); a clip that is not a usable WAV, or no encoders to encode it, names the field."""
+    from detok_stage.voice.clip import decode_clip
+    from detok_stage.voice.encoder import VoiceEncoder
+
+    path = config.voices.default_clip
+    if path is None or not speaks_default_clip(config.engine.model.name):
+        return None
+    no_encoders = check_voice_encoders(config)
+    if no_encoders is not None:
+        raise InvalidArgumentError("voices.default_clip", f"cannot be encoded: {no_encoders}")
+    try:
+        data = Path(path).read_bytes()
+    except OSError as err:
+        raise InvalidArgumentError("voices.default_clip", f"cannot be read: {err}") from None
+    clip = decode_clip(data, "voices.default_clip", config.voices.min_clip_s, config.voices.max_clip_s)
+    encoder = VoiceEncoder.build(_encoder_path(config), config.engine.model.seed)
+    return encoder.encode(clip.wave, clip.sample_rate_hz).with_id(DEFAULT_CLIP_VOICE_ID)
 
 
 @ray.remote

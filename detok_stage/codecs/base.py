@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from core.errors import InvalidArgumentError
-from core.messages import TokenChunk
+from core.messages import TokenChunk, VoiceConditioning
 
 SNAPSHOTS_KEPT = 4  # a stateful codec's states from before a stream's last chunks: chunks decoded, never received
 
@@ -91,6 +91,11 @@ class CodecAdapter(ABC):
         """Flow detokenizers (`bounds_flow_history`): the estimator reads the first `sink_frames` mel frames
         and the `window_frames` before each attention chunk, not every earlier one (0 = every one)."""
         raise NotImplementedError(f"{type(self).__name__} has no flow estimator history to bound")
+
+    def set_default_voice(self, voice: VoiceConditioning) -> None:
+        """Codecs that take zero-shot voices: `voice` becomes what a chunk naming none decodes in
+        (`voices.default_clip`)."""
+        raise NotImplementedError(f"{type(self).__name__} takes no zero-shot voices")
 
     def decode_stream(self, chunks: list[TokenChunk]) -> list[torch.Tensor]:
         """Stateful codecs: audio [keep frames * samples_per_frame] per chunk, chunks of a request in seq order."""

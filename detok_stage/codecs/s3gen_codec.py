@@ -124,6 +124,9 @@ class S3GenCodec(CodecAdapter):
         while len(self.voices) > MAX_CACHED_VOICES:
             self.voices.popitem(last=False)
 
+    def set_default_voice(self, voice: VoiceConditioning) -> None:
+        self.default_voice = self.conditioning(voice)
+
     def chunk_conditioning(self, chunk: TokenChunk) -> Conditioning:
         """The chunk's voice: a registered one by handle, one carried inline, or the default."""
         if chunk.voice_handle is None:

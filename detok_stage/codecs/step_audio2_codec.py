@@ -120,6 +120,10 @@ class StepAudio2Codec(CodecAdapter):
         while len(self.voices) > MAX_CACHED_VOICES:
             self.voices.popitem(last=False)
 
+    def set_default_voice(self, voice: VoiceConditioning) -> None:
+        self.default_voice = _conditioning(voice)
+        self._setups.pop("default", None)  # its post-prompt state was the old voice's
+
     def _voice(self, chunk: TokenChunk) -> tuple[str, Conditioning]:
         """(a key naming the voice, the voice): registered by handle, carried inline, or the default."""
         if chunk.voice_handle is not None:
