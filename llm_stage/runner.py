@@ -39,6 +39,13 @@ logger = logging.getLogger(__name__)
 FOLD_MAX_PROMPT_TOKENS = 512  # without graphs: prompt tokens folded into a decode forward at most
 
 
+def folds_prefill(adapter: LMAdapter, device: torch.device) -> bool:
+    """Whether prompt chunks run as rows of the decode forward: on CUDA (on CPU the padded prompt forward
+    is cheaper than attending over each token's prefix row by row), for a backbone wired for the decode
+    graphs' one-position forward and a family whose prompt embeddings are not chosen on the host."""
+    return adapter.backbone.supports_decode_graphs and adapter.folds_prompts and device.type == "cuda"
+
+
 @dataclass(frozen=True)
 class PreparedStep:
     """One step's input tensors: read from request state on the host, safe to run on another thread."""
@@ -67,9 +74,7 @@ class ModelRunner:
         )
         self.blocks = blocks  # the paged layout: the scheduler's block accounting, mirrored into the table
         self.graphs = self._decode_graphs(graph_batch_sizes) if graph_batch_sizes else None
-        # prompt chunks folded into the decode forward: on CUDA (on CPU the padded prompt forward is
-        # cheaper than attending over each token's prefix row by row)
-        self.fold_prefill = backbone.supports_decode_graphs and self.device.type == "cuda"
+        self.fold_prefill = folds_prefill(adapter, self.device)
 
     def _decode_graphs(self, batch_sizes: Sequence[int]) -> DecodeGraphs | None:
         """Capture decode graphs when the device and the backbone allow; otherwise say so and run eagerly."""
@@ -79,7 +84,7 @@ class ModelRunner:
         if not self.backbone.supports_decode_graphs:
             logger.warning("CUDA graphs are not wired for %s: decode runs eagerly", type(self.backbone).__name__)
             return None
-        graphs = DecodeGraphs(self._forward, batch_sizes, self.padding_row, self.device)
+        graphs = DecodeGraphs(self._decode_forward, batch_sizes, self.padding_row, self.device)
         logger.info("captured %d decode CUDA graphs of %s", graphs.capture_all(), graphs.batch_sizes)
         return graphs
 
@@ -125,7 +130,7 @@ class ModelRunner:
         parts = []
         if step.decode is not None:
             replayed = self.graphs.run(step.decode) if self.graphs is not None else None
-            hidden = replayed if replayed is not None else self._forward(step.decode)
+            hidden = replayed if replayed is not None else self._decode_forward(step.decode)
             rows = step.folded_rows
             parts.append(hidden[: step.num_decodes] if rows is None else hidden.index_select(0, rows))
         if step.prefill is not None:
@@ -135,6 +140,11 @@ class ModelRunner:
 
     def _forward(self, batch: BatchInputs) -> torch.Tensor:
         return self.backbone.forward(batch, self.cache, embeds=self.adapter.embed(batch.input_ids))
+
+    def _decode_forward(self, batch: BatchInputs) -> torch.Tensor:
+        """The decode forward (one position a row: sampled tokens, and folded prompt positions), replayed
+        as a CUDA graph where captured."""
+        return self.backbone.forward(batch, self.cache, embeds=self.adapter.decode_embed(batch.input_ids))
 
     def _one_position_rows(self, decodes: list[Request], prompts: list[PrefillWork]) -> tuple[BatchInputs, list[int]]:
         """One position per row: each decode row's next, then every prompt token of `prompts`; with

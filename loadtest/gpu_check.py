@@ -7,6 +7,9 @@ On the orpheus-tiny preset, on `--device`:
 2. ms per engine step at each `--rows`: eager, graphs, async, graphs + async, and their ratios.
 3. Detokenizer: SNAC over full-length chunk windows, eager vs CUDA graphs (`ChunkGraphs`): max
    abs difference of the audio and ms per batch.
+4. Speech in: step-audio2-tiny answering clips (encoder, placeholder prompts, text + speech tokens),
+   greedy and seeded: CUDA graphs must give eager's tokens (its decode forward embeds sampled tokens
+   alone, `decode_embed`; its prompts never fold).
 Prints one JSON report (also written to `--out`); exits 1 when a match check fails. With
 `--device cpu` the same checks run as a smoke test (graphs fall back to eager there).
 Run: `.venv/bin/python -m loadtest.gpu_check --out $OUT/gpu_check.json`
@@ -15,6 +18,7 @@ Run: `.venv/bin/python -m loadtest.gpu_check --out $OUT/gpu_check.json`
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -23,10 +27,12 @@ from pathlib import Path
 import torch
 
 from core.config import CacheConfig, DetokConfig, ModelConfig, SchedulerConfig
+from core.messages import AudioClip
 from detok_stage.codecs.snac_codec import SnacCodec
 from detok_stage.graphs import ChunkGraphs
 from llm_stage.engine import LLMEngine
 from llm_stage.models.orpheus import OrpheusAdapter
+from llm_stage.models.step_audio2 import StepAudio2Adapter
 from loadtest.decode_bench import prompts
 from loadtest.step_bench import ms_per_step
 
@@ -58,6 +64,34 @@ def generated(adapter: OrpheusAdapter, rows: list[int], mode: str, sampling: dic
     tokens = engine.run_to_completion()
     engine.close()
     return tokens
+
+
+def speech_in_tokens(device: str, mode: str, sampling: dict, count: int = 3) -> dict:
+    """Tokens of `count` step-audio2-tiny requests, each with its own clip, decoded together under `mode`."""
+    adapter = StepAudio2Adapter.build(ModelConfig(name="step-audio2-tiny", device=device, torch_threads=1))
+    engine = LLMEngine(
+        adapter, CacheConfig(num_slots=count, max_seq_len=1024),
+        SchedulerConfig(max_batch_size=count, prefill_token_budget=512, **scheduler_fields(mode, [count])),
+    )  # fmt: skip
+    for i in range(count):
+        seconds = 1.0 + 0.7 * i
+        t = torch.arange(int(seconds * 16_000)) / 16_000
+        pcm = (0.3 * torch.sin(2 * torch.pi * (180 + 40 * i) * t) * 32767).to(torch.int16).numpy().tobytes()
+        job = engine.job(f"s{i}", "Answer.", sampling={**sampling, "seed": 100 + i})
+        engine.add_job(dataclasses.replace(job, audio=AudioClip(pcm, 16_000)))
+    tokens = engine.run_to_completion()
+    engine.close()
+    return tokens
+
+
+def speech_in_matches(device: str, max_tokens: int) -> dict[str, bool]:
+    """Step-Audio 2, greedy and seeded: CUDA graphs give eager's tokens."""
+    out = {}
+    for name, sampling in (("greedy", {"temperature": 0.0}), ("sampled", {})):
+        sampling = {**sampling, "max_tokens": max_tokens}
+        reference = speech_in_tokens(device, "eager", sampling)
+        out[f"step-audio2/{name}/graphs"] = speech_in_tokens(device, "graphs", sampling) == reference
+    return out
 
 
 def decode_matches(adapter: OrpheusAdapter, rows: list[int], max_tokens: int) -> dict[str, bool]:
@@ -122,6 +156,11 @@ def main() -> None:
         "ms_per_step": step_times(adapter, args.rows, args.max_tokens),
         "detok": detok_check(args.device, sorted(set(args.rows))),
     }
+    try:  # (a family never run on a GPU before: its failure is reported, not the end of the other checks)
+        report["matches"].update(speech_in_matches(args.device, args.max_tokens))
+    except Exception as err:
+        report["matches"]["step-audio2"] = False
+        report["speech_in_error"] = f"{type(err).__name__}: {err}"
     print(json.dumps(report, indent=1))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))

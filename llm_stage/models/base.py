@@ -158,6 +158,9 @@ class LMAdapter(ABC):
     prompt_chars_per_position: float = 4.0
     # a frame's inner loop chained on the device, one CUDA graph per batch size (CSM, Qwen3-TTS); None: none
     inner_loop: InnerLoop | None = None
+    # a step's prompt positions may run as more rows of the decode forward (on CUDA, `ModelRunner.fold_prefill`);
+    # False where a prompt position's embedding is chosen on the host (Step-Audio 2's audio placeholders)
+    folds_prompts: bool = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A family that sets `tokens_per_frame` and not `steps_per_frame` steps once per token."""
@@ -262,6 +265,12 @@ class LMAdapter(ABC):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [B, T, W] -> input embeddings [B, T, H]."""
         return self.backbone.embed(ids[..., 0])
+
+    def decode_embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """`embed` of a decode forward's rows, what a decode CUDA graph captures: sampled tokens, and the
+        prompt positions folded in where the family folds them (`folds_prompts`). Must not wait for the
+        device. By default `embed`."""
+        return self.embed(ids)
 
     def logits(self, hidden: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """hidden [B, H] -> (logits [B, C] or [B, K, C], vocab id per column or None when C is the vocab)."""

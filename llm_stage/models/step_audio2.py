@@ -79,6 +79,9 @@ class StepAudio2Adapter(LMAdapter):
     # zero-shot voices by id: the LM is not conditioned on the speaker (the published model speaks through
     # token2wav's prompt audio), so a voice conditions only the detokenizer, which fetches it by handle
     takes_registered_voices = True
+    # a placeholder's rows are picked by `embed` on the host's say-so, so prompts do not fold into the decode
+    # forward; its rows are sampled tokens alone (`decode_embed`), which a decode graph captures
+    folds_prompts = False
     input_width = 3  # (id, clip handle, row in the clip's embeddings)
     max_text_chars = 4000
     # the published examples' sampling (temperature 0.7, top_p 0.9, repetition_penalty 1.05)
@@ -86,10 +89,7 @@ class StepAudio2Adapter(LMAdapter):
 
     def __init__(self, model: StepAudio2LM, tokenizer: TextTokenizer, ids: SpecialIds = SpecialIds()) -> None:
         shim = SimpleNamespace(config=model.text_config, model=model.model, lm_head=model.lm_head)
-        backbone = LlamaBackbone(shim)  # type: ignore[arg-type]
-        # a placeholder's rows are read by `embed` on the host's say-so: no decode graphs, no folded prompts
-        backbone.supports_decode_graphs = False
-        super().__init__(backbone)
+        super().__init__(LlamaBackbone(shim))  # type: ignore[arg-type]
         self.model, self.tokenizer, self.ids = model, tokenizer, ids
         self.pad_token = (0, NO_CLIP, 0)
         self.eos_token_ids = frozenset({ids.eot})
@@ -276,6 +276,11 @@ class StepAudio2Adapter(LMAdapter):
             where = handle == clip
             out[where] = rows[clip].to(out.dtype)[row[where]]
         return out
+
+    def decode_embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """A decode forward's rows are sampled tokens, never audio placeholders: their token embeddings
+        (no host branch, so the decode forward replays as a CUDA graph)."""
+        return self.backbone.embed(ids[..., 0])
 
     def constrain(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """logits [B, vocab]: a text-only answer's rows may draw only text ids and `<|EOT|>` (no

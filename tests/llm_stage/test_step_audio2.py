@@ -15,15 +15,19 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoTokenizer, Qwen2ForCausalLM
 
+import llm_stage.attention as attention
 from core.config import ModelConfig
 from core.errors import InvalidArgumentError
 from core.messages import AudioClip, ChatTurn
+from llm_stage.decode_graphs import DecodeGraphs
 from llm_stage.models.clip_audio import clip_wave_16k
 from llm_stage.models.step_audio2 import StepAudio2Adapter
 from llm_stage.models.step_audio2_encoder import num_placeholders, piece_log_mel
 from llm_stage.models.step_audio2_lm import StepAudio2LM
 from llm_stage.registry import model_config_for
-from tests.factories import adapter_engine
+from llm_stage.runner import folds_prefill
+from tests.factories import adapter_engine, orpheus_adapter
+from tests.graph_capture import OpNames
 from tests.step_audio2_layout import step_audio2_model, write_step_audio2
 
 CLIP_SAMPLES = (16_000 + 37, 3 * 16_000 + 1234, 8_000 + 1_121)  # odd and even mel lengths
@@ -211,3 +215,46 @@ def test_preset_builds_and_answers_audio() -> None:
                               audio=tone_clip(4_000, seed=9))  # fmt: skip
     engine.add_job(job)
     assert len(engine.run_to_completion()["t"]) == 5
+
+
+def speech_in_tokens(adapter: StepAudio2Adapter, graph_sizes: tuple[int, ...] = ()) -> dict[str, list[int]]:
+    """Three clip requests (greedy and seeded), decoded eagerly or padded to `graph_sizes` as a captured
+    decode graph runs them (off CUDA the padded batch runs eagerly)."""
+    engine = adapter_engine(adapter, num_slots=4, max_seq_len=1024)
+    runner = engine.runner
+    if graph_sizes:
+        runner.graphs = DecodeGraphs(runner._decode_forward, graph_sizes, runner.padding_row, runner.device)
+    for i, n in enumerate(CLIP_SAMPLES):
+        sampling = {"temperature": 0.0, "max_tokens": 14} if i % 2 else {"max_tokens": 14, "seed": i}
+        engine.add_job(dataclasses.replace(engine.job(f"g{i}", "Answer.", sampling=sampling), audio=tone_clip(n, i)))
+    return engine.run_to_completion()
+
+
+def test_the_decode_forward_is_graph_ready_and_prompts_do_not_fold(published, monkeypatch) -> None:
+    """Decode rows are sampled tokens, never audio placeholders: `decode_embed` takes their token embeddings
+    with no op that waits for the device (`embed`'s placeholder branch does), so the decode forward replays as
+    a CUDA graph; padded to the captured sizes it gives the eager tokens. Prompts (placeholders picked on the
+    host) never fold into the decode forward."""
+    monkeypatch.setattr(attention, "_capturing", lambda device: True)  # attention at the graph's static length
+    adapter = published[0]
+    eager = speech_in_tokens(adapter)
+    assert speech_in_tokens(adapter, (2, 4)) == eager and all(len(t) == 14 for t in eager.values())
+
+    engine = adapter_engine(adapter, num_slots=4, max_seq_len=1024)
+    runner = engine.runner
+    runner.graphs = DecodeGraphs(runner._decode_forward, (4,), runner.padding_row, runner.device)
+    for i, n in enumerate(CLIP_SAMPLES):
+        engine.add_job(dataclasses.replace(engine.job(f"h{i}", "Answer.", sampling={"max_tokens": 30}),
+                                           audio=tone_clip(n, i)))  # fmt: skip
+    while engine.scheduler.waiting or any(r.num_cached < len(r.prompt_ids) for r in engine.requests.values()):
+        engine.step()
+    plan = engine.scheduler.schedule()
+    assert len(plan.decodes) == 3 and not plan.prefills
+    batch = runner.prepare(plan).decode
+    with OpNames() as ops:
+        runner.graphs.run_static(batch)
+    assert not ops.host_waiting, ops.host_waiting
+    with OpNames() as ops:
+        adapter.embed(batch.input_ids)  # (the prompt path: which rows are placeholders is read on the host)
+    assert ops.host_waiting
+    assert not folds_prefill(adapter, torch.device("cuda")) and folds_prefill(orpheus_adapter(), torch.device("cuda"))

@@ -17,7 +17,8 @@ def test_gpu_check_runs_on_cpu_and_reports_every_mode(tmp_path, monkeypatch):
     report = json.loads(out.read_text())
     assert report["matches"] and all(report["matches"].values())
     modes = [m for m in gpu_check.MODES if m != "eager"]
-    assert set(report["matches"]) == {f"{s}/{m}" for s in ("greedy", "sampled") for m in modes}
+    speech_in = {f"step-audio2/{s}/graphs" for s in ("greedy", "sampled")}
+    assert set(report["matches"]) == {f"{s}/{m}" for s in ("greedy", "sampled") for m in modes} | speech_in
     for row in report["ms_per_step"].values():
         assert all(row[mode] > 0 for mode in gpu_check.MODES)
     assert report["detok"]["captured"] == 0 and report["detok"]["eager_ms"] > 0  # nothing captured off CUDA
