@@ -59,7 +59,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         no_voices = check_voice_encoders(view)  # raises for a wrong voices.encoder_dir
         if no_voices is not None:
             print(f"note: {view.engine.model.name} serves without zero-shot voices: {no_voices}", file=sys.stderr)
-    check_default_clip(config)  # (its encoding: at each detok replica's start)
+    check_default_clip(config, read_clip=True)  # (its encoding: at each detok replica's start)
     return config
 
 

@@ -144,9 +144,10 @@ def speaks_default_clip(model: str) -> bool:
     return lm.takes_registered_voices and not lm.voice_lm_speaker
 
 
-def check_default_clip(config: ServeConfig) -> None:
-    """A `voices.default_clip` some served model can speak in, on a detokenizer no other model shares
-    (its default voice would change theirs): else InvalidArgumentError naming the field."""
+def check_default_clip(config: ServeConfig, read_clip: bool = False) -> None:
+    """A `voices.default_clip` some served model can speak in, on a detokenizer no other model shares (its
+    default voice would change theirs), and with `read_clip` (where the clip is served, e.g. `voxray serve`
+    before Ray starts) a usable WAV with encoders to encode it: else InvalidArgumentError naming the field."""
     from deployments.model_plan import plan_models
 
     if config.voices.default_clip is None:
@@ -164,25 +165,32 @@ def check_default_clip(config: ServeConfig) -> None:
                 "voices.default_clip",
                 f"{served.name} shares its detokenizer with {', '.join(others)}, whose voice it would change",
             )
+        if read_clip:
+            _default_clip(served.view)
+
+
+def _default_clip(config: ServeConfig):
+    """`voices.default_clip` read and checked as a registration's clip, for a model with encoders to encode it."""
+    from detok_stage.voice.clip import decode_clip
+
+    no_encoders = check_voice_encoders(config)
+    if no_encoders is not None:
+        raise InvalidArgumentError("voices.default_clip", f"cannot be encoded: {no_encoders}")
+    try:
+        data = Path(config.voices.default_clip).read_bytes()
+    except OSError as err:
+        raise InvalidArgumentError("voices.default_clip", f"cannot be read: {err}") from None
+    return decode_clip(data, "voices.default_clip", config.voices.min_clip_s, config.voices.max_clip_s)
 
 
 def default_clip_voice(config: ServeConfig) -> VoiceConditioning | None:
     """The voice of `voices.default_clip`, encoded as a registration would be (None: no clip, or this model
     cannot speak in it); a clip that is not a usable WAV, or no encoders to encode it, names the field."""
-    from detok_stage.voice.clip import decode_clip
     from detok_stage.voice.encoder import VoiceEncoder
 
-    path = config.voices.default_clip
-    if path is None or not speaks_default_clip(config.engine.model.name):
+    if config.voices.default_clip is None or not speaks_default_clip(config.engine.model.name):
         return None
-    no_encoders = check_voice_encoders(config)
-    if no_encoders is not None:
-        raise InvalidArgumentError("voices.default_clip", f"cannot be encoded: {no_encoders}")
-    try:
-        data = Path(path).read_bytes()
-    except OSError as err:
-        raise InvalidArgumentError("voices.default_clip", f"cannot be read: {err}") from None
-    clip = decode_clip(data, "voices.default_clip", config.voices.min_clip_s, config.voices.max_clip_s)
+    clip = _default_clip(config)
     encoder = VoiceEncoder.build(_encoder_path(config), config.engine.model.seed)
     return encoder.encode(clip.wave, clip.sample_rate_hz).with_id(DEFAULT_CLIP_VOICE_ID)
 

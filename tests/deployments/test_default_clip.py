@@ -78,6 +78,25 @@ def test_several_models_take_it_where_they_can_but_not_on_a_detokenizer_shared_w
     assert err.value.field == "voices.default_clip" and "shares its detokenizer with chatterbox-tiny" in str(err.value)
 
 
+def test_voxray_serve_reads_the_clip_before_ray_starts(tmp_path, clip_file):
+    """`voxray serve --config` refuses an unusable clip at once (the app builder, which may run where the clip
+    is not, checks only which models can speak in it)."""
+    from cluster.cli import build_parser, serve_config
+
+    def config_file(clip) -> str:
+        path = tmp_path / "serve.yaml"
+        path.write_text(f"engine:\n  model:\n    name: step-audio2-tiny\nvoices:\n  default_clip: {clip}\n")
+        return str(path)
+
+    assert serve_config(build_parser().parse_args(["serve", "--config", config_file(clip_file)])).voices.default_clip
+    noise = tmp_path / "noise.wav"
+    noise.write_bytes(b"RIFF but not a wave file")
+    check_default_clip(one_model("step-audio2-tiny", noise))  # (the app builder's check reads no file)
+    with pytest.raises(InvalidArgumentError) as err:
+        serve_config(build_parser().parse_args(["serve", "--config", config_file(noise)]))
+    assert err.value.field == "voices.default_clip" and "is not a PCM WAV" in str(err.value)
+
+
 def test_a_missing_or_unusable_clip_is_refused_naming_the_field(tmp_path):
     with pytest.raises(ValidationError, match="voices.default_clip: no such file"):
         one_model("step-audio2-tiny", tmp_path / "absent.wav")
