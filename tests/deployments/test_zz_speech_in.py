@@ -83,6 +83,7 @@ def test_a_clip_in_answers_text_then_audio_as_in_process(cluster, tmp_path, caps
         _grpc_answers_in_text_alone(endpoint, audio, text_only.text)
         _the_openai_sdk_holds_a_conversation(endpoint, pcm, conversation.text)
         _a_streamed_turn_answers_as_the_clip_sent_whole(endpoint, pcm, expected)
+        _a_registered_voice_speaks_the_answer(endpoint, audio, pcm, expected)
         _voxray_say_answers_and_transcribes_a_wav(endpoint, pcm, (expected, text_only.text, transcript), tmp_path,
                                                   capsys)  # fmt: skip
         odd = voxray_pb2.InputAudio(data=pcm[:-1], format=voxray_pb2.INPUT_AUDIO_PCM16, sample_rate_hz=24_000)
@@ -346,6 +347,46 @@ def _the_openai_sdk_gets_the_same_answer(endpoint, pcm: bytes, expected) -> None
             transcript.append(delta.transcript or "")
             audio.append(base64.b64decode(delta.data or ""))
     assert "".join(transcript) == expected.text and b"".join(audio) == expected.pcm16
+
+
+def _a_registered_voice_speaks_the_answer(endpoint, audio, pcm: bytes, expected) -> None:
+    """A voice registered over HTTP `/v1/voices` (the app's VoiceBank, seeded tokenizer and x-vector
+    encoders) speaks the same greedy answer in another voice: the same text, other audio than the default
+    voice's, the same audio over gRPC Synthesize and the `openai` SDK's chat completions; an unknown voice
+    is refused naming the field."""
+    from openai import OpenAI
+
+    from router.audio_format import wav_bytes
+    from tests.deployments.test_zz_voices import register_http
+    from tests.detok_stage.test_voice_clip import wav_bytes as tone_wav
+
+    url = endpoint.http_url + SPEECH_IN.route_prefix
+    registered = register_http(url, tone_wav(seconds=2.0, rate=16_000, amplitude=0.5))
+    assert registered.status_code == 200, registered.text
+    voice = registered.json()["id"]
+    assert registered.json()["prompt_tokens"] == 50  # 2 s at 25 Hz
+    spoken = run_stream(endpoint.grpc_target, endpoint.app_name, "Answer.", input_audio=audio, voice=voice,
+                        request_id="s2s-voice", sampling=SAMPLING)  # fmt: skip
+    assert spoken.code == grpc.StatusCode.OK, spoken.details
+    assert "".join(c.text for c in spoken.chunks) == expected.text  # the LM's prompt is the same in every voice
+    in_voice = np.frombuffer(spoken.pcm16, dtype="<i2").astype(np.int32)
+    default = np.frombuffer(expected.pcm16, dtype="<i2").astype(np.int32)
+    assert in_voice.shape == default.shape and np.abs(in_voice - default).max() > 50 * MAX_PCM_STEPS
+
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    clip = {"data": base64.b64encode(wav_bytes(pcm, 24_000)).decode(), "format": "wav"}
+    request = {
+        "model": "step-audio2-tiny", "modalities": ["text", "audio"], "audio": {"voice": voice, "format": "pcm16"},
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Answer."},
+                                                  {"type": "input_audio", "input_audio": clip}]}],
+        "max_tokens": SAMPLING["max_tokens"], "temperature": SAMPLING["temperature"],
+    }  # fmt: skip
+    answer = client.chat.completions.create(**request).choices[0].message.audio
+    chat_pcm = np.frombuffer(base64.b64decode(answer.data), dtype="<i2").astype(np.int32)
+    assert answer.transcript == expected.text and chat_pcm.shape == in_voice.shape
+    assert np.abs(chat_pcm - in_voice).max() <= MAX_PCM_STEPS
+    unknown = run_stream(endpoint.grpc_target, endpoint.app_name, "Answer.", input_audio=audio, voice="v_" + "f" * 24)
+    assert unknown.code == grpc.StatusCode.INVALID_ARGUMENT and "voice" in unknown.details
 
 
 PIECE_BYTES = 960  # 20 ms of 24 kHz PCM16, a microphone client's usual piece
