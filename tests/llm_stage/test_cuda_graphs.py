@@ -33,7 +33,7 @@ def test_padded_decode_equals_eager_and_writes_only_real_and_scratch_slots():
     plan = engine.scheduler.schedule()
     assert len(plan.decodes) == 3 and not plan.prefills
     eager_batch = runner.prepare(plan).decode
-    runner.graphs = DecodeGraphs(runner._forward, [2, 4, 8], runner.padding_row, runner.device)
+    runner.graphs = DecodeGraphs(runner._decode_forward, [2, 4, 8], runner.padding_row, runner.device)
     step = runner.prepare(plan)  # padded on the host to the captured size 4
     padded = step.decode
     assert step.num_decodes == 3 and padded.input_ids.shape[0] == 4
@@ -45,7 +45,7 @@ def test_padded_decode_equals_eager_and_writes_only_real_and_scratch_slots():
     torch.testing.assert_close(static, eager, atol=1e-5, rtol=1e-5)
     assert torch.equal(cache.keys[:, untouched], before)
     torch.testing.assert_close(runner.forward(step), eager, atol=1e-5, rtol=1e-5)  # no graph here: eager, cut to 3
-    runner.graphs = DecodeGraphs(runner._forward, [2], runner.padding_row, runner.device)
+    runner.graphs = DecodeGraphs(runner._decode_forward, [2], runner.padding_row, runner.device)
     assert runner.graphs.size_for(3) is None and runner.prepare(plan).decode.input_ids.shape[0] == 3  # eager
 
 

@@ -127,7 +127,7 @@ def graph_path_work(engine) -> tuple[int, int, int]:
     counted by torch's FlopCounterMode (SDPA on its math backend, whose matmuls it counts; it has
     no formula for the CPU flash kernel); the KV bytes it gathers; the tokens the rows have cached."""
     runner = engine.runner
-    runner.graphs = DecodeGraphs(runner._forward, [4, 8], runner.padding_row, runner.device)
+    runner.graphs = DecodeGraphs(runner._decode_forward, [4, 8], runner.padding_row, runner.device)
     plan = engine.scheduler.schedule()
     assert len(plan.decodes) == 3 and not plan.prefills
     batch = runner.prepare(plan).decode
@@ -268,7 +268,7 @@ def test_prompt_tokens_folded_into_the_decode_forward_give_the_same_tokens():
     padded = orpheus_engine(num_slots=6, prefill_token_budget=16)
     runner = padded.runner
     runner.fold_prefill = True
-    runner.graphs = DecodeGraphs(runner._forward, [4, 8, 16], runner.padding_row, runner.device)
+    runner.graphs = DecodeGraphs(runner._decode_forward, [4, 8, 16], runner.padding_row, runner.device)
     prepared = []
     original = runner.prepare
     runner.prepare = lambda plan: prepared.append(original(plan)) or prepared[-1]
