@@ -57,7 +57,8 @@ def format_row(row: dict[str, float]) -> str:
             f"{row['queue_wait_p90_s']:.2f} s")  # fmt: skip
     if "mean_limit" in row:
         text += (f"; admission: mean limit {row['mean_limit']:.2f}, open {row['mean_open']:.2f}, full "
-                 f"{100 * row['full_share']:.0f}% of the time, held a waiting stream "
+                 f"{100 * row['full_share']:.0f}% of the time, starts full {100 * row['starts_full_share']:.0f}%, "
+                 f"held a waiting stream "
                  f"{100 * row['held_share']:.0f}%, paced by {row['mean_measured_rows']:.1f} rows keeping "
                  f"{row['mean_real_time_streams']:.1f} streams at real time")  # fmt: skip
     if "llm_busy" in row:

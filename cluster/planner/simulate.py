@@ -118,6 +118,7 @@ class AdmissionTrace:
     held: np.ndarray  # bool
     measured_rows: np.ndarray  # the largest measured batch admission paced by (0: none yet)
     real_time: np.ndarray  # the streams that batch's median step keeps at real time (0: none measured)
+    starts_full: np.ndarray  # bool: as many streams starting as `starting_allowed` (`loop_stalls`' "starts full")
 
     def summary(self, window_s: tuple[float, float]) -> dict[str, float]:
         """Time-weighted over the steps begun in `window_s`: the mean limit and open streams a replica, the
@@ -129,7 +130,8 @@ class AdmissionTrace:
                 for name, values in (("mean_limit", self.limit), ("mean_open", self.num_open),
                                      ("full_share", self.num_open >= self.limit),
                                      ("held_share", self.held), ("mean_measured_rows", self.measured_rows),
-                                     ("mean_real_time_streams", self.real_time))}  # fmt: skip
+                                     ("mean_real_time_streams", self.real_time),
+                                     ("starts_full_share", self.starts_full))}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -244,10 +246,10 @@ def starving(state: _Replicas, clock: np.ndarray, rates: ModelRates) -> np.ndarr
 
 
 def _admit_room(state: _Replicas, shape: ClusterShape, steps: MeasuredSteps, clock: np.ndarray,
-                rates: ModelRates) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
-    """Per replica, (how many more streams may start now, the stream limit): room under the stream limit and
-    the start limit the router computes from the replica's measured steps (`paced_admission`; a large
-    number: no limit)."""
+                rates: ModelRates) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+    """Per replica, (how many more streams may start now, the stream limit, whether the start limit is full):
+    room under the stream limit and the start limit the router computes from the replica's measured steps
+    (`paced_admission`; a large number: no limit)."""
     slots = shape.max_streams_per_replica
     num_open = state.open_streams(clock)
     if shape.paced:
@@ -260,10 +262,10 @@ def _admit_room(state: _Replicas, shape: ClusterShape, steps: MeasuredSteps, clo
         limit = room_under = np.full(len(num_open), slots)
     room = limit - num_open
     if shape.max_starting_per_replica <= 0:
-        return room, limit
+        return room, limit, np.zeros(len(room), bool)
     num_starting = ((state.stream >= 0) & (state.starting_until_s > clock[:, None])).sum(axis=1)
     allowed = starting_allowed(num_open, num_starting, room_under, shape.max_starting_per_replica)
-    return np.minimum(room, allowed - num_starting), limit
+    return np.minimum(room, allowed - num_starting), limit, num_starting >= allowed
 
 
 def _admit(state: _Replicas, queues: _Queues, clock: np.ndarray, streams: Streams, tokens_per_frame: float,
@@ -384,15 +386,15 @@ def run_llm_stage(streams: Streams, shape: ClusterShape, calib: Calibration, rat
             break
         idle = (open_rows == 0) & pending
         if idle.any():
-            room, _ = _admit_room(state, shape, steps, clock, rates)
+            room, _, _ = _admit_room(state, shape, steps, clock, rates)
             clock = np.where(idle, np.maximum(clock, _next_start_s(state, queues, clock, room <= 0)), clock)
         waiting = queues.head_arrival() <= clock
         if trace is not None or waiting.any():
-            room, limit = _admit_room(state, shape, steps, clock, rates)
+            room, limit, starts_full = _admit_room(state, shape, steps, clock, rates)
             if trace is not None:  # as admission saw the replicas before this step's starts
                 held = waiting & ((room <= 0) | ~state.free(clock).any(axis=1))
                 real_time, measured_rows = steps.real_time_streams(clock, rates.real_time_step_s)
-                seen = (limit, state.open_streams(clock), held, measured_rows, real_time)
+                seen = (limit, state.open_streams(clock), held, measured_rows, real_time, starts_full)
             filled = _admit(state, queues, clock, streams, rates.tokens_per_frame, options.admission_wait_s,
                             admitted_s, room)  # fmt: skip
         else:  # no stream waits at any replica: admission has nothing to decide (its limits are pure)

@@ -302,7 +302,7 @@ def test_nothing_new_starts_while_a_stream_is_behind():
     state.emitted[:, 0] = [4, 40]  # 4 frames (0.34 s) vs 40 frames (3.4 s) of audio cut
     clock = np.asarray([1.0, 1.0])  # 1 s of playback since
     assert starving(state, clock, ORPHEUS).tolist() == [True, False]
-    room, _ = _admit_room(state, ClusterShape(2, 2, 4), MeasuredSteps.empty(2, 4), clock, ORPHEUS)
+    room, _, _ = _admit_room(state, ClusterShape(2, 2, 4), MeasuredSteps.empty(2, 4), clock, ORPHEUS)
     assert room.tolist() == [0, 3]
     state.first_cut_s[0, 0] = np.nan  # before its first chunk a stream is starting, not starving
     assert not starving(state, clock, ORPHEUS)[0]

@@ -19,7 +19,7 @@ def test_admission_is_summarised_over_time_not_steps():
         clock_s=np.asarray([[0.0], [1.0], [1.1], [9.0]]), step_s=np.asarray([[1.0], [0.1], [0.9], [1.0]]),
         limit=np.asarray([[2], [4], [6], [12]]), num_open=np.asarray([[1], [4], [6], [12]]),
         held=np.asarray([[False], [True], [False], [True]]), measured_rows=np.asarray([[0], [3], [5], [11]]),
-        real_time=np.asarray([[0.0], [5.0], [7.0], [13.0]]),
+        real_time=np.asarray([[0.0], [5.0], [7.0], [13.0]]), starts_full=np.asarray([[True], [False], [True], [True]]),
     )  # fmt: skip
     summary = trace.summary((0.0, 5.0))  # the last step began outside the window
     assert summary["mean_measured_rows"] == pytest.approx((3 * 0.1 + 5 * 0.9) / 2.0)
@@ -28,6 +28,7 @@ def test_admission_is_summarised_over_time_not_steps():
     assert summary["held_share"] == pytest.approx(0.1 / 2.0)
     assert summary["mean_open"] == pytest.approx((1 + 0.4 + 5.4) / 2.0)
     assert summary["full_share"] == pytest.approx((0.1 + 0.9) / 2.0)  # open at the limit, waiting or not
+    assert summary["starts_full_share"] == pytest.approx((1.0 + 0.9) / 2.0)
 
 
 def test_a_busy_loop_sees_the_loops_busy_beside_it():
