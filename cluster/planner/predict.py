@@ -58,6 +58,12 @@ def run_llm(scenario: Scenario, streams_in_flight: float, shape: ClusterShape, o
     the detok stage (`shape.detok_replicas`) and hops gave the pass before, and, where the stages share the
     host's cores, steps at the speed the pass before's detok work and host work left it."""
     streams = make_streams(streams_in_flight, scenario.workload, scenario.rates, options.seed, options.min_measured)
+    return run_llm_on(scenario, streams, shape, options)
+
+
+def run_llm_on(scenario: Scenario, streams: Streams, shape: ClusterShape, options: SimOptions) -> LLMRun:
+    """`run_llm` over given `streams` (e.g. a served draw's own arrivals: `loadtest.plan_replay`), measured over
+    the span of their measured arrivals."""
     measured_at = streams.arrival_s[streams.is_measured]
     window_s = (float(measured_at.min()), float(measured_at.max()))
     delivery_s, share = None, None
@@ -150,6 +156,14 @@ def _batch_server(arrive_s: list[float], windows: list[int], cost_s: list[float]
         done_s[i:end] = [free_s] * (end - i)
         i = end
     return done_s
+
+
+def first_heard_s(count: int, llm: LLMPass, heard_s: np.ndarray) -> np.ndarray:
+    """Per stream, when its first chunk reached its client (inf: none did)."""
+    first = np.full(count, np.inf)
+    is_first = llm.chunk_seq == 0
+    np.minimum.at(first, llm.chunk_stream[is_first], heard_s[is_first])
+    return first
 
 
 def score(streams: Streams, llm: LLMPass, heard_s: np.ndarray, rates: ModelRates, detok_load: float) -> Prediction:

@@ -1,0 +1,92 @@
+"""The planner on a served draw's own arrivals, stream by stream (issue 40's check of the model).
+
+`plan_check` compares a capacity the planner finds over its own Poisson draws with one the cluster meets over
+the load test's. Near a configuration's capacity one draw of ~80 streams moves the p90 TTFA by 3x, so a miss
+there may be the model or the draw. This takes the streams a served rate really sent (`loadtest.loop_stalls`'
+JSON: each stream's send time, text length and audio) and simulates exactly those arrivals, each stream's
+frames and prompt from what it sent, with the calibration: the p50 / p90 TTFA against the served ones, and
+how the simulated TTFA of each stream follows the served one (their correlation over the streams).
+Run: `python -m loadtest.plan_replay --calibration C.json --loop-stalls bench_out/loop_stalls_x/loop_stalls.json
+--config cpu-1x1-cap4 [--seeds 0 1 2 3 4]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+from cluster.planner.calibration import load_calibration
+from cluster.planner.predict import Scenario, first_heard_s, heard_s, run_llm_on
+from cluster.planner.simulate import ClusterShape, SimOptions
+from cluster.planner.workload import Streams
+from loadtest.plan_check import CONFIGS, DEFAULT_MAX_STARTING, ORPHEUS_TINY, CheckConfig, sweep_workload
+
+
+def served_streams(streams: list[dict], scenario: Scenario) -> tuple[Streams, np.ndarray]:
+    """The streams of one served rate (`loop_stalls` rows' "streams") in send order, as the planner's `Streams`
+    (frames from the audio each got, prompt tokens from its text as the workload counts them; every one
+    measured), and each one's served TTFA (inf: no audio)."""
+    ordered = sorted(streams, key=lambda s: s["scheduled_at_s"])
+    start_s = ordered[0]["scheduled_at_s"] if ordered else 0.0
+    workload, rates = scenario.workload, scenario.rates
+    chars = np.asarray([s["text_chars"] for s in ordered], np.float64)
+    prompt = np.ceil(chars / workload.chars_per_prompt_token).astype(np.int64) + workload.prompt_overhead_tokens
+    frames = np.asarray([round(sum(s["durations_s"]) / rates.frame_s) for s in ordered], np.int64)
+    arrival = np.asarray([s["scheduled_at_s"] - start_s for s in ordered])
+    ttfa = np.asarray([s["arrivals_s"][0] if s["arrivals_s"] else np.inf for s in ordered])
+    return Streams(arrival, np.maximum(frames, 1), prompt, np.ones(len(ordered), bool)), ttfa
+
+
+def replay(scenario: Scenario, config: CheckConfig, streams: Streams, served_ttfa: np.ndarray,
+           seeds: list[int]) -> list[dict]:  # fmt: skip
+    """Per seed of the steps' spread: the simulated p50 / p90 TTFA and queue wait of `streams`, and the
+    correlation of each stream's simulated TTFA with its served one."""
+    shape = ClusterShape(config.llm_replicas, config.detok_replicas, config.max_streams_per_replica,
+                         DEFAULT_MAX_STARTING)  # fmt: skip
+    rows = []
+    for seed in seeds:
+        options = SimOptions(seed=seed)
+        run = run_llm_on(scenario, streams, shape, options)
+        heard, _ = heard_s(scenario, run, shape.detok_replicas, options)
+        ttfa = first_heard_s(streams.count, run.llm, heard) - streams.arrival_s
+        both = np.isfinite(ttfa) & np.isfinite(served_ttfa)
+        wait = run.llm.admitted_s - streams.arrival_s
+        rows.append({
+            "seed": seed, "p50_ttfa_s": _pct(ttfa, 50), "p90_ttfa_s": _pct(ttfa, 90),
+            "queue_wait_p90_s": float(np.nanpercentile(wait, 90)) if np.isfinite(wait).any() else float("inf"),
+            "ttfa_correlation": float(np.corrcoef(ttfa[both], served_ttfa[both])[0, 1]) if both.sum() > 2 else 0.0,
+        })  # fmt: skip
+    return rows
+
+
+def _pct(values: np.ndarray, pct: float) -> float:
+    return float(np.percentile(values, pct, method="higher"))
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calibration", type=Path, required=True, help="a JSON written by loadtest.plan_calibrate")
+    parser.add_argument("--loop-stalls", type=Path, required=True, help="loop_stalls.json of a served run")
+    parser.add_argument("--config", choices=[c.name for c in CONFIGS], required=True)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    args = parser.parse_args(argv)
+    scenario = Scenario(load_calibration(args.calibration), ORPHEUS_TINY, sweep_workload())
+    config = next(c for c in CONFIGS if c.name == args.config)
+    out = []
+    for row in json.loads(args.loop_stalls.read_text()):
+        streams, served = served_streams(row["streams"], scenario)
+        print(f"{args.config} at {row['rate_rps']} req/s, {streams.count} streams served: p50 TTFA "
+              f"{_pct(served, 50):.2f} s, p90 {_pct(served, 90):.2f} s")  # fmt: skip
+        for result in replay(scenario, config, streams, served, args.seeds):
+            print(f"  simulated on the same arrivals, seed {result['seed']}: p50 {result['p50_ttfa_s']:.2f} s, "
+                  f"p90 {result['p90_ttfa_s']:.2f} s, queue p90 {result['queue_wait_p90_s']:.2f} s; each stream's "
+                  f"TTFA against the served one: correlation {result['ttfa_correlation']:.2f}")  # fmt: skip
+            out.append({"rate_rps": row["rate_rps"], "served_p90_ttfa_s": _pct(served, 90), **result})
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""loadtest/plan_replay.py: a served draw's streams become the planner's `Streams` (send order, frames from
+their audio, prompts from their text), and the planner replays exactly those arrivals: a burst on a replica
+capped at 4 streams queues in the simulation as it did when served, stream by stream. No cluster."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from cluster.planner.calibration import CALIBRATION_DIR, load_calibration
+from cluster.planner.predict import Scenario
+from loadtest.plan_check import CONFIGS, ORPHEUS_TINY, sweep_workload
+from loadtest.plan_replay import main, replay, served_streams
+
+FRAME_S = 2048 / 24_000  # SNAC's frame at 24 kHz
+
+
+def served(at_s: float, ttfa_s: float | None, chars: int = 60, chunks: int = 20) -> dict:
+    """One stream as `loop_stalls` keeps it: sent at `at_s`, its chunks' arrivals and audio lengths."""
+    arrivals = [] if ttfa_s is None else [ttfa_s + 0.1 * k for k in range(chunks)]
+    return {"scheduled_at_s": at_s, "text_chars": chars, "arrivals_s": arrivals,
+            "durations_s": [4 * FRAME_S] * len(arrivals), "is_ok": ttfa_s is not None}  # fmt: skip
+
+
+@pytest.fixture
+def scenario() -> Scenario:
+    return Scenario(load_calibration(CALIBRATION_DIR / "cpu-orpheus-tiny.json"), ORPHEUS_TINY, sweep_workload())
+
+
+def test_served_streams_keep_send_order_audio_and_text(scenario):
+    streams, ttfa = served_streams([served(12.5, 0.4, chars=100), served(10.0, 0.2, chars=20),
+                                    served(11.0, None)], scenario)  # fmt: skip
+    assert streams.arrival_s.tolist() == [0.0, 1.0, 2.5]  # from the first send, in send order
+    assert streams.frames.tolist() == [80, 1, 80]  # 20 chunks of 4 frames; a stream with no audio keeps a frame
+    assert streams.prompt_tokens.tolist() == [5 + 8, 15 + 8, 25 + 8]  # 4 chars a token + the framing
+    assert ttfa[0] == pytest.approx(0.2) and np.isinf(ttfa[1]) and ttfa[2] == pytest.approx(0.4)
+    assert streams.is_measured.all()
+
+
+def test_a_burst_queues_on_four_slots_as_served(scenario, tmp_path):
+    """Eight short streams sent together to a replica capped at 4: the first four start at once, the next four
+    when those end; a stream sent alone afterwards starts at once. Served so (the TTFAs given here), the
+    simulated TTFAs of the same arrivals follow them stream by stream."""
+    burst = [served(0.001 * k, 0.3 if k < 4 else 1.9, chunks=6) for k in range(8)]
+    rows = [*burst, served(40.0, 0.25, chunks=6)]
+    streams, ttfa = served_streams(rows, scenario)
+    cap4 = next(c for c in CONFIGS if c.name == "cpu-1x1-cap4")
+    [result] = replay(scenario, cap4, streams, ttfa, seeds=[0])
+    assert result["ttfa_correlation"] > 0.9
+    assert result["p90_ttfa_s"] > 1.0 and result["queue_wait_p90_s"] > 0.5 and result["p50_ttfa_s"] < 1.0
+    (tmp_path / "loop_stalls.json").write_text(json.dumps([{"rate_rps": 0.3, "streams": rows}]))
+    calibration = tmp_path / "calibration.json"
+    calibration.write_text((CALIBRATION_DIR / "cpu-orpheus-tiny.json").read_text())
+    out = main(["--calibration", str(calibration), "--loop-stalls", str(tmp_path / "loop_stalls.json"),
+                "--config", "cpu-1x1-cap4", "--seeds", "0"])  # fmt: skip
+    assert out[0]["p90_ttfa_s"] == result["p90_ttfa_s"] and out[0]["served_p90_ttfa_s"] == pytest.approx(1.9)
