@@ -440,3 +440,11 @@ def test_the_check_reports_the_range_and_whether_the_measured_capacity_is_in_it(
     assert result_json(unranged)["predicted_range_rps"] == [1.0, 1.0]
     written = json.loads(json.dumps(result_json(above)))
     assert written["predicted_range_rps"] == [0.7, 1.0] and written["in_range"] is False
+
+
+def test_a_draw_reports_the_rate_it_really_offered():
+    """Run i's cap4 draw at a nominal 1.229 req/s sent 89 requests in its 60 s: it offered 1.21x the rate."""
+    from loadtest.plan_check import offered_rps
+
+    assert offered_rps(89, 60.0) / 1.229 == pytest.approx(1.207, abs=1e-3)
+    assert offered_rps(5, 0.0) == 0.0
