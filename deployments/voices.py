@@ -138,9 +138,13 @@ DEFAULT_CLIP_VOICE_ID = "default-clip"  # the id a `voices.default_clip` voice c
 
 
 def speaks_default_clip(model: str) -> bool:
-    """Whether `voices.default_clip` can be `model`'s default voice: its family takes zero-shot voices and
-    only its detokenizer reads them (chatterbox's LM takes a speaker too, and ships its own in conds.pt)."""
-    lm = get_entry(model).family.lm
+    """Whether `voices.default_clip` can be `model`'s default voice (`_detok_alone_takes_voices`)."""
+    return _detok_alone_takes_voices(get_entry(model).family.lm)
+
+
+def _detok_alone_takes_voices(lm) -> bool:
+    """A family that takes zero-shot voices and reads them in its detokenizer only (chatterbox's LM takes a
+    speaker too, and ships its own in conds.pt)."""
     return lm.takes_registered_voices and not lm.voice_lm_speaker
 
 
@@ -156,7 +160,7 @@ def check_default_clip(config: ServeConfig, read_clip: bool = False) -> None:
     takers = [served for served in planned if speaks_default_clip(served.name)]
     if not takers:
         names = ", ".join(served.name for served in planned)
-        able = ", ".join(f.name for f in families() if f.lm.takes_registered_voices and not f.lm.voice_lm_speaker)
+        able = ", ".join(f.name for f in families() if _detok_alone_takes_voices(f.lm))
         raise InvalidArgumentError("voices.default_clip", f"{names} cannot speak in it (the families that can: {able})")
     for served in takers:
         others = [name for name in served.shares_detok_with if not speaks_default_clip(name)]

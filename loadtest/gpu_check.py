@@ -27,13 +27,13 @@ from pathlib import Path
 import torch
 
 from core.config import CacheConfig, DetokConfig, ModelConfig, SchedulerConfig
-from core.messages import AudioClip
 from detok_stage.codecs.snac_codec import SnacCodec
 from detok_stage.graphs import ChunkGraphs
 from llm_stage.engine import LLMEngine
 from llm_stage.models.orpheus import OrpheusAdapter
 from llm_stage.models.step_audio2 import StepAudio2Adapter
 from loadtest.decode_bench import prompts
+from loadtest.speech_in_bench import tone_clip
 from loadtest.step_bench import ms_per_step
 
 MODES = {  # graphs are on by default on CUDA: eager modes turn them off
@@ -74,11 +74,8 @@ def speech_in_tokens(device: str, mode: str, sampling: dict, count: int = 3) -> 
         SchedulerConfig(max_batch_size=count, prefill_token_budget=512, **scheduler_fields(mode, [count])),
     )  # fmt: skip
     for i in range(count):
-        seconds = 1.0 + 0.7 * i
-        t = torch.arange(int(seconds * 16_000)) / 16_000
-        pcm = (0.3 * torch.sin(2 * torch.pi * (180 + 40 * i) * t) * 32767).to(torch.int16).numpy().tobytes()
         job = engine.job(f"s{i}", "Answer.", sampling={**sampling, "seed": 100 + i})
-        engine.add_job(dataclasses.replace(job, audio=AudioClip(pcm, 16_000)))
+        engine.add_job(dataclasses.replace(job, audio=tone_clip(1.0 + 0.7 * i)))
     tokens = engine.run_to_completion()
     engine.close()
     return tokens

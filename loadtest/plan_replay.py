@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from cluster.planner.calibration import load_calibration
-from cluster.planner.predict import Scenario, first_heard_s, heard_s, run_llm_on
+from cluster.planner.predict import Scenario, first_heard_s, heard_s, percentile, run_llm_on
 from cluster.planner.simulate import ClusterShape, SimOptions
 from cluster.planner.workload import Streams
 from loadtest.plan_check import CONFIGS, DEFAULT_MAX_STARTING, ORPHEUS_TINY, CheckConfig, sweep_workload
@@ -32,8 +32,7 @@ def served_streams(streams: list[dict], scenario: Scenario) -> tuple[Streams, np
     ordered = sorted(streams, key=lambda s: s["scheduled_at_s"])
     start_s = ordered[0]["scheduled_at_s"] if ordered else 0.0
     workload, rates = scenario.workload, scenario.rates
-    chars = np.asarray([s["text_chars"] for s in ordered], np.float64)
-    prompt = np.ceil(chars / workload.chars_per_prompt_token).astype(np.int64) + workload.prompt_overhead_tokens
+    prompt = workload.prompt_tokens_for(np.asarray([s["text_chars"] for s in ordered], np.float64))
     frames = np.asarray([round(sum(s["durations_s"]) / rates.frame_s) for s in ordered], np.int64)
     arrival = np.asarray([s["scheduled_at_s"] - start_s for s in ordered])
     ttfa = np.asarray([s["arrivals_s"][0] if s["arrivals_s"] else np.inf for s in ordered])
@@ -55,15 +54,11 @@ def replay(scenario: Scenario, config: CheckConfig, streams: Streams, served_ttf
         both = np.isfinite(ttfa) & np.isfinite(served_ttfa)
         wait = run.llm.admitted_s - streams.arrival_s
         rows.append({
-            "seed": seed, "p50_ttfa_s": _pct(ttfa, 50), "p90_ttfa_s": _pct(ttfa, 90),
+            "seed": seed, "p50_ttfa_s": percentile(ttfa, 50), "p90_ttfa_s": percentile(ttfa, 90),
             "queue_wait_p90_s": float(np.nanpercentile(wait, 90)) if np.isfinite(wait).any() else float("inf"),
             "ttfa_correlation": float(np.corrcoef(ttfa[both], served_ttfa[both])[0, 1]) if both.sum() > 2 else 0.0,
         })  # fmt: skip
     return rows
-
-
-def _pct(values: np.ndarray, pct: float) -> float:
-    return float(np.percentile(values, pct, method="higher"))
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -79,12 +74,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for row in json.loads(args.loop_stalls.read_text()):
         streams, served = served_streams(row["streams"], scenario)
         print(f"{args.config} at {row['rate_rps']} req/s, {streams.count} streams served: p50 TTFA "
-              f"{_pct(served, 50):.2f} s, p90 {_pct(served, 90):.2f} s")  # fmt: skip
+              f"{percentile(served, 50):.2f} s, p90 {percentile(served, 90):.2f} s")  # fmt: skip
         for result in replay(scenario, config, streams, served, args.seeds):
             print(f"  simulated on the same arrivals, seed {result['seed']}: p50 {result['p50_ttfa_s']:.2f} s, "
                   f"p90 {result['p90_ttfa_s']:.2f} s, queue p90 {result['queue_wait_p90_s']:.2f} s; each stream's "
                   f"TTFA against the served one: correlation {result['ttfa_correlation']:.2f}")  # fmt: skip
-            out.append({"rate_rps": row["rate_rps"], "served_p90_ttfa_s": _pct(served, 90), **result})
+            out.append({"rate_rps": row["rate_rps"], "served_p90_ttfa_s": percentile(served, 90), **result})
     return out
 
 

@@ -190,15 +190,15 @@ def score(streams: Streams, llm: LLMPass, heard_s: np.ndarray, rates: ModelRates
     refused = np.isnan(llm.admitted_s)[measured]
     waited = (llm.admitted_s - streams.arrival_s)[measured]
     return Prediction(
-        p50_ttfa_s=_percentile(ttfa, 50), p90_ttfa_s=_percentile(ttfa, 90),
+        p50_ttfa_s=percentile(ttfa, 50), p90_ttfa_s=percentile(ttfa, 90),
         viable_pct=100.0 * float(viable.mean()), rejected_pct=100.0 * float(refused.mean()),
         worst_underrun_s=float(worst[measured].max()),
-        queue_wait_p90_s=_percentile(np.where(refused, np.inf, waited), 90),
+        queue_wait_p90_s=percentile(np.where(refused, np.inf, waited), 90),
         llm_load=llm.llm_load, detok_load=detok_load, slot_use=llm.slot_use, num_measured=int(measured.sum()),
     )  # fmt: skip
 
 
-def _percentile(values: np.ndarray, pct: float) -> float:
+def percentile(values: np.ndarray, pct: float) -> float:
     """A percentile that keeps inf (refused or unfinished streams) instead of turning it into nan."""
     return float(np.percentile(values, pct, method="higher"))
 

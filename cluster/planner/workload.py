@@ -51,6 +51,10 @@ class Workload:
         frames = np.round(chars / self.chars_per_audio_s * rates.frame_rate_hz).astype(np.int64)
         return np.clip(frames, self.min_frames, self.max_frames)
 
+    def prompt_tokens_for(self, chars: np.ndarray) -> np.ndarray:
+        """LM prompt positions of texts of `chars` characters: the text's tokens plus the family's framing."""
+        return np.ceil(chars / self.chars_per_prompt_token).astype(np.int64) + self.prompt_overhead_tokens
+
     def max_frames_needed(self, rates: ModelRates) -> int:
         return int(self.frames_for(np.asarray([max(self.text_chars)], np.float64), rates)[0])
 
@@ -90,7 +94,7 @@ def make_streams(
     arrival_s = np.sort(rng.uniform(0.0, horizon_s, count))
     chars = rng.choice(np.asarray(workload.text_chars, np.float64), size=count)
     frames = workload.frames_for(chars, rates)
-    prompt = np.ceil(chars / workload.chars_per_prompt_token).astype(np.int64) + workload.prompt_overhead_tokens
+    prompt = workload.prompt_tokens_for(chars)
     measured = (arrival_s >= warmup_s) & (arrival_s < warmup_s + measure_s)
     if not measured.any():
         raise InvalidArgumentError("streams", f"no arrival to measure at {concurrent} streams; raise the load")

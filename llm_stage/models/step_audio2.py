@@ -280,7 +280,7 @@ class StepAudio2Adapter(LMAdapter):
     def decode_embed(self, ids: torch.Tensor) -> torch.Tensor:
         """A decode forward's rows are sampled tokens, never audio placeholders: their token embeddings
         (no host branch, so the decode forward replays as a CUDA graph)."""
-        return self.backbone.embed(ids[..., 0])
+        return super().embed(ids)
 
     def constrain(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """logits [B, vocab]: a text-only answer's rows may draw only text ids and `<|EOT|>` (no
