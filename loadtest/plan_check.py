@@ -15,6 +15,10 @@ more than SPEED_TOLERANCE from the calibration's, by the Python unit or by the L
 whose step probe was off by more runs again first (`rate_verdict`). Beside the central prediction, the
 capacities at the two ends of the calibration's `host_range` (the host fit's own spread: two calibrations an
 hour apart predicted cap4 a third apart), and whether the measured capacity falls between them (`in_range`).
+(5) The model on the check's own draws, once the cluster is stopped: each served draw's streams replayed through
+the planner (`loadtest.plan_replay`), the capacity it calls over the same swept rates and the share of draws
+it calls as served. A 60 s draw offers 0.77-1.33x its nominal rate, so (3) against (2) mixes the model's error
+with the draws' luck; (5) against (3) sees the same arrivals on both sides.
 Starts Ray: never run it beside another benchmark.
 Run (~30 min on 2 quiet cores, and each configuration's two host-range predictions before its sweep, with no
 Ray running, take minutes more): .venv/bin/python -m loadtest.plan_check --out bench_out/plan_check
@@ -77,6 +81,12 @@ class CheckResult:
     # (least, most) capacity predicted over the calibration's `host_range` (`predicted_range_rps`); None:
     # not predicted, read as (predicted_rps, predicted_rps)
     predicted_range_rps: tuple[float, float] | None = None
+    # the planner on the check's own draws (`replay_steps`): the capacity it calls over the swept rates
+    # (`replayed_capacity`; None: not replayed), whether every swept rate replayed as met (then a floor), and
+    # the share of draws it called as they were served
+    replayed_rps: float | None = None
+    replayed_is_floor: bool = False
+    replay_agreement: float | None = None
 
     @property
     def capacity_range_rps(self) -> tuple[float, float]:
@@ -117,9 +127,14 @@ def sweep_workload() -> Workload:
     return Workload(text_chars=chars, min_frames=MIN_FRAMES, max_frames=MAX_FRAMES)
 
 
+def shape_of(config: CheckConfig) -> ClusterShape:
+    """The planner's shape of a configuration (the replica's start limit as served)."""
+    return ClusterShape(config.llm_replicas, config.detok_replicas, config.max_streams_per_replica,
+                        DEFAULT_MAX_STARTING)  # fmt: skip
+
+
 def predicted_rps(scenario: Scenario, config: CheckConfig, slo: Slo, sim: SimOptions = SimOptions()) -> float:
-    shape = ClusterShape(config.llm_replicas, config.detok_replicas, config.max_streams_per_replica,
-                         DEFAULT_MAX_STARTING)  # fmt: skip
+    shape = shape_of(config)
     streams = capacity_streams(scenario, shape, slo, high=8 * config.max_streams_per_replica * config.llm_replicas,
                                sim=sim)  # fmt: skip
     return streams / scenario.workload.mean_audio_s(scenario.rates)
@@ -194,7 +209,8 @@ def sweep_by_majority(
     does on its side: one draw of ~100 streams is luck (cpu-1x1 at 1.82 req/s: 77 arrivals in 45 s met at
     p90 0.27 s, 114 in 60 s missed at 3.2 s). A draw whose LLM step probe sits more than SPEED_TOLERANCE
     from `calibration_step_ms` runs again (`rate_verdict`). Stops at the first rate most draws miss.
-    Returns (the highest rate met with every lower one met, every draw's step as the sweep writes them)."""
+    Returns (the highest rate met with every lower one met, every draw's step as the sweep writes them, with
+    its served verdict `met` and its streams `requests`, for `replay_steps`)."""
     import dataclasses
 
     import grpc
@@ -212,7 +228,8 @@ def sweep_by_majority(
             def run_draw(index: int, rate: float = rate) -> tuple[bool, dict]:
                 draw = dataclasses.replace(cfg, seed=cfg.seed + index)
                 speed_before, step_before = box_units_per_s(), box_step_ms()  # the server idle between draws
-                summary = summarize(rate, run_rate(stub, rate, prompts, draw))
+                records = run_rate(stub, rate, prompts, draw)
+                summary = summarize(rate, records)
                 speed, step_ms = (speed_before + box_units_per_s()) / 2, (step_before + box_step_ms()) / 2
                 offered = offered_rps(summary.num_requests, cfg.duration_s)
                 print(f"{format_step(f'{label} draw {draw.seed}', summary, cfg)}; offered {offered:.2f} req/s "
@@ -220,7 +237,8 @@ def sweep_by_majority(
                       flush=True)  # fmt: skip
                 met = meets_slo(summary, cfg.slo_ttfa_p90_s, cfg.min_pct_viable)
                 return met, {"summary": summary.to_json(), "draw": draw.seed, "box_units_per_s": round(speed, 2),
-                             "box_step_ms": round(step_ms, 3), "offered_rps": round(offered, 3)}  # fmt: skip
+                             "box_step_ms": round(step_ms, 3), "offered_rps": round(offered, 3), "met": met,
+                             "requests": [asdict(r) for r in records]}  # fmt: skip
 
             verdict, rate_steps = rate_verdict(run_draw, draws, lambda step: on_speed(step, calibration_step_ms))
             steps += rate_steps
@@ -264,14 +282,24 @@ def rate_verdict(run_draw, draws: int, keep, max_redraws: int = MAX_REDRAWS) -> 
     return verdict, steps
 
 
+@dataclass(frozen=True)
+class Measured:
+    """One configuration's sweep on the served cluster."""
+
+    capacity_rps: float  # at SLO: the highest rate most draws met, every lower one met too
+    others_cores: float  # the cores the box's other tenants kept busy over the sweep
+    steal_cores: float  # the cores stolen by the hypervisor
+    box_speed: float  # the box's mean speed around the draws that decided the capacity (`deciding_draws`), units/s
+    step_ms: float  # the mean LLM step probed around them
+    steps: list[dict]  # every draw as `sweep_by_majority` writes it
+    sweep_config: dict  # the `loadtest.sweep.SweepConfig` swept, as a dict
+
+
 def measure_rps(
     config: CheckConfig, rates: tuple[float, ...], slo: Slo, out: Path, duration_s: float, draws: int = 1,
     calibration_step_ms: float = 0.0,
-) -> tuple[float, float, float, float, float]:  # fmt: skip
-    """Serve the configuration and sweep `rates`, each in `draws` Poisson draws decided by their majority:
-    (its capacity at SLO in req/s, the cores the box's other tenants kept busy over the sweep, the cores
-    stolen by the hypervisor, the box's mean speed around the draws that decided the capacity
-    (`deciding_draws`) in `loadtest.box_speed` units/s, and the mean LLM step probed around them in ms)."""
+) -> Measured:  # fmt: skip
+    """Serve the configuration and sweep `rates`, each in `draws` Poisson draws decided by their majority."""
     from loadtest.cluster_process import running_server
     from loadtest.sweep import SweepConfig, wait_ready
 
@@ -284,13 +312,57 @@ def measure_rps(
         before = BoxCpu.read(server.proc.pid)
         capacity, steps = sweep_by_majority(server.grpc_target, sweep_config, draws, config.name, calibration_step_ms)
         after = BoxCpu.read(server.proc.pid)
-    result = {"label": config.name, "config": asdict(sweep_config), "draws": draws, "steps": steps,
-              "capacity_rps": capacity}  # fmt: skip
-    (out / config.name).mkdir(parents=True, exist_ok=True)
-    (out / config.name / f"{config.name}.json").write_text(json.dumps(result, indent=1))
     deciding = deciding_draws(steps, capacity)
     box_speed, step_ms = (_mean([step[key] for step in deciding]) for key in ("box_units_per_s", "box_step_ms"))
-    return capacity, after.others_cores_since(before), after.steal_cores_since(before), box_speed, step_ms
+    return Measured(capacity, after.others_cores_since(before), after.steal_cores_since(before), box_speed, step_ms,
+                    steps, asdict(sweep_config))  # fmt: skip
+
+
+def write_sweep(config: CheckConfig, out: Path, draws: int, measured: Measured) -> None:
+    """The configuration's sweep as `<out>/<name>/<name>.json`: every draw, its streams and replay included."""
+    result = {"label": config.name, "config": measured.sweep_config, "draws": draws, "steps": measured.steps,
+              "capacity_rps": measured.capacity_rps}  # fmt: skip
+    (out / config.name).mkdir(parents=True, exist_ok=True)
+    (out / config.name / f"{config.name}.json").write_text(json.dumps(result, indent=1, default=float))
+
+
+def replay_steps(steps: list[dict], scenario: Scenario, config: CheckConfig, slo: Slo, sim: SimOptions) -> None:
+    """The planner on each served draw's own arrivals (`plan_replay.replay_verdict`), written into the draw as
+    `replay`. Run with the cluster stopped: the simulation is CPU work of its own (~5 s a seed a draw)."""
+    from loadtest.plan_replay import replay_verdict
+
+    for step in steps:
+        if step.get("redrawn") or "requests" not in step:
+            continue
+        step["replay"] = replay_verdict(scenario, shape_of(config), step["requests"], slo, sim)
+        served, replayed = step["summary"], step["replay"]
+        print(f"{config.name} at {served['rate_rps']} req/s, draw {step['draw']}: served "
+              f"{'met' if step['met'] else 'missed'}; on its arrivals the planner "
+              f"{'meets' if replayed['met'] else 'misses'} (p90 TTFA {', '.join(map(str, replayed['p90_ttfa_s']))} s "
+              f"over its seeds)", flush=True)  # fmt: skip
+
+
+def replayed_capacity(steps: list[dict]) -> tuple[float, bool]:
+    """The capacity the planner calls on the check's own draws: the highest swept rate whose replayed draws
+    mostly meet, with every lower rate's meeting too; and whether every swept rate's did (the served sweep stopped
+    below what the planner calls, so the capacity is a floor). Draws not replayed are left out."""
+    by_rate: dict[float, list[bool]] = {}
+    for step in steps:
+        if "replay" in step:
+            by_rate.setdefault(step["summary"]["rate_rps"], []).append(step["replay"]["met"])
+    capacity = 0.0
+    for rate in sorted(by_rate):
+        verdicts = by_rate[rate]
+        if 2 * sum(verdicts) <= len(verdicts):
+            return capacity, False
+        capacity = rate
+    return capacity, bool(by_rate)
+
+
+def replay_agreement(steps: list[dict]) -> float | None:
+    """The share of replayed draws the planner called as they were served (met / missed); None: none replayed."""
+    calls = [step["replay"]["met"] == step["met"] for step in steps if "replay" in step]
+    return sum(calls) / len(calls) if calls else None
 
 
 def deciding_draws(steps: list[dict], capacity: float) -> list[dict]:
@@ -316,25 +388,37 @@ def check(
     predicted = predicted_rps(scenario, config, slo, sim)
     spread = predicted_range_rps(scenario, config, slo, predicted, sim)
     rates = swept_rates(predicted, factors)
-    measured, others, steal, speed, step_ms = measure_rps(config, rates, slo, out, duration_s, draws,
-                                                          calibration_step_ms)  # fmt: skip
-    return CheckResult(config.name, predicted, measured, rates, others, steal, speed_ratio(speed, calibration_speed),
-                       speed_ratio(calibration_step_ms, step_ms), spread)  # fmt: skip
+    measured = measure_rps(config, rates, slo, out, duration_s, draws, calibration_step_ms)
+    replay_steps(measured.steps, scenario, config, slo, sim)
+    write_sweep(config, out, draws, measured)
+    replayed, is_floor = replayed_capacity(measured.steps)
+    return CheckResult(config.name, predicted, measured.capacity_rps, rates, measured.others_cores,
+                       measured.steal_cores, speed_ratio(measured.box_speed, calibration_speed),
+                       speed_ratio(calibration_step_ms, measured.step_ms), spread, replayed, is_floor,
+                       replay_agreement(measured.steps))  # fmt: skip
 
 
 def report(results: list[CheckResult]) -> list[str]:
     """The check's table: the verdict on the central prediction, the host range's least-most capacity beside it."""
     lines = ["| config | predicted req/s | least-most req/s over host_range | measured req/s | error | within 25% "
-             "| in range | other tenants' cores | stolen cores | box speed / calibration's "
-             "| LLM step speed / calibration's |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| in range | planner on the draws' own arrivals, req/s | draws called as served "
+             "| other tenants' cores | stolen cores | box speed / calibration's | LLM step speed / calibration's |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in results:
         speed, step = (f"{ratio:.2f}" if ratio > 0 else "-" for ratio in (r.box_speed_ratio, r.step_speed_ratio))
         least, most = r.capacity_range_rps
         lines.append(f"| {r.name} | {r.predicted_rps:.2f} | {least:.2f}-{most:.2f} | {r.measured_rps:.2f} | "
-                     f"{100 * r.error:.0f}% | {r.verdict} | {'yes' if r.in_range else 'no'} | {r.others_cores:.2f} | "
-                     f"{r.steal_cores:.2f} | {speed} | {step} |")  # fmt: skip
+                     f"{100 * r.error:.0f}% | {r.verdict} | {'yes' if r.in_range else 'no'} | {replayed_cell(r)} | "
+                     f"{'-' if r.replay_agreement is None else f'{100 * r.replay_agreement:.0f}%'} | "
+                     f"{r.others_cores:.2f} | {r.steal_cores:.2f} | {speed} | {step} |")  # fmt: skip
     return lines
+
+
+def replayed_cell(result: CheckResult) -> str:
+    """The replayed capacity as the table shows it: '-' not replayed, '>= x' a floor."""
+    if result.replayed_rps is None:
+        return "-"
+    return f"{'>= ' if result.replayed_is_floor else ''}{result.replayed_rps:.2f}"
 
 
 def result_json(result: CheckResult) -> dict:

@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from cluster.planner.calibration import load_calibration
-from cluster.planner.predict import Scenario, first_heard_s, heard_s, percentile, run_llm_on
+from cluster.planner.predict import Scenario, finish, first_heard_s, heard_s, percentile, run_llm_on
+from cluster.planner.search import Slo, majority_meets
 from cluster.planner.simulate import ClusterShape, SimOptions
 from cluster.planner.workload import Streams
-from loadtest.plan_check import CONFIGS, DEFAULT_MAX_STARTING, ORPHEUS_TINY, CheckConfig, sweep_workload
+from loadtest.plan_check import CONFIGS, ORPHEUS_TINY, shape_of, sweep_workload
 
 
 def served_streams(streams: list[dict], scenario: Scenario) -> tuple[Streams, np.ndarray]:
@@ -39,12 +41,10 @@ def served_streams(streams: list[dict], scenario: Scenario) -> tuple[Streams, np
     return Streams(arrival, np.maximum(frames, 1), prompt, np.ones(len(ordered), bool)), ttfa
 
 
-def replay(scenario: Scenario, config: CheckConfig, streams: Streams, served_ttfa: np.ndarray,
+def replay(scenario: Scenario, shape: ClusterShape, streams: Streams, served_ttfa: np.ndarray,
            seeds: list[int]) -> list[dict]:  # fmt: skip
     """Per seed of the steps' spread: the simulated p50 / p90 TTFA and queue wait of `streams`, and the
     correlation of each stream's simulated TTFA with its served one."""
-    shape = ClusterShape(config.llm_replicas, config.detok_replicas, config.max_streams_per_replica,
-                         DEFAULT_MAX_STARTING)  # fmt: skip
     rows = []
     for seed in seeds:
         options = SimOptions(seed=seed)
@@ -61,6 +61,24 @@ def replay(scenario: Scenario, config: CheckConfig, streams: Streams, served_ttf
     return rows
 
 
+def replay_verdict(scenario: Scenario, shape: ClusterShape, served: list[dict], slo: Slo,
+                   sim: SimOptions) -> dict:  # fmt: skip
+    """The planner's call on one served draw (its streams as the sweep records them), on the draw's own
+    arrivals: whether it meets `slo` in most of `sim.seeds` runs of the steps' spread (seeds `sim.seed`, +1, ...,
+    stopping once the majority is decided, as `search.meets_slo` decides a load), and each run's p90 TTFA and
+    viable share. `plan_check` asks it of every draw it served, so a draw's luck counts on both sides."""
+    streams, _ = served_streams(served, scenario)
+    verdicts: list[bool] = []
+    p90s, viable = [], []
+    while (met := majority_meets(verdicts, sim.seeds)) is None:
+        options = replace(sim, seed=sim.seed + len(verdicts))
+        prediction = finish(scenario, run_llm_on(scenario, streams, shape, options), shape.detok_replicas, options)
+        verdicts.append(prediction.meets(slo.ttfa_p90_s, slo.min_viable_pct))
+        p90s.append(round(prediction.p90_ttfa_s, 4))
+        viable.append(round(prediction.viable_pct, 2))
+    return {"met": met, "p90_ttfa_s": p90s, "viable_pct": viable}
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calibration", type=Path, required=True, help="a JSON written by loadtest.plan_calibrate")
@@ -69,13 +87,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     args = parser.parse_args(argv)
     scenario = Scenario(load_calibration(args.calibration), ORPHEUS_TINY, sweep_workload())
-    config = next(c for c in CONFIGS if c.name == args.config)
+    shape = shape_of(next(c for c in CONFIGS if c.name == args.config))
     out = []
     for row in json.loads(args.loop_stalls.read_text()):
         streams, served = served_streams(row["streams"], scenario)
         print(f"{args.config} at {row['rate_rps']} req/s, {streams.count} streams served: p50 TTFA "
               f"{percentile(served, 50):.2f} s, p90 {percentile(served, 90):.2f} s")  # fmt: skip
-        for result in replay(scenario, config, streams, served, args.seeds):
+        for result in replay(scenario, shape, streams, served, args.seeds):
             print(f"  simulated on the same arrivals, seed {result['seed']}: p50 {result['p50_ttfa_s']:.2f} s, "
                   f"p90 {result['p90_ttfa_s']:.2f} s, queue p90 {result['queue_wait_p90_s']:.2f} s; each stream's "
                   f"TTFA against the served one: correlation {result['ttfa_correlation']:.2f}")  # fmt: skip

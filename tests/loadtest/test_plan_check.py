@@ -448,3 +448,51 @@ def test_a_draw_reports_the_rate_it_really_offered():
 
     assert offered_rps(89, 60.0) / 1.229 == pytest.approx(1.207, abs=1e-3)
     assert offered_rps(5, 0.0) == 0.0
+
+
+def test_the_planner_on_the_checks_own_draws_gives_a_capacity_and_an_agreement():
+    """Each served draw replayed through the planner (`replay`): the capacity it calls over the swept rates,
+    a floor where it meets every rate swept, and the share of draws it called as served; the table shows both."""
+    from loadtest.plan_check import replay_agreement, replayed_capacity, replayed_cell, report
+
+    def step(rate: float, served: bool, replayed: bool | None, redrawn: bool = False) -> dict:
+        row = {"summary": {"rate_rps": rate}, "met": served, **({"redrawn": True} if redrawn else {})}
+        return row if replayed is None else {**row, "replay": {"met": replayed}}
+
+    steps = [
+        step(1.0, True, True),
+        step(1.0, True, True),
+        step(1.2, True, True),
+        step(1.2, True, False),
+        step(1.2, False, True),
+        step(1.4, False, False),
+        step(1.4, False, False),
+        step(1.4, True, None, True),
+    ]
+    assert replayed_capacity(steps) == (1.2, False)  # 1.2: two of three replayed draws meet; 1.4: none
+    assert replay_agreement(steps) == pytest.approx(5 / 7)  # the redrawn draw was not replayed
+    every = [step(1.0, True, True), step(1.2, False, True)]
+    assert replayed_capacity(every) == (1.2, True) and replay_agreement(every) == 0.5
+    assert replayed_capacity([]) == (0.0, False) and replay_agreement([]) is None
+    assert replayed_capacity([step(1.0, True, False)]) == (0.0, False)
+    floor = CheckResult("cpu-1x1-cap4", 1.6, 1.0, (1.0, 1.2), replayed_rps=1.2, replayed_is_floor=True,
+                        replay_agreement=0.5)  # fmt: skip
+    assert replayed_cell(floor) == ">= 1.20" and replayed_cell(CheckResult("x", 1.0, 1.0, (1.0,))) == "-"
+    assert "| >= 1.20 | 50% |" in report([floor])[2]
+
+
+def test_replayed_draws_are_written_with_the_planners_call():
+    """`replay_steps` replays every kept draw that kept its streams and leaves redrawn ones alone."""
+    from cluster.planner.calibration import CALIBRATION_DIR, load_calibration
+    from loadtest.plan_check import replay_steps
+
+    scenario = Scenario(load_calibration(CALIBRATION_DIR / "cpu-orpheus-tiny.json"), ORPHEUS_TINY, sweep_workload())
+    frame_s = 2048 / 24_000
+    streams = [{"scheduled_at_s": 10.0 * k, "text_chars": 60, "arrivals_s": [0.3 + 0.1 * j for j in range(20)],
+                "durations_s": [4 * frame_s] * 20, "is_ok": True} for k in range(4)]  # fmt: skip
+    steps = [{"summary": {"rate_rps": 0.1}, "draw": 0, "met": True, "requests": streams},
+             {"summary": {"rate_rps": 0.1}, "draw": 1, "met": True, "requests": streams, "redrawn": True},
+             {"summary": {"rate_rps": 0.1}, "draw": 2, "met": True}]  # fmt: skip
+    cap4 = next(c for c in CONFIGS if c.name == "cpu-1x1-cap4")
+    replay_steps(steps, scenario, cap4, Slo(1.0), SimOptions(seeds=1))
+    assert steps[0]["replay"]["met"] is True and "replay" not in steps[1] and "replay" not in steps[2]
