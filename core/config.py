@@ -508,11 +508,26 @@ class VoicesConfig(_Strict):
         "encoders as a registration when each detok replica starts. None = the model's own default (a checkpoint's "
         "built-in voice where it has one, else a seeded x-vector with no prompt).",
     )
+    default_clip_text: str = Field(
+        "",
+        description="The transcript of default_clip. With it, a family whose LM reads a voice's transcript "
+        "(cosyvoice2) is prompted for a request naming no voice as for the clip registered with this prompt_text "
+        "(its zero-shot mode: transcript + the clip's speech tokens; each LLM replica encodes the clip at its "
+        "start); '' = the LM is not prompted with the clip (its cross-lingual mode) and the voice conditions the "
+        "detokenizer only.",
+    )
 
     @model_validator(mode="after")
     def _bounds(self, info: ValidationInfo) -> VoicesConfig:
         if self.min_clip_s >= self.max_clip_s:
             raise ValueError("voices.min_clip_s must be < voices.max_clip_s")
+        if self.default_clip_text and self.default_clip is None:
+            raise ValueError("voices.default_clip_text: is the transcript of voices.default_clip, which is not set")
+        if len(self.default_clip_text) > self.max_prompt_text_chars:
+            raise ValueError(f"voices.default_clip_text: is {len(self.default_clip_text)} characters; at most "
+                             f"voices.max_prompt_text_chars ({self.max_prompt_text_chars})")  # fmt: skip
+        if any(not ch.isprintable() and ch not in " \n\t" for ch in self.default_clip_text):  # (as a registration's)
+            raise ValueError("voices.default_clip_text: holds control characters")
         if (info.context or {}).get(CHECK_FILES, True) and self.default_clip is not None:
             if not Path(self.default_clip).is_file():
                 raise ValueError(f"voices.default_clip: no such file: {self.default_clip}")

@@ -56,7 +56,7 @@ from deployments.engine_loop import EngineLoop, finish_on_thread, replica_tag
 from deployments.kv_courier import KVMoves
 from deployments.loop_trace import StepReport, watch_gc
 from deployments.metrics import StageMetrics
-from deployments.voices import LLMVoices
+from deployments.voices import LLMVoices, prompt_default_voice
 from llm_stage.faults import StepOutOfMemory, is_out_of_memory, release_cached_memory
 from llm_stage.mic_turns import MicTurns
 from llm_stage.migration import KVSnapshot
@@ -162,6 +162,7 @@ class LLMStage:
         self.num_decode_calls = 0
         self.num_audio_refs = 0
         self.voices = LLMVoices(self.config, detok_handle.voice_bank.remote)  # registered voices' LM prompts, read once
+        prompt_default_voice(self.config, self.side.engine.adapter)  # `voices.default_clip_text` (cosyvoice2's LM)
         self.num_detok_retries = 0
         # a stateful detokenizer keeps each stream's decoder state on one detok replica: pin them
         self.detok_pins = DetokPins() if entry.family.codec.is_stateful else None

@@ -162,6 +162,11 @@ def check_default_clip(config: ServeConfig, read_clip: bool = False) -> None:
         names = ", ".join(served.name for served in planned)
         able = ", ".join(f.name for f in families() if _detok_alone_takes_voices(f.lm))
         raise InvalidArgumentError("voices.default_clip", f"{names} cannot speak in it (the families that can: {able})")
+    readers = [served.name for served in takers if get_entry(served.name).family.lm.reads_voice_transcript]
+    if config.voices.default_clip_text and not readers:
+        able = ", ".join(f.name for f in families() if f.lm.reads_voice_transcript)
+        raise InvalidArgumentError("voices.default_clip_text", f"no served model's LM reads a voice's transcript "
+                                   f"(those that do: {able}); leave it empty")  # fmt: skip
     for served in takers:
         others = [name for name in served.shares_detok_with if not speaks_default_clip(name)]
         if others:
@@ -185,6 +190,26 @@ def _default_clip(config: ServeConfig):
     except OSError as err:
         raise InvalidArgumentError("voices.default_clip", f"cannot be read: {err}") from None
     return decode_clip(data, "voices.default_clip", config.voices.min_clip_s, config.voices.max_clip_s)
+
+
+def default_clip_prompt(config: ServeConfig) -> VoicePrompt | None:
+    """The LM prompt of `voices.default_clip` with its transcript `voices.default_clip_text`, as the VoiceBank
+    makes a registration's (the transcript's whitespace folded as `router.voices.check_prompt_text` folds it),
+    for a family whose LM reads a voice's transcript; None: no transcript, or this model's LM reads none."""
+    text = " ".join(config.voices.default_clip_text.split())
+    if not text or not get_entry(config.engine.model.name).family.lm.reads_voice_transcript:
+        return None
+    voice = default_clip_voice(config)
+    return None if voice is None else VoicePrompt(DEFAULT_CLIP_VOICE_ID, text, tuple(voice.prompt_tokens.tolist()))
+
+
+def prompt_default_voice(config: ServeConfig, adapter) -> bool:
+    """An LLM replica's start: its adapter prompted with `default_clip_prompt` for requests naming no voice;
+    whether it was (False: nothing to prompt with)."""
+    prompt = default_clip_prompt(config)
+    if prompt is not None:
+        adapter.set_default_voice_prompt(prompt)
+    return prompt is not None
 
 
 def default_clip_voice(config: ServeConfig) -> VoiceConditioning | None:

@@ -139,6 +139,9 @@ class LMAdapter(ABC):
     # `history_ids` maps each token on its own (a filter): the engine extends histories by new tokens only
     history_ids_per_token: bool = False
     voice_lm_speaker: bool = False  # a registered voice also carries the LM's speaker conditioning (SpeakerPrompt)
+    # a registered voice's transcript prompts the LM, with its speech tokens (CosyVoice 2's zero-shot mode); such a
+    # family takes `voices.default_clip_text` as the default voice's (`set_default_voice_prompt`)
+    reads_voice_transcript: bool = False
     # a streamed-text request can resume on another replica: its positions read the feed by index,
     # so the text replayed in the order it came gives them the same ids (not a family that lays
     # text positions out between its sampled tokens as they come: CosyVoice 2's bistream)

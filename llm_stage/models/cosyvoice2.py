@@ -67,6 +67,7 @@ class CosyVoice2Adapter(LMAdapter):
     voices: tuple[str, ...] = ()  # no built-in speakers: voices come from reference clips (zero-shot)
     no_voices_note = "none built in; zero-shot voices from a reference clip (POST /v1/voices, gRPC RegisterVoice)"
     takes_registered_voices = True
+    reads_voice_transcript = True
     history_ids_per_token = True  # speech ids only, each token on its own
     eos_token_ids = STOP_TOKENS
     input_width = 2  # (id, Kind)
@@ -88,6 +89,7 @@ class CosyVoice2Adapter(LMAdapter):
             self.default_sampling = default_sampling
         self._text_len: weakref.WeakKeyDictionary[Request, int] = weakref.WeakKeyDictionary()
         self.voice_prompts: dict[str, VoicePrompt] = {}  # registered voices this replica has looked up
+        self.default_voice_prompt: VoicePrompt | None = None  # a request naming no voice (`voices.default_clip_text`)
 
     @classmethod
     def build(cls, config: ModelConfig) -> CosyVoice2Adapter:
@@ -104,15 +106,22 @@ class CosyVoice2Adapter(LMAdapter):
     def add_voice_prompt(self, prompt: VoicePrompt) -> None:
         self.voice_prompts[prompt.voice_id] = prompt
 
+    def set_default_voice_prompt(self, prompt: VoicePrompt) -> None:
+        """The LM prompt of a request naming no voice: `voices.default_clip` with its transcript, as if registered
+        with it (the detokenizer's default voice is the same clip, `CodecAdapter.set_default_voice`)."""
+        self.default_voice_prompt = prompt
+
     def format_prompt(self, text: str, voice: str | None) -> list[Token]:
         return self.voice_prompt(text, *self.voice_context(voice))
 
     def voice_context(self, voice: str | None) -> tuple[str, list[int]]:
         """(transcript, speech tokens) the LM is conditioned on: a registered voice with a transcript
         gives both (CosyVoice's zero-shot mode); without a transcript the LM gets neither (its
-        cross-lingual mode) and the voice conditions the detokenizer only."""
+        cross-lingual mode) and the voice conditions the detokenizer only. No voice: the default voice's
+        prompt where one is set, else neither."""
         if voice is None:
-            return "", []
+            found = self.default_voice_prompt
+            return ("", []) if found is None else (found.prompt_text, list(found.prompt_tokens))
         found = self.voice_prompts.get(voice)
         if found is None:
             raise InvalidArgumentError("voice", f"unknown voice {voice!r}; register it first (POST /v1/voices)")

@@ -7,14 +7,18 @@ WAV. CPU only, no Ray cluster."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from pydantic import ValidationError
 
 from core.config import ServeConfig
 from core.errors import InvalidArgumentError
+from core.messages import SamplingParams
 from deployments.voices import DEFAULT_CLIP_VOICE_ID, check_default_clip, default_clip_voice
 from detok_stage.voice.encoder import VoiceEncoder
+from llm_stage.jobs import build_job
 from llm_stage.wiring import build_detok_engine
 from tests.detok_stage.test_voice_clip import wav_bytes
 
@@ -110,3 +114,64 @@ def test_a_missing_or_unusable_clip_is_refused_naming_the_field(tmp_path):
     with pytest.raises(InvalidArgumentError) as err:
         default_clip_voice(one_model("cosyvoice2-tiny", short))
     assert err.value.field == "voices.default_clip"
+
+
+def test_its_transcript_prompts_cosyvoice2s_lm_as_the_clip_registered_with_it(clip_file):
+    """With `voices.default_clip_text`, an LLM replica of cosyvoice2 prompts a request naming no voice with the
+    transcript and the clip's speech tokens, as the VoiceBank registers the clip with that prompt_text: the same
+    prompt ids, and the same greedy speech tokens, as the registered voice; not those of the unprompted LM."""
+    from core.voices import VoicePrompt, voice_id_for
+    from deployments.voices import default_clip_prompt, prompt_default_voice
+    from llm_stage.wiring import build_llm_side
+    from router.voices import check_prompt_text
+
+    config = ServeConfig.model_validate({"engine": {"model": {"name": "cosyvoice2-tiny"}},
+                                         "voices": {"default_clip": str(clip_file),
+                                                    "default_clip_text": "  Hello   there.\n"}})  # fmt: skip
+    check_default_clip(config)
+    prompt = default_clip_prompt(config)
+    registered = VoiceEncoder.seeded(config.engine.model.seed).encode(*_clip(clip_file))
+    text = check_prompt_text("  Hello   there.\n", config.voices)  # as a registration folds it
+    assert prompt.prompt_text == text == "Hello there."
+    assert prompt.prompt_tokens == tuple(registered.prompt_tokens.tolist())
+    voice_id = voice_id_for("cosyvoice2-tiny", b"the clip", 16_000, text)
+
+    def greedy_tokens(voice: str | None, with_default: bool) -> tuple[list, list[int]]:
+        side = build_llm_side(config.engine)
+        adapter = side.engine.adapter
+        adapter.add_voice_prompt(VoicePrompt(voice_id, text, prompt.prompt_tokens))
+        assert prompt_default_voice(config, adapter) if with_default else True
+        greedy = SamplingParams(temperature=0.0, max_tokens=24)
+        job = build_job(adapter, text="Good morning.", voice=voice, sampling=greedy)
+        side.add(dataclasses.replace(job, req_id="r"))
+        chunks = []
+        while side.engine.has_work:
+            chunks += side.step()
+        return adapter.format_prompt("Good morning.", voice), [f[0] for c in chunks for f in c.kept_frames]
+
+    default_ids, default_speech = greedy_tokens(None, with_default=True)
+    registered_ids, registered_speech = greedy_tokens(voice_id, with_default=False)
+    plain_ids, plain_speech = greedy_tokens(None, with_default=False)
+    assert default_ids == registered_ids and default_speech == registered_speech and len(default_speech) > 0
+    assert plain_ids != default_ids and plain_speech != default_speech
+
+
+def test_a_transcript_no_served_lm_reads_or_without_its_clip_is_refused_naming_the_field(tmp_path, clip_file):
+    from deployments.voices import default_clip_prompt
+
+    def config(name: str, **voices) -> ServeConfig:
+        return ServeConfig.model_validate({"engine": {"model": {"name": name}}, "voices": voices})
+
+    step_audio2 = config("step-audio2-tiny", default_clip=str(clip_file), default_clip_text="Hello.")
+    with pytest.raises(InvalidArgumentError) as err:
+        check_default_clip(step_audio2)  # its LM takes no voice: the transcript would be unused
+    assert err.value.field == "voices.default_clip_text" and "cosyvoice2" in str(err.value)
+    assert default_clip_prompt(step_audio2) is None
+    assert default_clip_prompt(config("cosyvoice2-tiny", default_clip=str(clip_file))) is None  # no transcript
+    with pytest.raises(ValidationError, match="voices.default_clip_text: is the transcript of voices.default_clip"):
+        config("cosyvoice2-tiny", default_clip_text="Hello.")
+    with pytest.raises(ValidationError, match="voices.default_clip_text: is 12 characters; at most"):
+        config("cosyvoice2-tiny", default_clip=str(clip_file), default_clip_text="Hello there.",
+               max_prompt_text_chars=5)  # fmt: skip
+    with pytest.raises(ValidationError, match="voices.default_clip_text: holds control characters"):
+        config("cosyvoice2-tiny", default_clip=str(clip_file), default_clip_text="Hello\x00.")
