@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from cluster.planner.calibration import load_calibration
@@ -87,6 +87,9 @@ class CheckResult:
     replayed_rps: float | None = None
     replayed_is_floor: bool = False
     replay_agreement: float | None = None
+    # the same with each draw's steps at the draw's own speed (`replay_at_draw_speed`)
+    replayed_at_speed_rps: float | None = None
+    replayed_at_speed_is_floor: bool = False
 
     @property
     def capacity_range_rps(self) -> tuple[float, float]:
@@ -326,30 +329,51 @@ def write_sweep(config: CheckConfig, out: Path, draws: int, measured: Measured) 
     (out / config.name / f"{config.name}.json").write_text(json.dumps(result, indent=1, default=float))
 
 
-def replay_steps(steps: list[dict], scenario: Scenario, config: CheckConfig, slo: Slo, sim: SimOptions) -> None:
+REPLAY, AT_DRAW_SPEED = "replay", "replay_at_draw_speed"  # a draw's replays: at the calibration's speed, at its own
+
+
+def draw_speed_scale(step: dict, calibration_step_ms: float) -> float:
+    """How much slower (> 1) or faster the box ran a draw than it calibrated, by the LLM step probed around
+    it (`box_step_ms` over the calibration's); 0.0 where either was not probed."""
+    probed = step.get("box_step_ms", 0.0)
+    return probed / calibration_step_ms if probed > 0 and calibration_step_ms > 0 else 0.0
+
+
+def replay_steps(steps: list[dict], scenario: Scenario, config: CheckConfig, slo: Slo, sim: SimOptions,
+                 calibration_step_ms: float = 0.0) -> None:  # fmt: skip
     """The planner on each served draw's own arrivals (`plan_replay.replay_verdict`), written into the draw as
-    `replay`. Run with the cluster stopped: the simulation is CPU work of its own (~5 s a seed a draw)."""
+    `replay`; with `calibration_step_ms`, again with every LLM and detok step scaled to the draw's own speed
+    (`draw_speed_scale`: this VM's cores change speed by minutes; the host's CPU is left at the calibration's)
+    as `replay_at_draw_speed`. Run with the cluster stopped: the simulation is CPU work (~5 s a seed a draw)."""
     from loadtest.plan_replay import replay_verdict
 
     for step in steps:
         if step.get("redrawn") or "requests" not in step:
             continue
-        step["replay"] = replay_verdict(scenario, shape_of(config), step["requests"], slo, sim)
-        served, replayed = step["summary"], step["replay"]
-        print(f"{config.name} at {served['rate_rps']} req/s, draw {step['draw']}: served "
-              f"{'met' if step['met'] else 'missed'}; on its arrivals the planner "
-              f"{'meets' if replayed['met'] else 'misses'} (p90 TTFA {', '.join(map(str, replayed['p90_ttfa_s']))} s "
-              f"over its seeds)", flush=True)  # fmt: skip
+        step[REPLAY] = replay_verdict(scenario, shape_of(config), step["requests"], slo, sim)
+        scale = draw_speed_scale(step, calibration_step_ms)
+        if scale > 0:
+            at_speed = replace(sim, step_scale=scale, detok_scale=scale)
+            step[AT_DRAW_SPEED] = {**replay_verdict(scenario, shape_of(config), step["requests"], slo, at_speed),
+                                   "scale": round(scale, 3)}  # fmt: skip
+        print(f"{config.name} at {step['summary']['rate_rps']} req/s, draw {step['draw']}: served "
+              f"{'met' if step['met'] else 'missed'}; on its arrivals the planner {_call(step[REPLAY])}"
+              + (f", at the draw's speed (steps x{scale:.2f}) {_call(step[AT_DRAW_SPEED])}" if scale > 0 else ""),
+              flush=True)  # fmt: skip
 
 
-def replayed_capacity(steps: list[dict]) -> tuple[float, bool]:
-    """The capacity the planner calls on the check's own draws: the highest swept rate whose replayed draws
-    mostly meet, with every lower rate's meeting too; and whether every swept rate's did (the served sweep stopped
-    below what the planner calls, so the capacity is a floor). Draws not replayed are left out."""
+def _call(replayed: dict) -> str:
+    return f"{'meets' if replayed['met'] else 'misses'} (p90 TTFA {', '.join(map(str, replayed['p90_ttfa_s']))} s)"
+
+
+def replayed_capacity(steps: list[dict], key: str = REPLAY) -> tuple[float, bool]:
+    """The capacity the planner calls on the check's own draws (replayed as `key`): the highest swept rate whose
+    replayed draws mostly meet, with every lower rate's meeting too; and whether every swept rate's did (the served
+    sweep stopped below what the planner calls, so the capacity is a floor). Draws not replayed are left out."""
     by_rate: dict[float, list[bool]] = {}
     for step in steps:
-        if "replay" in step:
-            by_rate.setdefault(step["summary"]["rate_rps"], []).append(step["replay"]["met"])
+        if key in step:
+            by_rate.setdefault(step["summary"]["rate_rps"], []).append(step[key]["met"])
     capacity = 0.0
     for rate in sorted(by_rate):
         verdicts = by_rate[rate]
@@ -359,9 +383,9 @@ def replayed_capacity(steps: list[dict]) -> tuple[float, bool]:
     return capacity, bool(by_rate)
 
 
-def replay_agreement(steps: list[dict]) -> float | None:
+def replay_agreement(steps: list[dict], key: str = REPLAY) -> float | None:
     """The share of replayed draws the planner called as they were served (met / missed); None: none replayed."""
-    calls = [step["replay"]["met"] == step["met"] for step in steps if "replay" in step]
+    calls = [step[key]["met"] == step["met"] for step in steps if key in step]
     return sum(calls) / len(calls) if calls else None
 
 
@@ -389,36 +413,40 @@ def check(
     spread = predicted_range_rps(scenario, config, slo, predicted, sim)
     rates = swept_rates(predicted, factors)
     measured = measure_rps(config, rates, slo, out, duration_s, draws, calibration_step_ms)
-    replay_steps(measured.steps, scenario, config, slo, sim)
+    replay_steps(measured.steps, scenario, config, slo, sim, calibration_step_ms)
     write_sweep(config, out, draws, measured)
     replayed, is_floor = replayed_capacity(measured.steps)
+    at_speed, at_speed_is_floor = replayed_capacity(measured.steps, AT_DRAW_SPEED)
     return CheckResult(config.name, predicted, measured.capacity_rps, rates, measured.others_cores,
                        measured.steal_cores, speed_ratio(measured.box_speed, calibration_speed),
                        speed_ratio(calibration_step_ms, measured.step_ms), spread, replayed, is_floor,
-                       replay_agreement(measured.steps))  # fmt: skip
+                       replay_agreement(measured.steps),
+                       at_speed if any(AT_DRAW_SPEED in s for s in measured.steps) else None,
+                       at_speed_is_floor)  # fmt: skip
 
 
 def report(results: list[CheckResult]) -> list[str]:
     """The check's table: the verdict on the central prediction, the host range's least-most capacity beside it."""
     lines = ["| config | predicted req/s | least-most req/s over host_range | measured req/s | error | within 25% "
-             "| in range | planner on the draws' own arrivals, req/s | draws called as served "
-             "| other tenants' cores | stolen cores | box speed / calibration's | LLM step speed / calibration's |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| in range | planner on the draws' own arrivals, req/s | the same at the draws' speed, req/s "
+             "| draws called as served | other tenants' cores | stolen cores | box speed / calibration's "
+             "| LLM step speed / calibration's |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in results:
         speed, step = (f"{ratio:.2f}" if ratio > 0 else "-" for ratio in (r.box_speed_ratio, r.step_speed_ratio))
         least, most = r.capacity_range_rps
         lines.append(f"| {r.name} | {r.predicted_rps:.2f} | {least:.2f}-{most:.2f} | {r.measured_rps:.2f} | "
-                     f"{100 * r.error:.0f}% | {r.verdict} | {'yes' if r.in_range else 'no'} | {replayed_cell(r)} | "
+                     f"{100 * r.error:.0f}% | {r.verdict} | {'yes' if r.in_range else 'no'} | "
+                     f"{replayed_cell(r.replayed_rps, r.replayed_is_floor)} | "
+                     f"{replayed_cell(r.replayed_at_speed_rps, r.replayed_at_speed_is_floor)} | "
                      f"{'-' if r.replay_agreement is None else f'{100 * r.replay_agreement:.0f}%'} | "
                      f"{r.others_cores:.2f} | {r.steal_cores:.2f} | {speed} | {step} |")  # fmt: skip
     return lines
 
 
-def replayed_cell(result: CheckResult) -> str:
-    """The replayed capacity as the table shows it: '-' not replayed, '>= x' a floor."""
-    if result.replayed_rps is None:
-        return "-"
-    return f"{'>= ' if result.replayed_is_floor else ''}{result.replayed_rps:.2f}"
+def replayed_cell(rps: float | None, is_floor: bool) -> str:
+    """A replayed capacity as the table shows it: '-' not replayed, '>= x' a floor."""
+    return "-" if rps is None else f"{'>= ' if is_floor else ''}{rps:.2f}"
 
 
 def result_json(result: CheckResult) -> dict:

@@ -7,7 +7,9 @@ JSON: each stream's send time, text length and audio) and simulates exactly thos
 frames and prompt from what it sent, with the calibration: the p50 / p90 TTFA against the served ones, and
 how the simulated TTFA of each stream follows the served one (their correlation over the streams).
 Run: `python -m loadtest.plan_replay --calibration C.json --loop-stalls bench_out/loop_stalls_x/loop_stalls.json
---config cpu-1x1-cap4 [--seeds 0 1 2 3 4]`.
+--config cpu-1x1-cap4 [--seeds 0 1 2 3 4]`. A `plan_check` sweep's draws again (its `<config>.json`, which keeps
+every draw's streams; no Ray): `--check-json bench_out/plan_check_x/cpu-1x1/cpu-1x1.json` in place of
+`--loop-stalls`, with the check's calibration: each draw's verdict at the calibration's speed and at its own.
 """
 
 from __future__ import annotations
@@ -82,12 +84,19 @@ def replay_verdict(scenario: Scenario, shape: ClusterShape, served: list[dict], 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calibration", type=Path, required=True, help="a JSON written by loadtest.plan_calibrate")
-    parser.add_argument("--loop-stalls", type=Path, required=True, help="loop_stalls.json of a served run")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--loop-stalls", type=Path, help="loop_stalls.json of a served run")
+    source.add_argument("--check-json", type=Path, help="a plan_check sweep's <config>.json: its draws replayed")
     parser.add_argument("--config", choices=[c.name for c in CONFIGS], required=True)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    parser.add_argument("--ttfa-p90-s", type=float, default=1.0, help="the SLO the check swept (--check-json)")
     args = parser.parse_args(argv)
     scenario = Scenario(load_calibration(args.calibration), ORPHEUS_TINY, sweep_workload())
-    shape = shape_of(next(c for c in CONFIGS if c.name == args.config))
+    config = next(c for c in CONFIGS if c.name == args.config)
+    if args.check_json is not None:
+        return replay_check(args.check_json, scenario, config, Slo(args.ttfa_p90_s), len(args.seeds),
+                            _calibration_step_ms(args.calibration))  # fmt: skip
+    shape = shape_of(config)
     out = []
     for row in json.loads(args.loop_stalls.read_text()):
         streams, served = served_streams(row["streams"], scenario)
@@ -99,6 +108,31 @@ def main(argv: list[str] | None = None) -> list[dict]:
                   f"TTFA against the served one: correlation {result['ttfa_correlation']:.2f}")  # fmt: skip
             out.append({"rate_rps": row["rate_rps"], "served_p90_ttfa_s": percentile(served, 90), **result})
     return out
+
+
+def replay_check(path: Path, scenario: Scenario, config, slo: Slo, seeds: int, calibration_step_ms: float
+                 ) -> list[dict]:  # fmt: skip
+    """A plan_check sweep's kept draws replayed again (`plan_check.replay_steps`), at the calibration's speed and
+    at each draw's: the capacity the planner calls over the swept rates, and the draws it calls as served."""
+    from loadtest.plan_check import AT_DRAW_SPEED, REPLAY, replay_agreement, replay_steps, replayed_capacity
+
+    steps = json.loads(path.read_text())["steps"]
+    replay_steps(steps, scenario, config, slo, SimOptions(seeds=seeds), calibration_step_ms)
+    out = []
+    for key in (REPLAY, AT_DRAW_SPEED):
+        capacity, is_floor = replayed_capacity(steps, key)
+        agreement = replay_agreement(steps, key)
+        if agreement is None:
+            continue
+        print(f"{config.name}, {key}: the planner calls {'>= ' if is_floor else ''}{capacity:.3f} req/s over the "
+              f"swept rates; {100 * agreement:.0f}% of the draws as served")  # fmt: skip
+        out.append({"replay": key, "capacity_rps": capacity, "is_floor": is_floor, "agreement": agreement})
+    return out
+
+
+def _calibration_step_ms(path: Path) -> float:
+    """The LLM step the calibration probed (`box_speed.step_ms`; 0.0: not probed)."""
+    return float(json.loads(path.read_text()).get("box_speed", {}).get("step_ms", 0.0))
 
 
 if __name__ == "__main__":

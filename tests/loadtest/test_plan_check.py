@@ -477,8 +477,12 @@ def test_the_planner_on_the_checks_own_draws_gives_a_capacity_and_an_agreement()
     assert replayed_capacity([step(1.0, True, False)]) == (0.0, False)
     floor = CheckResult("cpu-1x1-cap4", 1.6, 1.0, (1.0, 1.2), replayed_rps=1.2, replayed_is_floor=True,
                         replay_agreement=0.5)  # fmt: skip
-    assert replayed_cell(floor) == ">= 1.20" and replayed_cell(CheckResult("x", 1.0, 1.0, (1.0,))) == "-"
-    assert "| >= 1.20 | 50% |" in report([floor])[2]
+    assert replayed_cell(1.2, True) == ">= 1.20" and replayed_cell(None, False) == "-"
+    assert "| >= 1.20 | - | 50% |" in report([floor])[2]
+    at_speed = replace(floor, replayed_at_speed_rps=1.0, replayed_at_speed_is_floor=False)
+    assert "| >= 1.20 | 1.00 | 50% |" in report([at_speed])[2]
+    assert replayed_capacity([{**s, "replay_at_draw_speed": {"met": True}} for s in steps[:2]],
+                             "replay_at_draw_speed") == (1.0, True)  # fmt: skip
 
 
 def test_replayed_draws_are_written_with_the_planners_call():
@@ -496,3 +500,25 @@ def test_replayed_draws_are_written_with_the_planners_call():
     cap4 = next(c for c in CONFIGS if c.name == "cpu-1x1-cap4")
     replay_steps(steps, scenario, cap4, Slo(1.0), SimOptions(seeds=1))
     assert steps[0]["replay"]["met"] is True and "replay" not in steps[1] and "replay" not in steps[2]
+    assert "replay_at_draw_speed" not in steps[0]  # no calibration step given: not replayed at the draw's speed
+
+
+def test_a_draw_is_replayed_at_its_own_speed_too():
+    """With the calibration's LLM step probe, each draw is replayed again with its steps scaled to the box's speed
+    probed around it: the same light arrivals meet at the calibration's speed and miss on a box 30x slower."""
+    from cluster.planner.calibration import CALIBRATION_DIR, load_calibration
+    from loadtest.plan_check import draw_speed_scale, replay_steps
+
+    assert draw_speed_scale({"box_step_ms": 3.3}, 3.0) == pytest.approx(1.1)
+    assert draw_speed_scale({}, 3.0) == 0.0 and draw_speed_scale({"box_step_ms": 3.3}, 0.0) == 0.0
+    scenario = Scenario(load_calibration(CALIBRATION_DIR / "cpu-orpheus-tiny.json"), ORPHEUS_TINY, sweep_workload())
+    frame_s = 2048 / 24_000
+    streams = [{"scheduled_at_s": 10.0 * k, "text_chars": 60, "arrivals_s": [0.3 + 0.1 * j for j in range(20)],
+                "durations_s": [4 * frame_s] * 20, "is_ok": True} for k in range(4)]  # fmt: skip
+    steps = [{"summary": {"rate_rps": 0.1}, "draw": draw, "met": True, "requests": streams, "box_step_ms": probed}
+             for draw, probed in enumerate((90.0, 3.0))]  # fmt: skip
+    cap4 = next(c for c in CONFIGS if c.name == "cpu-1x1-cap4")
+    replay_steps(steps, scenario, cap4, Slo(1.0), SimOptions(seeds=1), calibration_step_ms=3.0)
+    slow, on_speed = steps[0]["replay_at_draw_speed"], steps[1]["replay_at_draw_speed"]
+    assert steps[0]["replay"]["met"] and not slow["met"] and slow["scale"] == 30.0
+    assert on_speed["met"] and on_speed["scale"] == 1.0 and on_speed["p90_ttfa_s"] == steps[1]["replay"]["p90_ttfa_s"]

@@ -71,3 +71,21 @@ def test_the_planner_calls_a_served_draw_on_its_own_arrivals(scenario):
     assert missed["met"] is False and len(missed["p90_ttfa_s"]) == 2 and min(missed["p90_ttfa_s"]) > 1.0
     assert met["met"] is True and len(met["p90_ttfa_s"]) == 2 and max(met["p90_ttfa_s"]) < 1.0
     assert min(met["viable_pct"]) == 100.0
+
+
+def test_a_plan_check_sweep_is_replayed_again_from_its_json(scenario, tmp_path):
+    """`--check-json`: a plan_check sweep's kept draws (with their streams) replayed at the calibration's speed
+    and at each draw's own: the capacity the planner calls over the swept rates and the draws it calls as served."""
+    light = [served(10.0 * k, 0.3, chunks=20) for k in range(4)]
+    burst = [served(0.001 * k, 0.3, chunks=20) for k in range(8)]
+    steps = [{"summary": {"rate_rps": 0.1}, "draw": 0, "met": True, "requests": light, "box_step_ms": 3.0},
+             {"summary": {"rate_rps": 0.8}, "draw": 0, "met": True, "requests": burst, "box_step_ms": 3.0}]  # fmt: skip
+    (tmp_path / "cpu-1x1-cap4.json").write_text(json.dumps({"steps": steps}))
+    calibration = tmp_path / "calibration.json"
+    calibration.write_text(json.dumps({**json.loads((CALIBRATION_DIR / "cpu-orpheus-tiny.json").read_text()),
+                                       "box_speed": {"step_ms": 3.0}}))  # fmt: skip
+    out = main(["--calibration", str(calibration), "--check-json", str(tmp_path / "cpu-1x1-cap4.json"),
+                "--config", "cpu-1x1-cap4", "--seeds", "0", "1", "2"])  # fmt: skip
+    assert [row["replay"] for row in out] == ["replay", "replay_at_draw_speed"]
+    for row in out:  # the burst misses a 1 s p90 on 4 slots where it was served as met
+        assert row["capacity_rps"] == 0.1 and not row["is_floor"] and row["agreement"] == 0.5
