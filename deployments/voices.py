@@ -162,8 +162,9 @@ def check_default_clip(config: ServeConfig, read_clip: bool = False) -> None:
         names = ", ".join(served.name for served in planned)
         able = ", ".join(f.name for f in families() if _detok_alone_takes_voices(f.lm))
         raise InvalidArgumentError("voices.default_clip", f"{names} cannot speak in it (the families that can: {able})")
-    readers = [served.name for served in takers if get_entry(served.name).family.lm.reads_voice_transcript]
-    if config.voices.default_clip_text and not readers:
+    if config.voices.default_clip_text and not any(
+        get_entry(served.name).family.lm.reads_voice_transcript for served in takers
+    ):
         able = ", ".join(f.name for f in families() if f.lm.reads_voice_transcript)
         raise InvalidArgumentError("voices.default_clip_text", f"no served model's LM reads a voice's transcript "
                                    f"(those that do: {able}); leave it empty")  # fmt: skip

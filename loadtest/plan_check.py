@@ -347,14 +347,15 @@ def replay_steps(steps: list[dict], scenario: Scenario, config: CheckConfig, slo
     as `replay_at_draw_speed`. Run with the cluster stopped: the simulation is CPU work (~5 s a seed a draw)."""
     from loadtest.plan_replay import replay_verdict
 
+    shape = shape_of(config)
     for step in steps:
         if step.get("redrawn") or "requests" not in step:
             continue
-        step[REPLAY] = replay_verdict(scenario, shape_of(config), step["requests"], slo, sim)
+        step[REPLAY] = replay_verdict(scenario, shape, step["requests"], slo, sim)
         scale = draw_speed_scale(step, calibration_step_ms)
         if scale > 0:
             at_speed = replace(sim, step_scale=scale, detok_scale=scale)
-            step[AT_DRAW_SPEED] = {**replay_verdict(scenario, shape_of(config), step["requests"], slo, at_speed),
+            step[AT_DRAW_SPEED] = {**replay_verdict(scenario, shape, step["requests"], slo, at_speed),
                                    "scale": round(scale, 3)}  # fmt: skip
         print(f"{config.name} at {step['summary']['rate_rps']} req/s, draw {step['draw']}: served "
               f"{'met' if step['met'] else 'missed'}; on its arrivals the planner {_call(step[REPLAY])}"
@@ -376,8 +377,7 @@ def replayed_capacity(steps: list[dict], key: str = REPLAY) -> tuple[float, bool
             by_rate.setdefault(step["summary"]["rate_rps"], []).append(step[key]["met"])
     capacity = 0.0
     for rate in sorted(by_rate):
-        verdicts = by_rate[rate]
-        if 2 * sum(verdicts) <= len(verdicts):
+        if not majority_meets(by_rate[rate], len(by_rate[rate])):
             return capacity, False
         capacity = rate
     return capacity, bool(by_rate)
