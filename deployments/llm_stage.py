@@ -534,7 +534,13 @@ class LLMStage:
         # A resumed stream, or a later segment of an incremental one, was admitted once already: it
         # queues for a slot rather than being dropped.
         admitted_before = job.resume is not None or job.segment_index > 0
-        load, work = self.load(), self._prompt_work(job)
+        try:
+            if is_voice_id(job.voice):  # looked up first: its prompt is part of the work admission charges
+                await self.voices.ensure(job.voice, self.side.engine.adapter)
+            load, work = self.load(), self._prompt_work(job)
+        except InvalidArgumentError as err:
+            yield Invalid(err.field, err.message)
+            return
         verdict = Admission.ADMIT if admitted_before else decide(load, job.ttfa_deadline_s, work)
         if verdict is Admission.REJECT:
             logger.debug("admission: %s rejected: predicted TTFA %.2f s vs deadline %.2f s; %s; %s", job.req_id,
@@ -550,8 +556,6 @@ class LLMStage:
         self.streams[job.req_id] = stream
         try:
             try:
-                if is_voice_id(job.voice):
-                    await self.voices.ensure(job.voice, self.side.engine.adapter)
                 if verdict is Admission.QUEUE and not await self._hold(stream, self._start_by(job)):
                     yield Rejected(self.config.admission.retry_after_s)  # it would start too late: no head yet
                     return
@@ -723,8 +727,13 @@ class LLMStage:
 
     def _prompt_work(self, job: Job) -> PromptWork:
         """The prompt work `job` brings here (router.admission charges it at this replica's measured pace):
-        less its earlier turns when this replica kept their prompt."""
-        work = prompt_work(type(self.side.engine.adapter), job)
+        its voice's prompt positions included (known here, not to the Router), less its earlier turns when
+        this replica kept their prompt."""
+        adapter = self.side.engine.adapter
+        work = prompt_work(type(adapter), job)
+        voice_positions = adapter.voice_prompt_positions(job.voice)
+        if voice_positions:
+            work = dataclasses.replace(work, num_positions=work.num_positions + voice_positions)
         return work.on_replica_keeping(self.side.engine.scheduler.kept.keys())
 
     def _has_room(self) -> bool:

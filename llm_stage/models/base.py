@@ -232,6 +232,13 @@ class LMAdapter(ABC):
         text_positions = math.ceil(chars / cls.prompt_chars_per_position)
         return text_positions + sum(cls.audio_prompt_positions(clip.duration_s) for clip in clips if clip is not None)
 
+    def voice_prompt_positions(self, voice: str | None) -> int:
+        """Prompt positions `voice` adds to a request's prompt beyond its text, on this replica: a registered
+        voice it has looked up (`add_voice_prompt`), or the default voice's (None). The Router's estimate
+        (`estimate_prompt_positions`) cannot know them; the replica's admission adds them. 0: the family's LM
+        takes no voice prompt (a voice name in its text, or a voice for the detokenizer alone)."""
+        return 0
+
     @property
     def pending_audio_s(self) -> float:
         """Seconds of audio the next `prepare_step` encodes (the engine times the encoder by it)."""

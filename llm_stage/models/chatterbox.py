@@ -151,6 +151,12 @@ class ChatterboxAdapter(LMAdapter):
         self._add_voice(prompt.voice_id, self._t3_voice(prompt))
         self.voice_prompts[prompt.voice_id] = prompt
 
+    def voice_prompt_positions(self, voice: str | None) -> int:
+        """The voice's conditioning rows (speaker embedding, resampled prompt speech) and the emotion position:
+        every T3 prompt starts with them (0 for a voice not looked up here: it is refused at the prompt)."""
+        rows = self._voice_rows.get(voice or DEFAULT_VOICE)
+        return 0 if rows is None else len(rows) + 1
+
     def _t3_voice(self, prompt: VoicePrompt) -> T3Voice:
         speaker = prompt.speaker
         if speaker is None or len(speaker.speaker_emb) != self.layout.speaker_embed_size:

@@ -11,6 +11,7 @@ Weights: `llm_stage.models.cosyvoice2_lm`.
 
 from __future__ import annotations
 
+import math
 import weakref
 from types import SimpleNamespace
 
@@ -126,6 +127,12 @@ class CosyVoice2Adapter(LMAdapter):
         if found is None:
             raise InvalidArgumentError("voice", f"unknown voice {voice!r}; register it first (POST /v1/voices)")
         return (found.prompt_text, list(found.prompt_tokens)) if found.prompt_text else ("", [])
+
+    def voice_prompt_positions(self, voice: str | None) -> int:
+        """The voice's speech tokens and its transcript's positions (zero-shot mode; 0 where the LM gets neither).
+        The transcript is estimated as a request's text is: the tokenizer is the engine thread's to call."""
+        prompt_text, speech = self.voice_context(voice)
+        return math.ceil(len(prompt_text) / self.prompt_chars_per_position) + len(speech)
 
     def streaming_prompt(self, job: Job) -> tuple[list[Token], TextFeed]:
         """Streamed text (bistream): the prompt is `sos`; the feed lays out the voice's transcript and
