@@ -19,6 +19,12 @@ hour apart predicted cap4 a third apart), and whether the measured capacity fall
 the planner (`loadtest.plan_replay`), the capacity it calls over the same swept rates and the share of draws
 it calls as served. A 60 s draw offers 0.77-1.33x its nominal rate, so (3) against (2) mixes the model's error
 with the draws' luck; (5) against (3) sees the same arrivals on both sides.
+(6) `--fixed-draws`: one estimator on both sides (`loadtest.plan_crossing`): the rate where half of the draws meet
+the SLO. The planner first runs `--planner-draws` draws at every rate of the grid, shaped as the sweep's (its
+arrivals and texts from the same generator, cold start, no tail); the cluster then serves the grid's rates around
+where half of those met (`rates_around`), each in exactly `--draws` draws, none run again; the verdict compares
+the two crossings. (3)'s rule stops at its first unlucky rate: identical arrivals flip one time in four near
+capacity, so it read low.
 Starts Ray: never run it beside another benchmark.
 Run (~30 min on 2 quiet cores, and each configuration's two host-range predictions before its sweep, with no
 Ray running, take minutes more): .venv/bin/python -m loadtest.plan_check --out bench_out/plan_check
@@ -37,6 +43,7 @@ from cluster.planner.search import DEFAULT_MAX_STARTING, Slo, capacity_streams, 
 from cluster.planner.simulate import ClusterShape, SimOptions
 from cluster.planner.workload import ModelRates, Workload
 from loadtest.box_speed import box_step_ms, box_units_per_s, speed_ratio
+from loadtest.plan_crossing import Crossing, half_crossing, relative_error, verdicts_by_rate
 from loadtest.workload import MAX_FRAMES, MIN_FRAMES, load_prompts
 
 ORPHEUS_TINY = ModelRates(24000 / 2048, 7)
@@ -65,6 +72,25 @@ CONFIGS = (
 
 
 @dataclass(frozen=True)
+class Crossings:
+    """Each side's capacity as the rate where half its draws meet the SLO, over the same swept rates
+    (`plan_crossing`; `--fixed-draws`): the served draws, the planner on sweep-shaped draws of its own, the planner
+    on the served draws' own arrivals at the calibration's speed and at each draw's."""
+
+    measured: Crossing | None
+    planner: Crossing | None
+    replay: Crossing | None = None
+    replay_at_speed: Crossing | None = None
+    served_draws: int = 0  # the served draws per swept rate
+    planner_draws: int = 0  # the planner's draws per swept rate
+
+    @property
+    def error(self) -> float | None:
+        """|planner - measured| / measured where both cross inside the swept rates."""
+        return relative_error(self.planner, self.measured)
+
+
+@dataclass(frozen=True)
 class CheckResult:
     name: str
     predicted_rps: float
@@ -90,6 +116,7 @@ class CheckResult:
     # the same with each draw's steps at the draw's own speed (`replay_at_draw_speed`)
     replayed_at_speed_rps: float | None = None
     replayed_at_speed_is_floor: bool = False
+    crossings: Crossings | None = None  # `--fixed-draws`: the capacities where half the draws meet, judged instead
 
     @property
     def capacity_range_rps(self) -> tuple[float, float]:
@@ -121,6 +148,11 @@ class CheckResult:
     def verdict(self) -> str:
         if self.is_off_speed:
             return "no verdict: box off speed"
+        if self.crossings is not None:
+            error = self.crossings.error
+            if error is None:
+                return "no verdict: a crossing outside the swept rates"
+            return "yes" if error <= 0.25 else "no"
         return "yes" if self.within_25_pct else "no"
 
 
@@ -214,41 +246,79 @@ def sweep_by_majority(
     from `calibration_step_ms` runs again (`rate_verdict`). Stops at the first rate most draws miss.
     Returns (the highest rate met with every lower one met, every draw's step as the sweep writes them, with
     its served verdict `met` and its streams `requests`, for `replay_steps`)."""
-    import dataclasses
-
     import grpc
 
-    from loadtest.metrics import meets_slo, summarize
-    from loadtest.sweep import format_step, run_rate
     from loadtest.workload import load_prompts
     from protos import voxray_pb2_grpc
 
-    prompts, steps, capacity = load_prompts(), [], 0.0
+    steps, capacity = [], 0.0
     with grpc.insecure_channel(target) as channel:
-        stub = voxray_pb2_grpc.SpeechStub(channel)
+        run_draw = _draw_runner(voxray_pb2_grpc.SpeechStub(channel), cfg, load_prompts(), label)
         for rate in sorted(cfg.rates_rps):
 
-            def run_draw(index: int, rate: float = rate) -> tuple[bool, dict]:
-                draw = dataclasses.replace(cfg, seed=cfg.seed + index)
-                speed_before, step_before = box_units_per_s(), box_step_ms()  # the server idle between draws
-                records = run_rate(stub, rate, prompts, draw)
-                summary = summarize(rate, records)
-                speed, step_ms = (speed_before + box_units_per_s()) / 2, (step_before + box_step_ms()) / 2
-                offered = offered_rps(summary.num_requests, cfg.duration_s)
-                print(f"{format_step(f'{label} draw {draw.seed}', summary, cfg)}; offered {offered:.2f} req/s "
-                      f"({offered / rate:.2f}x); box {speed:.0f} units/s, step {step_ms:.2f} ms",
-                      flush=True)  # fmt: skip
-                met = meets_slo(summary, cfg.slo_ttfa_p90_s, cfg.min_pct_viable)
-                return met, {"summary": summary.to_json(), "draw": draw.seed, "box_units_per_s": round(speed, 2),
-                             "box_step_ms": round(step_ms, 3), "offered_rps": round(offered, 3), "met": met,
-                             "requests": [asdict(r) for r in records]}  # fmt: skip
+            def keep(step: dict) -> bool:
+                return on_speed(step, calibration_step_ms)
 
-            verdict, rate_steps = rate_verdict(run_draw, draws, lambda step: on_speed(step, calibration_step_ms))
+            verdict, rate_steps = rate_verdict(lambda index, rate=rate: run_draw(rate, index), draws, keep)
             steps += rate_steps
             if not verdict:
                 break
             capacity = rate
     return capacity, steps
+
+
+STOP_AFTER_MISSED_RATES = 2  # `sweep_fixed_draws` stops after this many successive rates with no draw met
+
+
+def sweep_fixed_draws(target: str, cfg, draws: int, label: str) -> list[dict]:
+    """Each rate of `cfg` ascending in exactly `draws` Poisson draws (seeds cfg.seed, +1, ...; none run again),
+    for `plan_crossing`'s capacity where half the draws meet the SLO; stops after STOP_AFTER_MISSED_RATES successive
+    rates with no draw met. Returns every draw's step, as `sweep_by_majority` writes them."""
+    import grpc
+
+    from loadtest.workload import load_prompts
+    from protos import voxray_pb2_grpc
+
+    steps: list[dict] = []
+    missed_rates = 0
+    with grpc.insecure_channel(target) as channel:
+        run_draw = _draw_runner(voxray_pb2_grpc.SpeechStub(channel), cfg, load_prompts(), label)
+        for rate in sorted(cfg.rates_rps):
+            verdicts = []
+            for index in range(draws):
+                met, step = run_draw(rate, index)
+                verdicts.append(met)
+                steps.append(step)
+            missed_rates = 0 if any(verdicts) else missed_rates + 1
+            if missed_rates >= STOP_AFTER_MISSED_RATES:
+                break
+    return steps
+
+
+def _draw_runner(stub, cfg, prompts: list[str], label: str):
+    """`run_draw(rate, index) -> (met, step)`: one Poisson draw of `cfg` at `rate` with seed cfg.seed + index, the
+    box's speed probed before and after it (the server idle between draws)."""
+    import dataclasses
+
+    from loadtest.metrics import meets_slo, summarize
+    from loadtest.sweep import format_step, run_rate
+
+    def run_draw(rate: float, index: int) -> tuple[bool, dict]:
+        draw = dataclasses.replace(cfg, seed=cfg.seed + index)
+        speed_before, step_before = box_units_per_s(), box_step_ms()
+        records = run_rate(stub, rate, prompts, draw)
+        summary = summarize(rate, records)
+        speed, step_ms = (speed_before + box_units_per_s()) / 2, (step_before + box_step_ms()) / 2
+        offered = offered_rps(summary.num_requests, cfg.duration_s)
+        print(f"{format_step(f'{label} draw {draw.seed}', summary, cfg)}; offered {offered:.2f} req/s "
+              f"({offered / rate:.2f}x); box {speed:.0f} units/s, step {step_ms:.2f} ms",
+              flush=True)  # fmt: skip
+        met = meets_slo(summary, cfg.slo_ttfa_p90_s, cfg.min_pct_viable)
+        return met, {"summary": summary.to_json(), "draw": draw.seed, "box_units_per_s": round(speed, 2),
+                     "box_step_ms": round(step_ms, 3), "offered_rps": round(offered, 3), "met": met,
+                     "requests": [asdict(r) for r in records]}  # fmt: skip
+
+    return run_draw
 
 
 def offered_rps(num_requests: int, duration_s: float) -> float:
@@ -300,20 +370,27 @@ class Measured:
 
 def measure_rps(
     config: CheckConfig, rates: tuple[float, ...], slo: Slo, out: Path, duration_s: float, draws: int = 1,
-    calibration_step_ms: float = 0.0,
+    calibration_step_ms: float = 0.0, fixed_draws: bool = False, max_requests: int = 0,
 ) -> Measured:  # fmt: skip
-    """Serve the configuration and sweep `rates`, each in `draws` Poisson draws decided by their majority."""
+    """Serve the configuration and sweep `rates`, each in `draws` Poisson draws decided by their majority; with
+    `fixed_draws`, each in exactly `draws` (`sweep_fixed_draws`), the capacity then by the majority rule over them
+    (the crossing is `check`'s). `max_requests`: each draw's cap (0: the sweep's for `rates`)."""
     from loadtest.cluster_process import running_server
     from loadtest.sweep import SweepConfig, wait_ready
 
     sweep_config = SweepConfig(
         rates_rps=rates, duration_s=duration_s, slo_ttfa_p90_s=slo.ttfa_p90_s, min_pct_viable=slo.min_viable_pct,
-        max_requests=int(duration_s * max(rates)) + 8,
+        max_requests=max_requests or max_requests_for(rates, duration_s),
     )  # fmt: skip
     with running_server(serve_config(config, 19310, 19311), out / config.name) as server:
         wait_ready(server.grpc_target, sweep_config.app_name)
         before = BoxCpu.read(server.proc.pid)
-        capacity, steps = sweep_by_majority(server.grpc_target, sweep_config, draws, config.name, calibration_step_ms)
+        if fixed_draws:
+            steps = sweep_fixed_draws(server.grpc_target, sweep_config, draws, config.name)
+            capacity, _ = capacity_by_majority(verdicts_by_rate(steps))
+        else:
+            capacity, steps = sweep_by_majority(server.grpc_target, sweep_config, draws, config.name,
+                                                calibration_step_ms)  # fmt: skip
         after = BoxCpu.read(server.proc.pid)
     deciding = deciding_draws(steps, capacity)
     box_speed, step_ms = (_mean([step[key] for step in deciding]) for key in ("box_units_per_s", "box_step_ms"))
@@ -340,27 +417,46 @@ def draw_speed_scale(step: dict, calibration_step_ms: float) -> float:
 
 
 def replay_steps(steps: list[dict], scenario: Scenario, config: CheckConfig, slo: Slo, sim: SimOptions,
-                 calibration_step_ms: float = 0.0) -> None:  # fmt: skip
+                 calibration_step_ms: float = 0.0, workers: int = 1) -> None:  # fmt: skip
     """The planner on each served draw's own arrivals (`plan_replay.replay_verdict`), written into the draw as
     `replay`; with `calibration_step_ms`, again with every LLM and detok step scaled to the draw's own speed
     (`draw_speed_scale`: this VM's cores change speed by minutes; the host's CPU is left at the calibration's)
-    as `replay_at_draw_speed`. Run with the cluster stopped: the simulation is CPU work (~5 s a seed a draw)."""
+    as `replay_at_draw_speed`. Run with the cluster stopped: the simulation is CPU work (~5-10 s a seed a draw),
+    over `workers` processes."""
+    kept = [step for step in steps if not step.get("redrawn") and "requests" in step]
+    jobs = [(scenario, shape_of(config), step["requests"], slo, sim, draw_speed_scale(step, calibration_step_ms))
+            for step in kept]  # fmt: skip
+    for step, (replayed, at_speed) in zip(kept, on_workers(_replay_draw, jobs, workers), strict=True):
+        step[REPLAY] = replayed
+        if at_speed is not None:
+            step[AT_DRAW_SPEED] = at_speed
+        print(f"{config.name} at {step['summary']['rate_rps']} req/s, draw {step['draw']}: served "
+              f"{'met' if step['met'] else 'missed'}; on its arrivals the planner {_call(replayed)}"
+              + (f", at the draw's speed (steps x{at_speed['scale']:.2f}) {_call(at_speed)}" if at_speed else ""),
+              flush=True)  # fmt: skip
+
+
+def _replay_draw(job: tuple) -> tuple[dict, dict | None]:
+    """One draw's replays: at the calibration's speed, and at the draw's (`scale` > 0; else None)."""
     from loadtest.plan_replay import replay_verdict
 
-    shape = shape_of(config)
-    for step in steps:
-        if step.get("redrawn") or "requests" not in step:
-            continue
-        step[REPLAY] = replay_verdict(scenario, shape, step["requests"], slo, sim)
-        scale = draw_speed_scale(step, calibration_step_ms)
-        if scale > 0:
-            at_speed = replace(sim, step_scale=scale, detok_scale=scale)
-            step[AT_DRAW_SPEED] = {**replay_verdict(scenario, shape, step["requests"], slo, at_speed),
-                                   "scale": round(scale, 3)}  # fmt: skip
-        print(f"{config.name} at {step['summary']['rate_rps']} req/s, draw {step['draw']}: served "
-              f"{'met' if step['met'] else 'missed'}; on its arrivals the planner {_call(step[REPLAY])}"
-              + (f", at the draw's speed (steps x{scale:.2f}) {_call(step[AT_DRAW_SPEED])}" if scale > 0 else ""),
-              flush=True)  # fmt: skip
+    scenario, shape, requests, slo, sim, scale = job
+    replayed = replay_verdict(scenario, shape, requests, slo, sim)
+    if scale <= 0:
+        return replayed, None
+    at_speed = replace(sim, step_scale=scale, detok_scale=scale)
+    return replayed, {**replay_verdict(scenario, shape, requests, slo, at_speed), "scale": round(scale, 3)}
+
+
+def on_workers(function, jobs: list, workers: int) -> list:
+    """`function` over `jobs` in order, in `workers` processes (1: here). For the simulation's CPU work with no
+    cluster up: one process a core."""
+    if workers <= 1 or len(jobs) <= 1:
+        return [function(job) for job in jobs]
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(min(workers, len(jobs))) as pool:
+        return list(pool.map(function, jobs))
 
 
 def _call(replayed: dict) -> str:
@@ -371,10 +467,11 @@ def replayed_capacity(steps: list[dict], key: str = REPLAY) -> tuple[float, bool
     """The capacity the planner calls on the check's own draws (replayed as `key`): the highest swept rate whose
     replayed draws mostly meet, with every lower rate's meeting too; and whether every swept rate's did (the served
     sweep stopped below what the planner calls, so the capacity is a floor). Draws not replayed are left out."""
-    by_rate: dict[float, list[bool]] = {}
-    for step in steps:
-        if key in step:
-            by_rate.setdefault(step["summary"]["rate_rps"], []).append(step[key]["met"])
+    return capacity_by_majority(verdicts_by_rate(steps, key))
+
+
+def capacity_by_majority(by_rate: dict[float, list[bool]]) -> tuple[float, bool]:
+    """The highest rate whose draws mostly meet, with every lower rate's meeting too; and whether every rate's did."""
     capacity = 0.0
     for rate in sorted(by_rate):
         if not majority_meets(by_rate[rate], len(by_rate[rate])):
@@ -407,13 +504,30 @@ def _mean(values: list[float]) -> float:
 def check(
     config: CheckConfig, scenario: Scenario, slo: Slo, out: Path, duration_s: float,
     factors: tuple[float, ...] = RATE_FACTORS, sim: SimOptions = SimOptions(), draws: int = 1,
-    calibration_speed: float = 0.0, calibration_step_ms: float = 0.0,
+    calibration_speed: float = 0.0, calibration_step_ms: float = 0.0, planner_draws: int = 0, workers: int = 1,
 ) -> CheckResult:  # fmt: skip
+    """One configuration predicted, served and replayed. `planner_draws` > 0 (`--fixed-draws`): the planner's
+    sweep-shaped draws at every rate of the grid first (`planner_draws` each, no cluster running), then the served
+    rates around where half of them meet (`rates_around`), each in exactly `draws` draws; judged at the crossings."""
     predicted = predicted_rps(scenario, config, slo, sim)
     spread = predicted_range_rps(scenario, config, slo, predicted, sim)
     rates = swept_rates(predicted, factors)
-    measured = measure_rps(config, rates, slo, out, duration_s, draws, calibration_step_ms)
-    replay_steps(measured.steps, scenario, config, slo, sim, calibration_step_ms)
+    crossings, served_rates, planner_by_rate = None, rates, {}
+    if planner_draws > 0:
+        planner_by_rate = planner_draws_by_rate(scenario, config, slo, sim, rates, duration_s, planner_draws, workers)
+        served_rates = rates_around(rates, half_crossing(_met_by_rate(planner_by_rate)))
+    measured = measure_rps(config, served_rates, slo, out, duration_s, draws, calibration_step_ms, planner_draws > 0,
+                           max_requests=max_requests_for(rates, duration_s))  # fmt: skip
+    replay_steps(measured.steps, scenario, config, slo, sim, calibration_step_ms, workers)
+    if planner_draws > 0:
+        steps = measured.steps
+        crossings = Crossings(half_crossing(verdicts_by_rate(steps)), half_crossing(_met_by_rate(planner_by_rate)),
+                              half_crossing(verdicts_by_rate(steps, REPLAY)),
+                              half_crossing(verdicts_by_rate(steps, AT_DRAW_SPEED)), draws, planner_draws)  # fmt: skip
+        (out / config.name).mkdir(parents=True, exist_ok=True)
+        (out / config.name / "planner_draws.json").write_text(
+            json.dumps({str(rate): rate_draws for rate, rate_draws in planner_by_rate.items()}, indent=1)
+        )
     write_sweep(config, out, draws, measured)
     replayed, is_floor = replayed_capacity(measured.steps)
     at_speed, at_speed_is_floor = replayed_capacity(measured.steps, AT_DRAW_SPEED)
@@ -422,7 +536,67 @@ def check(
                        speed_ratio(calibration_step_ms, measured.step_ms), spread, replayed, is_floor,
                        replay_agreement(measured.steps),
                        at_speed if any(AT_DRAW_SPEED in s for s in measured.steps) else None,
-                       at_speed_is_floor)  # fmt: skip
+                       at_speed_is_floor, crossings)  # fmt: skip
+
+
+PLANNER_FIRST_SEED = 1000  # the planner's sweep-shaped draws: seeds apart from the served draws' (0, 1, ...)
+
+
+def planner_draws_by_rate(
+    scenario: Scenario, config: CheckConfig, slo: Slo, sim: SimOptions, rates: tuple[float, ...], duration_s: float,
+    planner_draws: int, workers: int = 1,
+) -> dict[float, list[dict]]:  # fmt: skip
+    """The planner's sweep-shaped draws at each rate (`plan_replay.planner_sweep_draws`, seeds from
+    PLANNER_FIRST_SEED), over `workers` processes: run with no cluster up, the simulation is CPU work."""
+    from loadtest.workload import load_prompts
+
+    seeds = list(range(PLANNER_FIRST_SEED, PLANNER_FIRST_SEED + planner_draws))
+    cap = max_requests_for(rates, duration_s)
+    jobs = [(scenario, shape_of(config), rate, slo, duration_s, seeds, load_prompts(), sim, cap) for rate in rates]
+    by_rate = dict(zip(rates, on_workers(_planner_rate, jobs, workers), strict=True))
+    for rate, draws in by_rate.items():
+        print(f"{config.name} at {rate} req/s: the planner meets {sum(d['met'] for d in draws)} of "
+              f"{planner_draws} sweep-shaped draws", flush=True)  # fmt: skip
+    return by_rate
+
+
+def _planner_rate(job: tuple) -> list[dict]:
+    from loadtest.plan_replay import planner_sweep_draws
+
+    scenario, shape, rate, slo, duration_s, seeds, prompts, sim, cap = job
+    return planner_sweep_draws(scenario, shape, rate, slo, duration_s, seeds, prompts, sim, max_requests=cap)
+
+
+def _met_by_rate(draws_by_rate: dict[float, list[dict]]) -> dict[float, list[bool]]:
+    return {rate: [draw["met"] for draw in draws] for rate, draws in draws_by_rate.items()}
+
+
+def max_requests_for(rates: tuple[float, ...], duration_s: float) -> int:
+    """The sweep's cap on a draw's requests (the planner's draws take the same)."""
+    return int(duration_s * max(rates)) + 8
+
+
+SERVED_AROUND = (0.7, 1.35)  # `rates_around`: the served rates, x where half the planner's draws meet
+
+
+def rates_around(rates: tuple[float, ...], crossing: Crossing | None, span: tuple[float, float] = SERVED_AROUND,
+                 least: int = 4) -> tuple[float, ...]:  # fmt: skip
+    """The grid's rates within `span` x `crossing`, with at least one on each side of it (the nearest) and at least
+    `least` in all (the nearest to it added); at a floor the highest `least`, at a ceiling the lowest."""
+    ordered = sorted(rates)
+    if crossing is None or crossing.bound == ">=":
+        return tuple(ordered[-least:])
+    if crossing.bound == "<":
+        return tuple(ordered[:least])
+    at = crossing.rps
+    kept = {r for r in ordered if span[0] * at <= r <= span[1] * at}
+    below, above = [r for r in ordered if r < at], [r for r in ordered if r >= at]
+    kept |= set(below[-1:]) | set(above[:1])
+    for rate in sorted(ordered, key=lambda r: abs(r - at)):
+        if len(kept) >= least:
+            break
+        kept.add(rate)
+    return tuple(sorted(kept))
 
 
 def report(results: list[CheckResult]) -> list[str]:
@@ -442,6 +616,28 @@ def report(results: list[CheckResult]) -> list[str]:
                      f"{'-' if r.replay_agreement is None else f'{100 * r.replay_agreement:.0f}%'} | "
                      f"{r.others_cores:.2f} | {r.steal_cores:.2f} | {speed} | {step} |")  # fmt: skip
     return lines
+
+
+def crossing_report(results: list[CheckResult]) -> list[str]:
+    """`--fixed-draws`' table: each side's capacity where half its draws meet the SLO, over the same swept rates."""
+    crossed = [r for r in results if r.crossings is not None]
+    if not crossed:
+        return []
+    lines = ["", "| config | planner's bisection req/s | planner at half, its own sweep-shaped draws "
+             "| measured at half | error | within 25% | planner at half on the served draws "
+             "| the same at the draws' speed | draws per rate: served / planner |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in crossed:
+        c = r.crossings
+        error = "-" if c.error is None else f"{100 * c.error:.0f}%"
+        lines.append(f"| {r.name} | {r.predicted_rps:.2f} | {_cell(c.planner)} | {_cell(c.measured)} | {error} | "
+                     f"{r.verdict} | {_cell(c.replay)} | {_cell(c.replay_at_speed)} | {c.served_draws} / "
+                     f"{c.planner_draws} |")  # fmt: skip
+    return lines
+
+
+def _cell(crossing: Crossing | None) -> str:
+    return "-" if crossing is None else crossing.cell()
 
 
 def replayed_cell(rps: float | None, is_floor: bool) -> str:
@@ -483,6 +679,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="Poisson draws per swept rate: a rate is met when most of its draws are")  # fmt: skip
     parser.add_argument("--rate-factors", type=float, nargs="+", default=list(RATE_FACTORS),
                         help="swept rates, x the predicted capacity (lower ones where it over-predicts)")  # fmt: skip
+    parser.add_argument("--fixed-draws", action="store_true",
+                        help="every swept rate in exactly --draws draws (none run again), judged where half of each "
+                             "side's draws meet the SLO (loadtest.plan_crossing)")  # fmt: skip
+    parser.add_argument("--planner-draws", type=int, default=16,
+                        help="with --fixed-draws: the planner's sweep-shaped draws per swept rate")  # fmt: skip
     parser.add_argument("--calibration", type=Path, default=None,
                         help="a JSON written by loadtest.plan_calibrate (default: calibrate now)")  # fmt: skip
     args = parser.parse_args(argv)
@@ -498,12 +699,13 @@ def main(argv: list[str] | None = None) -> None:
     factors = tuple(sorted(args.rate_factors))
     probed = json.loads((args.out / "calibration.json").read_text()).get("box_speed", {})
     speed, step_ms = probed.get("units_per_s", 0.0), probed.get("step_ms", 0.0)
-    results = [check(config, scenario, slo, args.out, args.duration_s, factors, sim, args.draws, speed, step_ms)
-               for config in chosen]  # fmt: skip
+    planner_draws = args.planner_draws if args.fixed_draws else 0
+    results = [check(config, scenario, slo, args.out, args.duration_s, factors, sim, args.draws, speed, step_ms,
+                     planner_draws, args.cores) for config in chosen]  # fmt: skip
     summary = {"calibration": str(args.out / "calibration.json"),
                "results": [result_json(r) for r in results]}  # fmt: skip
     (args.out / "plan_check.json").write_text(json.dumps(summary, indent=2, default=float))
-    print("\n".join(report(results)))
+    print("\n".join(report(results) + crossing_report(results)))
     print(f"files in {args.out}")
     if any(r.verdict == "no" for r in results):
         raise SystemExit(1)

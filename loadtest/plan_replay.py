@@ -81,6 +81,45 @@ def replay_verdict(scenario: Scenario, shape: ClusterShape, served: list[dict], 
     return {"met": met, "p90_ttfa_s": p90s, "viable_pct": viable}
 
 
+def sweep_shaped_streams(scenario: Scenario, rate_rps: float, duration_s: float, seed: int, prompts: list[str],
+                         min_requests: int = 8, max_requests: int = 1_000_000) -> Streams:  # fmt: skip
+    """The streams a sweep draw of `seed` at `rate_rps` sends (`loadtest.sweep.run_rate`: its arrivals and
+    texts, drawn in the same order from the same seed), each one's frames and prompt as the planner's workload
+    counts them: cold start, every arrival measured, no tail, as the served draw is measured."""
+    import random
+
+    from loadtest.workload import arrival_offsets_s
+
+    rng = random.Random(f"{seed}-{rate_rps}")
+    offsets = arrival_offsets_s(rate_rps, duration_s, min_requests, max_requests, rng)
+    chars = np.asarray([len(prompts[rng.randrange(len(prompts))]) for _ in offsets], np.float64)
+    frames = scenario.workload.frames_for(chars, scenario.rates)
+    prompt = scenario.workload.prompt_tokens_for(chars)
+    return Streams(np.asarray(offsets), np.maximum(frames, 1), prompt, np.ones(len(offsets), bool))
+
+
+def planner_sweep_draws(scenario: Scenario, shape: ClusterShape, rate_rps: float, slo: Slo, duration_s: float,
+                        seeds: list[int], prompts: list[str], sim: SimOptions = SimOptions(),
+                        max_requests: int = 1_000_000) -> list[dict]:  # fmt: skip
+    """The planner's share of met draws at a swept rate, on draws shaped as the sweep's (`sweep_shaped_streams`
+    of each seed; seeds apart from the served draws'): one run of the steps' spread per draw, as each served draw
+    is one arrival sample under one spell of the box. Each: {seed, met, p90_ttfa_s, viable_pct}."""
+    out = []
+    for seed in seeds:
+        streams = sweep_shaped_streams(scenario, rate_rps, duration_s, seed, prompts, max_requests=max_requests)
+        options = replace(sim, seed=seed)
+        prediction = finish(scenario, run_llm_on(scenario, streams, shape, options), shape.detok_replicas, options)
+        out.append(
+            {
+                "seed": seed,
+                "met": prediction.meets(slo.ttfa_p90_s, slo.min_viable_pct),
+                "p90_ttfa_s": round(prediction.p90_ttfa_s, 4),
+                "viable_pct": round(prediction.viable_pct, 2),
+            }
+        )
+    return out
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calibration", type=Path, required=True, help="a JSON written by loadtest.plan_calibrate")
