@@ -83,11 +83,17 @@ class Crossings:
     replay_at_speed: Crossing | None = None
     served_draws: int = 0  # the served draws per swept rate
     planner_draws: int = 0  # the planner's draws per swept rate
+    # the planner's own draws at the served rates, each rate's steps at the speed its served draws ran at
+    planner_at_speed: Crossing | None = None
 
     @property
     def error(self) -> float | None:
         """|planner - measured| / measured where both cross inside the swept rates."""
         return relative_error(self.planner, self.measured)
+
+    @property
+    def error_at_speed(self) -> float | None:
+        return relative_error(self.planner_at_speed, self.measured)
 
 
 @dataclass(frozen=True)
@@ -520,14 +526,9 @@ def check(
                            max_requests=max_requests_for(rates, duration_s))  # fmt: skip
     replay_steps(measured.steps, scenario, config, slo, sim, calibration_step_ms, workers)
     if planner_draws > 0:
-        steps = measured.steps
-        crossings = Crossings(half_crossing(verdicts_by_rate(steps)), half_crossing(_met_by_rate(planner_by_rate)),
-                              half_crossing(verdicts_by_rate(steps, REPLAY)),
-                              half_crossing(verdicts_by_rate(steps, AT_DRAW_SPEED)), draws, planner_draws)  # fmt: skip
-        (out / config.name).mkdir(parents=True, exist_ok=True)
-        (out / config.name / "planner_draws.json").write_text(
-            json.dumps({str(rate): rate_draws for rate, rate_draws in planner_by_rate.items()}, indent=1)
-        )
+        crossings = served_crossings(measured.steps, scenario, config, slo, sim, duration_s, rates,
+                                     planner_by_rate, (draws, planner_draws), calibration_step_ms, workers,
+                                     out / config.name / "planner_draws.json")  # fmt: skip
     write_sweep(config, out, draws, measured)
     replayed, is_floor = replayed_capacity(measured.steps)
     at_speed, at_speed_is_floor = replayed_capacity(measured.steps, AT_DRAW_SPEED)
@@ -539,25 +540,67 @@ def check(
                        at_speed_is_floor, crossings)  # fmt: skip
 
 
+def served_crossings(
+    steps: list[dict], scenario: Scenario, config: CheckConfig, slo: Slo, sim: SimOptions, duration_s: float,
+    grid: tuple[float, ...], planner_by_rate: dict[float, list[dict]], draws: tuple[int, int],
+    calibration_step_ms: float, workers: int, written_to: Path,
+) -> Crossings:  # fmt: skip
+    """Once the served draws are in and replayed: every side's crossing, the planner's draws again at the served
+    rates with each rate's steps at its draws' speed (`rate_speed_scales`), both sets of planner draws written to
+    `written_to`. `draws`: (served, planner) draws per rate; `grid`: the rates the planner drew first."""
+    scales = rate_speed_scales(steps, calibration_step_ms)
+    cap = max_requests_for(grid, duration_s)
+    at_speed = planner_draws_by_rate(scenario, config, slo, sim, tuple(sorted(scales)), duration_s, draws[1], workers,
+                                     scales, cap)  # fmt: skip
+    written_to.parent.mkdir(parents=True, exist_ok=True)
+    written = {"calibration_speed": {str(rate): d for rate, d in planner_by_rate.items()},
+               "draws_speed": {str(rate): d for rate, d in at_speed.items()}, "scales": scales}  # fmt: skip
+    written_to.write_text(json.dumps(written, indent=1))
+    return Crossings(half_crossing(verdicts_by_rate(steps)), half_crossing(_met_by_rate(planner_by_rate)),
+                     half_crossing(verdicts_by_rate(steps, REPLAY)),
+                     half_crossing(verdicts_by_rate(steps, AT_DRAW_SPEED)), draws[0], draws[1],
+                     half_crossing(_met_by_rate(at_speed)))  # fmt: skip
+
+
 PLANNER_FIRST_SEED = 1000  # the planner's sweep-shaped draws: seeds apart from the served draws' (0, 1, ...)
 
 
 def planner_draws_by_rate(
     scenario: Scenario, config: CheckConfig, slo: Slo, sim: SimOptions, rates: tuple[float, ...], duration_s: float,
-    planner_draws: int, workers: int = 1,
+    planner_draws: int, workers: int = 1, scales: dict[float, float] | None = None, cap: int = 0,
 ) -> dict[float, list[dict]]:  # fmt: skip
     """The planner's sweep-shaped draws at each rate (`plan_replay.planner_sweep_draws`, seeds from
-    PLANNER_FIRST_SEED), over `workers` processes: run with no cluster up, the simulation is CPU work."""
+    PLANNER_FIRST_SEED, each draw's requests capped at `cap`, else the sweep's for `rates`), over `workers`
+    processes: run with no cluster up, the simulation is CPU work. `scales`: each rate's steps x its factor (the
+    speed its served draws ran at, `rate_speed_scales`)."""
     from loadtest.workload import load_prompts
 
     seeds = list(range(PLANNER_FIRST_SEED, PLANNER_FIRST_SEED + planner_draws))
-    cap = max_requests_for(rates, duration_s)
-    jobs = [(scenario, shape_of(config), rate, slo, duration_s, seeds, load_prompts(), sim, cap) for rate in rates]
+    cap = cap or max_requests_for(rates, duration_s)
+    scales = scales or {}
+    jobs = [(scenario, shape_of(config), rate, slo, duration_s, seeds, load_prompts(), _scaled(sim, scales.get(rate)),
+             cap) for rate in rates]  # fmt: skip
     by_rate = dict(zip(rates, on_workers(_planner_rate, jobs, workers), strict=True))
     for rate, draws in by_rate.items():
-        print(f"{config.name} at {rate} req/s: the planner meets {sum(d['met'] for d in draws)} of "
+        speed = f" at steps x{scales[rate]:.2f}" if scales.get(rate) else ""
+        print(f"{config.name} at {rate} req/s{speed}: the planner meets {sum(d['met'] for d in draws)} of "
               f"{planner_draws} sweep-shaped draws", flush=True)  # fmt: skip
     return by_rate
+
+
+def _scaled(sim: SimOptions, scale: float | None) -> SimOptions:
+    return replace(sim, step_scale=scale, detok_scale=scale) if scale else sim
+
+
+def rate_speed_scales(steps: list[dict], calibration_step_ms: float) -> dict[float, float]:
+    """Each swept rate's steps x the speed its kept draws ran at (their mean `draw_speed_scale`); rates with no
+    probed draw left out."""
+    by_rate: dict[float, list[float]] = {}
+    for step in steps:
+        scale = draw_speed_scale(step, calibration_step_ms)
+        if scale > 0 and not step.get("redrawn"):
+            by_rate.setdefault(step["summary"]["rate_rps"], []).append(scale)
+    return {rate: sum(values) / len(values) for rate, values in by_rate.items()}
 
 
 def _planner_rate(job: tuple) -> list[dict]:
@@ -624,16 +667,20 @@ def crossing_report(results: list[CheckResult]) -> list[str]:
     if not crossed:
         return []
     lines = ["", "| config | planner's bisection req/s | planner at half, its own sweep-shaped draws "
-             "| measured at half | error | within 25% | planner at half on the served draws "
-             "| the same at the draws' speed | draws per rate: served / planner |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| measured at half | error | within 25% | planner's draws at the served draws' speed | error "
+             "| planner at half on the served draws | the same at the draws' speed "
+             "| draws per rate: served / planner |", "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in crossed:
         c = r.crossings
-        error = "-" if c.error is None else f"{100 * c.error:.0f}%"
-        lines.append(f"| {r.name} | {r.predicted_rps:.2f} | {_cell(c.planner)} | {_cell(c.measured)} | {error} | "
-                     f"{r.verdict} | {_cell(c.replay)} | {_cell(c.replay_at_speed)} | {c.served_draws} / "
-                     f"{c.planner_draws} |")  # fmt: skip
+        cells = [r.name, f"{r.predicted_rps:.2f}", _cell(c.planner), _cell(c.measured), _percent(c.error), r.verdict,
+                 _cell(c.planner_at_speed), _percent(c.error_at_speed), _cell(c.replay), _cell(c.replay_at_speed),
+                 f"{c.served_draws} / {c.planner_draws}"]  # fmt: skip
+        lines.append(f"| {' | '.join(cells)} |")
     return lines
+
+
+def _percent(error: float | None) -> str:
+    return "-" if error is None else f"{100 * error:.0f}%"
 
 
 def _cell(crossing: Crossing | None) -> str:

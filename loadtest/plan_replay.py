@@ -129,12 +129,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--config", choices=[c.name for c in CONFIGS], required=True)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--ttfa-p90-s", type=float, default=1.0, help="the SLO the check swept (--check-json)")
+    parser.add_argument("--planner-draws", type=int, default=0,
+                        help="--check-json: the planner's draws per swept rate, for the crossings")  # fmt: skip
+    parser.add_argument("--workers", type=int, default=1, help="processes for the simulation (no cluster up)")
     args = parser.parse_args(argv)
     scenario = Scenario(load_calibration(args.calibration), ORPHEUS_TINY, sweep_workload())
     config = next(c for c in CONFIGS if c.name == args.config)
     if args.check_json is not None:
         return replay_check(args.check_json, scenario, config, Slo(args.ttfa_p90_s), len(args.seeds),
-                            _calibration_step_ms(args.calibration))  # fmt: skip
+                            _calibration_step_ms(args.calibration), args.planner_draws, args.workers)  # fmt: skip
     shape = shape_of(config)
     out = []
     for row in json.loads(args.loop_stalls.read_text()):
@@ -149,14 +152,35 @@ def main(argv: list[str] | None = None) -> list[dict]:
     return out
 
 
-def replay_check(path: Path, scenario: Scenario, config, slo: Slo, seeds: int, calibration_step_ms: float
-                 ) -> list[dict]:  # fmt: skip
+def replay_check(path: Path, scenario: Scenario, config, slo: Slo, seeds: int, calibration_step_ms: float,
+                 planner_draws: int = 0, workers: int = 1) -> list[dict]:  # fmt: skip
     """A plan_check sweep's kept draws replayed again (`plan_check.replay_steps`), at the calibration's speed and
-    at each draw's: the capacity the planner calls over the swept rates, and the draws it calls as served."""
-    from loadtest.plan_check import AT_DRAW_SPEED, REPLAY, replay_agreement, replay_steps, replayed_capacity
+    at each draw's: the capacity the planner calls over the swept rates, and the draws it calls as served. With
+    `planner_draws`, `--fixed-draws`' crossings too: the planner's own sweep-shaped draws at the swept rates, at the
+    calibration's speed and at each rate's draws' (written beside `path` as planner_draws_again.json)."""
+    from loadtest.plan_check import (
+        AT_DRAW_SPEED,
+        REPLAY,
+        crossing_report,
+        planner_draws_by_rate,
+        replay_agreement,
+        replay_steps,
+        replayed_capacity,
+        served_crossings,
+    )
 
-    steps = json.loads(path.read_text())["steps"]
-    replay_steps(steps, scenario, config, slo, SimOptions(seeds=seeds), calibration_step_ms)
+    check = json.loads(path.read_text())
+    steps, sim = check["steps"], SimOptions(seeds=seeds)
+    replay_steps(steps, scenario, config, slo, sim, calibration_step_ms, workers)
+    if planner_draws > 0:
+        cfg = check["config"]  # the sweep's: its rates, duration and cap on a draw's requests
+        rates = tuple(sorted(cfg["rates_rps"]))
+        first = planner_draws_by_rate(scenario, config, slo, sim, rates, cfg["duration_s"], planner_draws, workers,
+                                      cap=cfg["max_requests"])  # fmt: skip
+        crossings = served_crossings(steps, scenario, config, slo, sim, cfg["duration_s"], rates, first,
+                                     (check["draws"], planner_draws), calibration_step_ms, workers,
+                                     path.parent / "planner_draws_again.json")  # fmt: skip
+        print("\n".join(crossing_report([_crossing_result(config.name, crossings)])))
     out = []
     for key in (REPLAY, AT_DRAW_SPEED):
         capacity, is_floor = replayed_capacity(steps, key)
@@ -167,6 +191,12 @@ def replay_check(path: Path, scenario: Scenario, config, slo: Slo, seeds: int, c
               f"swept rates; {100 * agreement:.0f}% of the draws as served")  # fmt: skip
         out.append({"replay": key, "capacity_rps": capacity, "is_floor": is_floor, "agreement": agreement})
     return out
+
+
+def _crossing_result(name: str, crossings):  # -> plan_check.CheckResult, for its crossing table alone
+    from loadtest.plan_check import CheckResult
+
+    return CheckResult(name, 0.0, 0.0, (), crossings=crossings)
 
 
 def _calibration_step_ms(path: Path) -> float:

@@ -4,6 +4,8 @@ planner's own draws shaped as the sweep's (the sweep's arrivals and texts from t
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -68,7 +70,10 @@ def test_the_verdict_compares_the_two_crossings_and_says_when_one_is_outside():
                          crossings=Crossings(Crossing(1.1), Crossing(1.3), Crossing(1.2), None, 6, 16))  # fmt: skip
     assert inside.crossings.error == pytest.approx(0.2 / 1.1) and inside.verdict == "yes"
     lines = crossing_report([inside])
-    assert "| cpu-1x1-cap4 | 1.70 | 1.30 | 1.10 | 18% | yes | 1.20 | - | 6 / 16 |" in lines[3]
+    assert "| cpu-1x1-cap4 | 1.70 | 1.30 | 1.10 | 18% | yes | - | - | 1.20 | - | 6 / 16 |" in lines[3]
+    at_speed = replace(inside, crossings=replace(inside.crossings, planner_at_speed=Crossing(1.0)))
+    assert at_speed.crossings.error_at_speed == pytest.approx(0.1 / 1.1)
+    assert "| yes | 1.00 | 9% | 1.20 |" in crossing_report([at_speed])[3]
     far = CheckResult("cpu-1x1", 3.0, 2.0, (2.0,), crossings=Crossings(Crossing(1.0), Crossing(1.5)))
     assert far.verdict == "no"
     floor = CheckResult("cpu-1x1", 3.0, 2.0, (2.0,), crossings=Crossings(Crossing(2.0, ">="), Crossing(1.5)))

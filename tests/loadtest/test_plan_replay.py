@@ -89,3 +89,24 @@ def test_a_plan_check_sweep_is_replayed_again_from_its_json(scenario, tmp_path):
     assert [row["replay"] for row in out] == ["replay", "replay_at_draw_speed"]
     for row in out:  # the burst misses a 1 s p90 on 4 slots where it was served as met
         assert row["capacity_rps"] == 0.1 and not row["is_floor"] and row["agreement"] == 0.5
+
+
+def test_a_saved_fixed_draws_check_gets_its_crossings_again(scenario, tmp_path, capsys):
+    """`--check-json --planner-draws`: the planner's own sweep-shaped draws at the swept rates, at the calibration's
+    speed and at each rate's draws' (steps x2 here), beside the served draws' crossing; written beside the check."""
+    light = [served(10.0 * k, 0.3, chunks=20) for k in range(4)]
+    steps = [{"summary": {"rate_rps": rate}, "draw": 0, "met": met, "requests": light, "box_step_ms": 6.0}
+             for rate, met in ((0.2, True), (6.0, False))]  # fmt: skip
+    check = {"steps": steps, "draws": 1, "config": {"rates_rps": [0.2, 6.0], "duration_s": 20.0, "max_requests": 128}}
+    (tmp_path / "cpu-1x1-cap4.json").write_text(json.dumps(check))
+    calibration = tmp_path / "calibration.json"
+    calibration.write_text(json.dumps({**json.loads((CALIBRATION_DIR / "cpu-orpheus-tiny.json").read_text()),
+                                       "box_speed": {"step_ms": 3.0}}))  # fmt: skip
+    main(["--calibration", str(calibration), "--check-json", str(tmp_path / "cpu-1x1-cap4.json"),
+          "--config", "cpu-1x1-cap4", "--seeds", "0", "--planner-draws", "2"])  # fmt: skip
+    written = json.loads((tmp_path / "planner_draws_again.json").read_text())
+    assert written["scales"] == {"0.2": 2.0, "6.0": 2.0}
+    assert [d["met"] for d in written["calibration_speed"]["0.2"]] == [True, True]
+    assert [d["met"] for d in written["draws_speed"]["6.0"]] == [False, False]
+    table = capsys.readouterr().out.split("| config |")[1]
+    assert "| cpu-1x1-cap4 | 0.00 | " in table and "| 1 / 2 |" in table
