@@ -157,7 +157,8 @@ def replay_check(path: Path, scenario: Scenario, config, slo: Slo, seeds: int, c
     """A plan_check sweep's kept draws replayed again (`plan_check.replay_steps`), at the calibration's speed and
     at each draw's: the capacity the planner calls over the swept rates, and the draws it calls as served. With
     `planner_draws`, `--fixed-draws`' crossings too: the planner's own sweep-shaped draws at the swept rates, at the
-    calibration's speed and at each rate's draws' (written beside `path` as planner_draws_again.json)."""
+    calibration's speed and at each rate's draws' (written beside `path` as planner_draws_again.json); the replays
+    the check wrote are then kept, not run again."""
     from loadtest.plan_check import (
         AT_DRAW_SPEED,
         REPLAY,
@@ -171,7 +172,11 @@ def replay_check(path: Path, scenario: Scenario, config, slo: Slo, seeds: int, c
 
     check = json.loads(path.read_text())
     steps, sim = check["steps"], SimOptions(seeds=seeds)
-    replay_steps(steps, scenario, config, slo, sim, calibration_step_ms, workers)
+    if not planner_draws:
+        replay_steps(steps, scenario, config, slo, sim, calibration_step_ms, workers)
+    else:  # the replays the check wrote stand (the simulation is deterministic): only draws without them
+        pending = [step for step in steps if REPLAY not in step or AT_DRAW_SPEED not in step]
+        replay_steps(pending, scenario, config, slo, sim, calibration_step_ms, workers)
     if planner_draws > 0:
         cfg = check["config"]  # the sweep's: its rates, duration and cap on a draw's requests
         rates = tuple(sorted(cfg["rates_rps"]))

@@ -104,8 +104,10 @@ def time_moves(tensors: dict[str, dict[str, torch.Tensor]], repeats: int) -> dic
             if not label.startswith("KV"):
                 continue
             parcels = [ray.get(sender.parcel.remote(payload)) for _ in range(repeats + 1)]
-            ways = {"object_store": lambda p: receiver.from_object_store.remote(p),
-                    "courier (gloo)": lambda p, n=label: receiver.over_courier.remote(courier, p, f"{n}-{id(p)}")}
+            ways = {
+                "object_store": lambda p: receiver.from_object_store.remote(p),
+                "courier (gloo)": lambda p, n=label: receiver.over_courier.remote(courier, p, f"{n}-{id(p)}"),
+            }
             for way, read in ways.items():
                 times = [ray.get(read(parcel)) for parcel in parcels][1:]  # the first warms the path
                 results[way][label] = {"bytes": num_bytes(payload), "p50_ms": 1000 * statistics.median(times),

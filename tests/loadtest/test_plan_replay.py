@@ -95,8 +95,11 @@ def test_a_saved_fixed_draws_check_gets_its_crossings_again(scenario, tmp_path, 
     """`--check-json --planner-draws`: the planner's own sweep-shaped draws at the swept rates, at the calibration's
     speed and at each rate's draws' (steps x2 here), beside the served draws' crossing; written beside the check."""
     light = [served(10.0 * k, 0.3, chunks=20) for k in range(4)]
-    steps = [{"summary": {"rate_rps": rate}, "draw": 0, "met": met, "requests": light, "box_step_ms": 6.0}
-             for rate, met in ((0.2, True), (6.0, False))]  # fmt: skip
+    burst = [served(0.001 * k, 0.3, chunks=20) for k in range(8)]  # misses a 1 s p90 on 4 slots
+    steps = [{"summary": {"rate_rps": rate}, "draw": 0, "met": met, "requests": requests, "box_step_ms": 6.0}
+             for rate, met, requests in ((0.2, True, light), (6.0, False, burst))]  # fmt: skip
+    kept = {"met": False, "p90_ttfa_s": [9.0], "viable_pct": [50.0]}  # replays the check wrote: kept, not run again
+    steps[0] |= {"replay": kept, "replay_at_draw_speed": {**kept, "scale": 2.0}}
     check = {"steps": steps, "draws": 1, "config": {"rates_rps": [0.2, 6.0], "duration_s": 20.0, "max_requests": 128}}
     (tmp_path / "cpu-1x1-cap4.json").write_text(json.dumps(check))
     calibration = tmp_path / "calibration.json"
@@ -109,4 +112,7 @@ def test_a_saved_fixed_draws_check_gets_its_crossings_again(scenario, tmp_path, 
     assert [d["met"] for d in written["calibration_speed"]["0.2"]] == [True, True]
     assert [d["met"] for d in written["draws_speed"]["6.0"]] == [False, False]
     table = capsys.readouterr().out.split("| config |")[1]
-    assert "| cpu-1x1-cap4 | 0.00 | " in table and "| 1 / 2 |" in table
+    row = next(line for line in table.splitlines() if line.startswith("| cpu-1x1-cap4 |"))
+    served_crossing = row.split(" | ")[3]
+    assert served_crossing == "3.10"  # met at 0.2, missed at 6.0: halfway
+    assert row.endswith("| < 0.20 | < 0.20 | 1 / 2 |")  # the light draw's replays as the check wrote them (missed)
