@@ -79,6 +79,10 @@ def test_the_verdict_compares_the_two_crossings_and_says_when_one_is_outside():
     floor = CheckResult("cpu-1x1", 3.0, 2.0, (2.0,), crossings=Crossings(Crossing(2.0, ">="), Crossing(1.5)))
     assert floor.verdict == "no verdict: a crossing outside the swept rates"
     assert crossing_report([CheckResult("cpu-1x1", 3.0, 2.0, (2.0,))]) == []
+    assert far.majority_verdict == "no" and inside.majority_verdict == "no"  # 1.7 vs 1.0 by the majority rule
+    from loadtest.plan_check import report
+
+    assert "| 70% | no |" in report([inside])[2]  # the first table keeps the majority rule's verdict
 
 
 def test_the_planners_draws_send_what_the_sweep_sends_from_the_same_seed(monkeypatch):
