@@ -456,8 +456,7 @@ def _replay_draw(job: tuple) -> tuple[dict, dict | None]:
     replayed = replay_verdict(scenario, shape, requests, slo, sim)
     if scale <= 0:
         return replayed, None
-    at_speed = replace(sim, step_scale=scale, detok_scale=scale)
-    return replayed, {**replay_verdict(scenario, shape, requests, slo, at_speed), "scale": round(scale, 3)}
+    return replayed, {**replay_verdict(scenario, shape, requests, slo, _scaled(sim, scale)), "scale": round(scale, 3)}
 
 
 def on_workers(function, jobs: list, workers: int) -> list:
@@ -584,8 +583,9 @@ def planner_draws_by_rate(
     seeds = list(range(PLANNER_FIRST_SEED, PLANNER_FIRST_SEED + planner_draws))
     cap = cap or max_requests_for(rates, duration_s)
     scales = scales or {}
-    jobs = [(scenario, shape_of(config), rate, slo, duration_s, seeds, load_prompts(), _scaled(sim, scales.get(rate)),
-             cap) for rate in rates]  # fmt: skip
+    prompts, shape = load_prompts(), shape_of(config)
+    jobs = [(scenario, shape, rate, slo, duration_s, seeds, prompts, _scaled(sim, scales.get(rate)), cap)
+            for rate in rates]  # fmt: skip
     by_rate = dict(zip(rates, on_workers(_planner_rate, jobs, workers), strict=True))
     for rate, draws in by_rate.items():
         speed = f" at steps x{scales[rate]:.2f}" if scales.get(rate) else ""
@@ -595,6 +595,7 @@ def planner_draws_by_rate(
 
 
 def _scaled(sim: SimOptions, scale: float | None) -> SimOptions:
+    """`sim` with every LLM and detok step x `scale` (unchanged for None or 0)."""
     return replace(sim, step_scale=scale, detok_scale=scale) if scale else sim
 
 
@@ -606,7 +607,7 @@ def rate_speed_scales(steps: list[dict], calibration_step_ms: float) -> dict[flo
         scale = draw_speed_scale(step, calibration_step_ms)
         if scale > 0 and not step.get("redrawn"):
             by_rate.setdefault(step["summary"]["rate_rps"], []).append(scale)
-    return {rate: sum(values) / len(values) for rate, values in by_rate.items()}
+    return {rate: _mean(values) for rate, values in by_rate.items()}
 
 
 def _planner_rate(job: tuple) -> list[dict]:

@@ -172,11 +172,9 @@ def replay_check(path: Path, scenario: Scenario, config, slo: Slo, seeds: int, c
 
     check = json.loads(path.read_text())
     steps, sim = check["steps"], SimOptions(seeds=seeds)
-    if not planner_draws:
-        replay_steps(steps, scenario, config, slo, sim, calibration_step_ms, workers)
-    else:  # the replays the check wrote stand (the simulation is deterministic): only draws without them
-        pending = [step for step in steps if REPLAY not in step or AT_DRAW_SPEED not in step]
-        replay_steps(pending, scenario, config, slo, sim, calibration_step_ms, workers)
+    # with planner draws the replays the check wrote stand (the simulation is deterministic): only draws without them
+    pending = [step for step in steps if not planner_draws or REPLAY not in step or AT_DRAW_SPEED not in step]
+    replay_steps(pending, scenario, config, slo, sim, calibration_step_ms, workers)
     if planner_draws > 0:
         cfg = check["config"]  # the sweep's: its rates, duration and cap on a draw's requests
         rates = tuple(sorted(cfg["rates_rps"]))
