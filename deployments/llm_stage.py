@@ -730,10 +730,7 @@ class LLMStage:
         its voice's prompt positions included (known here, not to the Router), less its earlier turns when
         this replica kept their prompt."""
         adapter = self.side.engine.adapter
-        work = prompt_work(type(adapter), job)
-        voice_positions = adapter.voice_prompt_positions(job.voice)
-        if voice_positions:
-            work = dataclasses.replace(work, num_positions=work.num_positions + voice_positions)
+        work = prompt_work(type(adapter), job, adapter.voice_prompt_positions(job.voice))
         return work.on_replica_keeping(self.side.engine.scheduler.kept.keys())
 
     def _has_room(self) -> bool:

@@ -54,16 +54,20 @@ class PromptWork:
         )  # fmt: skip
 
 
-def prompt_work(lm: type[LMAdapter], job: Job) -> PromptWork:
-    """`job`'s prompt work for a family whose LM adapter is `lm` (its positions per audio second)."""
+def prompt_work(lm: type[LMAdapter], job: Job, voice_positions: int = 0) -> PromptWork:
+    """`job`'s prompt work for a family whose LM adapter is `lm` (its positions per audio second), with
+    `voice_positions` its voice's prompt adds (known on the replica: `LMAdapter.voice_prompt_positions`).
+    A guided job (CFG) prefills its hidden twin's prompt beside its own (`LMAdapter.twin_prompt_positions`)."""
     if not lm.takes_audio:
-        return PromptWork(lm.estimate_prompt_positions(job), 0.0, job.text_only, 0.0)
+        return PromptWork(guided_positions(lm, job, lm.estimate_prompt_positions(job) + voice_positions), 0.0,
+                          job.text_only, 0.0)  # fmt: skip
     last_s = job.audio.duration_s if job.audio is not None else 0.0
     if job.audio_tokens is not None:  # a streamed turn tokenized as it came: nothing left to encode
         last_s = 0.0
     earlier_s = sum(turn.audio.duration_s for turn in job.history if turn.audio is not None)  # encoded again
     front_end_s = earlier_s + (last_s if job.audio_features is None else 0.0)  # a streamed turn's came with it
-    work = PromptWork(lm.estimate_prompt_positions(job), last_s + earlier_s, job.text_only, front_end_s)
+    positions = guided_positions(lm, job, lm.estimate_prompt_positions(job) + voice_positions)
+    work = PromptWork(positions, last_s + earlier_s, job.text_only, front_end_s)
     earlier_key = earlier_turns_key(job) if lm.reuses_prompt_kv else None
     if earlier_key is None:
         return work
@@ -73,6 +77,14 @@ def prompt_work(lm: type[LMAdapter], job: Job) -> PromptWork:
     last_audio_s = sum(turn.audio.duration_s for turn in job.history[:-1] if turn.audio is not None)
     return dataclasses.replace(work, earlier_key=earlier_key, earlier_positions=lm.estimate_prompt_positions(last_job),
                                earlier_audio_s=last_audio_s)  # fmt: skip
+
+
+def guided_positions(lm: type[LMAdapter], job: Job, positions: int) -> int:
+    """`positions` of a job's own prompt, plus its CFG twin's where the job is guided (the engine queues a
+    twin for every job with a `guidance_scale`, and prefills both: `llm_stage.scheduler.unit_prefill_sizes`)."""
+    if job.sampling.guidance_scale is None:
+        return positions
+    return positions + lm.twin_prompt_positions(positions)
 
 
 def turns_key(system: str, turns: Sequence[ChatTurn]) -> str:

@@ -223,6 +223,13 @@ class LMAdapter(ABC):
         return 0
 
     @classmethod
+    def twin_prompt_positions(cls, positions: int) -> int:
+        """The prompt positions of a guided request's hidden twin (`unconditional_prompt`) when its own prompt
+        has `positions`: as many by default (Dia's zero text, Chatterbox's unconditional text and its voice
+        rows, are as long as the guided prompt)."""
+        return positions
+
+    @classmethod
     def estimate_prompt_positions(cls, job: Job) -> int:
         """The prompt positions `job` will take, estimated from the Job alone (no tokenizer, no weights:
         the Router's admission, before the job reaches a replica): its text and its earlier turns' at

@@ -185,6 +185,11 @@ class ParallelHeadsAdapter(LMAdapter):
         body = [self._text_position(i) for i in self.tokenizer.encode(text)]
         return [*body, self._frame((self.layout.bos_id,) * self.layout.num_streams)]
 
+    @classmethod
+    def twin_prompt_positions(cls, positions: int) -> int:
+        """The twin's prompt is two positions whatever the text (`unconditional_prompt`)."""
+        return 2
+
     def unconditional_prompt(self, text: str, voice: str | None) -> list[Token]:
         """The same framing with no text: text BOS, then the all-BOS audio position."""
         bos_frame = self._frame((self.layout.bos_id,) * self.layout.num_streams)

@@ -82,8 +82,10 @@ def test_every_chatterbox_prompt_is_charged_its_voices_conditioning_rows():
     prompt = adapter.job_prompt(job)
     text_positions = len(adapter._text_ids(TEXT)) + 2  # start/stop text, then two speech-start positions
     assert adapter.voice_prompt_positions(None) == len(prompt) - text_positions > 1
-    work = stage._prompt_work(job)
-    assert work.num_positions == prompt_work(type(adapter), job).num_positions + adapter.voice_prompt_positions(None)
+    work = stage._prompt_work(job)  # guided by default: its twin's prompt carries the voice rows too
+    estimate = type(adapter).estimate_prompt_positions(job)
+    assert job.sampling.guidance_scale is not None
+    assert work.num_positions == 2 * (estimate + adapter.voice_prompt_positions(None))
 
 
 def test_a_family_whose_lm_takes_no_voice_prompt_is_charged_the_routers_estimate():
