@@ -1,7 +1,7 @@
 """What one stream costs the box's CPUs beside the engines, measured on a real `voxray serve` (issue 40's
 planner calibration for clusters whose stages share the host's cores).
 
-Serves a configuration (`loadtest.plan_check.serve_config`, one LLM and one detok replica) as a process,
+Serves a configuration (`loadtest.plan_configs.serve_config`, one LLM and one detok replica) as a process,
 then sends the sweep's prompts one at a time (c=1, so every figure is the cost of work, not of waiting) in
 two sets, the shortest third and the longest third of the prompts (few and many chunks a stream), and reads
 the CPU time (user + system) of every process of the server's tree and of this client before and after each
@@ -250,7 +250,7 @@ def measure(config, scratch: Path, requests: int, idle_spells: int = IDLE_SPELLS
 
 
 def main(argv: list[str] | None = None) -> HostCost:
-    from loadtest.plan_check import CONFIGS, serve_config
+    from loadtest.plan_configs import CONFIGS, serve_config
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench_out/host_cost"))

@@ -309,7 +309,8 @@ def read_traces(since_s: float, app_name: str = "voxray", calls: int = READ_CALL
 def measure(config_name: str, rates: tuple[float, ...], duration_s: float, out: Path, line_ms=None) -> list[dict]:
     """Serve `config_name` (a plan_check configuration), sweep each rate alone and summarize the loops."""
     from loadtest.cluster_process import join_cluster, leave_cluster, running_server
-    from loadtest.plan_check import CONFIGS, BoxCpu, serve_config
+    from loadtest.plan_configs import CONFIGS, serve_config
+    from loadtest.plan_served import BoxCpu
     from loadtest.sweep import SweepConfig, run_sweep, wait_ready
 
     config = next(c for c in CONFIGS if c.name == config_name)

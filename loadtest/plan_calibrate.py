@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> dict:
     from cluster.planner.predict import Scenario
     from cluster.planner.search import zero_load_ttfa_s
     from loadtest.host_fit import report
-    from loadtest.plan_check import CONFIGS, ORPHEUS_TINY, serve_config, sweep_workload
+    from loadtest.plan_configs import CONFIGS, ORPHEUS_TINY, serve_config, sweep_workload
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench_out/plan_calibration.json"))

@@ -16,6 +16,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from cluster.planner.search import majority_meets
+
 HALF = 0.5
 
 
@@ -87,3 +89,13 @@ def relative_error(predicted: Crossing | None, measured: Crossing | None) -> flo
     if predicted is None or measured is None or not (predicted.is_inside and measured.is_inside):
         return None
     return abs(predicted.rps - measured.rps) / measured.rps
+
+
+def capacity_by_majority(by_rate: dict[float, list[bool]]) -> tuple[float, bool]:
+    """The highest rate whose draws mostly meet, with every lower rate's meeting too; and whether every rate's did."""
+    capacity = 0.0
+    for rate in sorted(by_rate):
+        if not majority_meets(by_rate[rate], len(by_rate[rate])):
+            return capacity, False
+        capacity = rate
+    return capacity, bool(by_rate)

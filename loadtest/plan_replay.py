@@ -26,7 +26,7 @@ from cluster.planner.predict import Scenario, finish, first_heard_s, heard_s, pe
 from cluster.planner.search import Slo, majority_meets
 from cluster.planner.simulate import ClusterShape, SimOptions
 from cluster.planner.workload import Streams
-from loadtest.plan_check import CONFIGS, ORPHEUS_TINY, shape_of, sweep_workload
+from loadtest.plan_configs import CONFIGS, ORPHEUS_TINY, shape_of, sweep_workload
 
 
 def served_streams(streams: list[dict], scenario: Scenario) -> tuple[Streams, np.ndarray]:
@@ -154,15 +154,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 def replay_check(path: Path, scenario: Scenario, config, slo: Slo, seeds: int, calibration_step_ms: float,
                  planner_draws: int = 0, workers: int = 1) -> list[dict]:  # fmt: skip
-    """A plan_check sweep's kept draws replayed again (`plan_check.replay_steps`), at the calibration's speed and
+    """A plan_check sweep's kept draws replayed again (`plan_draws.replay_steps`), at the calibration's speed and
     at each draw's: the capacity the planner calls over the swept rates, and the draws it calls as served. With
     `planner_draws`, `--fixed-draws`' crossings too: the planner's own sweep-shaped draws at the swept rates, at the
     calibration's speed and at each rate's draws' (written beside `path` as planner_draws_again.json); the replays
     the check wrote are then kept, not run again."""
-    from loadtest.plan_check import (
+    from loadtest.plan_check import crossing_report
+    from loadtest.plan_draws import (
         AT_DRAW_SPEED,
         REPLAY,
-        crossing_report,
         planner_draws_by_rate,
         replay_agreement,
         replay_steps,

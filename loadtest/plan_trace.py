@@ -20,7 +20,7 @@ from cluster.planner.predict import Scenario, finish, run_llm
 from cluster.planner.search import DEFAULT_MAX_STARTING
 from cluster.planner.shared_cores import BIN_S
 from cluster.planner.simulate import ClusterShape, SimOptions
-from loadtest.plan_check import CONFIGS, ORPHEUS_TINY, CheckConfig, sweep_workload
+from loadtest.plan_configs import CONFIGS, ORPHEUS_TINY, CheckConfig, sweep_workload
 
 
 def trace_rate(scenario: Scenario, config: CheckConfig, rps: float, seed: int,

@@ -30,16 +30,9 @@ from loadtest.plan_calibrate import (
     serving_loop_table,
     with_assumptions,
 )
-from loadtest.plan_check import (
-    CONFIGS,
-    ORPHEUS_TINY,
-    BoxCpu,
-    CheckResult,
-    predicted_rps,
-    report,
-    sweep_workload,
-    swept_rates,
-)
+from loadtest.plan_check import CheckResult, predicted_rps, report, swept_rates
+from loadtest.plan_configs import CONFIGS, ORPHEUS_TINY, sweep_workload
+from loadtest.plan_served import BoxCpu
 from loadtest.workload import MAX_FRAMES, MIN_FRAMES, ORPHEUS_FRAME_RATE_HZ, load_prompts, max_tokens_for
 
 
@@ -192,7 +185,7 @@ def test_the_other_tenants_cores_are_the_boxs_busy_cpu_less_ours():
 
 
 def test_the_box_speed_is_read_at_the_draws_that_decided_the_capacity():
-    from loadtest.plan_check import deciding_draws
+    from loadtest.plan_served import deciding_draws
 
     def step(rate: float, units: float) -> dict:
         return {"summary": {"rate_rps": rate}, "box_units_per_s": units, "box_step_ms": 1000 / units}
@@ -204,7 +197,7 @@ def test_the_box_speed_is_read_at_the_draws_that_decided_the_capacity():
 
 
 def test_a_draw_on_an_off_speed_box_runs_again_with_its_seed():
-    from loadtest.plan_check import MAX_REDRAWS, deciding_draws, on_speed, rate_verdict
+    from loadtest.plan_served import MAX_REDRAWS, deciding_draws, on_speed, rate_verdict
 
     assert on_speed({"box_step_ms": 3.1}, 3.0) and not on_speed({"box_step_ms": 3.6}, 3.0)
     assert on_speed({"box_step_ms": 3.6}, 0.0) and on_speed({}, 3.0)  # unprobed: kept as before
@@ -444,7 +437,7 @@ def test_the_check_reports_the_range_and_whether_the_measured_capacity_is_in_it(
 
 def test_a_draw_reports_the_rate_it_really_offered():
     """Run i's cap4 draw at a nominal 1.229 req/s sent 89 requests in its 60 s: it offered 1.21x the rate."""
-    from loadtest.plan_check import offered_rps
+    from loadtest.plan_served import offered_rps
 
     assert offered_rps(89, 60.0) / 1.229 == pytest.approx(1.207, abs=1e-3)
     assert offered_rps(5, 0.0) == 0.0
@@ -453,7 +446,8 @@ def test_a_draw_reports_the_rate_it_really_offered():
 def test_the_planner_on_the_checks_own_draws_gives_a_capacity_and_an_agreement():
     """Each served draw replayed through the planner (`replay`): the capacity it calls over the swept rates,
     a floor where it meets every rate swept, and the share of draws it called as served; the table shows both."""
-    from loadtest.plan_check import replay_agreement, replayed_capacity, replayed_cell, report
+    from loadtest.plan_check import replayed_cell, report
+    from loadtest.plan_draws import replay_agreement, replayed_capacity
 
     def step(rate: float, served: bool, replayed: bool | None, redrawn: bool = False) -> dict:
         row = {"summary": {"rate_rps": rate}, "met": served, **({"redrawn": True} if redrawn else {})}
@@ -488,7 +482,7 @@ def test_the_planner_on_the_checks_own_draws_gives_a_capacity_and_an_agreement()
 def test_replayed_draws_are_written_with_the_planners_call():
     """`replay_steps` replays every kept draw that kept its streams and leaves redrawn ones alone."""
     from cluster.planner.calibration import CALIBRATION_DIR, load_calibration
-    from loadtest.plan_check import replay_steps
+    from loadtest.plan_draws import replay_steps
 
     scenario = Scenario(load_calibration(CALIBRATION_DIR / "cpu-orpheus-tiny.json"), ORPHEUS_TINY, sweep_workload())
     frame_s = 2048 / 24_000
@@ -507,7 +501,7 @@ def test_a_draw_is_replayed_at_its_own_speed_too():
     """With the calibration's LLM step probe, each draw is replayed again with its steps scaled to the box's speed
     probed around it: the same light arrivals meet at the calibration's speed and miss on a box 30x slower."""
     from cluster.planner.calibration import CALIBRATION_DIR, load_calibration
-    from loadtest.plan_check import draw_speed_scale, replay_steps
+    from loadtest.plan_draws import draw_speed_scale, replay_steps
 
     assert draw_speed_scale({"box_step_ms": 3.3}, 3.0) == pytest.approx(1.1)
     assert draw_speed_scale({}, 3.0) == 0.0 and draw_speed_scale({"box_step_ms": 3.3}, 0.0) == 0.0

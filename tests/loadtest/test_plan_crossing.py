@@ -12,17 +12,17 @@ import pytest
 from cluster.planner.calibration import CALIBRATION_DIR, load_calibration
 from cluster.planner.predict import Scenario
 from cluster.planner.search import Slo
-from loadtest.plan_check import (
-    CONFIGS,
-    ORPHEUS_TINY,
-    CheckResult,
-    Crossings,
+from loadtest.plan_check import CheckResult, crossing_report
+from loadtest.plan_configs import CONFIGS, ORPHEUS_TINY, shape_of, sweep_workload
+from loadtest.plan_crossing import (
+    Crossing,
     capacity_by_majority,
-    crossing_report,
-    shape_of,
-    sweep_workload,
+    half_crossing,
+    non_increasing_fit,
+    relative_error,
+    verdicts_by_rate,
 )
-from loadtest.plan_crossing import Crossing, half_crossing, non_increasing_fit, relative_error, verdicts_by_rate
+from loadtest.plan_draws import Crossings
 from loadtest.plan_replay import planner_sweep_draws, sweep_shaped_streams
 
 T, F = True, False
@@ -121,7 +121,7 @@ def test_the_planner_meets_a_light_sweep_shaped_load_and_misses_a_flood():
 
 
 def test_the_served_rates_are_the_grids_around_where_half_the_planners_draws_meet():
-    from loadtest.plan_check import rates_around
+    from loadtest.plan_draws import rates_around
 
     grid = (1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.4, 2.8)
     assert rates_around(grid, Crossing(1.7)) == (1.2, 1.4, 1.6, 1.8, 2.0)  # 0.7-1.35 x 1.7: 1.19-2.295
@@ -132,6 +132,6 @@ def test_the_served_rates_are_the_grids_around_where_half_the_planners_draws_mee
 
 
 def test_the_simulations_cpu_work_runs_on_processes_in_order():
-    from loadtest.plan_check import on_workers
+    from loadtest.plan_draws import on_workers
 
     assert on_workers(abs, [-1, -2, 3, -4], 2) == [1, 2, 3, 4] == on_workers(abs, [-1, -2, 3, -4], 1)

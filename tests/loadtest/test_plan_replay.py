@@ -13,7 +13,7 @@ from cluster.planner.calibration import CALIBRATION_DIR, load_calibration
 from cluster.planner.predict import Scenario
 from cluster.planner.search import Slo
 from cluster.planner.simulate import SimOptions
-from loadtest.plan_check import CONFIGS, ORPHEUS_TINY, shape_of, sweep_workload
+from loadtest.plan_configs import CONFIGS, ORPHEUS_TINY, shape_of, sweep_workload
 from loadtest.plan_replay import main, replay, replay_verdict, served_streams
 
 FRAME_S = 2048 / 24_000  # SNAC's frame at 24 kHz
