@@ -236,16 +236,29 @@ def _batch(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     """`voxray plan`: replicas per stage and GPUs for N streams at a p90 TTFA, from measured stage costs."""
-    from cluster.planner.command import SWEEP_STREAMS, PlanRequest, describe_calibration, plan_report, scenario_for
+    from cluster.planner.command import (
+        DEFAULT_DRAW_S,
+        SWEEP_STREAMS,
+        PlanRequest,
+        describe_calibration,
+        plan_report,
+        scenario_for,
+    )
 
     request = PlanRequest(
         model=args.model, gpu=args.gpu, streams=args.streams, ttfa_p90_s=args.ttfa_p90_s,
         min_viable_pct=args.min_viable_pct, sweep=tuple(args.sweep_streams or SWEEP_STREAMS) if args.sweep else (),
         llm_replicas=args.llm_replicas, detok_replicas=args.detok_replicas, text_chars=tuple(args.text_chars),
-        step_scale=args.step_scale, seed=args.seed, seeds=args.seeds, calibration=args.calibration,
-        max_starting=args.max_starting,
+        step_scale=args.step_scale, seed=args.seed, seeds=args.seeds,
+        draw_s=DEFAULT_DRAW_S if args.draw_s is None else args.draw_s,
+        calibration=args.calibration, max_starting=args.max_starting,
     )  # fmt: skip
-    print("\n".join(plan_report(request)))
+    def progress(plan) -> None:  # a sweep takes minutes: each load on stderr as it is sized
+        print(f"voxray plan: {plan.streams} streams: {plan.llm_replicas} LLM + {plan.detok_replicas} detok replicas "
+              f"({time.monotonic() - start_s:.0f} s)", file=sys.stderr, flush=True)  # fmt: skip
+
+    start_s = time.monotonic()
+    print("\n".join(plan_report(request, progress)))
     if args.sources:
         print("sources:\n" + "\n".join(describe_calibration(scenario_for(request).calib)))
     return 0
@@ -397,6 +410,10 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--seed", type=int, default=0)
     plan.add_argument("--seeds", type=int, default=1,
                       help="sizing: Poisson draws per load (seed, seed + 1, ...); a load must meet the SLO in most")
+    plan.add_argument("--draw-s", type=float, default=None,
+                      help="seconds of arrivals per draw (default 90) from an empty cluster, every one measured, as "
+                           "the load test measures a rate (the shape checked against the cluster); 0: a steady "
+                           "window (warm-up, 100 arrivals, a tail)")  # fmt: skip
     plan.add_argument(
         "--max-starting",
         type=int,

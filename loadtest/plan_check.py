@@ -6,7 +6,8 @@ replica's cost per chunk and the host's CPU per stream and per chunk with the id
 section: every stage shares the 2 cores); none of it from the check's sweeps, so nothing is fitted to the
 capacities it then predicts. For each configuration: (2) predict the capacity at SLO
 with `cluster.planner` on the sweep's own prompt mix (its frames per prompt, clamped as `loadtest.workload`
-clamps them), in req/s = streams / mean audio seconds; (3) measure it: `voxray serve` of the configuration
+clamps them), each load judged on draws of `--duration-s` from an empty cluster as the sweep's (`voxray plan`'s
+search with `--draw-s`), in req/s = streams / mean audio seconds; (3) measure it: `voxray serve` of the configuration
 as a process (`loadtest.cluster_process`) and the sweep's open-loop rates around the prediction, each rate
 decided by most of `--draws` Poisson draws (as the planner decides a load by most of its `--seeds`); (4) the
 verdict: |predicted - measured| / measured <= 25%, or none where the box's speed around the draws moved
@@ -293,7 +294,7 @@ def main(argv: list[str] | None = None) -> None:
     scenario = Scenario(_calibration(args), ORPHEUS_TINY, sweep_workload())
     slo = Slo(args.ttfa_p90_s)
     chosen = [c for c in CONFIGS if c.name in args.configs]
-    sim = SimOptions(seeds=args.seeds)
+    sim = SimOptions(seeds=args.seeds, draw_s=args.duration_s)  # the planner judges a load on draws as the sweep's
     if args.predict_only:
         for config in chosen:
             print(predicted_line(scenario, config, slo, sim))

@@ -7,6 +7,7 @@ A calibration with a `host_range` adds one line: the same plans on its cheapest 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,9 @@ from cluster.planner.workload import ModelRates, Workload
 from core.errors import InvalidArgumentError
 
 SWEEP_STREAMS = (10, 30, 100, 300, 1000, 3000, 10000)
+# a draw: 90 s of arrivals from an empty cluster, as `loadtest.sweep` measures a rate (`--duration-s 90` in
+# `loadtest.plan_check`, whose crossings the planner met within 25% on this shape: BENCHMARKS)
+DEFAULT_DRAW_S = 90.0
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,7 @@ class PlanRequest:
     step_scale: float = 1.0
     seed: int = 0
     seeds: int = 1  # Poisson draws per load when sizing: a load meets the SLO in most of them
+    draw_s: float = DEFAULT_DRAW_S  # each draw's seconds of arrivals from an empty cluster (0: a steady window)
     calibration: Path | None = None  # a calibration file instead of --gpu / --model's bundled one
     max_starting: int = DEFAULT_MAX_STARTING  # admission.max_starting_per_replica (0: no start limit)
 
@@ -50,6 +55,8 @@ class PlanRequest:
         _positive("ttfa_p90_s", self.ttfa_p90_s)
         _positive("step_scale", self.step_scale)
         _positive("seeds", self.seeds)
+        if self.draw_s < 0:
+            raise InvalidArgumentError("draw_s", f"must be >= 0 (0: a steady window), got {self.draw_s}")
         if self.max_starting < 0:
             raise InvalidArgumentError("max_starting", f"must be >= 0 (0: no start limit), got {self.max_starting}")
         if not 0 < self.min_viable_pct <= 100:
@@ -85,25 +92,34 @@ def scenario_for(request: PlanRequest) -> Scenario:
     return Scenario(calib, rates, Workload(text_chars=request.text_chars))
 
 
-def plan_report(request: PlanRequest) -> list[str]:
+def plan_report(request: PlanRequest, progress: Callable[[Plan], None] | None = None) -> list[str]:
+    """The report's lines; `progress` is told each load's plan as it is found (a sweep takes minutes)."""
     request.check()
     scenario = scenario_for(request)
     slo = Slo(request.ttfa_p90_s, request.min_viable_pct)
-    sim = SimOptions(seed=request.seed, step_scale=request.step_scale, seeds=request.seeds)
+    sim = SimOptions(seed=request.seed, step_scale=request.step_scale, seeds=request.seeds, draw_s=request.draw_s)
     lines = header(scenario, request, slo, sim)
-    plans = plans_for(scenario, request, slo, sim)
+    plans = plans_for(scenario, request, slo, sim, progress)
     return lines + table(plans, slo) + host_range_lines(scenario, request, slo, sim)
 
 
-def plans_for(scenario: Scenario, request: PlanRequest, slo: Slo, sim: SimOptions) -> list[Plan]:
+def plans_for(scenario: Scenario, request: PlanRequest, slo: Slo, sim: SimOptions,
+              progress: Callable[[Plan], None] | None = None) -> list[Plan]:  # fmt: skip
     """At each load: the given cluster predicted (where its bottleneck moves), else the cluster sized."""
     loads = request.sweep or (request.streams,)
-    if request.llm_replicas is not None:
-        shape = ClusterShape(request.llm_replicas, request.detok_replicas, scenario.calib.max_streams_per_replica,
-                             request.max_starting)  # fmt: skip
-        return [Plan(n, shape.llm_replicas, shape.detok_replicas, predict(scenario, n, shape, sim)) for n in loads]
-    options = SearchOptions(sim=sim, max_starting_per_replica=request.max_starting)
-    return [size_cluster(scenario, n, slo, options) for n in loads]
+    plans = []
+    for streams in loads:
+        if request.llm_replicas is not None:
+            shape = ClusterShape(request.llm_replicas, request.detok_replicas, scenario.calib.max_streams_per_replica,
+                                 request.max_starting)  # fmt: skip
+            plan = Plan(streams, shape.llm_replicas, shape.detok_replicas, predict(scenario, streams, shape, sim))
+        else:
+            options = SearchOptions(sim=sim, max_starting_per_replica=request.max_starting)
+            plan = size_cluster(scenario, streams, slo, options)
+        plans.append(plan)
+        if progress is not None:
+            progress(plan)
+    return plans
 
 
 def host_range_lines(scenario: Scenario, request: PlanRequest, slo: Slo, sim: SimOptions) -> list[str]:
@@ -137,11 +153,21 @@ def header(scenario: Scenario, request: PlanRequest, slo: Slo, sim: SimOptions) 
         f"SLO: p90 TTFA <= {slo.ttfa_p90_s:.3f} s and >= {slo.min_viable_pct:g}% of streams viable; "
         f"streams of {audio_s:.1f} s of audio on average (Poisson arrivals, rate = streams / {audio_s:.1f} s)",
         f"calibration: {source}",
+        draw_line(sim),
         f"zero-load TTFA {zero_load_ttfa_s(scenario, sim):.3f} s; real-time rows per LLM replica "
         f"{real_time_rows(scenario, sim)} of {calib.max_streams_per_replica} slots; "
         f"{request.max_starting or 'any number of'} streams starting at once per replica; 1 replica = 1 GPU"
         + (f"; every LLM step x{request.step_scale:g}" if request.step_scale != 1.0 else ""),
     ]
+
+
+def draw_line(sim: SimOptions) -> str:
+    """How a load is judged: the draws' shape and how many must meet."""
+    many = sim.seeds > 1
+    draws = f"{sim.seeds} Poisson draw{'s' if many else ''} per load ({'most' if many else 'it'} must meet)"
+    if sim.draw_s > 0:
+        return f"{draws}, each {sim.draw_s:g} s of arrivals from an empty cluster, all measured (as the load test)"
+    return f"{draws}, each a steady window (warm-up, >= {sim.min_measured} arrivals measured, a tail)"
 
 
 COLUMNS = ("streams", "LLM", "detok", "GPUs", "streams/GPU", "p50 TTFA s", "p90 TTFA s", "viable %", "refused %",

@@ -57,7 +57,8 @@ def run_llm(scenario: Scenario, streams_in_flight: float, shape: ClusterShape, o
     """The LLM pass, `options.passes` times: each later pass holds slots and starts for the delivery times
     the detok stage (`shape.detok_replicas`) and hops gave the pass before, and, where the stages share the
     host's cores, steps at the speed the pass before's detok work and host work left it."""
-    streams = make_streams(streams_in_flight, scenario.workload, scenario.rates, options.seed, options.min_measured)
+    streams = make_streams(streams_in_flight, scenario.workload, scenario.rates, options.seed, options.min_measured,
+                           options.draw_s)  # fmt: skip
     return run_llm_on(scenario, streams, shape, options)
 
 

@@ -75,6 +75,9 @@ class SimOptions:
     step_scale: float = 1.0  # x every LLM step: what-if for a slower / faster device
     detok_scale: float = 1.0
     min_measured: int = 100  # the measurement window lasts until this many streams arrived in it
+    # > 0: each draw is a load test's (`workload.make_streams`): this many seconds of arrivals from an empty
+    # cluster, all measured, no tail; 0: the steady window (warm-up, `min_measured` arrivals, a tail)
+    draw_s: float = 0.0
     # LLM passes: the first takes each chunk's delivery as the hops and one detok step, each later one the
     # delivery the pass before measured (a slot and a start are held until audio is delivered) and, with
     # shared cores, the other stage's busy time; 0: 2, or 3 with shared cores (the stages' contention settles)

@@ -78,17 +78,24 @@ class Streams:
 
 
 def make_streams(
-    concurrent: float, workload: Workload, rates: ModelRates, seed: int, min_measured: int = 100
+    concurrent: float, workload: Workload, rates: ModelRates, seed: int, min_measured: int = 100, draw_s: float = 0.0
 ) -> Streams:
-    """Arrivals at rate = `concurrent` / mean stream seconds over warm-up (one mean stream), a measurement
-    window (one mean stream, longer until `min_measured` arrivals) and a tail that keeps the load on."""
+    """Arrivals at rate = `concurrent` / mean stream seconds. `draw_s` 0 (steady): over warm-up (one mean
+    stream), a measurement window (one mean stream, longer until `min_measured` arrivals) and a tail that keeps
+    the load on. `draw_s` > 0 (a load test's draw): over `draw_s` seconds from an empty cluster, every arrival
+    measured, no tail, as `loadtest.sweep` measures one rate (the shape `loadtest.plan_check` checks)."""
     if concurrent <= 0:
         raise InvalidArgumentError("streams", f"must be > 0, got {concurrent}")
+    if draw_s < 0:
+        raise InvalidArgumentError("draw_s", f"must be >= 0 (0: the steady window), got {draw_s}")
     stream_s = workload.mean_audio_s(rates)
     rate = concurrent / stream_s
-    warmup_s = stream_s
-    measure_s = max(stream_s, min_measured / rate)
-    horizon_s = warmup_s + measure_s + 1.5 * stream_s
+    if draw_s > 0:
+        warmup_s, measure_s, horizon_s = 0.0, draw_s, draw_s
+    else:
+        warmup_s = stream_s
+        measure_s = max(stream_s, min_measured / rate)
+        horizon_s = warmup_s + measure_s + 1.5 * stream_s
     rng = np.random.default_rng(seed)
     count = int(rng.poisson(rate * horizon_s)) + 1
     arrival_s = np.sort(rng.uniform(0.0, horizon_s, count))

@@ -6,7 +6,8 @@ import pytest
 
 from cluster.cli import main
 
-CPU = ["plan", "--gpu", "cpu", "--model", "orpheus-tiny", "--text-chars", "30", "--ttfa-p90-s", "1.0"]
+CPU_PRESET = ["plan", "--gpu", "cpu", "--model", "orpheus-tiny", "--text-chars", "30", "--ttfa-p90-s", "1.0"]
+CPU = [*CPU_PRESET, "--draw-s", "20"]  # short draws: the CPU preset's shared cores simulate slowly
 
 
 def table_rows(out: str) -> list[list[str]]:
@@ -47,6 +48,18 @@ def test_the_start_limit_is_admissions_unless_told(capsys):
     assert "4 streams starting at once per replica" in capsys.readouterr().out
     assert main([*CPU, *given, "--max-starting", "0"]) == 0
     assert "any number of streams starting at once per replica" in capsys.readouterr().out
+
+
+def test_a_load_is_judged_on_load_test_draws_unless_told(capsys):
+    """By default each draw is 90 s of arrivals from an empty cluster, as the load test measures a rate (the
+    shape `loadtest.plan_check` checked against the cluster); --draw-s 0 takes the steady window."""
+    given = ["--llm-replicas", "1", "--detok-replicas", "1", "--streams", "2"]
+    assert main([*CPU_PRESET, *given, "--seeds", "3"]) == 0
+    printed = capsys.readouterr()
+    assert "3 Poisson draws per load (most must meet), each 90 s of arrivals from an empty cluster" in printed.out
+    assert "voxray plan: 2 streams: 1 LLM + 1 detok replicas (" in printed.err  # progress, load by load
+    assert main([*CPU_PRESET, *given, "--draw-s", "0"]) == 0
+    assert "1 Poisson draw per load (it must meet), each a steady window" in capsys.readouterr().out
 
 
 def test_sources_lists_where_the_figures_came_from(capsys):
@@ -101,6 +114,7 @@ def test_a_calibration_with_a_host_range_adds_the_plans_on_its_cheapest_and_dear
         (["--sweep", "--sweep-streams", "10", "-5"], "sweep_streams"),
         (["--calibration", "/nonexistent/planner.json"], "calibration"),
         (["--max-starting", "-1"], "max_starting"),
+        (["--draw-s", "-1"], "draw_s"),
     ],
 )
 def test_bad_input_is_one_line_naming_the_field(capsys, flags, field):

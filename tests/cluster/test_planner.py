@@ -15,7 +15,7 @@ from cluster.planner.calibration import CALIBRATION_DIR, available, find_calibra
 from cluster.planner.predict import Scenario, predict
 from cluster.planner.search import Slo, capacity_streams, majority_meets, meets_slo, size_cluster, zero_load_ttfa_s
 from cluster.planner.simulate import ClusterShape, SimOptions
-from cluster.planner.workload import ChunkRule, ModelRates, Workload
+from cluster.planner.workload import ChunkRule, ModelRates, Workload, make_streams
 from core.config import DetokConfig
 from core.errors import InvalidArgumentError
 from llm_stage.registry import load_family
@@ -157,6 +157,24 @@ def test_a_load_meets_the_slo_when_most_poisson_draws_do(monkeypatch):
     tried.clear()
     meeting = set()  # one seed: that draw alone
     assert not meets_slo(None, 4.0, shape, slo, SimOptions(seed=10)) and tried == [10]
+
+
+def test_a_load_test_draw_runs_from_an_empty_cluster_measures_every_arrival_and_has_no_tail():
+    """`draw_s` > 0: arrivals over that span only, all measured (as `loadtest.sweep` measures a rate); 0: a
+    warm-up and a tail around a window of at least `min_measured` arrivals."""
+    scenario = small_scenario()
+    workload, rates = scenario.workload, scenario.rates
+    rate = 6.0 / workload.mean_audio_s(rates)
+    draw = make_streams(6.0, workload, rates, seed=3, draw_s=60.0)
+    assert draw.is_measured.all() and draw.arrival_s.min() >= 0 and draw.arrival_s.max() < 60.0
+    assert abs(draw.count - rate * 60.0) < 4 * (rate * 60.0) ** 0.5  # Poisson at the load's rate
+    steady = make_streams(6.0, workload, rates, seed=3, min_measured=20)
+    measured = steady.arrival_s[steady.is_measured]
+    assert not steady.is_measured.all() and measured.min() >= workload.mean_audio_s(rates) and len(measured) >= 10
+    assert steady.arrival_s.max() > measured.max()  # the tail keeps the load on after the window
+    with pytest.raises(InvalidArgumentError) as err:
+        make_streams(6.0, workload, rates, seed=3, draw_s=-1.0)
+    assert err.value.field == "draw_s"
 
 
 def test_doubling_replicas_doubles_capacity():
