@@ -408,8 +408,10 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--text-chars", type=int, nargs="+", default=[110], help="request texts' lengths (~15 chars/s)")
     plan.add_argument("--step-scale", type=float, default=1.0, help="what-if: every LLM step x this")
     plan.add_argument("--seed", type=int, default=0)
-    plan.add_argument("--seeds", type=int, default=1,
-                      help="sizing: Poisson draws per load (seed, seed + 1, ...); a load must meet the SLO in most")
+    plan.add_argument("--seeds", type=int, default=0,
+                      help="sizing: Poisson draws per load (seed, seed + 1, ...); a load must meet the SLO in most "
+                           "(0: as many as hold 2,000 arrivals together, at most 13: a few replicas' capacity "
+                           "swings +-30%% over one draw's bursts)")  # fmt: skip
     plan.add_argument("--draw-s", type=float, default=None,
                       help="seconds of arrivals per draw (default 90) from an empty cluster, every one measured, as "
                            "the load test measures a rate (the shape checked against the cluster); 0: a steady "

@@ -14,7 +14,9 @@ from pathlib import Path
 from cluster.planner.calibration import CALIBRATION_DIR, Calibration, find_calibration, load_calibration
 from cluster.planner.predict import Scenario, predict
 from cluster.planner.search import (
+    AUTO_ARRIVALS,
     DEFAULT_MAX_STARTING,
+    MAX_AUTO_DRAWS,
     Plan,
     SearchOptions,
     Slo,
@@ -45,7 +47,7 @@ class PlanRequest:
     text_chars: tuple[int, ...] = Workload.text_chars
     step_scale: float = 1.0
     seed: int = 0
-    seeds: int = 1  # Poisson draws per load when sizing: a load meets the SLO in most of them
+    seeds: int = 0  # Poisson draws per load when sizing: a load meets the SLO in most (0: `search.draws_for`'s)
     draw_s: float = DEFAULT_DRAW_S  # each draw's seconds of arrivals from an empty cluster (0: a steady window)
     calibration: Path | None = None  # a calibration file instead of --gpu / --model's bundled one
     max_starting: int = DEFAULT_MAX_STARTING  # admission.max_starting_per_replica (0: no start limit)
@@ -54,7 +56,9 @@ class PlanRequest:
         _positive("streams", self.streams)
         _positive("ttfa_p90_s", self.ttfa_p90_s)
         _positive("step_scale", self.step_scale)
-        _positive("seeds", self.seeds)
+        if self.seeds < 0:
+            raise InvalidArgumentError("seeds", f"must be >= 0 (0: draws for {AUTO_ARRIVALS} arrivals), got "
+                                                f"{self.seeds}")  # fmt: skip
         if self.draw_s < 0:
             raise InvalidArgumentError("draw_s", f"must be >= 0 (0: a steady window), got {self.draw_s}")
         if self.max_starting < 0:
@@ -153,7 +157,7 @@ def header(scenario: Scenario, request: PlanRequest, slo: Slo, sim: SimOptions) 
         f"SLO: p90 TTFA <= {slo.ttfa_p90_s:.3f} s and >= {slo.min_viable_pct:g}% of streams viable; "
         f"streams of {audio_s:.1f} s of audio on average (Poisson arrivals, rate = streams / {audio_s:.1f} s)",
         f"calibration: {source}",
-        draw_line(sim),
+        draw_line(sim, sizing=request.llm_replicas is None),
         f"zero-load TTFA {zero_load_ttfa_s(scenario, sim):.3f} s; real-time rows per LLM replica "
         f"{real_time_rows(scenario, sim)} of {calib.max_streams_per_replica} slots; "
         f"{request.max_starting or 'any number of'} streams starting at once per replica; 1 replica = 1 GPU"
@@ -161,10 +165,16 @@ def header(scenario: Scenario, request: PlanRequest, slo: Slo, sim: SimOptions) 
     ]
 
 
-def draw_line(sim: SimOptions) -> str:
-    """How a load is judged: the draws' shape and how many must meet."""
-    many = sim.seeds > 1
-    draws = f"{sim.seeds} Poisson draw{'s' if many else ''} per load ({'most' if many else 'it'} must meet)"
+def draw_line(sim: SimOptions, sizing: bool = True) -> str:
+    """How a load is judged: how many draws must meet (a given cluster: one draw a load), and their shape."""
+    if not sizing:
+        draws = "1 Poisson draw per load"
+    elif sim.seeds == 0:
+        draws = (f"Poisson draws per load holding >= {AUTO_ARRIVALS} arrivals together (at most {MAX_AUTO_DRAWS}; "
+                 "most must meet)")  # fmt: skip
+    else:
+        many = sim.seeds > 1
+        draws = f"{sim.seeds} Poisson draw{'s' if many else ''} per load ({'most' if many else 'it'} must meet)"
     if sim.draw_s > 0:
         return f"{draws}, each {sim.draw_s:g} s of arrivals from an empty cluster, all measured (as the load test)"
     return f"{draws}, each a steady window (warm-up, >= {sim.min_measured} arrivals measured, a tail)"

@@ -140,12 +140,32 @@ def majority_meets(verdicts: list[bool], draws: int) -> bool | None:
     return None
 
 
+# `SimOptions.seeds` 0: as many draws per load as hold AUTO_ARRIVALS arrivals together (odd, at most MAX_AUTO_DRAWS).
+# A few replicas see ~200 arrivals in a 90 s draw, and whether its bursts land near capacity swings the capacity
+# a draw calls by +-30% (cpu-1x1 on run k's calibration: 1.87 at 1 draw, 2.56 at 3, 2.14 at 12); a fleet's slice
+# sees thousands, where one draw is the load.
+AUTO_ARRIVALS = 2000
+MAX_AUTO_DRAWS = 13
+
+
+def draws_for(scenario: Scenario, streams: float, sim: SimOptions) -> int:
+    """Poisson draws that decide a load of `streams`: `sim.seeds`, or for 0 enough for AUTO_ARRIVALS arrivals."""
+    if sim.seeds > 0:
+        return sim.seeds
+    stream_s = scenario.workload.mean_audio_s(scenario.rates)
+    rate = streams / stream_s
+    per_draw = rate * sim.draw_s if sim.draw_s > 0 else max(float(sim.min_measured), rate * stream_s)
+    draws = math.ceil(AUTO_ARRIVALS / max(per_draw, 1.0))
+    return min(draws + (draws % 2 == 0), MAX_AUTO_DRAWS)
+
+
 def meets_slo(scenario: Scenario, streams: float, shape: ClusterShape, slo: Slo, sim: SimOptions) -> bool:
-    """Whether `shape` meets `slo` at `streams` concurrent streams in most of `sim.seeds` Poisson draws
-    (seeds `sim.seed`, `sim.seed + 1`, ...; stops once the majority is decided). One draw is one sweep's
+    """Whether `shape` meets `slo` at `streams` concurrent streams in most of its Poisson draws (`draws_for`;
+    seeds `sim.seed`, `sim.seed + 1`, ...; stops once the majority is decided). One draw is one sweep's
     worth of arrivals: whether its few bursts land near capacity decides its p90, not the load."""
+    draws = draws_for(scenario, streams, sim)
     verdicts: list[bool] = []
-    while (verdict := majority_meets(verdicts, sim.seeds)) is None:
+    while (verdict := majority_meets(verdicts, draws)) is None:
         draw = replace(sim, seed=sim.seed + len(verdicts))
         verdicts.append(predict(scenario, streams, shape, draw).meets(slo.ttfa_p90_s, slo.min_viable_pct))
     return verdict

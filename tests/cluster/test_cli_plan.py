@@ -7,7 +7,7 @@ import pytest
 from cluster.cli import main
 
 CPU_PRESET = ["plan", "--gpu", "cpu", "--model", "orpheus-tiny", "--text-chars", "30", "--ttfa-p90-s", "1.0"]
-CPU = [*CPU_PRESET, "--draw-s", "20"]  # short draws: the CPU preset's shared cores simulate slowly
+CPU = [*CPU_PRESET, "--draw-s", "20", "--seeds", "1"]  # short single draws: the CPU preset simulates slowly
 
 
 def table_rows(out: str) -> list[list[str]]:
@@ -52,14 +52,26 @@ def test_the_start_limit_is_admissions_unless_told(capsys):
 
 def test_a_load_is_judged_on_load_test_draws_unless_told(capsys):
     """By default each draw is 90 s of arrivals from an empty cluster, as the load test measures a rate (the
-    shape `loadtest.plan_check` checked against the cluster); --draw-s 0 takes the steady window."""
+    shape `loadtest.plan_check` checked against the cluster), and a size is judged on as many draws as hold 2,000
+    arrivals; --draw-s 0 takes the steady window, --seeds N that many draws; a given cluster, one draw a load."""
+    from cluster.planner.command import PlanRequest, draw_line
+    from cluster.planner.simulate import SimOptions
+
+    defaults = PlanRequest(model="orpheus-tiny", gpu="cpu", streams=40, ttfa_p90_s=1.0)
+    assert (defaults.seeds, defaults.draw_s) == (0, 90.0)
+    assert draw_line(SimOptions(seeds=defaults.seeds, draw_s=defaults.draw_s)) == (
+        "Poisson draws per load holding >= 2000 arrivals together (at most 13; most must meet), each 90 s of "
+        "arrivals from an empty cluster, all measured (as the load test)"
+    )
     given = ["--llm-replicas", "1", "--detok-replicas", "1", "--streams", "2"]
-    assert main([*CPU_PRESET, *given, "--seeds", "3"]) == 0
+    assert main([*CPU_PRESET, *given]) == 0
     printed = capsys.readouterr()
-    assert "3 Poisson draws per load (most must meet), each 90 s of arrivals from an empty cluster" in printed.out
+    assert "1 Poisson draw per load, each 90 s of arrivals from an empty cluster" in printed.out
     assert "voxray plan: 2 streams: 1 LLM + 1 detok replicas (" in printed.err  # progress, load by load
-    assert main([*CPU_PRESET, *given, "--draw-s", "0"]) == 0
-    assert "1 Poisson draw per load (it must meet), each a steady window" in capsys.readouterr().out
+    assert main([*CPU_PRESET, *given, "--draw-s", "0", "--seeds", "3"]) == 0
+    assert "1 Poisson draw per load, each a steady window" in capsys.readouterr().out
+    assert main([*CPU, "--streams", "2"]) == 0
+    assert "1 Poisson draw per load (it must meet), each 20 s" in capsys.readouterr().out
 
 
 def test_sources_lists_where_the_figures_came_from(capsys):
@@ -115,6 +127,7 @@ def test_a_calibration_with_a_host_range_adds_the_plans_on_its_cheapest_and_dear
         (["--calibration", "/nonexistent/planner.json"], "calibration"),
         (["--max-starting", "-1"], "max_starting"),
         (["--draw-s", "-1"], "draw_s"),
+        (["--seeds", "-1"], "seeds"),
     ],
 )
 def test_bad_input_is_one_line_naming_the_field(capsys, flags, field):

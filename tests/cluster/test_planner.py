@@ -13,7 +13,16 @@ import pytest
 from cluster.planner import search
 from cluster.planner.calibration import CALIBRATION_DIR, available, find_calibration, parse_calibration
 from cluster.planner.predict import Scenario, predict
-from cluster.planner.search import Slo, capacity_streams, majority_meets, meets_slo, size_cluster, zero_load_ttfa_s
+from cluster.planner.search import (
+    MAX_AUTO_DRAWS,
+    Slo,
+    capacity_streams,
+    draws_for,
+    majority_meets,
+    meets_slo,
+    size_cluster,
+    zero_load_ttfa_s,
+)
 from cluster.planner.simulate import ClusterShape, SimOptions
 from cluster.planner.workload import ChunkRule, ModelRates, Workload, make_streams
 from core.config import DetokConfig
@@ -175,6 +184,18 @@ def test_a_load_test_draw_runs_from_an_empty_cluster_measures_every_arrival_and_
     with pytest.raises(InvalidArgumentError) as err:
         make_streams(6.0, workload, rates, seed=3, draw_s=-1.0)
     assert err.value.field == "draw_s"
+
+
+def test_seeds_0_takes_as_many_draws_as_hold_2000_arrivals_odd_and_at_most_13():
+    scenario = small_scenario()  # streams of 23 frames, 1.96 s
+    assert draws_for(scenario, 4.0, SimOptions(seeds=5, draw_s=90.0)) == 5  # told
+    # 4 streams of 1.96 s: 2.04 req/s, 183 arrivals a 90 s draw -> 11 draws (10.9 up)
+    assert draws_for(scenario, 4.0, SimOptions(seeds=0, draw_s=90.0)) == 11
+    assert draws_for(scenario, 10.0, SimOptions(seeds=0, draw_s=90.0)) == 5  # 458 a draw -> 4.4 -> 5
+    assert draws_for(scenario, 12.0, SimOptions(seeds=0, draw_s=90.0)) == 5  # 550 a draw -> 3.6 -> 4 -> 5 (odd)
+    assert draws_for(scenario, 1000.0, SimOptions(seeds=0, draw_s=90.0)) == 1  # a fleet's slice: one draw is the load
+    assert draws_for(scenario, 0.1, SimOptions(seeds=0, draw_s=90.0)) == MAX_AUTO_DRAWS
+    assert draws_for(scenario, 4.0, SimOptions(seeds=0, min_measured=100)) == 13  # steady: 100 measured a draw -> 20
 
 
 def test_doubling_replicas_doubles_capacity():
