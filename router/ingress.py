@@ -292,6 +292,8 @@ class Router:
         # zero-shot voices: each VoiceBank is a DetokStage's deployment actor; a detok replica names it
         cores = self.models.cores
         self.voices = {name: self._voice_registry(core, detok_handles[name]) for name, core in cores.items()}
+        for name, core in cores.items():
+            core.use_voices(self.voices[name])
         self.models.start()  # rebalancers on this replica's event loop, like the admission checks
         self.auth = ApiKeys(self.config.auth, listen_host=widest_host(self.config))
         if self.config.http_docs:

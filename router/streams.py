@@ -55,6 +55,7 @@ from router.native_session import NativeTextSession, TextRoute
 from router.playback import PlaybackTracker, TextPacedPlayback
 from router.rebalance import Rebalancer
 from router.resume import StreamProgress
+from router.voices import VoiceRegistry
 
 
 def replica_name() -> str:
@@ -173,6 +174,7 @@ class RouterCore:
         self.llm_text = llm_handle  # text pieces of streaming-text requests (pinned to their replica)
         self.llm_scope = handle_scope(llm_handle, self.config.app_name)  # this model's LLM load board
         rank_with_prompt_work(self.llm_scope, self.prompt_work)  # its request router ranks by a Job's own work
+        self.voices: VoiceRegistry | None = None  # a registered voice's prompt in `prompt_work` (`use_voices`)
         self.detok = detok_handle  # decodes a chunk again when the replica holding its audio is lost
         self.step_audio = StepAudio()  # one fetch per engine step's audio, shared by its streams
         self.open_streams = 0
@@ -194,10 +196,21 @@ class RouterCore:
         predicted_s = best_predicted_ttfa_s(estimated_loads(self.llm_scope), self.prompt_work(job))
         return fit_to_client_deadline(job, remaining_s, predicted_s)
 
+    def use_voices(self, voices: VoiceRegistry) -> None:
+        """Count a registered voice's prompt in this Router's estimates, as `voices` learns it."""
+        self.voices = voices
+
     def prompt_work(self, job: Job) -> PromptWork:
-        """The prompt work `job` brings (its prompt positions, its audio to encode: the family's figures),
-        charged at each replica's measured prefill pace (router.admission)."""
-        return prompt_work(self.entry.family.lm, job)
+        """The prompt work `job` brings (its prompt positions, a registered voice's as far as this Router knows
+        them, its audio to encode: the family's figures), charged at each replica's measured prefill pace
+        (router.admission)."""
+        voice_positions = 0 if self.voices is None else self.voices.prompt_positions(job.voice)
+        return prompt_work(self.entry.family.lm, job, voice_positions)
+
+    async def learn_voice(self, job: Job) -> None:
+        """A registered voice named for the first time here: its prompt looked up before admission estimates."""
+        if self.voices is not None:
+            await self.voices.learn(job.voice)
 
     def check_capacity(self, job: Job) -> None:
         """Reject at once when no LLM replica known here would admit `job`, or queue it to start by
@@ -230,6 +243,7 @@ class RouterCore:
     async def run(self, job: Job) -> AsyncIterator[SentChunk]:
         self.check_open()
         self.check_alive()
+        await self.learn_voice(job)
         self.check_capacity(job)
         self.open_streams += 1
         try:
@@ -245,6 +259,7 @@ class RouterCore:
         request; the others run its segments one after another on any LLM replica."""
         self.check_open()
         self.check_alive()
+        await self.learn_voice(template)
         self.check_capacity(template)
         self.open_streams += 1
         family, config = self.entry.family, self.config.incremental

@@ -19,6 +19,7 @@ from ray.exceptions import RayActorError
 
 from core.config import VoicesConfig
 from core.errors import InvalidArgumentError
+from core.voices import is_voice_id
 from detok_stage.voice.clip import decode_clip
 from llm_stage.jobs import printable_name
 from llm_stage.registry import ModelEntry, families
@@ -83,11 +84,36 @@ def check_model(entry: ModelEntry, model: str) -> None:
 
 
 class VoiceRegistry:
-    """The Router's side: checks a registration and hands the decoded clip to the VoiceBank."""
+    """The Router's side: checks a registration and hands the decoded clip to the VoiceBank; and what each
+    registered voice this Router has seen adds to a request's prompt (`prompt_positions`, for the Router's own
+    admission estimate and ranking: `router.streams.RouterCore.prompt_work`)."""
 
     def __init__(self, entry: ModelEntry, config: VoicesConfig, bank_factory: Callable[[], Awaitable] | None) -> None:
         self.entry, self.config, self.bank_factory = entry, config, bank_factory
         self.bank = None
+        self.positions: dict[str, int] = {}  # registered voice id -> prompt positions it adds (looked up once)
+
+    def prompt_positions(self, voice: str | None) -> int:
+        """What `voice` adds to a request's prompt as far as this Router knows (0: none, or not looked up yet)."""
+        return self.positions.get(voice, 0) if voice else 0
+
+    async def learn(self, voice: str | None) -> None:
+        """Look a registered voice's prompt up once (`LMAdapter.registered_voice_positions`); an unknown id, a family
+        with no voice prompt or a lost bank leave it at 0 (the replica, which looks every voice up, refuses an unknown
+        one naming `voice`)."""
+        lm = self.entry.family.lm
+        if self.bank_factory is None or not lm.takes_registered_voices or not is_voice_id(voice):
+            return
+        if voice in self.positions or len(self.positions) >= self.config.max_voices:
+            return
+        try:
+            self.bank = self.bank or await self.bank_factory()
+            prompt = await self.bank.prompt.remote(voice)
+        except RayActorError:  # the bank died: Serve recreates it (without its voices)
+            self.bank = None
+            return
+        if prompt is not None:
+            self.positions[voice] = lm.registered_voice_positions(prompt)
 
     async def register(self, audio: bytes, prompt_text: str, model: str) -> dict:
         """{"voice_id", "prompt_tokens", "duration_s", "created"} for a registration's fields."""
@@ -106,6 +132,7 @@ class VoiceRegistry:
             result = await self.bank.register.remote(clip.wave, clip.sample_rate_hz, text)
         if hasattr(result, "error"):  # Refused
             raise result.error()
+        await self.learn(result.voice_id)  # its prompt counts in this Router's estimates from now on
         return {"voice_id": result.voice_id, "prompt_tokens": result.num_prompt_tokens,
                 "duration_s": round(result.duration_s, 3), "created": result.is_new}  # fmt: skip
 

@@ -18,6 +18,7 @@ import torch
 from core.config import ModelConfig
 from core.errors import InvalidArgumentError
 from core.messages import AudioFeatures, Job, SamplingParams
+from core.voices import VoicePrompt
 from detok_stage.codecs.base import CodecAdapter
 from llm_stage.cfg import GuidanceFormula
 from llm_stage.chunking import ChunkSchedule
@@ -238,6 +239,12 @@ class LMAdapter(ABC):
         chars = len(job.text) + sum(len(turn.text) for turn in job.history)
         text_positions = math.ceil(chars / cls.prompt_chars_per_position)
         return text_positions + sum(cls.audio_prompt_positions(clip.duration_s) for clip in clips if clip is not None)
+
+    @classmethod
+    def registered_voice_positions(cls, prompt: VoicePrompt) -> int:
+        """Prompt positions a registered voice adds, from its `VoicePrompt` alone (no weights: the Router's estimate,
+        `router.voices.VoiceRegistry`); 0 where its LM takes no voice prompt or the count needs the model."""
+        return 0
 
     def voice_prompt_positions(self, voice: str | None) -> int:
         """Prompt positions `voice` adds to a request's prompt beyond its text, on this replica: a registered

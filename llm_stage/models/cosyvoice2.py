@@ -132,7 +132,16 @@ class CosyVoice2Adapter(LMAdapter):
         """The voice's speech tokens and its transcript's positions (zero-shot mode; 0 where the LM gets neither).
         The transcript is estimated as a request's text is: the tokenizer is the engine thread's to call."""
         prompt_text, speech = self.voice_context(voice)
-        return math.ceil(len(prompt_text) / self.prompt_chars_per_position) + len(speech)
+        return self._context_positions(prompt_text, len(speech))
+
+    @classmethod
+    def registered_voice_positions(cls, prompt: VoicePrompt) -> int:
+        """As the replica counts it (`voice_prompt_positions`): both with a transcript, neither without."""
+        return cls._context_positions(prompt.prompt_text, len(prompt.prompt_tokens)) if prompt.prompt_text else 0
+
+    @classmethod
+    def _context_positions(cls, prompt_text: str, num_speech_tokens: int) -> int:
+        return math.ceil(len(prompt_text) / cls.prompt_chars_per_position) + num_speech_tokens
 
     def streaming_prompt(self, job: Job) -> tuple[list[Token], TextFeed]:
         """Streamed text (bistream): the prompt is `sos`; the feed lays out the voice's transcript and

@@ -27,7 +27,7 @@ class Remote:
 
 
 class FakeBank:
-    """Stands in for the VoiceBank actor's `register` call (the cluster tests use the real one)."""
+    """Stands in for the VoiceBank actor's `register` and `prompt` calls (the cluster tests use the real one)."""
 
     def __init__(self):
         self.calls = []
@@ -38,7 +38,10 @@ class FakeBank:
 
             return Registered("v_" + "0" * 24, 50, wave.numel() / rate, True)
 
-        self.register = Remote(register)
+        async def prompt(voice_id):  # the Router looks a registered voice's prompt up (here: none kept)
+            return None
+
+        self.register, self.prompt = Remote(register), Remote(prompt)
 
 
 def registry(model: str = "cosyvoice2-tiny") -> tuple[VoiceRegistry, FakeBank]:
