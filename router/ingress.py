@@ -323,7 +323,8 @@ class Router:
             fields = fields_from_proto(request)
             req_id = reply_request_id(fields["req_id"])
             core = self.models.core_for(fields["model"])
-            job = core.fit_client_deadline(core.job(**{**fields, "req_id": fields["req_id"] or req_id}), grpc_context)
+            job = core.job(**{**fields, "req_id": fields["req_id"] or req_id})
+            job = await core.fit_client_deadline(job, grpc_context)
             header = streaming_wav_header(core.entry.sample_rate_hz) if job.output_format == "wav" else b""
             with self.auth.hold_stream(key):
                 async with aclosing(core.run(job)) as stream:  # closed on any failure: the replica frees it
@@ -364,7 +365,7 @@ class Router:
             with self.auth.hold_stream(key):
                 turn = open_turn(core.entry, core.config.speech_in, rate, first_piece, core.mic_forward(rate))
                 reading = read_turn(requests, turn, core.config.incremental.idle_timeout_s)
-                job = core.fit_client_deadline(await turn_job(core.job, fields, turn, reading), grpc_context)
+                job = await core.fit_client_deadline(await turn_job(core.job, fields, turn, reading), grpc_context)
                 header = streaming_wav_header(core.entry.sample_rate_hz) if job.output_format == "wav" else b""
                 async with aclosing(core.run(job)) as stream:
                     async for chunk in _grpc_chunks(job, stream, header):
@@ -383,7 +384,7 @@ class Router:
             req_id = reply_request_id(transcription.request_id)
             core = self.models.core_for(transcription.model)
             job = transcription_job(transcription, core.entry, core.job, req_id)
-            job = core.fit_client_deadline(job, grpc_context)
+            job = await core.fit_client_deadline(job, grpc_context)
             with self.auth.hold_stream(key):
                 text = await transcribe(core.run(job))
         except Exception as err:

@@ -188,11 +188,13 @@ class RouterCore:
     def job(self, **fields) -> Job:
         return job_from_fields(self.entry, self.config.admission, speech_in=self.config.speech_in, **fields)
 
-    def fit_client_deadline(self, job: Job, grpc_context) -> Job:
-        """`job` within the gRPC call's deadline, or DeadlineUnmeetable (router.deadlines)."""
+    async def fit_client_deadline(self, job: Job, grpc_context) -> Job:
+        """`job` within the gRPC call's deadline, or DeadlineUnmeetable (router.deadlines); its registered
+        voice's prompt looked up first (`learn_voice`), so the prediction counts it."""
         remaining_s = client_deadline_s(grpc_context)
         if remaining_s is None:
             return job
+        await self.learn_voice(job)
         predicted_s = best_predicted_ttfa_s(estimated_loads(self.llm_scope), self.prompt_work(job))
         return fit_to_client_deadline(job, remaining_s, predicted_s)
 

@@ -167,8 +167,8 @@ def test_the_router_charges_a_speech_in_requests_clip_at_the_replicas_measured_p
         with pytest.raises(AdmissionRejected):
             core.check_capacity(with_clip(40.0))  # ~505 positions at 400 a second and a 4 s encode: not
         client = SimpleNamespace(time_remaining=lambda: 3.0)
-        assert core.fit_client_deadline(with_clip(1.0), client).ttfa_deadline_s == 2.0
+        assert (await core.fit_client_deadline(with_clip(1.0), client)).ttfa_deadline_s == 2.0
         with pytest.raises(DeadlineUnmeetable):
-            core.fit_client_deadline(with_clip(40.0), client)
+            await core.fit_client_deadline(with_clip(40.0), client)
 
     asyncio.run(run())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from ray.exceptions import RayActorError
 
 from core.config import EngineConfig, ModelConfig, VoicesConfig
@@ -99,3 +100,32 @@ def test_the_routers_prompt_work_carries_the_voices_positions():
     asyncio.run(core.learn_voice(job))
     added = core.entry.family.lm.registered_voice_positions(SPOKEN)
     assert core.prompt_work(job).num_positions == plain.num_positions + added
+
+
+def test_a_grpc_deadline_counts_a_registered_voice_looked_up_first():
+    """The gRPC call's deadline is fitted before the stream runs: the voice is looked up there, so a deadline the
+    text alone would make but the voice's prompt would not is refused at once."""
+    from types import SimpleNamespace
+
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
+
+    from router.deadlines import DeadlineUnmeetable
+    from router.dispatch import PredictedTTFARouter
+    from tests.router.test_dispatch import Replica, report
+    from tests.router.test_served import APP, fields, served
+
+    async def run() -> None:
+        deployment = DeploymentID(name=f"LLMStage-{MODEL}", app_name=APP)
+        board = PredictedTTFARouter(deployment, DeploymentHandleSource.UNKNOWN, get_curr_time_s=lambda: 1000.0)
+        board.initialize_state()
+        board.update_replicas([Replica(ReplicaID(unique_id="cv-r1", deployment_id=deployment),
+                                       {**report(2, 1000.0), "prefill_tokens_per_s": 400.0})])  # fmt: skip
+        core = served((MODEL,)).core_for(MODEL)
+        job = core.job(**fields(model=MODEL, voice=SPOKEN.voice_id, ttfa_deadline_s=5.0))
+        client = SimpleNamespace(time_remaining=lambda: 0.5)  # predicted 0.12 s for the text, 0.76 with the voice
+        assert (await core.fit_client_deadline(job, client)).voice == SPOKEN.voice_id  # the text alone: in time
+        core.use_voices(registry_over(PromptBank({SPOKEN.voice_id: SPOKEN})))
+        with pytest.raises(DeadlineUnmeetable):  # + ~258 positions at 400 a second
+            await core.fit_client_deadline(job, client)
+
+    asyncio.run(run())
