@@ -6,9 +6,11 @@ real one) and counts it as the family's adapter does, from the `VoicePrompt` alo
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 from ray.exceptions import RayActorError
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
 
 from core.config import EngineConfig, ModelConfig, VoicesConfig
 from core.voices import VoicePrompt, voice_id_for
@@ -16,8 +18,12 @@ from llm_stage.jobs import build_job
 from llm_stage.prompt_work import prompt_work
 from llm_stage.registry import check_model_config, get_entry
 from llm_stage.wiring import build_llm_side
+from router.deadlines import DeadlineUnmeetable
+from router.dispatch import PredictedTTFARouter
 from router.streams import RouterCore
 from router.voices import VoiceRegistry, voice_request_from_json
+from tests.router.test_dispatch import Replica, report
+from tests.router.test_served import APP, fields, served
 from tests.router.test_voices import Remote, body
 
 MODEL = "cosyvoice2-tiny"
@@ -105,14 +111,6 @@ def test_the_routers_prompt_work_carries_the_voices_positions():
 def test_a_grpc_deadline_counts_a_registered_voice_looked_up_first():
     """The gRPC call's deadline is fitted before the stream runs: the voice is looked up there, so a deadline the
     text alone would make but the voice's prompt would not is refused at once."""
-    from types import SimpleNamespace
-
-    from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
-
-    from router.deadlines import DeadlineUnmeetable
-    from router.dispatch import PredictedTTFARouter
-    from tests.router.test_dispatch import Replica, report
-    from tests.router.test_served import APP, fields, served
 
     async def run() -> None:
         deployment = DeploymentID(name=f"LLMStage-{MODEL}", app_name=APP)
