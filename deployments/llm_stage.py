@@ -727,8 +727,8 @@ class LLMStage:
 
     def _prompt_work(self, job: Job) -> PromptWork:
         """The prompt work `job` brings here (router.admission charges it at this replica's measured pace):
-        its voice's prompt positions included (known here, not to the Router), less its earlier turns when
-        this replica kept their prompt."""
+        its voice's prompt positions included (every voice known here; the Router knows a registered one once
+        it looked it up), its CFG twin's prompt too, less its earlier turns when this replica kept their prompt."""
         adapter = self.side.engine.adapter
         work = prompt_work(type(adapter), job, adapter.voice_prompt_positions(job.voice))
         return work.on_replica_keeping(self.side.engine.scheduler.kept.keys())

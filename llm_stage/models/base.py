@@ -249,8 +249,8 @@ class LMAdapter(ABC):
     def voice_prompt_positions(self, voice: str | None) -> int:
         """Prompt positions `voice` adds to a request's prompt beyond its text, on this replica: a registered
         voice it has looked up (`add_voice_prompt`), or the default voice's (None). The Router's estimate
-        (`estimate_prompt_positions`) cannot know them; the replica's admission adds them. 0: the family's LM
-        takes no voice prompt (a voice name in its text, or a voice for the detokenizer alone)."""
+        counts a registered voice by `registered_voice_positions`; the replica's admission adds these. 0: the
+        family's LM takes no voice prompt (a voice name in its text, or a voice for the detokenizer alone)."""
         return 0
 
     @property
