@@ -17,6 +17,7 @@ import numpy as np
 from cluster.planner import simulate
 from cluster.planner.predict import LLMRun, Scenario, finish, first_chunk_s, predict, run_llm
 from cluster.planner.simulate import ClusterShape, Prediction, SimOptions
+from cluster.planner.workload import draw_spans_s
 from core.config import AdmissionConfig
 from core.errors import InvalidArgumentError
 
@@ -152,9 +153,9 @@ def draws_for(scenario: Scenario, streams: float, sim: SimOptions) -> int:
     """Poisson draws that decide a load of `streams`: `sim.seeds`, or for 0 enough for AUTO_ARRIVALS arrivals."""
     if sim.seeds > 0:
         return sim.seeds
-    stream_s = scenario.workload.mean_audio_s(scenario.rates)
-    rate = streams / stream_s
-    per_draw = rate * sim.draw_s if sim.draw_s > 0 else max(float(sim.min_measured), rate * stream_s)
+    workload, rates = scenario.workload, scenario.rates
+    _, measure_s, _ = draw_spans_s(streams, workload, rates, sim.min_measured, sim.draw_s)
+    per_draw = streams / workload.mean_audio_s(rates) * measure_s  # arrivals measured in one draw
     draws = math.ceil(AUTO_ARRIVALS / max(per_draw, 1.0))
     return min(draws + (draws % 2 == 0), MAX_AUTO_DRAWS)
 

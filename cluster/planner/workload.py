@@ -77,6 +77,16 @@ class Streams:
         return len(self.arrival_s)
 
 
+def draw_spans_s(concurrent: float, workload: Workload, rates: ModelRates, min_measured: int = 100,
+                 draw_s: float = 0.0) -> tuple[float, float, float]:  # fmt: skip
+    """One draw's (warm-up, measurement window, horizon) in seconds, as `make_streams` lays them out."""
+    if draw_s > 0:
+        return 0.0, draw_s, draw_s
+    stream_s = workload.mean_audio_s(rates)
+    measure_s = max(stream_s, min_measured / (concurrent / stream_s))  # at least `min_measured` arrivals
+    return stream_s, measure_s, stream_s + measure_s + 1.5 * stream_s
+
+
 def make_streams(
     concurrent: float, workload: Workload, rates: ModelRates, seed: int, min_measured: int = 100, draw_s: float = 0.0
 ) -> Streams:
@@ -88,14 +98,8 @@ def make_streams(
         raise InvalidArgumentError("streams", f"must be > 0, got {concurrent}")
     if draw_s < 0:
         raise InvalidArgumentError("draw_s", f"must be >= 0 (0: the steady window), got {draw_s}")
-    stream_s = workload.mean_audio_s(rates)
-    rate = concurrent / stream_s
-    if draw_s > 0:
-        warmup_s, measure_s, horizon_s = 0.0, draw_s, draw_s
-    else:
-        warmup_s = stream_s
-        measure_s = max(stream_s, min_measured / rate)
-        horizon_s = warmup_s + measure_s + 1.5 * stream_s
+    rate = concurrent / workload.mean_audio_s(rates)
+    warmup_s, measure_s, horizon_s = draw_spans_s(concurrent, workload, rates, min_measured, draw_s)
     rng = np.random.default_rng(seed)
     count = int(rng.poisson(rate * horizon_s)) + 1
     arrival_s = np.sort(rng.uniform(0.0, horizon_s, count))
