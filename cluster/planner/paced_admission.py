@@ -60,20 +60,23 @@ class MeasuredSteps:
             self.stale[rs, ss] = False
         return self.median_s[r, size]
 
-    def largest_measured(self, clock: np.ndarray) -> np.ndarray:
-        """Per replica, the largest batch size measured (0: none): among the fresh sizes when any is fresh."""
-        measured = self.count >= MIN_STEP_SAMPLES
-        fresh = measured & (self.last_s >= clock[:, None] - STEP_FRESH_S)
+    def largest_measured(self, clock: np.ndarray, rows: np.ndarray | slice = slice(None)) -> np.ndarray:
+        """Per replica (of `rows`; `clock` is every replica's), the largest batch size measured (0: none):
+        among the fresh sizes when any is fresh."""
+        count = self.count[rows]
+        measured = count >= MIN_STEP_SAMPLES
+        fresh = measured & (self.last_s[rows] >= clock[rows, None] - STEP_FRESH_S)
         usable = np.where(fresh.any(axis=1, keepdims=True), fresh, measured)
-        return np.where(usable, np.arange(self.count.shape[1]), 0).max(axis=1)
+        return np.where(usable, np.arange(count.shape[1]), 0).max(axis=1)
 
-    def real_time_streams(self, clock: np.ndarray, real_time_step_s: float) -> tuple[np.ndarray, np.ndarray]:
-        """(streams the largest measured batch keeps at real time, that batch's rows), per replica; (0, 0)
-        where nothing is measured (`core.policy.StepTimer.measured_real_time_rows`)."""
-        rows = self.largest_measured(clock)
-        median_s = self.medians(np.arange(len(rows)), rows)
-        has = rows > 0
-        return np.where(has, rows * real_time_step_s / np.where(has, median_s, 1.0), 0.0), rows
+    def real_time_streams(self, clock: np.ndarray, real_time_step_s: float,
+                          rows: np.ndarray | slice = slice(None)) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+        """(streams the largest measured batch keeps at real time, that batch's rows), per replica (of `rows`);
+        (0, 0) where nothing is measured (`core.policy.StepTimer.measured_real_time_rows`)."""
+        batch = self.largest_measured(clock, rows)
+        median_s = self.medians(np.arange(len(clock))[rows], batch)
+        has = batch > 0
+        return np.where(has, batch * real_time_step_s / np.where(has, median_s, 1.0), 0.0), batch
 
 
 def stream_limit(slots: int, real_time: np.ndarray, measured_rows: np.ndarray,
@@ -84,7 +87,7 @@ def stream_limit(slots: int, real_time: np.ndarray, measured_rows: np.ndarray,
     what it keeps at real time; at least 1, at most the slots."""
     spare = margin * real_time
     paced = np.where(spare >= measured_rows, measured_rows + 1, np.floor(spare)).astype(np.int64)
-    return np.clip(np.where(real_time > 0, paced, slots), 1, slots)
+    return np.minimum(np.maximum(np.where(real_time > 0, paced, slots), 1), slots)
 
 
 def sustained_streams(slots: int, real_time: np.ndarray, margin: float = REAL_TIME_MARGIN) -> np.ndarray:
@@ -100,4 +103,4 @@ def starting_allowed(num_live: np.ndarray, num_starting: np.ndarray, room_under:
     weighs two), at least 1 and at most `limit`."""
     steady = num_live - num_starting
     room = (room_under - steady) // 2
-    return np.where(steady <= 0, limit, np.clip(room, 1, limit))
+    return np.where(steady <= 0, limit, np.minimum(np.maximum(room, 1), limit))

@@ -176,6 +176,9 @@ class _Replicas:
     starting_until_s: np.ndarray  # float: the stream counts as starting until then (inf until chunk 1 is cut)
     held_until_s: np.ndarray  # float: a finished stream's slot is held until its last audio is delivered
 
+    def __post_init__(self) -> None:
+        assert all(array.flags.c_contiguous for array in vars(self).values()), "_flat views need C order"
+
     @classmethod
     def empty(cls, replicas: int, slots: int) -> _Replicas:
         def zeros() -> np.ndarray:
@@ -209,6 +212,18 @@ class _Queues:
         return np.where(self.head < self.length, self.arrival_s[np.arange(len(self.head)), col], np.inf)
 
 
+def _flat(array: np.ndarray) -> np.ndarray:
+    """`array` [replicas, slots] as one row of slots: a view (`_Replicas` keeps C-contiguous arrays, updated
+    in place), so writes through it reach the state."""
+    return array.ravel()
+
+
+def _picked(mask: np.ndarray) -> np.ndarray | slice:
+    """The replicas `mask` picks: every one as a slice (a view, no gather: a few replicas all asked), else
+    their indices."""
+    return slice(None) if mask.all() else np.flatnonzero(mask)
+
+
 def route_streams(streams: Streams, replicas: int, rates: ModelRates) -> np.ndarray:
     """The router's pick per stream: the replica with the fewest streams expected open at its arrival
     (a stream is taken to stay open for its audio's length)."""
@@ -239,34 +254,38 @@ def _queues(streams: Streams, choice: np.ndarray, replicas: int) -> _Queues:
     return _Queues(ids, arrival, counts, np.zeros(replicas, np.int64))
 
 
-def starving(state: _Replicas, clock: np.ndarray, rates: ModelRates) -> np.ndarray:
-    """Per replica, whether a generating stream's client buffer is spent (`LLMSide.num_starving`): it played
-    since its first chunk's cut all the audio cut so far."""
-    played_s = clock[:, None] - state.first_cut_s  # nan before the first chunk: not starving
+def starving(state: _Replicas, clock: np.ndarray, rates: ModelRates,
+             rows: np.ndarray | slice = slice(None)) -> np.ndarray:  # fmt: skip
+    """Per replica (of `rows`), whether a generating stream's client buffer is spent
+    (`LLMSide.num_starving`): it played since its first chunk's cut all the audio cut so far."""
+    played_s = clock[rows, None] - state.first_cut_s[rows]  # nan before the first chunk: not starving
     with np.errstate(invalid="ignore"):
-        behind = (state.stream >= 0) & (state.emitted * rates.frame_s - played_s <= 0)
+        behind = (state.stream[rows] >= 0) & (state.emitted[rows] * rates.frame_s - played_s <= 0)
     return behind.any(axis=1)
 
 
-def _admit_room(state: _Replicas, shape: ClusterShape, steps: MeasuredSteps, clock: np.ndarray,
-                rates: ModelRates) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
-    """Per replica, (how many more streams may start now, the stream limit, whether the start limit is full):
-    room under the stream limit and the start limit the router computes from the replica's measured steps
-    (`paced_admission`; a large number: no limit)."""
+def _admit_room(state: _Replicas, shape: ClusterShape, steps: MeasuredSteps, clock: np.ndarray, rates: ModelRates,
+                rows: np.ndarray | slice = slice(None)) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+    """Per replica of `rows`, (how many more streams may start now, the stream limit, whether the start limit
+    is full): room under the stream limit and the start limit the router computes from the replica's measured
+    steps (`paced_admission`; a large number: no limit). Only the replicas admission asks about are computed:
+    in a fleet, a few of many have a stream waiting at a step."""
     slots = shape.max_streams_per_replica
-    num_open = state.open_streams(clock)
+    at, stream = clock[rows], state.stream[rows]
+    num_open = ((stream >= 0) | (state.held_until_s[rows] > at[:, None])).sum(axis=1)  # `open_streams`
     if shape.paced:
-        real_time, measured_rows = steps.real_time_streams(clock, rates.real_time_step_s)
+        real_time, measured_rows = steps.real_time_streams(clock, rates.real_time_step_s, rows)
         limit = stream_limit(slots, real_time, measured_rows)
         # a stream already behind: nothing new starts until it catches up (`router.admission.stream_limit`)
-        limit = np.where(starving(state, clock, rates), np.maximum(1, np.minimum(limit, num_open)), limit)
+        behind = starving(state, clock, rates, rows)
+        limit = np.where(behind, np.maximum(1, np.minimum(limit, num_open)), limit)
         room_under = np.maximum(limit, sustained_streams(slots, real_time))
     else:
         limit = room_under = np.full(len(num_open), slots)
     room = limit - num_open
     if shape.max_starting_per_replica <= 0:
         return room, limit, np.zeros(len(room), bool)
-    num_starting = ((state.stream >= 0) & (state.starting_until_s > clock[:, None])).sum(axis=1)
+    num_starting = ((stream >= 0) & (state.starting_until_s[rows] > at[:, None])).sum(axis=1)
     allowed = starting_allowed(num_open, num_starting, room_under, shape.max_starting_per_replica)
     return np.minimum(room, allowed - num_starting), limit, num_starting >= allowed
 
@@ -303,45 +322,50 @@ def _admit(state: _Replicas, queues: _Queues, clock: np.ndarray, streams: Stream
         filled[r, s] = True
 
 
-def _budget_frames(state: _Replicas, clock: np.ndarray, step_s: np.ndarray, rates: ModelRates,
+def _budget_frames(state: _Replicas, at: np.ndarray, clock: np.ndarray, step_s: np.ndarray, rates: ModelRates,
                    rule: ChunkRule, detok_step_s: float) -> np.ndarray:  # fmt: skip
-    """Per slot, the frames its client's buffer can wait for (playback taken to start at the first cut)."""
-    played_s = clock[:, None] - state.first_cut_s
-    buffered_s = state.emitted * rates.frame_s - played_s
-    frame_cost_s = np.maximum(step_s[:, None] * rates.tokens_per_frame, 1e-6)
+    """For the slots at flat indices `at`, the frames its client's buffer can wait for (playback taken to
+    start at the first cut)."""
+    rows = at // state.stream.shape[1]
+    played_s = clock[rows] - _flat(state.first_cut_s)[at]
+    buffered_s = _flat(state.emitted)[at] * rates.frame_s - played_s
+    frame_cost_s = np.maximum(step_s[rows] * rates.tokens_per_frame, 1e-6)
     budget = np.floor((rule.buffer_safety * buffered_s - detok_step_s) / frame_cost_s)
-    return np.where(np.isnan(budget), rule.planned_size(state.seq), budget).astype(np.int64)
+    return np.where(np.isnan(budget), rule.planned_size(_flat(state.seq)[at]), budget).astype(np.int64)
 
 
-def _cut_chunks(state: _Replicas, rule: ChunkRule, budget: np.ndarray, clock: np.ndarray,
-                tokens_per_frame: float, delivery_s: np.ndarray) -> list[np.ndarray]:  # fmt: skip
+def _cut_chunks(state: _Replicas, rule: ChunkRule, clock: np.ndarray, step_s: np.ndarray, rates: ModelRates,
+                detok_step_s: float, delivery_s: np.ndarray) -> list[np.ndarray]:  # fmt: skip
     """Cut every chunk whose kept frames and right context now exist (or the stream ended):
-    [stream ids, seqs, cut times, kept frames, window frames]; advances the slots' seq and emitted. A stream
-    stops starting when its STARTUP_CHUNKS-th chunk is delivered: cut, plus its `delivery_s`."""
-    frames_done = np.minimum((state.generated // tokens_per_frame).astype(np.int64), state.frames)
+    [stream ids, seqs, cut times, kept frames, window frames], in slot order; advances the slots' seq and
+    emitted. A stream stops starting when its STARTUP_CHUNKS-th chunk is delivered: cut, plus its
+    `delivery_s`. Works on the flat indices of the slots still generating audio, and after each round on the
+    ones it just cut (no other slot's readiness changes within a step): a fleet's [replicas, slots] is
+    mostly idle or between cuts."""
+    stream, seq, emitted, frames = (_flat(a) for a in (state.stream, state.seq, state.emitted, state.frames))
+    at = np.flatnonzero((stream >= 0) & (emitted < frames))
+    budget = _budget_frames(state, at, clock, step_s, rates, rule, detok_step_s)
+    frames_done = np.minimum((_flat(state.generated)[at] // rates.tokens_per_frame).astype(np.int64), frames[at])
     parts: list[list[np.ndarray]] = [[], [], [], [], []]
     while True:
-        size = rule.next_size(state.seq, budget)
-        end = np.minimum(state.emitted + size, state.frames)
-        ready_at = np.minimum(end + rule.right_context_frames, state.frames)
-        ready = (state.stream >= 0) & (state.emitted < state.frames) & (frames_done >= ready_at)
+        start, total = emitted[at], frames[at]
+        end = np.minimum(start + rule.next_size(seq[at], budget), total)
+        ready_at = np.minimum(end + rule.right_context_frames, total)
+        ready = (start < total) & (frames_done >= ready_at)
         if not ready.any():
             return [np.concatenate(p) if p else np.empty(0) for p in parts]
-        rows, cols = np.nonzero(ready)
-        start = state.emitted[rows, cols]
-        window = ready_at[rows, cols] - np.maximum(start - rule.left_context_frames, 0)
-        kept = end[rows, cols] - start
-        values = (state.stream[rows, cols], state.seq[rows, cols], clock[rows], kept, window)
-        for part, value in zip(parts, values, strict=True):
+        at, budget, frames_done = at[ready], budget[ready], frames_done[ready]
+        start, end, ready_at = start[ready], end[ready], ready_at[ready]
+        rows, slot_seq = at // state.stream.shape[1], seq[at]
+        window = ready_at - np.maximum(start - rule.left_context_frames, 0)
+        for part, value in zip(parts, (stream[at], slot_seq, clock[rows], end - start, window), strict=True):
             part.append(value)
-        first = state.seq[rows, cols] == 0
-        state.first_cut_s[rows[first], cols[first]] = clock[rows[first]]
-        started = state.seq[rows, cols] == STARTUP_CHUNKS - 1
-        r_started, c_started = rows[started], cols[started]
-        state.starting_until_s[r_started, c_started] = (clock[r_started]
-                                                        + delivery_s[state.stream[r_started, c_started]])  # fmt: skip
-        state.seq[rows, cols] += 1
-        state.emitted[rows, cols] = end[rows, cols]
+        first = at[slot_seq == 0]
+        _flat(state.first_cut_s)[first] = clock[rows[slot_seq == 0]]
+        started = slot_seq == STARTUP_CHUNKS - 1
+        _flat(state.starting_until_s)[at[started]] = clock[rows[started]] + delivery_s[stream[at[started]]]
+        seq[at] += 1
+        emitted[at] = end
 
 
 def _step_s(state: _Replicas, filled: np.ndarray, calib: Calibration, options: SimOptions) -> np.ndarray:
@@ -389,11 +413,15 @@ def run_llm_stage(streams: Streams, shape: ClusterShape, calib: Calibration, rat
             break
         idle = (open_rows == 0) & pending
         if idle.any():
-            room, _, _ = _admit_room(state, shape, steps, clock, rates)
-            clock = np.where(idle, np.maximum(clock, _next_start_s(state, queues, clock, room <= 0)), clock)
+            blocked = np.zeros(replicas, bool)
+            blocked[idle] = _admit_room(state, shape, steps, clock, rates, _picked(idle))[0] <= 0
+            clock = np.where(idle, np.maximum(clock, _next_start_s(state, queues, clock, blocked)), clock)
         waiting = queues.head_arrival() <= clock
         if trace is not None or waiting.any():
-            room, limit, starts_full = _admit_room(state, shape, steps, clock, rates)
+            asked = slice(None) if trace is not None else _picked(waiting)
+            asked_room, limit, starts_full = _admit_room(state, shape, steps, clock, rates, asked)
+            room = np.zeros(replicas, np.int64)  # a replica with no stream waiting starts none
+            room[asked] = asked_room
             if trace is not None:  # as admission saw the replicas before this step's starts
                 held = waiting & ((room <= 0) | ~state.free(clock).any(axis=1))
                 real_time, measured_rows = steps.real_time_streams(clock, rates.real_time_step_s)
@@ -424,8 +452,7 @@ def run_llm_stage(streams: Streams, shape: ClusterShape, calib: Calibration, rat
         steps.record(live.sum(axis=1), step_s, clock, ~filled.any(axis=1))
         state.generated += live
         state.cache += live
-        budget = _budget_frames(state, clock, paced_s, rates, rule, detok_step_s)
-        cut = _cut_chunks(state, rule, budget, clock, rates.tokens_per_frame, delivery_s)
+        cut = _cut_chunks(state, rule, clock, paced_s, rates, detok_step_s, delivery_s)
         if len(cut[0]):
             logs.append(cut)
         done_r, done_c = np.nonzero(live & (state.generated >= state.tokens))

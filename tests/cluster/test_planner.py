@@ -343,6 +343,8 @@ def test_nothing_new_starts_while_a_stream_is_behind():
     assert starving(state, clock, ORPHEUS).tolist() == [True, False]
     room, _, _ = _admit_room(state, ClusterShape(2, 2, 4), MeasuredSteps.empty(2, 4), clock, ORPHEUS)
     assert room.tolist() == [0, 3]
+    asked = _admit_room(state, ClusterShape(2, 2, 4), MeasuredSteps.empty(2, 4), clock, ORPHEUS, np.asarray([1]))
+    assert [part.tolist() for part in asked] == [[3], [4], [False]]  # one replica asked about: its own figures
     state.first_cut_s[0, 0] = np.nan  # before its first chunk a stream is starting, not starving
     assert not starving(state, clock, ORPHEUS)[0]
 
