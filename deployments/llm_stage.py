@@ -447,6 +447,7 @@ class LLMStage:
             encoder_s_per_audio_s=self.side.engine.prefill_pace.encoder_s_per_audio_s(),
             front_end_s_per_audio_s=self.side.engine.prefill_pace.front_end_s_per_audio_s(),
             prefill_token_budget=self.side.engine.scheduler.config.prefill_token_budget,
+            default_voice_positions=self.side.engine.adapter.voice_prompt_positions(None),
         )
 
     def _starting_for_s(self) -> tuple[float, ...]:

@@ -37,6 +37,18 @@ class PromptWork:
     earlier_key: str | None = None
     earlier_positions: int = 0
     earlier_audio_s: float = 0.0
+    # the Router's estimate of a request whose voice prompt is the replica's default voice's (it names no voice,
+    # or its family's voices are alike): the positions each of the replica's default voice positions adds to
+    # this work (1; 2 for a guided request whose twin carries the voice too; 0: counted already). A replica
+    # reports its own (`ReplicaLoad.default_voice_positions`) and `with_default_voice` adds them.
+    default_voice_weight: int = 0
+
+    def with_default_voice(self, positions: int) -> PromptWork:
+        """This work with the replica's default voice prompt of `positions` counted (`default_voice_weight`)."""
+        if not self.default_voice_weight:
+            return self
+        return dataclasses.replace(self, num_positions=self.num_positions + self.default_voice_weight * positions,
+                                   default_voice_weight=0)  # fmt: skip
 
     def on_replica_keeping(self, kept_keys: Collection[str]) -> PromptWork:
         """This work on a replica keeping the prompts of conversations `kept_keys`: less the earlier turns
@@ -54,20 +66,24 @@ class PromptWork:
         )  # fmt: skip
 
 
-def prompt_work(lm: type[LMAdapter], job: Job, voice_positions: int = 0) -> PromptWork:
+def prompt_work(lm: type[LMAdapter], job: Job, voice_positions: int = 0,
+                default_voice_here: bool = False) -> PromptWork:  # fmt: skip
     """`job`'s prompt work for a family whose LM adapter is `lm` (its positions per audio second), with
     `voice_positions` its voice's prompt adds (known on the replica: `LMAdapter.voice_prompt_positions`).
-    A guided job (CFG) prefills its hidden twin's prompt beside its own (`LMAdapter.twin_prompt_positions`)."""
+    A guided job (CFG) prefills its hidden twin's prompt beside its own (`LMAdapter.twin_prompt_positions`).
+    `default_voice_here`: the job's voice prompt is the replica's default one, which the caller (the Router)
+    does not know: each replica's is added where it is asked (`PromptWork.default_voice_weight`)."""
+    own = lm.estimate_prompt_positions(job) + voice_positions
+    weight = default_voice_weight(lm, job, own) if default_voice_here else 0
     if not lm.takes_audio:
-        return PromptWork(guided_positions(lm, job, lm.estimate_prompt_positions(job) + voice_positions), 0.0,
-                          job.text_only, 0.0)  # fmt: skip
+        return PromptWork(guided_positions(lm, job, own), 0.0, job.text_only, 0.0, default_voice_weight=weight)
     last_s = job.audio.duration_s if job.audio is not None else 0.0
     if job.audio_tokens is not None:  # a streamed turn tokenized as it came: nothing left to encode
         last_s = 0.0
     earlier_s = sum(turn.audio.duration_s for turn in job.history if turn.audio is not None)  # encoded again
     front_end_s = earlier_s + (last_s if job.audio_features is None else 0.0)  # a streamed turn's came with it
-    positions = guided_positions(lm, job, lm.estimate_prompt_positions(job) + voice_positions)
-    work = PromptWork(positions, last_s + earlier_s, job.text_only, front_end_s)
+    work = PromptWork(guided_positions(lm, job, own), last_s + earlier_s, job.text_only, front_end_s,
+                      default_voice_weight=weight)  # fmt: skip
     earlier_key = earlier_turns_key(job) if lm.reuses_prompt_kv else None
     if earlier_key is None:
         return work
@@ -77,6 +93,12 @@ def prompt_work(lm: type[LMAdapter], job: Job, voice_positions: int = 0) -> Prom
     last_audio_s = sum(turn.audio.duration_s for turn in job.history[:-1] if turn.audio is not None)
     return dataclasses.replace(work, earlier_key=earlier_key, earlier_positions=lm.estimate_prompt_positions(last_job),
                                earlier_audio_s=last_audio_s)  # fmt: skip
+
+
+def default_voice_weight(lm: type[LMAdapter], job: Job, positions: int) -> int:
+    """The positions each position of a voice prompt adds to a job whose own prompt has `positions` without it:
+    1, or 2 where a guided job's twin carries the voice too (Chatterbox's, as long as its own prompt)."""
+    return guided_positions(lm, job, positions + 1) - guided_positions(lm, job, positions)
 
 
 def guided_positions(lm: type[LMAdapter], job: Job, positions: int) -> int:

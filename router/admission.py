@@ -80,10 +80,16 @@ class ReplicaLoad:
     queued_prefill_positions: int = 0
     # conversations whose last prompt's KV it keeps (`llm_stage.kept_prompts`): their next turn prefills less
     kept_prompt_keys: tuple[str, ...] = ()
+    # prompt positions its default voice adds to a request (`LMAdapter.voice_prompt_positions(None)`: the default
+    # clip's transcript and speech tokens, Chatterbox's voice rows), which the Router's estimate cannot know
+    default_voice_positions: int = 0
 
     def work_here(self, work: PromptWork | None) -> PromptWork | None:
-        """`work` as this replica would do it: less the earlier turns when it kept their prompt."""
-        return None if work is None else work.on_replica_keeping(self.kept_prompt_keys)
+        """`work` as this replica would do it: its default voice's prompt counted where the Router left it to
+        the replica (`PromptWork.default_voice_weight`), less the earlier turns when it kept their prompt."""
+        if work is None:
+            return None
+        return work.with_default_voice(self.default_voice_positions).on_replica_keeping(self.kept_prompt_keys)
 
     def to_stats(self) -> dict:
         return asdict(self)

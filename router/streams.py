@@ -205,9 +205,14 @@ class RouterCore:
     def prompt_work(self, job: Job) -> PromptWork:
         """The prompt work `job` brings (its prompt positions, a registered voice's as far as this Router knows
         them, its audio to encode: the family's figures), charged at each replica's measured prefill pace
-        (router.admission)."""
-        voice_positions = 0 if self.voices is None else self.voices.prompt_positions(job.voice)
-        return prompt_work(self.entry.family.lm, job, voice_positions)
+        (router.admission). A request naming no voice, or any voice of a family whose voices are alike, gets each
+        replica's default voice prompt as the replica reports it (`ReplicaLoad.work_here`)."""
+        lm = self.entry.family.lm
+        default_voice_here = job.voice is None or lm.voices_alike
+        voice_positions = 0
+        if not default_voice_here and self.voices is not None:
+            voice_positions = self.voices.prompt_positions(job.voice)
+        return prompt_work(lm, job, voice_positions, default_voice_here)
 
     async def learn_voice(self, job: Job) -> None:
         """A registered voice named for the first time here: its prompt looked up before admission estimates."""

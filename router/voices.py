@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import time
 from collections.abc import Awaitable, Callable
 
 from google.protobuf.message import DecodeError
@@ -29,6 +30,9 @@ from router.jobs import parse_json_object
 MAX_CLIP_BYTES = 6 * 1024 * 1024  # a 20 s 48 kHz stereo 32-bit WAV is 7.7 MB: clips are expected mono 16-bit
 MAX_HTTP_BODY_BYTES = MAX_CLIP_BYTES * 4 // 3 + 64 * 1024  # base64 plus the other fields
 HTTP_FIELDS = frozenset({"audio", "prompt_text", "model"})
+# an id the VoiceBank did not know is not asked about again for this long: a client retrying a mistyped id does not
+# cost a bank call each time, and a voice registered through another Router meanwhile counts soon after
+UNKNOWN_RECHECK_S = 10.0
 
 
 def voice_request_from_json(body: bytes) -> dict:
@@ -88,10 +92,12 @@ class VoiceRegistry:
     registered voice this Router has seen adds to a request's prompt (`prompt_positions`, for the Router's own
     admission estimate and ranking: `router.streams.RouterCore.prompt_work`)."""
 
-    def __init__(self, entry: ModelEntry, config: VoicesConfig, bank_factory: Callable[[], Awaitable] | None) -> None:
-        self.entry, self.config, self.bank_factory = entry, config, bank_factory
+    def __init__(self, entry: ModelEntry, config: VoicesConfig, bank_factory: Callable[[], Awaitable] | None,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+        self.entry, self.config, self.bank_factory, self.clock = entry, config, bank_factory, clock
         self.bank = None
         self.positions: dict[str, int] = {}  # registered voice id -> prompt positions it adds (looked up once)
+        self.unknown: dict[str, float] = {}  # id -> when the bank last did not know it (`UNKNOWN_RECHECK_S`)
 
     def prompt_positions(self, voice: str | None) -> int:
         """What `voice` adds to a request's prompt as far as this Router knows (0: none, or not looked up yet)."""
@@ -100,11 +106,15 @@ class VoiceRegistry:
     async def learn(self, voice: str | None) -> None:
         """Look a registered voice's prompt up once (`LMAdapter.registered_voice_positions`); an unknown id, a family
         with no voice prompt or a lost bank leave it at 0 (the replica, which looks every voice up, refuses an unknown
-        one naming `voice`)."""
+        one naming `voice`). An unknown id is asked about again after UNKNOWN_RECHECK_S. A family whose voices are
+        alike (`LMAdapter.voices_alike`) is not asked: the Router counts its replicas' default voice instead."""
         lm = self.entry.family.lm
-        if self.bank_factory is None or not lm.takes_registered_voices or not is_voice_id(voice):
+        if self.bank_factory is None or not lm.takes_registered_voices or lm.voices_alike or not is_voice_id(voice):
             return
         if voice in self.positions or len(self.positions) >= self.config.max_voices:
+            return
+        now = self.clock()
+        if now - self.unknown.get(voice, -UNKNOWN_RECHECK_S) < UNKNOWN_RECHECK_S:
             return
         try:
             self.bank = self.bank or await self.bank_factory()
@@ -112,8 +122,17 @@ class VoiceRegistry:
         except RayActorError:  # the bank died: Serve recreates it (without its voices)
             self.bank = None
             return
-        if prompt is not None:
-            self.positions[voice] = lm.registered_voice_positions(prompt)
+        if prompt is None:
+            self._remember_unknown(voice, now)
+            return
+        self.unknown.pop(voice, None)
+        self.positions[voice] = lm.registered_voice_positions(prompt)
+
+    def _remember_unknown(self, voice: str, now: float) -> None:
+        self.unknown.pop(voice, None)  # re-inserted last: the oldest go first when the table is full
+        if len(self.unknown) >= self.config.max_voices:
+            self.unknown.pop(next(iter(self.unknown)))
+        self.unknown[voice] = now
 
     async def register(self, audio: bytes, prompt_text: str, model: str) -> dict:
         """{"voice_id", "prompt_tokens", "duration_s", "created"} for a registration's fields."""
@@ -132,6 +151,7 @@ class VoiceRegistry:
             result = await self.bank.register.remote(clip.wave, clip.sample_rate_hz, text)
         if hasattr(result, "error"):  # Refused
             raise result.error()
+        self.unknown.pop(result.voice_id, None)  # asked about before it was registered: known now
         await self.learn(result.voice_id)  # its prompt counts in this Router's estimates from now on
         return {"voice_id": result.voice_id, "prompt_tokens": result.num_prompt_tokens,
                 "duration_s": round(result.duration_s, 3), "created": result.is_new}  # fmt: skip

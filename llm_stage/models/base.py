@@ -143,6 +143,10 @@ class LMAdapter(ABC):
     # a registered voice's transcript prompts the LM, with its speech tokens (CosyVoice 2's zero-shot mode); such a
     # family takes `voices.default_clip_text` as the default voice's (`set_default_voice_prompt`)
     reads_voice_transcript: bool = False
+    # every voice's prompt is as long as the default voice's (Chatterbox: a speaker row, the perceiver's fixed
+    # queries, the emotion position): the Router counts any voice as the default one its replicas report
+    # (`ReplicaLoad.default_voice_positions`), where its own count would need the model's layout
+    voices_alike: bool = False
     # a streamed-text request can resume on another replica: its positions read the feed by index,
     # so the text replayed in the order it came gives them the same ids (not a family that lays
     # text positions out between its sampled tokens as they come: CosyVoice 2's bistream)

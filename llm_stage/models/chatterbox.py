@@ -97,6 +97,7 @@ class ChatterboxAdapter(LMAdapter):
     takes_registered_voices = True  # zero-shot: the voice's speaker embedding + prompt tokens (SpeakerPrompt)
     history_ids_per_token = True  # speech ids only, each token on its own
     voice_lm_speaker = True
+    voices_alike = True  # every voice: one speaker row, the perceiver's queries, the emotion position
     # ChatterboxTTS.generate's defaults (its T3 loop samples at most 1000 tokens)
     default_sampling = SamplingParams(
         temperature=0.8, top_p=1.0, min_p=0.05, repetition_penalty=1.2, guidance_scale=0.5, exaggeration=0.5,

@@ -11,12 +11,14 @@ import pytest
 
 from core.config import EngineConfig, ModelConfig, ServeConfig
 from core.errors import InvalidArgumentError
-from core.voices import VoicePrompt, voice_id_for
+from core.voices import SpeakerPrompt, VoicePrompt, voice_id_for
 from deployments.llm_stage import LLMStage
 from llm_stage.jobs import build_job
 from llm_stage.prompt_work import prompt_work
+from llm_stage.registry import get_entry
 from llm_stage.wiring import build_llm_side
 from router.admission import StartTimes, predict_ttfa_s
+from router.streams import RouterCore
 
 TEXT = "Good morning, and welcome aboard."
 TRANSCRIPT = "Hello there, this is my voice."
@@ -93,3 +95,45 @@ def test_a_family_whose_lm_takes_no_voice_prompt_is_charged_the_routers_estimate
     job = job_with(stage, "tara")
     assert stage.side.engine.adapter.voice_prompt_positions("tara") == 0
     assert stage._prompt_work(job) == prompt_work(type(stage.side.engine.adapter), job)
+
+
+def routers_estimate(model: str) -> RouterCore:
+    """A Router's estimate alone (`RouterCore.prompt_work`): no handles, no Serve, no registered voice learnt."""
+    core = object.__new__(RouterCore)
+    core.entry, core.voices = get_entry(model), None
+    return core
+
+
+@pytest.mark.parametrize("model", ["cosyvoice2-tiny", "chatterbox-tiny"])
+def test_the_routers_estimate_counts_the_default_voice_each_replica_reports(model):
+    """A request naming no voice prefills the replica's default voice prompt (CosyVoice 2's default clip, Chatterbox's
+    voice rows, in its CFG twin too). The Router cannot know it; the replica reports it in its load, and the Router's
+    estimate on that load comes to what the replica charges itself, not twice on the replica."""
+    stage = stage_of(model)
+    adapter = stage.side.engine.adapter
+    if model == "cosyvoice2-tiny":
+        adapter.set_default_voice_prompt(VoicePrompt("default-clip", TRANSCRIPT, CLIP_TOKENS))
+    load = stage.load()
+    assert load.default_voice_positions == adapter.voice_prompt_positions(None) > 0
+    guidances = (None, 3.0) if adapter.guidance is not None else (None,)
+    for guidance in guidances:
+        job = build_job(adapter, text=TEXT, voice=None, sampling={"guidance_scale": guidance}, req_id="r")
+        routers, replicas = routers_estimate(model).prompt_work(job), stage._prompt_work(job)
+        assert routers.num_positions < replicas.num_positions  # the Router alone does not know the voice
+        assert load.work_here(routers) == load.work_here(replicas) == replicas
+        assert predict_ttfa_s(load, work=load.work_here(routers)) == predict_ttfa_s(load, work=replicas)
+
+
+def test_the_routers_estimate_counts_a_registered_chatterbox_voice_as_the_default_ones_rows():
+    """Every Chatterbox voice conditions T3 on one speaker row, the perceiver's fixed queries and the emotion
+    position: the Router, which would need the model's layout to count a registered voice, counts it as the
+    default voice its replicas report, which is what the replica charges for it."""
+    stage = stage_of("chatterbox-tiny")
+    adapter = stage.side.engine.adapter
+    speaker = SpeakerPrompt(tuple([0.0625] * adapter.layout.speaker_embed_size), tuple(range(10, 70)))
+    voice = voice_id_for("chatterbox-tiny", b"clip c", 16_000, "")
+    adapter.add_voice_prompt(VoicePrompt(voice, "", (), speaker))
+    assert adapter.voice_prompt_positions(voice) == adapter.voice_prompt_positions(None)
+    job = job_with(stage, voice)
+    load = stage.load()
+    assert load.work_here(routers_estimate("chatterbox-tiny").prompt_work(job)) == stage._prompt_work(job)

@@ -21,7 +21,7 @@ from llm_stage.wiring import build_llm_side
 from router.deadlines import DeadlineUnmeetable
 from router.dispatch import PredictedTTFARouter
 from router.streams import RouterCore
-from router.voices import VoiceRegistry, voice_request_from_json
+from router.voices import UNKNOWN_RECHECK_S, VoiceRegistry, voice_request_from_json
 from tests.router.test_dispatch import Replica, report
 from tests.router.test_served import APP, fields, served
 from tests.router.test_voices import Remote, body
@@ -54,11 +54,12 @@ class PromptBank:
         self.prompt, self.register = Remote(prompt), Remote(register)
 
 
-def registry_over(bank: PromptBank, model: str = MODEL) -> VoiceRegistry:
+def registry_over(bank: PromptBank, model: str = MODEL, clock=None) -> VoiceRegistry:
     async def find_bank() -> PromptBank:
         return bank
 
-    return VoiceRegistry(check_model_config(ModelConfig(name=model)), VoicesConfig(), find_bank)
+    entry = check_model_config(ModelConfig(name=model))
+    return VoiceRegistry(entry, VoicesConfig(), find_bank, *(() if clock is None else (clock,)))
 
 
 def test_the_router_counts_a_registered_voice_as_the_replica_does():
@@ -94,6 +95,41 @@ def test_a_voice_registered_through_this_router_counts_at_once():
     out = asyncio.run(voices.register(**voice_request_from_json(body(prompt_text=TRANSCRIPT))))
     assert out["voice_id"] == SPOKEN.voice_id
     assert voices.prompt_positions(SPOKEN.voice_id) == get_entry(MODEL).family.lm.registered_voice_positions(SPOKEN)
+
+
+def test_an_unknown_id_is_asked_about_again_only_after_a_while_and_at_once_once_registered_here():
+    """A client retrying a mistyped id costs no bank call each time; the bank is asked again after
+    UNKNOWN_RECHECK_S (another Router may have registered it); a registration through this Router counts at once
+    even for an id it was told was unknown."""
+    now = [100.0]
+    bank = PromptBank({})
+    voices = registry_over(bank, clock=lambda: now[0])
+    for _ in range(3):
+        asyncio.run(voices.learn(SPOKEN.voice_id))
+    assert bank.asked == [SPOKEN.voice_id] and voices.prompt_positions(SPOKEN.voice_id) == 0
+    now[0] += UNKNOWN_RECHECK_S
+    asyncio.run(voices.learn(SPOKEN.voice_id))
+    assert bank.asked == [SPOKEN.voice_id] * 2
+    out = asyncio.run(voices.register(**voice_request_from_json(body(prompt_text=TRANSCRIPT))))
+    assert out["voice_id"] == SPOKEN.voice_id and bank.asked == [SPOKEN.voice_id] * 3
+    assert voices.prompt_positions(SPOKEN.voice_id) == get_entry(MODEL).family.lm.registered_voice_positions(SPOKEN)
+    assert not voices.unknown
+
+
+def test_the_unknown_ids_kept_are_bounded_oldest_first():
+    voices = registry_over(PromptBank({}))
+    voices.config = VoicesConfig(max_voices=2)
+    ids = [voice_id_for(MODEL, bytes([n]), 16_000, "") for n in range(3)]
+    for voice in ids:
+        asyncio.run(voices.learn(voice))
+    assert list(voices.unknown) == ids[1:]
+
+
+def test_a_chatterbox_voice_is_not_looked_up_its_replicas_default_voice_counts():
+    bank = PromptBank({})
+    voices = registry_over(bank, model="chatterbox-tiny")
+    asyncio.run(voices.learn(voice_id_for("chatterbox-tiny", b"clip", 16_000, "")))
+    assert bank.asked == []
 
 
 def test_the_routers_prompt_work_carries_the_voices_positions():
