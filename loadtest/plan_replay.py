@@ -23,8 +23,8 @@ import numpy as np
 
 from cluster.planner.calibration import load_calibration
 from cluster.planner.predict import Scenario, finish, first_heard_s, heard_s, percentile, run_llm_on
-from cluster.planner.search import Slo, majority_meets
-from cluster.planner.simulate import ClusterShape, SimOptions
+from cluster.planner.search import Slo, decide_by_draws, seeded
+from cluster.planner.simulate import ClusterShape, Prediction, SimOptions
 from cluster.planner.workload import Streams
 from loadtest.plan_configs import CONFIGS, ORPHEUS_TINY, shape_of, sweep_workload
 
@@ -70,15 +70,14 @@ def replay_verdict(scenario: Scenario, shape: ClusterShape, served: list[dict], 
     stopping once the majority is decided, as `search.meets_slo` decides a load), and each run's p90 TTFA and
     viable share. `plan_check` asks it of every draw it served, so a draw's luck counts on both sides."""
     streams, _ = served_streams(served, scenario)
-    verdicts: list[bool] = []
-    p90s, viable = [], []
-    while (met := majority_meets(verdicts, sim.seeds)) is None:
-        options = replace(sim, seed=sim.seed + len(verdicts))
-        prediction = finish(scenario, run_llm_on(scenario, streams, shape, options), shape.detok_replicas, options)
-        verdicts.append(prediction.meets(slo.ttfa_p90_s, slo.min_viable_pct))
-        p90s.append(round(prediction.p90_ttfa_s, 4))
-        viable.append(round(prediction.viable_pct, 2))
-    return {"met": met, "p90_ttfa_s": p90s, "viable_pct": viable}
+
+    def predict_draw(index: int) -> Prediction:
+        options = seeded(sim, index)
+        return finish(scenario, run_llm_on(scenario, streams, shape, options), shape.detok_replicas, options)
+
+    met, predictions = decide_by_draws(sim.seeds, slo, predict_draw)
+    return {"met": met, "p90_ttfa_s": [round(p.p90_ttfa_s, 4) for p in predictions],
+            "viable_pct": [round(p.viable_pct, 2) for p in predictions]}  # fmt: skip
 
 
 def sweep_shaped_streams(scenario: Scenario, rate_rps: float, duration_s: float, seed: int, prompts: list[str],

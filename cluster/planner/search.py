@@ -10,6 +10,7 @@ misses, one more LLM replica, up to `max_retries`. One LLM or detok replica = on
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -165,11 +166,24 @@ def meets_slo(scenario: Scenario, streams: float, shape: ClusterShape, slo: Slo,
     seeds `sim.seed`, `sim.seed + 1`, ...; stops once the majority is decided). One draw is one sweep's
     worth of arrivals: whether its few bursts land near capacity decides its p90, not the load."""
     draws = draws_for(scenario, streams, sim)
+    met, _ = decide_by_draws(draws, slo, lambda index: predict(scenario, streams, shape, seeded(sim, index)))
+    return met
+
+
+def decide_by_draws(draws: int, slo: Slo, predict_draw: Callable[[int], Prediction]) -> tuple[bool, list[Prediction]]:
+    """Whether most of `draws` draws meet `slo`, running draw 0, 1, ... (`predict_draw(index)`) only until the
+    majority is decided (`majority_meets`); with the predictions run."""
+    predictions: list[Prediction] = []
     verdicts: list[bool] = []
-    while (verdict := majority_meets(verdicts, draws)) is None:
-        draw = replace(sim, seed=sim.seed + len(verdicts))
-        verdicts.append(predict(scenario, streams, shape, draw).meets(slo.ttfa_p90_s, slo.min_viable_pct))
-    return verdict
+    while (met := majority_meets(verdicts, draws)) is None:
+        predictions.append(predict_draw(len(predictions)))
+        verdicts.append(predictions[-1].meets(slo.ttfa_p90_s, slo.min_viable_pct))
+    return met, predictions
+
+
+def seeded(sim: SimOptions, index: int) -> SimOptions:
+    """The options of a load's `index`-th draw: seed `sim.seed + index`."""
+    return replace(sim, seed=sim.seed + index)
 
 
 def _fewest_detok_replicas(scenario: Scenario, run: LLMRun, streams: int, llm_replicas: int, slo: Slo,
