@@ -24,7 +24,10 @@ from tests.step_audio2_layout import token2wav_model, write_token2wav
 
 GOLDEN = Path(__file__).resolve().parents[1] / "data" / "step_audio2_token2wav_golden.npz"
 SEED = 3  # as in make_step_audio2_token2wav_golden.py
-ATOL = 1e-4  # measured: <= 6.5e-5 on audio (the reference's iSTFT is its own fold), mels bit-equal (float32, CPU)
+# audio vs the reference's golden (float32, CPU; the reference's iSTFT is its own fold; mels bit-equal): measured
+# <= 6.5e-5 on the box the golden was made on, <= 1.6e-4 on an AMD EPYC box (2026-12-08: its float kernels sum in
+# another order, which the random tiny HiFT amplifies); the audio itself has a std > 0.05
+ATOL = 2.5e-4
 MEL_ATOL = 1e-5
 # batched vs alone: the matmuls sum in another order (mels ~3e-6 apart), which the random tiny HiFT
 # amplifies to ~1e-4 on audio
