@@ -309,6 +309,10 @@ class TokenChunk:
     # A registered zero-shot voice, by reference: its id, the handle under which the detok replica
     # keeps the voice's tensors (sent to it once over the stage transport, fetched again on a miss).
     voice_handle: str | None = None
+    # Decoded again for a Router whose copy of its audio was lost while the stream goes on (`RouterCore._fetch`):
+    # a detok replica decodes it on its own (`DetokEngine.submit`), leaving the stream's decode order and decoder
+    # state there as they are, so the stream's later chunks do not wait for ones it decoded already.
+    redo: bool = False
 
     @property
     def num_frames(self) -> int:

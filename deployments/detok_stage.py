@@ -156,7 +156,8 @@ class DetokStage:
     def _submit(self, chunks: list[TokenChunk], futures: list[asyncio.Future]) -> None:
         with self.loop.exclusive():
             for chunk in chunks:
-                self.parked.pop(chunk.req_id, None)
+                if not chunk.redo:  # (a redo leaves the stream's state where it is)
+                    self.parked.pop(chunk.req_id, None)
                 self.engine.submit(chunk)
             for chunk, future in zip(chunks, futures, strict=True):
                 self.waiters[(chunk.req_id, chunk.seq)] = future

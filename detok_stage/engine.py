@@ -30,6 +30,9 @@ def to_pcm16(audio: torch.Tensor) -> bytes:
     return (audio.clamp(-1.0, 1.0) * 32767.0).round().to(torch.int16).numpy().astype("<i2").tobytes()
 
 
+REDO_MARK = "#redo-"  # a redone chunk decodes as request "<its stream>#redo-<seq>" (`TokenChunk.redo`)
+
+
 @dataclass
 class _RequestState:
     next_seq: int = 0  # next seq to hand out, so a request's audio leaves in order
@@ -56,6 +59,7 @@ class DetokEngine:
         self._queue: list[_Pending] = []
         self._states: dict[str, _RequestState] = defaultdict(_RequestState)
         self._last_decoded_seq: dict[str, int] = {}  # stateful codecs: each request's decode order
+        self._redos: dict[str, str] = {}  # a redone chunk's own request id -> its stream's (`TokenChunk.redo`)
         self.num_decoded_frames = 0  # frames through the codec, context included
         self._forward_thread = ThreadPoolExecutor(1, "detok-forward") if config.async_steps else None
         self.graphs = ChunkGraphs.build(codec, config)
@@ -93,10 +97,14 @@ class DetokEngine:
 
     def submit(self, chunk: TokenChunk) -> None:
         self.validate(chunk)
+        if chunk.redo:  # decoded under a request id of its own, as a replica that never saw the stream would
+            own_id = f"{chunk.req_id}{REDO_MARK}{chunk.seq}"
+            self._redos[own_id] = chunk.req_id
+            chunk = dataclasses.replace(chunk, req_id=own_id)
         last = self._last_decoded_seq.get(chunk.req_id)
         if last is not None and chunk.seq <= last:  # sent again: its stream resumed on another LLM replica
             self._last_decoded_seq[chunk.req_id] = chunk.seq - 1
-        if self.in_order:
+        if self.in_order and not chunk.redo:
             self._states[chunk.req_id]  # noqa: B018  (creates the state)
         hops = dataclasses.replace(chunk.hops, detok_received_unix_s=time.time())
         self._queue.append(_Pending(dataclasses.replace(chunk, hops=hops), time.monotonic()))
@@ -120,8 +128,22 @@ class DetokEngine:
         batch = self._select()
         if not batch:
             return []
-        decoded = self._decode(batch)
-        return self._release_in_order(decoded) if self.in_order else decoded
+        decoded, redone = self._end_redos(self._decode(batch))
+        return (self._release_in_order(decoded) if self.in_order else decoded) + redone
+
+    def _end_redos(self, decoded: list[AudioChunk]) -> tuple[list[AudioChunk], list[AudioChunk]]:
+        """(the streams' audio, the redone chunks' audio under their streams' ids); a redo's own decoder state and
+        order are dropped: it leaves nothing behind."""
+        streams, redone = [], []
+        for audio in decoded:
+            own_id = audio.req_id
+            if own_id not in self._redos:
+                streams.append(audio)
+                continue
+            audio.req_id = self._redos.pop(own_id)
+            self.release(own_id)
+            redone.append(audio)
+        return streams, redone
 
     @property
     def num_queued(self) -> int:

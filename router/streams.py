@@ -454,14 +454,15 @@ class RouterCore:
         return head
 
     async def _fetch(self, event: AudioReady) -> AudioChunk:
-        """The chunk's audio, straight from the detok replica's object store; if that replica died
-        holding it, another one decodes the (self-describing) chunk again."""
+        """The chunk's audio, straight from the detok replica's object store; if it was lost (its replica died
+        holding it), a detok replica decodes the (self-describing) chunk again, on its own (`TokenChunk.redo`: the
+        stream's later chunks may be decoding there)."""
         try:
             return await self.step_audio.get(event.ref)
         except ObjectLostError:
             pass
         try:
-            [ref] = await self.detok.decode_batch.remote([event.ref.chunk])
+            [ref] = await self.detok.decode_batch.remote([dataclasses.replace(event.ref.chunk, redo=True)])
             return (await ref.handle)[ref.index]
         except Exception as err:
             raise StreamFailed(f"audio of chunk {event.ref.seq} lost: {type(err).__name__}") from err

@@ -6,6 +6,7 @@ package itself: tests/llm_stage/test_qwen3_tts_golden.py."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 
 import pytest
@@ -175,3 +176,31 @@ def test_the_detok_engine_takes_a_resumed_streams_chunks_again(call_in_flight: b
             audio |= {out.seq: out.pcm16 for out in engine.step()}
     got = torch.from_numpy(pcm16_to_float(b"".join(audio[seq] for seq in sorted(audio))))
     torch.testing.assert_close(got, quantized(codec().decode(frames[None])[0]), atol=4e-5, rtol=0)
+
+
+@pytest.mark.parametrize("in_order", [False, True])
+def test_a_chunk_redone_for_the_router_leaves_the_stream_decoding_as_it_was(in_order: bool):
+    """The Router lost a chunk's audio (`RouterCore._fetch`) while the stream goes on: the chunk is decoded again on
+    a replica that already decoded the chunks after it (`TokenChunk.redo`). It decodes on its own, to the audio the
+    stream had; the stream's next chunks decode at once, from its own state, as offline decoding (before, the redo
+    rewound the stream's decode order as a resumed stream's resend does, and its next chunk waited for ever)."""
+    frames = streams([24])["r0"]
+    chunker = Chunker("r", ChunkSchedule(2, 4, 3, 0))
+    chunks = chunker.push(frames.tolist()) + chunker.finish()
+    engine = DetokEngine(Qwen3TTSCodec(codec().decoder, 24000), DetokConfig(), in_order=in_order)
+    audio: dict[int, bytes] = {}
+    for chunk in chunks[:4]:
+        engine.submit(chunk)
+        audio |= {out.seq: out.pcm16 for out in engine.step()}
+    engine.submit(dataclasses.replace(chunks[1], redo=True))
+    [redone] = engine.step()
+    assert (redone.req_id, redone.seq) == ("r", 1)
+    torch.testing.assert_close(torch.from_numpy(pcm16_to_float(redone.pcm16)),
+                               torch.from_numpy(pcm16_to_float(audio[1])), atol=4e-5, rtol=0)  # fmt: skip
+    for chunk in chunks[4:]:
+        engine.submit(chunk)
+        assert engine.has_work  # not held for a predecessor
+        audio |= {out.seq: out.pcm16 for out in engine.step()}
+    got = torch.from_numpy(pcm16_to_float(b"".join(audio[seq] for seq in sorted(audio))))
+    torch.testing.assert_close(got, quantized(codec().decode(frames[None])[0]), atol=4e-5, rtol=0)
+    assert not engine._redos and not engine.codec._streams  # the redo left no state behind (nor did the stream)

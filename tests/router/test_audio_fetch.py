@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+from types import SimpleNamespace
 
 import pytest
+from ray.exceptions import ObjectLostError
 
 from core.messages import AudioChunk, AudioRef, TokenChunk
 from router.audio_fetch import StepAudio
+from router.streams import RouterCore
 
 
 class _Handle:
@@ -70,3 +74,31 @@ def test_a_reader_cancelled_mid_read_leaves_the_read_to_the_others():
         assert (await second).req_id == "b" and handle.num_reads == 1
 
     asyncio.run(run())
+
+
+def test_a_lost_chunks_audio_is_decoded_again_on_its_own():
+    """The Router lost a chunk's audio while its stream goes on: the chunk goes back to the detok stage marked
+    `redo`, so the replica decoding the stream's later chunks decodes it apart from them
+    (`DetokEngine.submit`; the engine side is tested in test_qwen3_tts_codec)."""
+    chunk = TokenChunk("r", 3, [[1, 2]], 0, 0, 1, False)
+    audio = AudioChunk("r", 3, b"\x00\x00", 24000, False)
+    sent: list[list[TokenChunk]] = []
+
+    class LostStore:
+        async def get(self, ref):
+            raise ObjectLostError("00" * 28, None, "")
+
+    async def decode_batch(chunks):
+        sent.append(chunks)
+
+        async def handle():
+            return [audio]
+
+        return [SimpleNamespace(handle=handle(), index=0)]
+
+    core = object.__new__(RouterCore)
+    core.step_audio, core.detok = LostStore(), SimpleNamespace(decode_batch=SimpleNamespace(remote=decode_batch))
+    event = SimpleNamespace(ref=AudioRef("r", 3, False, 0.08, 1, None, chunk))
+    assert asyncio.run(core._fetch(event)) is audio
+    [[redone]] = sent
+    assert redone.redo and dataclasses.replace(redone, redo=False) == chunk
