@@ -190,12 +190,14 @@ class _Replicas:
         return cls(np.full((replicas, slots), -1), zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros(),
                    full(np.nan), full(np.inf), full(-np.inf))  # fmt: skip
 
-    def free(self, clock: np.ndarray) -> np.ndarray:
-        return (self.stream < 0) & (self.held_until_s <= clock[:, None])
+    def free(self, clock: np.ndarray, rows: np.ndarray | slice = slice(None)) -> np.ndarray:
+        """The free slots of the replicas `rows` ([len(rows), S]; `clock` is every replica's)."""
+        return (self.stream[rows] < 0) & (self.held_until_s[rows] <= clock[rows, None])
 
-    def open_streams(self, clock: np.ndarray) -> np.ndarray:
-        """Per replica, the streams admission counts: generating, or finished with audio still on its way."""
-        return (~self.free(clock)).sum(axis=1)
+    def open_streams(self, clock: np.ndarray, rows: np.ndarray | slice = slice(None)) -> np.ndarray:
+        """Per replica (of `rows`), the streams admission counts: generating, or finished with audio still on its
+        way."""
+        return (~self.free(clock, rows)).sum(axis=1)
 
 
 @dataclass
@@ -271,8 +273,7 @@ def _admit_room(state: _Replicas, shape: ClusterShape, steps: MeasuredSteps, clo
     steps (`paced_admission`; a large number: no limit). Only the replicas admission asks about are computed:
     in a fleet, a few of many have a stream waiting at a step."""
     slots = shape.max_streams_per_replica
-    at, stream = clock[rows], state.stream[rows]
-    num_open = ((stream >= 0) | (state.held_until_s[rows] > at[:, None])).sum(axis=1)  # `open_streams`
+    num_open = state.open_streams(clock, rows)
     if shape.paced:
         real_time, measured_rows = steps.real_time_streams(clock, rates.real_time_step_s, rows)
         limit = stream_limit(slots, real_time, measured_rows)
@@ -285,7 +286,7 @@ def _admit_room(state: _Replicas, shape: ClusterShape, steps: MeasuredSteps, clo
     room = limit - num_open
     if shape.max_starting_per_replica <= 0:
         return room, limit, np.zeros(len(room), bool)
-    num_starting = ((stream >= 0) & (state.starting_until_s[rows] > at[:, None])).sum(axis=1)
+    num_starting = ((state.stream[rows] >= 0) & (state.starting_until_s[rows] > clock[rows, None])).sum(axis=1)
     allowed = starting_allowed(num_open, num_starting, room_under, shape.max_starting_per_replica)
     return np.minimum(room, allowed - num_starting), limit, num_starting >= allowed
 
